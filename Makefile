@@ -1,0 +1,37 @@
+# `make demo` and `make test` each create .venv with pip and install what they need.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+# Two cores: one torch thread pool, sized on purpose, and tokenizers' own pool off.
+export OMP_NUM_THREADS ?= 2
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, from the bounded range (2.13.0+cpu in the local cache), so nothing pulls a CUDA build.
+	$(BIN)/pip install -q "torch>=2.6,<2.14"
+	$(BIN)/pip install -q -e ".[test,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+	$(BIN)/ruff check asyncpage kernels tests examples
+	$(BIN)/mypy asyncpage
+
+lint: $(STAMP)
+	$(BIN)/ruff check asyncpage kernels tests examples
+	$(BIN)/mypy asyncpage
+
+bench: $(STAMP)
+	$(BIN)/asyncpage bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,111 @@
+"""Paged attention over a flat batch of tokens from many sequences (no padding of prompts).
+
+The batch is described by AttentionMetadata, built once per step by the runner and passed down the
+model as an argument (no global context). Decode rows (query length 1) are attended together in one
+call over their gathered blocks; each prefill chunk attends over its cached context plus itself.
+This is the torch backend; the Triton kernels in asyncpage.kernels implement the same contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # row range in the flat batch
+    end: int
+    num_computed: int  # tokens of this sequence already in the cache before this chunk
+    block_table: torch.Tensor  # [num_blocks] int64
+
+    @property
+    def context_len(self) -> int:
+        return self.num_computed + self.end - self.start
+
+
+@dataclass
+class AttentionMetadata:
+    block_size: int
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot each new token's K/V is written to
+    decode_rows: torch.Tensor | None = None  # [Bd] rows of the flat batch with query length 1
+    decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks] (padded with block 0)
+    decode_context_lens: torch.Tensor | None = None  # [Bd]
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    # Masks depend only on the batch and the window size: built on first use in a step, shared by
+    # every layer with that window.
+    _masks: dict[tuple[str, int | None, int], torch.Tensor] = field(default_factory=dict)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        key = ("decode", window, 0)
+        mask = self._masks.get(key)
+        if mask is None:
+            assert self.decode_block_tables is not None and self.decode_context_lens is not None
+            length = self.decode_block_tables.shape[1] * self.block_size
+            pos = torch.arange(length)
+            last = (self.decode_context_lens - 1)[:, None]
+            mask = pos[None, :] <= last
+            if window is not None:
+                mask &= pos[None, :] > last - window
+            mask = mask[:, None, None, :]  # [Bd, 1 (heads), 1 (query), L]
+            self._masks[key] = mask
+        return mask
+
+    def prefill_mask(self, i: int, window: int | None) -> torch.Tensor | None:
+        p = self.prefills[i]
+        if window is None and p.num_computed == 0:
+            return None  # plain causal: SDPA's is_causal path
+        key = ("prefill", window, i)
+        mask = self._masks.get(key)
+        if mask is None:
+            q_pos = torch.arange(p.num_computed, p.context_len)[:, None]
+            k_pos = torch.arange(p.context_len)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window  # transformers' sliding_window_overlay
+            self._masks[key] = mask
+        return mask
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k_cache/v_cache: [num_blocks, block_size, kv_heads, head_dim]; k/v: [T, kv_heads, head_dim]."""
+    kvh, d = k.shape[1], k.shape[2]
+    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    window: int | None) -> torch.Tensor:
+    """q: [T, H, D], k/v: [T, KVH, D] for the new tokens. Writes k/v to the cache, returns [T, H, D]."""
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    num_blocks, bs, kvh, d = k_cache.shape
+    out = torch.empty_like(q)
+    if meta.decode_rows is not None:
+        assert meta.decode_block_tables is not None
+        bt = meta.decode_block_tables
+        bd, nb = bt.shape
+        kc = k_cache[bt].view(bd, nb * bs, kvh, d).transpose(1, 2)  # [Bd, KVH, L, D]
+        vc = v_cache[bt].view(bd, nb * bs, kvh, d).transpose(1, 2)
+        qd = q[meta.decode_rows].unsqueeze(2)  # [Bd, H, 1, D]
+        o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=meta.decode_mask(window), scale=scale,
+                                           enable_gqa=True)
+        out[meta.decode_rows] = o.squeeze(2)
+    for i, p in enumerate(meta.prefills):
+        qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, Tq, D]
+        if p.num_computed == 0:
+            # Nothing cached before this chunk: its own K/V are the whole context, no gather needed.
+            kp, vp = k[p.start : p.end], v[p.start : p.end]
+        else:
+            kp = k_cache[p.block_table].view(-1, kvh, d)[: p.context_len]
+            vp = v_cache[p.block_table].view(-1, kvh, d)[: p.context_len]
+        kp = kp.transpose(0, 1).unsqueeze(0)  # [1, KVH, Tk, D]
+        vp = vp.transpose(0, 1).unsqueeze(0)
+        mask = meta.prefill_mask(i, window)
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                           enable_gqa=True)
+        out[p.start : p.end] = o[0].transpose(0, 1)
+    return out

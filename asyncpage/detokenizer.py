@@ -1,0 +1,76 @@
+"""Incremental detokenization and stop strings, per sequence.
+
+tokenizers' DecodeStream does the hard part (it buffers byte-fallback pieces until they form valid
+UTF-8, so a multi-byte character is never split and no text is re-emitted). On top of it this keeps
+the text, finds stop strings that span token boundaries, and holds back a tail that could still be
+the start of a stop string, so a stop string never leaks into the output.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from tokenizers.decoders import DecodeStream
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: tuple[str, ...],
+                 skip_special_tokens: bool = True) -> None:
+        self._backend = tokenizer.backend_tokenizer  # the Rust tokenizers.Tokenizer
+        # Seeded with the prompt's tail: some decoders (SentencePiece's Metaspace) drop a leading
+        # space on the first token of a stream, which would be wrong mid-text.
+        self._context = prompt_ids[-8:]
+        self._skip_special = skip_special_tokens
+        self._stream = DecodeStream(ids=self._context, skip_special_tokens=skip_special_tokens)
+        self._stop = stop
+        self._max_stop = max((len(s) for s in stop), default=0)
+        self.text = ""  # all text decoded so far (may run past a stop string until truncated)
+        self.emitted = 0  # chars of `text` already handed to the caller
+        self.stopped = False
+
+    def fork(self) -> IncrementalDetokenizer:
+        """A fresh detokenizer for a forked sample (forks happen before any output exists)."""
+        assert not self.text, "fork after output"
+        clone = copy.copy(self)
+        clone._stream = DecodeStream(ids=self._context, skip_special_tokens=self._skip_special)
+        return clone
+
+    def add(self, token_id: int, is_stop_token: bool = False) -> str:
+        """Feed one token; return the text that is now safe to emit (maybe empty).
+        After a stop string is found, `stopped` is set and the text is cut before it."""
+        if self.stopped:
+            return ""
+        if not is_stop_token:
+            piece = self._stream.step(self._backend, token_id)
+            if piece:
+                self.text += piece
+        if self._stop:
+            # Only the new tail can complete a stop string: search from where one could start.
+            start = max(0, self.emitted - self._max_stop)
+            hits = [i for s in self._stop if (i := self.text.find(s, start)) >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.stopped = True
+        return self._release(final=self.stopped)
+
+    def finish(self) -> str:
+        """The sequence ended: release what was held back."""
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        end = len(self.text)
+        if not final and self._stop:
+            end -= self._held_tail()
+        out = self.text[self.emitted : end]
+        self.emitted = max(self.emitted, end)
+        return out
+
+    def _held_tail(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of some stop string."""
+        text = self.text
+        for n in range(min(self._max_stop - 1, len(text) - self.emitted), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self._stop):
+                return n
+        return 0

@@ -1,0 +1,45 @@
+"""Typed errors: the small hierarchy every caller can catch.
+
+AsyncPageError
+├── InvalidRequestError (also a ValueError)   bad input, raised at submission; names the field
+│   ├── PromptTooLongError                    longer than the context or the whole KV pool
+│   └── GrammarError                          unsupported schema, grammar that fails or times out
+├── EngineDeadError (also a RuntimeError)     the engine loop failed; every caller hears it
+├── EngineNotRunningError                     used outside `async with engine:`
+└── ModelLoadError                            weights, config or tokenizer could not be loaded
+"""
+
+from __future__ import annotations
+
+
+class AsyncPageError(Exception):
+    """Base class of every error asyncpage raises on purpose."""
+
+
+class InvalidRequestError(AsyncPageError, ValueError):
+    """A request was refused before it touched the engine. `field` names the culprit."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt (plus max_tokens) exceeds the model context or could never fit the KV pool."""
+
+
+class GrammarError(InvalidRequestError):
+    """A guided-decoding spec that cannot be compiled (unsupported keyword, timeout, syntax)."""
+
+
+class EngineDeadError(AsyncPageError, RuntimeError):
+    """The engine loop stopped on an unexpected error; the cause is chained as __cause__."""
+
+
+class EngineNotRunningError(AsyncPageError, RuntimeError):
+    """stream()/generate() were called outside `async with engine:` (or after it closed)."""
+
+
+class ModelLoadError(AsyncPageError, RuntimeError):
+    """The model, its config or its tokenizer could not be loaded."""

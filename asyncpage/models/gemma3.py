@@ -1,0 +1,95 @@
+"""Gemma 3 text (the default model): local sliding-window layers with their own RoPE base and
+global layers, QK-norm, gelu-tanh gated MLP, embeddings scaled by sqrt(hidden), (1 + w) RMSNorm,
+pre- and post-norms around both blocks, query_pre_attn_scalar, tied LM head."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncpage.attention import AttentionMetadata
+from asyncpage.models.layers import (
+    GemmaRMSNorm,
+    PagedSelfAttention,
+    Rotary,
+    layer_type_of,
+    layer_windows,
+    rope_inv_freq,
+)
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: Any, window: int | None, rotary: Rotary) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = PagedSelfAttention(
+            h, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+            qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm=GemmaRMSNorm, eps=eps,
+            scale=config.query_pre_attn_scalar**-0.5, window=window, rotary=rotary)
+        self.mlp = Gemma3MLP(h, config.intermediate_size)
+        self.input_layernorm = GemmaRMSNorm(h, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            raise NotImplementedError("attention logit soft-capping (Gemma 2) is not supported")
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # One rotary per layer type: local layers have their own base (10k vs 1M).
+        rotaries: dict[str | None, Rotary] = {}
+        windows = layer_windows(config)
+        layers = []
+        for i in range(config.num_hidden_layers):
+            lt = layer_type_of(config, i)
+            if lt not in rotaries:
+                rotaries[lt] = Rotary(*rope_inv_freq(config, lt))
+            layers.append(Gemma3DecoderLayer(config, windows[i], rotaries[lt]))
+        self.layers = nn.ModuleList(layers)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_scale = config.hidden_size**0.5
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Gemma3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head.weight = self.model.embed_tokens.weight  # tied
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        # transformers multiplies by the scale cast to the weights' dtype; so do we (it matters in bf16).
+        x = x * torch.tensor(self.model.embed_scale, dtype=x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, positions, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.lm_head.weight).float()
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits

@@ -1,0 +1,140 @@
+"""Building blocks shared by the model families: norms, rotary embedding, paged self-attention.
+
+Module names match transformers' so a checkpoint's state dict loads as is. Each numeric detail
+(where a norm upcasts, in which dtype rotary runs) follows transformers, the correctness oracle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncpage.attention import AttentionMetadata, paged_attention
+
+
+class RMSNorm(nn.Module):
+    """Llama-style: normalize in float32, cast back, then scale by w."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma-style: scale by (1 + w), in float32, then cast back."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).type_as(x)
+
+
+def rope_inv_freq(config: Any, layer_type: str | None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and cos/sin scaling, from transformers' own RoPE initialisers so every
+    scaling type it knows (llama3, linear, yarn, ...) is computed exactly as it does."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = config.rope_parameters
+    if layer_type is not None and layer_type in params:
+        params = params[layer_type]
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        base = params["rope_theta"]
+        inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+        return inv, 1.0
+    fn = ROPE_INIT_FUNCTIONS[rope_type]
+    if layer_type is not None and layer_type in config.rope_parameters:
+        inv, scaling = fn(config, torch.device("cpu"), layer_type=layer_type)
+    else:
+        inv, scaling = fn(config, torch.device("cpu"))
+    return inv.float(), float(scaling)
+
+
+class Rotary(nn.Module):
+    def __init__(self, inv_freq: torch.Tensor, scaling: float) -> None:
+        super().__init__()
+        # A plain attribute, not a buffer: models are built on the meta device and then filled with
+        # weights, and these frequencies are computed, not loaded.
+        self.inv_freq = inv_freq
+        self.scaling = scaling
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos/sin: [T, D]. The rotate-half (NeoX) layout transformers uses."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+class PagedSelfAttention(nn.Module):
+    """q/k/v projections, optional per-head QK-norm, rotary, paged attention, output projection."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, *, qkv_bias: bool,
+                 o_bias: bool, qk_norm: type[nn.Module] | None, eps: float, scale: float,
+                 window: int | None, rotary: Rotary) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=o_bias)
+        if qk_norm is not None:
+            self.q_norm = qk_norm(head_dim, eps)
+            self.k_norm = qk_norm(head_dim, eps)
+        self.has_qk_norm = qk_norm is not None
+        self.scale = scale
+        self.window = window
+        self.rotary = rotary
+        # Bound by the runner after it allocates the pool: [num_blocks, block_size, kv_heads, head_dim].
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.has_qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        cos, sin = self.rotary.cos_sin(positions, q.dtype)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """Sliding window of each layer (None: full attention), from `layer_types` when the config has it."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [window if t == "sliding_attention" else None for t in types]
+    return [window] * config.num_hidden_layers
+
+
+def layer_type_of(config: Any, i: int) -> str | None:
+    types = getattr(config, "layer_types", None)
+    return types[i] if types else None

@@ -1,0 +1,89 @@
+"""The Llama family: Llama 2/3 (llama3 RoPE scaling), Mistral (sliding window), Qwen2 (QKV bias),
+Qwen3 (per-head QK-norm). GQA/MQA through num_key_value_heads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncpage.attention import AttentionMetadata
+from asyncpage.models.layers import (
+    PagedSelfAttention,
+    RMSNorm,
+    Rotary,
+    layer_type_of,
+    layer_windows,
+    rope_inv_freq,
+)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, window: int | None, rotary: Rotary) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        mt = config.model_type
+        head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+        attn_bias = bool(getattr(config, "attention_bias", False))
+        self.self_attn = PagedSelfAttention(
+            h, config.num_attention_heads, config.num_key_value_heads, head_dim,
+            qkv_bias=True if mt == "qwen2" else attn_bias,
+            o_bias=False if mt == "qwen2" else attn_bias,
+            qk_norm=RMSNorm if mt == "qwen3" else None, eps=eps,
+            scale=head_dim**-0.5, window=window, rotary=rotary)
+        self.mlp = LlamaMLP(h, config.intermediate_size, bool(getattr(config, "mlp_bias", False)))
+        self.input_layernorm = RMSNorm(h, eps)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotaries: dict[str | None, Rotary] = {}
+        windows = layer_windows(config)
+        layers = []
+        for i in range(config.num_hidden_layers):
+            lt = layer_type_of(config, i)
+            key = lt if lt in (config.rope_parameters or {}) else None
+            if key not in rotaries:
+                rotaries[key] = Rotary(*rope_inv_freq(config, key))
+            layers.append(LlamaDecoderLayer(config, windows[i], rotaries[key]))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head.weight).float()

@@ -1,0 +1,87 @@
+"""What callers get back: stream chunks and finished results (msgspec Structs)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class TokenLogprob(msgspec.Struct, frozen=True):
+    """Log-probability of the sampled token and the top-N alternatives, from the raw model output."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+
+
+class StreamChunk(msgspec.Struct, frozen=True):
+    """New output of one sample since the previous chunk. When the consumer is slower than the
+    engine, pending tokens are merged into one chunk (memory stays bounded, nothing is dropped)."""
+
+    index: int  # which of the n samples
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None  # None until the sample's last chunk
+    logprobs: list[TokenLogprob] | None = None
+
+
+class Choice(msgspec.Struct, frozen=True):
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    logprobs: list[TokenLogprob] | None = None
+
+
+class RequestMetrics(msgspec.Struct, frozen=True):
+    """Per-request timings in seconds, measured on the engine loop."""
+
+    queue_time: float  # submission -> first scheduled
+    ttft: float  # submission -> first token
+    prefill_time: float  # first scheduled -> first token
+    decode_time: float  # first token -> last token
+    e2e: float  # submission -> finished
+    inter_token_latencies: list[float]
+    num_preemptions: int
+    num_cached_prompt_tokens: int
+
+
+class GenerateOutput(msgspec.Struct, frozen=True):
+    """A finished request. `text`, `token_ids` and `finish_reason` are those of choices[0]."""
+
+    prompt_token_ids: list[int]
+    choices: list[Choice]
+    metrics: RequestMetrics
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choices[0].token_ids
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        return self.choices[0].finish_reason
+
+
+class EngineStats(msgspec.Struct, frozen=True):
+    kv_blocks_total: int
+    kv_blocks_used: int  # referenced by a live sequence
+    kv_blocks_cached: int  # free, but still holding a reusable prefix (evicted on demand)
+    kv_blocks_free: int
+    block_size: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    kv_token_slots_allocated: int  # block_size x used blocks
+    kv_token_slots_occupied: int  # tokens actually written in them (the PagedAttention waste measure)
+    num_requests_finished: int
+    num_generated_tokens: int
+    engine_error: str | None = None

@@ -1,0 +1,112 @@
+"""SamplingParams: what a caller may ask of one request, checked at construction.
+
+Checks that need the model (vocabulary size, context length, pool size) happen at submission in
+`engine.py`; everything that can be checked from the values alone is checked here, so a bad value
+fails where it was written, with the field's name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from asyncpage.errors import InvalidRequestError
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How to sample one request. `temperature=0` is greedy.
+
+    >>> SamplingParams(max_tokens=64, temperature=0.7, top_p=0.9, seed=1, stop=["\\n\\n"])
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1): no top-k cut
+    min_p: float = 0.0
+    seed: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # top-N log-probabilities per generated token (of the raw model output)
+    skip_special_tokens: bool = True
+    # Guided decoding: at most one of these.
+    json_schema: dict[str, Any] | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    # Isolates prefix-cache entries between tenants: blocks are shared only under equal salts.
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        # Accept the natural spellings (a str, a list) and store tuples: the struct is frozen and hashable
+        # parts keep it safe to share between the caller and the engine thread.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.choice is not None and not isinstance(self.choice, tuple):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        _check(self)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def guided(self) -> bool:
+        return any(x is not None for x in (self.json_schema, self.regex, self.choice, self.grammar))
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and x == x  # x == x: not NaN
+
+
+def _check(p: SamplingParams) -> None:
+    def bad(field: str, msg: str) -> InvalidRequestError:
+        return InvalidRequestError(field, msg)
+
+    if not _is_int(p.max_tokens) or p.max_tokens < 1:
+        raise bad("max_tokens", f"must be an integer >= 1, got {p.max_tokens!r}")
+    if not _is_num(p.temperature) or p.temperature < 0:
+        raise bad("temperature", f"must be >= 0 (0 is greedy), got {p.temperature!r}")
+    if not _is_num(p.top_p) or not 0 < p.top_p <= 1:
+        raise bad("top_p", f"must be in (0, 1], got {p.top_p!r}")
+    if not _is_int(p.top_k) or p.top_k < -1:
+        raise bad("top_k", f"must be -1, 0 (disabled) or a positive integer, got {p.top_k!r}")
+    if not _is_num(p.min_p) or not 0 <= p.min_p <= 1:
+        raise bad("min_p", f"must be in [0, 1], got {p.min_p!r}")
+    if p.seed is not None and not _is_int(p.seed):
+        raise bad("seed", f"must be an integer or None, got {p.seed!r}")
+    if not _is_int(p.n) or p.n < 1:
+        raise bad("n", f"must be an integer >= 1, got {p.n!r}")
+    if any(not isinstance(s, str) or not s for s in p.stop):
+        raise bad("stop", "every stop string must be a non-empty str")
+    if any(not _is_int(t) or t < 0 for t in p.stop_token_ids):
+        raise bad("stop_token_ids", "must be non-negative integers")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(p, name)
+        if not _is_num(v) or not -2 <= v <= 2:
+            raise bad(name, f"must be in [-2, 2], got {v!r}")
+    if not _is_num(p.repetition_penalty) or p.repetition_penalty <= 0:
+        raise bad("repetition_penalty", f"must be > 0, got {p.repetition_penalty!r}")
+    if p.logprobs is not None and (not _is_int(p.logprobs) or not 0 <= p.logprobs <= 20):
+        raise bad("logprobs", f"must be an integer in [0, 20] or None, got {p.logprobs!r}")
+    guided = [n for n in ("json_schema", "regex", "choice", "grammar") if getattr(p, n) is not None]
+    if len(guided) > 1:
+        raise bad(guided[1], f"at most one of json_schema, regex, choice, grammar; got {guided}")
+    if p.choice is not None and (not p.choice or any(not isinstance(c, str) or not c for c in p.choice)):
+        raise bad("choice", "must be a non-empty list of non-empty strings")
+    if p.json_schema is not None and not isinstance(p.json_schema, dict | bool):
+        raise bad("json_schema", "must be a JSON Schema dict")

@@ -1,0 +1,91 @@
+"""A request (one caller, one prompt, n samples) and its sequences (the unit the scheduler runs).
+
+vLLM V1's arithmetic: a sequence has `num_computed_tokens` and `num_tokens`; each step gives it
+tokens until the first catches up with the second. Chunked prefill, prefix-cache hits (start with
+computed > 0), preemption (computed back to 0) and decode are all the same thing.
+The engine loop owns these objects; the worker thread only sees the snapshot built from them.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from asyncpage.kv_cache import BlockTable
+from asyncpage.outputs import FinishReason, TokenLogprob
+from asyncpage.params import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncpage.detokenizer import IncrementalDetokenizer
+    from asyncpage.engine import Mailbox
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestTimes:
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    inter_token: list[float] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: int  # internal, from the engine's counter: callers never pick ids, so never collide
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    mailbox: Mailbox
+    stop_token_ids: frozenset[int]
+    seqs: list[Sequence] = field(default_factory=list)
+    times: RequestTimes = field(default_factory=RequestTimes)
+    forked: bool = False  # n > 1: children are created when the prompt's last token is computed
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.status is SeqStatus.FINISHED for s in self.seqs)
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    index: int  # which of the request's n samples
+    request: Request
+    token_ids: list[int]  # prompt + generated
+    generator: torch.Generator | None
+    detokenizer: IncrementalDetokenizer | None
+    num_prompt_tokens: int
+    num_computed_tokens: int = 0
+    table: BlockTable = field(default_factory=BlockTable)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    aborted: bool = False
+    logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params

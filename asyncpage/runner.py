@@ -1,0 +1,129 @@
+"""ModelRunner: owns the model and the K/V tensors; turns a SchedulerOutput into one forward pass
+and one sampling pass.
+
+`prepare()` runs on the event loop: it copies everything the step needs out of the scheduler's
+objects into tensors and plain lists, so `execute()` can run in a worker thread without ever
+reading state the loop may change meanwhile (an abort, a new request).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from asyncpage.attention import AttentionMetadata, PrefillChunk
+from asyncpage.sampling import SampleResult, SampleSpec, needs_history, sample
+from asyncpage.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor  # [U] rows of the flat batch whose logits are needed
+    spec_rows: torch.Tensor  # [N] index into logit_rows, one per sample (forks repeat a row)
+    specs: list[SampleSpec]
+    block_copies: list[tuple[int, int]]
+
+
+@dataclass
+class StepResult:
+    seq_ids: list[int]
+    sampled: SampleResult
+
+
+def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    c = model.config  # type: ignore[union-attr]
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.vocab_size = int(model.config.vocab_size)  # type: ignore[union-attr]
+        self.attn_layers = [m for m in model.modules() if hasattr(m, "k_cache")]
+        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in self.attn_layers:
+            shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+            # Zeroed, not empty: padded decode slots read stale blocks before the mask drops them, and
+            # NaN garbage times a zero attention weight would still be NaN.
+            k = torch.zeros(shape, dtype=dtype, device=device)
+            v = torch.zeros(shape, dtype=dtype, device=device)
+            layer.k_cache, layer.v_cache = k, v
+            self.caches.append((k, v))
+
+    # ---- on the event loop -----------------------------------------------------------------
+    def prepare(self, out: SchedulerOutput) -> StepBatch:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        logit_rows: list[int] = []
+        spec_rows: list[int] = []
+        specs: list[SampleSpec] = []
+        for sched in out.scheduled:
+            seq, n = sched.seq, sched.num_new_tokens
+            start, nc = len(input_ids), seq.num_computed_tokens
+            table = seq.table.ids
+            input_ids += seq.token_ids[nc : nc + n]
+            positions += range(nc, nc + n)
+            slots += [table[p // bs] * bs + p % bs for p in range(nc, nc + n)]
+            if n == 1:
+                decode_rows.append(start)
+                decode_tables.append(table)
+                decode_lens.append(nc + 1)
+            else:
+                prefills.append(PrefillChunk(start, start + n, nc, torch.tensor(table, dtype=torch.long)))
+            if sched.samples:
+                logit_rows.append(start + n - 1)
+                for s in sched.samples:
+                    spec_rows.append(len(logit_rows) - 1)
+                    p = s.params
+                    hist = needs_history(p)
+                    specs.append(SampleSpec(
+                        seq_id=s.seq_id, params=p, generator=s.generator,
+                        prompt_ids=list(s.token_ids[: s.num_prompt_tokens]) if p.repetition_penalty != 1 else None,
+                        output_ids=list(s.output_token_ids) if hist else None))
+        meta = AttentionMetadata(block_size=bs, slot_mapping=self._t(slots), prefills=prefills)
+        if decode_rows:
+            width = max(len(t) for t in decode_tables)
+            meta.decode_rows = self._t(decode_rows)
+            meta.decode_block_tables = self._t([t + [0] * (width - len(t)) for t in decode_tables])
+            meta.decode_context_lens = self._t(decode_lens)
+        for p in prefills:
+            p.block_table = p.block_table.to(self.device)
+        return StepBatch(self._t(input_ids), self._t(positions), meta, self._t(logit_rows),
+                         self._t(spec_rows), specs, list(out.block_copies))
+
+    def _t(self, xs: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.long, device=self.device)
+
+    # ---- in the worker thread --------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> StepResult:
+        for src, dst in batch.block_copies:
+            for k, v in self.caches:
+                k[dst].copy_(k[src])
+                v[dst].copy_(v[src])
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        logits = self.model.compute_logits(hidden[batch.logit_rows])  # type: ignore[operator]
+        logits = logits[batch.spec_rows].cpu()
+        return StepResult([s.seq_id for s in batch.specs], sample(logits, batch.specs))
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: StepBatch) -> torch.Tensor:
+        """Logits of every row of the batch (tests compare them with transformers)."""
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        return self.model.compute_logits(hidden)  # type: ignore[operator,no-any-return]

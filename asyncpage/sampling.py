@@ -1,0 +1,125 @@
+"""Sampler: logits -> next tokens, vectorized over the rows of a step.
+
+Order (as in vLLM/transformers): guided-decoding mask, penalties, then greedy argmax, or temperature,
+top-k, top-p, min-p and a draw. The draw uses the exponential race (argmax p / E with E ~ Exp(1)),
+which is an exact sample of p, with noise from each sequence's own generator: a seeded request draws
+the same numbers whatever else is in the batch.
+Log-probabilities are those of the raw model output (before penalties and temperature).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from asyncpage.outputs import TokenLogprob
+from asyncpage.params import SamplingParams
+
+
+@dataclass
+class SampleSpec:
+    seq_id: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_ids: list[int] | None = None  # only when a repetition penalty needs them
+    output_ids: list[int] | None = None  # only when a penalty needs them
+    allowed: torch.Tensor | None = None  # bool [V]: guided decoding's mask for this row
+
+
+@dataclass
+class SampleResult:
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+def needs_history(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+
+
+def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> SampleResult:
+    """logits: [N, V] float32, one row per spec (rows may repeat for forked samples)."""
+    n, vocab = logits.shape
+    raw_logprobs = None
+    if any(s.params.logprobs is not None for s in specs):
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+    logits = logits.clone()
+    for i, s in enumerate(specs):
+        if s.allowed is not None:
+            logits[i].masked_fill_(~s.allowed[:vocab], float("-inf"))
+        if needs_history(s.params):
+            _apply_penalties(logits[i], s)
+
+    tokens = torch.empty(n, dtype=torch.long)
+    greedy = [i for i, s in enumerate(specs) if s.params.greedy]
+    if greedy:
+        tokens[greedy] = logits[greedy].argmax(dim=-1)
+    rand = [i for i, s in enumerate(specs) if not s.params.greedy]
+    if rand:
+        tokens[rand] = _sample_random(logits[rand], [specs[i] for i in rand])
+
+    token_list = tokens.tolist()
+    out_logprobs: list[TokenLogprob | None] = [None] * n
+    if raw_logprobs is not None:
+        for i, s in enumerate(specs):
+            k = s.params.logprobs
+            if k is None:
+                continue
+            row = raw_logprobs[i]
+            top = {}
+            if k > 0:
+                vals, ids = row.topk(k)
+                top = dict(zip(ids.tolist(), vals.tolist(), strict=True))
+            out_logprobs[i] = TokenLogprob(token_list[i], float(row[token_list[i]]), top)
+    return SampleResult(token_list, out_logprobs)
+
+
+def _apply_penalties(row: torch.Tensor, s: SampleSpec) -> None:
+    p = s.params
+    out = torch.tensor(s.output_ids or [], dtype=torch.long)
+    if p.repetition_penalty != 1:
+        # transformers' RepetitionPenaltyLogitsProcessor: every token seen (prompt and output).
+        seen = torch.cat([torch.tensor(s.prompt_ids or [], dtype=torch.long), out]).unique()
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and out.numel():
+        # OpenAI semantics: generated tokens only.
+        counts = torch.bincount(out, minlength=row.numel())[: row.numel()].to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _sample_random(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+    n, vocab = logits.shape
+    temps = torch.tensor([s.params.temperature for s in specs], dtype=logits.dtype)
+    logits = logits / temps[:, None]
+
+    ks = [s.params.top_k if 0 < s.params.top_k < vocab else 0 for s in specs]
+    if any(ks):
+        kmax = max(ks)
+        top_vals = logits.topk(kmax, dim=-1).values  # [n, kmax], descending
+        idx = torch.tensor([k - 1 if k else kmax - 1 for k in ks])
+        kth = top_vals.gather(1, idx[:, None])
+        cut = torch.tensor([bool(k) for k in ks])[:, None] & (logits < kth)
+        logits = logits.masked_fill(cut, float("-inf"))
+
+    top_ps = torch.tensor([s.params.top_p for s in specs], dtype=logits.dtype)
+    if bool((top_ps < 1).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the mass before it already reaches top_p (the first token always stays).
+        before = probs.cumsum(dim=-1) - probs
+        drop_sorted = before >= top_ps[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+
+    min_ps = torch.tensor([s.params.min_p for s in specs], dtype=logits.dtype)
+    probs = logits.softmax(dim=-1)
+    if bool((min_ps > 0).any()):
+        cut = probs < min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(cut, 0.0)
+
+    out = torch.empty(n, dtype=torch.long)
+    for i, s in enumerate(specs):
+        noise = torch.empty(vocab, dtype=probs.dtype).exponential_(generator=s.generator)
+        out[i] = (probs[i] / noise).argmax()
+    return out

