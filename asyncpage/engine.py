@@ -29,6 +29,7 @@ from typing import Any, Self
 
 import anyio
 import msgspec
+import sniffio
 import torch
 
 from asyncpage.detokenizer import IncrementalDetokenizer
@@ -193,7 +194,10 @@ class AsyncEngine:
     """An in-process inference engine. Construct with `from_pretrained`, run with `async with`."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        """Prefer `from_pretrained`. Binds to no event loop: that happens in `async with`."""
         self.config = config
+        self._loaded = loaded
+        self._options: dict[str, Any] = {}
         self.model_source = loaded.source
         self.load_seconds = loaded.load_seconds
         self.tokenizer = loaded.tokenizer
@@ -211,6 +215,7 @@ class AsyncEngine:
         self._aborts: deque[Request] = deque()
         self._wake_event: anyio.Event | None = None
         self._task_group: Any = None
+        self._loop_task: Any = None
         self._running = False
         self._in_step = False
         self._dead: EngineDeadError | None = None
@@ -239,42 +244,54 @@ class AsyncEngine:
         """Load a model. `model=None` is gemma-3-270m from its PyPI package; else a local HF
         directory, an HF hub id already in the local cache, or a .gguf file.
         `num_kv_blocks=None` sizes the pool from `kv_cache_memory` bytes (default: 2 GiB on the CPU,
-        80% of free GPU memory on CUDA)."""
+        80% of free GPU memory on CUDA). `num_threads` sets torch's (process-wide) CPU thread pool;
+        default: the cores this process may use."""
         dev = _resolve_device(device)
         dt = _resolve_dtype(dtype, dev)
-        backend = _resolve_backend(attention_backend, dev)
-        if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
-            raise InvalidRequestError("block_size", f"must be a power of two, got {block_size!r}")
-        if max_num_batched_tokens < 1:
-            raise InvalidRequestError("max_num_batched_tokens", "must be >= 1")
-        if max_num_seqs < 1:
-            raise InvalidRequestError("max_num_seqs", "must be >= 1")
+        options = dict(block_size=block_size, num_kv_blocks=num_kv_blocks,
+                       max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                       enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend,
+                       max_model_len=max_model_len, kv_cache_memory=kv_cache_memory)
+        _check_options(options)
         threads = num_threads or len(os.sched_getaffinity(0))
         # One deliberate thread pool for the whole process; two cores are easy to oversubscribe.
         torch.set_num_threads(threads)
         loaded = load(model, getattr(torch, dt), torch.device(dev))
+        return cls._build(loaded, dt, dev, threads, options)
+
+    def clone(self, **overrides: Any) -> AsyncEngine:
+        """A second engine on the same weights and tokenizer, with its own KV pool and scheduler
+        (any of from_pretrained's pool and scheduling options may differ)."""
+        bad = set(overrides) - set(self._options)
+        if bad:
+            raise InvalidRequestError(sorted(bad)[0], "cannot differ between engines sharing weights")
+        options = {**self._options, **overrides}
+        _check_options(options)
+        return self._build(self._loaded, self.config.dtype, self.config.device, self.config.num_threads, options)
+
+    @classmethod
+    def _build(cls, loaded: LoadedModel, dt: str, dev: str, threads: int, options: dict[str, Any]) -> AsyncEngine:
         mc = loaded.config
+        block_size = options["block_size"]
         ctx = int(getattr(mc, "max_position_embeddings", 8192))
-        max_len = min(ctx, max_model_len) if max_model_len else ctx
+        max_len = min(ctx, options["max_model_len"]) if options["max_model_len"] else ctx
+        num_kv_blocks = options["num_kv_blocks"]
         if num_kv_blocks is None:
             per_block = kv_bytes_per_block(loaded.model, block_size, getattr(torch, dt))
-            if kv_cache_memory is None:
-                if dev == "cuda":
-                    kv_cache_memory = int(torch.cuda.mem_get_info()[0] * 0.8)
-                else:
-                    kv_cache_memory = 2 << 30
-            num_kv_blocks = max(1, kv_cache_memory // per_block)
+            budget = options["kv_cache_memory"]
+            if budget is None:
+                budget = int(torch.cuda.mem_get_info()[0] * 0.8) if dev == "cuda" else 2 << 30
+            num_kv_blocks = max(1, budget // per_block)
             # A pool larger than max_num_seqs full contexts is memory nobody can use.
-            num_kv_blocks = min(num_kv_blocks, max_num_seqs * math.ceil(max_len / block_size))
-        elif num_kv_blocks < 1:
-            raise InvalidRequestError("num_kv_blocks", "must be >= 1")
+            num_kv_blocks = min(num_kv_blocks, options["max_num_seqs"] * math.ceil(max_len / block_size))
         config = EngineConfig(
             dtype=dt, device=dev, block_size=block_size, num_kv_blocks=num_kv_blocks,
-            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-            max_model_len=max_len, enable_prefix_caching=enable_prefix_caching,
-            attention_backend=backend, num_threads=threads)
+            max_num_batched_tokens=options["max_num_batched_tokens"], max_num_seqs=options["max_num_seqs"],
+            max_model_len=max_len, enable_prefix_caching=options["enable_prefix_caching"],
+            attention_backend=_resolve_backend(options["attention_backend"], dev), num_threads=threads)
         engine = cls(loaded, config)
-        if backend == "triton":
+        engine._options = options
+        if config.attention_backend == "triton":
             from asyncpage.kernels import use_triton_attention
 
             use_triton_attention(engine.runner)
@@ -285,10 +302,17 @@ class AsyncEngine:
         if self._running:
             raise RuntimeError("this engine is already running")
         self._dead = None
-        self._task_group = anyio.create_task_group()
-        await self._task_group.__aenter__()
         self._running = True
-        self._task_group.start_soon(self._loop)
+        if sniffio.current_async_library() == "asyncio":
+            # A plain task on asyncio, so `async with` may be entered and exited from different tasks
+            # (pytest-asyncio fixtures, app lifespans); structured (a task group) everywhere else.
+            import asyncio
+
+            self._loop_task = asyncio.get_running_loop().create_task(self._loop())
+        else:
+            self._task_group = anyio.create_task_group()
+            await self._task_group.__aenter__()
+            self._task_group.start_soon(self._loop)
         return self
 
     async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None,
@@ -299,11 +323,23 @@ class AsyncEngine:
             self._abort(req)
             req.mailbox.fail(closed)
         self._apply_aborts()
-        self._task_group.cancel_scope.cancel()
+        self._wake()
         try:
+            if self._loop_task is not None:
+                self._loop_task.cancel()
+                # Shielded: a step in flight finishes before we return, so no worker thread
+                # outlives the engine's `async with`.
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await self._loop_task
+                    except BaseException:  # noqa: BLE001 - the cancellation we asked for
+                        pass
+                return None
+            self._task_group.cancel_scope.cancel()
             return await self._task_group.__aexit__(et, ev, tb)  # type: ignore[no-any-return]
         finally:
             self._task_group = None
+            self._loop_task = None
             self._wake_event = None
 
     # ---- public API -------------------------------------------------------------------------
@@ -527,6 +563,20 @@ def _metrics(req: Request) -> RequestMetrics:
         decode_time=(t.last_token or first) - first, e2e=end - t.arrival,
         inter_token_latencies=list(t.inter_token), num_preemptions=req.num_preemptions,
         num_cached_prompt_tokens=req.num_cached_prompt_tokens)
+
+
+def _check_options(o: dict[str, Any]) -> None:
+    bs = o["block_size"]
+    if not isinstance(bs, int) or bs < 1 or bs & (bs - 1):
+        raise InvalidRequestError("block_size", f"must be a power of two, got {bs!r}")
+    for name in ("max_num_batched_tokens", "max_num_seqs"):
+        if not isinstance(o[name], int) or o[name] < 1:
+            raise InvalidRequestError(name, f"must be an integer >= 1, got {o[name]!r}")
+    for name in ("num_kv_blocks", "max_model_len", "kv_cache_memory"):
+        if o[name] is not None and (not isinstance(o[name], int) or o[name] < 1):
+            raise InvalidRequestError(name, f"must be None or an integer >= 1, got {o[name]!r}")
+    if o["attention_backend"] not in ("auto", "torch", "triton"):
+        raise InvalidRequestError("attention_backend", f"must be torch, triton or auto, got {o['attention_backend']!r}")
 
 
 def _resolve_device(device: str) -> str:

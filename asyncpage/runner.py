@@ -49,16 +49,15 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.vocab_size = int(model.config.vocab_size)  # type: ignore[union-attr]
-        self.attn_layers = [m for m in model.modules() if hasattr(m, "k_cache")]
+        # The pool belongs to the runner, not to the model: two engines may share one set of weights.
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for layer in self.attn_layers:
-            shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+        for layer in model.model.layers:  # type: ignore[union-attr]
+            attn = layer.self_attn
+            shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
             # Zeroed, not empty: padded decode slots read stale blocks before the mask drops them, and
             # NaN garbage times a zero attention weight would still be NaN.
-            k = torch.zeros(shape, dtype=dtype, device=device)
-            v = torch.zeros(shape, dtype=dtype, device=device)
-            layer.k_cache, layer.v_cache = k, v
-            self.caches.append((k, v))
+            self.caches.append((torch.zeros(shape, dtype=dtype, device=device),
+                                torch.zeros(shape, dtype=dtype, device=device)))
 
     # ---- on the event loop -----------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> StepBatch:
@@ -117,7 +116,7 @@ class ModelRunner:
             for k, v in self.caches:
                 k[dst].copy_(k[src])
                 v[dst].copy_(v[src])
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.caches)
         logits = self.model.compute_logits(hidden[batch.logit_rows])  # type: ignore[operator]
         logits = logits[batch.spec_rows].cpu()
         return StepResult([s.seq_id for s in batch.specs], sample(logits, batch.specs))
@@ -125,5 +124,5 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, batch: StepBatch) -> torch.Tensor:
         """Logits of every row of the batch (tests compare them with transformers)."""
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.caches)
         return self.model.compute_logits(hidden)  # type: ignore[operator,no-any-return]

@@ -170,41 +170,89 @@ def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
 
 
 def _read_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor], Any, set[int]]:
+    """Config, dequantized weights and tokenizer of a GGUF file.
+
+    gguf's GGUFReader parses every metadata array in Python (10+ s for a 262k vocabulary), so the
+    first load writes a small index (config, tensor offsets and types) and the converted tokenizer
+    to the cache; later loads memory-map the tensors straight from the index."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    cached = cache_dir() / "gguf" / key
+    if not (cached / "index.json").exists():
+        _index_gguf(path, cached)
+    index = json.loads((cached / "index.json").read_text())
+    model_type = index["model_type"]
+    config = AutoConfig.for_model(model_type, **index["config"])
+    state = {name: _dequantize(path, t) for t in index["tensors"]
+             if (name := _gguf_tensor_name(t["name"], model_type)) is not None}
+    for name, w in state.items():
+        if model_type == "gemma3_text" and name.endswith("norm.weight"):
+            w -= 1.0  # llama.cpp stores Gemma's (1 + w) norm weights as 1 + w
+        if model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            # llama.cpp permutes Llama's Q/K rows to its interleaved RoPE layout; undo it.
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            state[name] = _unpermute(w, heads)
+    tokenizer = AutoTokenizer.from_pretrained(cached / "tokenizer")
+    eos = set(index["eos_token_ids"])
+    return config, state, tokenizer, eos
+
+
+def _dequantize(path: Path, t: dict[str, Any]) -> torch.Tensor:
     import gguf
     from gguf.quants import dequantize
 
+    qtype = gguf.GGMLQuantizationType(t["type"])
+    shape = tuple(reversed(t["shape"]))  # GGUF lists dims innermost first
+    raw = np.memmap(path, dtype=np.uint8, mode="r", offset=t["offset"], shape=(t["n_bytes"],))
+    if qtype == gguf.GGMLQuantizationType.F32:
+        w = raw.view(np.float32).reshape(shape)
+    elif qtype == gguf.GGMLQuantizationType.F16:
+        w = raw.view(np.float16).reshape(shape)
+    else:
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        w = dequantize(raw.reshape(*shape[:-1], shape[-1] // block * type_size), qtype)
+    return torch.from_numpy(np.array(w, dtype=np.float32).reshape(shape))
+
+
+def _index_gguf(path: Path, dest: Path) -> None:
+    import gguf
+    from transformers import AutoTokenizer
+
+    t0 = time.perf_counter()
     reader = gguf.GGUFReader(str(path))
     arch = _gguf_field(reader, "general.architecture")
     model_type = _GGUF_ARCH_TO_MODEL_TYPE.get(arch)
     if model_type is None:
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported ({sorted(_GGUF_ARCH_TO_MODEL_TYPE)})")
-    config = _gguf_config(reader, arch, model_type)
-
-    state: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        name = _gguf_tensor_name(t.name, model_type)
-        if name is None:
-            continue
-        w = dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(x) for x in t.shape])))
-        w = np.ascontiguousarray(w, dtype=np.float32)
-        if model_type == "gemma3_text" and name.endswith("norm.weight"):
-            w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
-        if model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            # llama.cpp permutes Llama's Q/K rows to its interleaved RoPE layout; undo it.
-            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
-            w = _unpermute(w, heads)
-        state[name] = torch.from_numpy(w)
-    tokenizer = _gguf_tokenizer(path)
+    tensors = [{"name": t.name, "type": int(t.tensor_type), "shape": [int(x) for x in t.shape],
+                "offset": int(t.data_offset), "n_bytes": int(t.n_bytes)} for t in reader.tensors]
+    for t in tensors:
+        _gguf_tensor_name(t["name"], model_type)  # fail now on a tensor we cannot place
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer.save_pretrained(tmp / "tokenizer")
     eos: set[int] = set()
-    # llama.cpp ends generation on <end_of_turn> for Gemma; the GGUF has no generation config to say so.
+    eos_id = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    if eos_id is not None:
+        eos.add(int(eos_id))
+    # llama.cpp ends generation on end-of-turn tokens; a GGUF has no generation config to say so.
     for tok in ("<end_of_turn>", "<|im_end|>", "<|eot_id|>"):
         tid = tokenizer.convert_tokens_to_ids(tok)
         if isinstance(tid, int) and tid != tokenizer.unk_token_id:
             eos.add(tid)
-    eos_id = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    if eos_id is not None:
-        eos.add(int(eos_id))
-    return config, state, tokenizer, eos
+    index = {"source": str(path), "model_type": model_type, "config": _gguf_config_kwargs(reader, arch, model_type),
+             "tensors": tensors, "eos_token_ids": sorted(eos)}
+    (tmp / "index.json").write_text(json.dumps(index))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if dest.exists():  # another process indexed it meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.replace(dest)
+    log.info("indexed %s and converted its tokenizer in %.1f s (cached in %s)", path.name,
+             time.perf_counter() - t0, dest)
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -232,9 +280,11 @@ def _gguf_tensor_name(name: str, model_type: str) -> str | None:
     return f"model.layers.{idx}.{hf}.{kind}"
 
 
-def _gguf_config(reader: Any, arch: str, model_type: str) -> Any:
-    from transformers import AutoConfig
+def _opt_int(x: Any) -> int | None:
+    return None if x is None else int(x)
 
+
+def _gguf_config_kwargs(reader: Any, arch: str, model_type: str) -> dict[str, Any]:
     def f(key: str, default: Any = None) -> Any:
         return _gguf_field(reader, f"{arch}.{key}", default)
 
@@ -251,8 +301,8 @@ def _gguf_config(reader: Any, arch: str, model_type: str) -> Any:
         head_dim=int(f("attention.key_length", hidden // n_heads)),
         max_position_embeddings=int(f("context_length")),
         rms_norm_eps=float(f("attention.layer_norm_rms_epsilon")),
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        bos_token_id=_opt_int(_gguf_field(reader, "tokenizer.ggml.bos_token_id")),
+        eos_token_id=_opt_int(_gguf_field(reader, "tokenizer.ggml.eos_token_id")),
         tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
     )
     theta = float(f("rope.freq_base", 10000.0))
@@ -266,7 +316,7 @@ def _gguf_config(reader: Any, arch: str, model_type: str) -> Any:
                 "full_attention": {"rope_type": "default", "rope_theta": theta},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             },
-            pad_token_id=_gguf_field(reader, "tokenizer.ggml.padding_token_id", 0),
+            pad_token_id=_opt_int(_gguf_field(reader, "tokenizer.ggml.padding_token_id", 0)),
         )
         scaling = f("rope.scaling.type")
         if scaling == "linear":
@@ -274,25 +324,4 @@ def _gguf_config(reader: Any, arch: str, model_type: str) -> Any:
                 rope_type="linear", factor=float(f("rope.scaling.factor")))
     else:
         kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
-    return AutoConfig.for_model(model_type, **kw)
-
-
-def _gguf_tokenizer(path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
-    cached = cache_dir() / "tokenizers" / key
-    if (cached / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(cached)
-    t0 = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
-    tokenizer.save_pretrained(tmp)
-    (tmp / "asyncpage-source.json").write_text(json.dumps({"gguf": str(path)}))
-    if cached.exists():  # another process converted it meanwhile
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        tmp.replace(cached)
-    log.info("converted the GGUF tokenizer in %.1f s (cached in %s)", time.perf_counter() - t0, cached)
-    return tokenizer
+    return kw

@@ -46,8 +46,9 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, meta))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, meta, kv_cache))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
@@ -80,12 +81,14 @@ class Gemma3ForCausalLM(nn.Module):
         self.lm_head.weight = self.model.embed_tokens.weight  # tied
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """input_ids/positions: [T] flat over the batch; kv_caches: one (K, V) pool per layer."""
         x = self.model.embed_tokens(input_ids)
         # transformers multiplies by the scale cast to the weights' dtype; so do we (it matters in bf16).
         x = x * torch.tensor(self.model.embed_scale, dtype=x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, positions, meta)
+        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, positions, meta, kv)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

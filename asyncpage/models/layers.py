@@ -46,6 +46,12 @@ class GemmaRMSNorm(nn.Module):
 def rope_inv_freq(config: Any, layer_type: str | None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and cos/sin scaling, from transformers' own RoPE initialisers so every
     scaling type it knows (llama3, linear, yarn, ...) is computed exactly as it does."""
+    # Always on the CPU, even while the model is being built on the meta device.
+    with torch.device("cpu"):
+        return _rope_inv_freq(config, layer_type)
+
+
+def _rope_inv_freq(config: Any, layer_type: str | None) -> tuple[torch.Tensor, float]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = config.rope_parameters
@@ -107,11 +113,9 @@ class PagedSelfAttention(nn.Module):
         self.scale = scale
         self.window = window
         self.rotary = rotary
-        # Bound by the runner after it allocates the pool: [num_blocks, block_size, kv_heads, head_dim].
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -122,7 +126,7 @@ class PagedSelfAttention(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, q.dtype)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 

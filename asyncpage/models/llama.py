@@ -48,8 +48,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, eps)
         self.post_attention_layernorm = RMSNorm(h, eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -79,10 +80,12 @@ class LlamaForCausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """input_ids/positions: [T] flat over the batch; kv_caches: one (K, V) pool per layer."""
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, positions, meta)
+        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, positions, meta, kv)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
