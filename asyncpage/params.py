@@ -47,13 +47,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         # Accept the natural spellings (a str, a list) and store tuples: the struct is frozen and hashable
         # parts keep it safe to share between the caller and the engine thread.
         if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
+            msgspec.structs.force_setattr(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
-            object.__setattr__(self, "stop", tuple(self.stop))
+            msgspec.structs.force_setattr(self, "stop", tuple(self.stop))
         if not isinstance(self.stop_token_ids, tuple):
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+            msgspec.structs.force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.choice is not None and not isinstance(self.choice, tuple):
-            object.__setattr__(self, "choice", tuple(self.choice))
+            msgspec.structs.force_setattr(self, "choice", tuple(self.choice))
         _check(self)
 
     @property
