@@ -82,7 +82,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     window: int | None) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, KVH, D] for the new tokens. Writes k/v to the cache, returns [T, H, D]."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    num_blocks, bs, kvh, d = k_cache.shape
+    _, bs, kvh, d = k_cache.shape
     out = torch.empty_like(q)
     if meta.decode_rows is not None:
         assert meta.decode_block_tables is not None

@@ -22,7 +22,6 @@ import os
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
@@ -50,7 +49,7 @@ from asyncpage.outputs import (
     TokenLogprob,
 )
 from asyncpage.params import SamplingParams
-from asyncpage.request import Request, Sequence, SeqStatus
+from asyncpage.request import Request, SeqStatus, Sequence
 from asyncpage.runner import ModelRunner, StepResult, kv_bytes_per_block
 from asyncpage.scheduler import Scheduler, SchedulerOutput
 from asyncpage.weights import LoadedModel, load
@@ -332,11 +331,11 @@ class AsyncEngine:
                 with anyio.CancelScope(shield=True):
                     try:
                         await self._loop_task
-                    except BaseException:  # noqa: BLE001 - the cancellation we asked for
+                    except BaseException:
                         pass
                 return None
             self._task_group.cancel_scope.cancel()
-            return await self._task_group.__aexit__(et, ev, tb)  # type: ignore[no-any-return]
+            return await self._task_group.__aexit__(et, ev, tb)
         finally:
             self._task_group = None
             self._loop_task = None

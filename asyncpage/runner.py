@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from asyncpage.attention import AttentionMetadata, PrefillChunk
+from asyncpage.models import CausalLM
 from asyncpage.sampling import SampleResult, SampleSpec, needs_history, sample
 from asyncpage.scheduler import SchedulerOutput
 
@@ -35,23 +35,22 @@ class StepResult:
     sampled: SampleResult
 
 
-def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
-    c = model.config  # type: ignore[union-attr]
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * head_dim * elem
+    per_token = sum(2 * layer.self_attn.num_kv_heads * layer.self_attn.head_dim for layer in model.model.layers)
+    return int(per_token * block_size * elem)
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.vocab_size = int(model.config.vocab_size)  # type: ignore[union-attr]
+        self.vocab_size = int(model.config.vocab_size)
         # The pool belongs to the runner, not to the model: two engines may share one set of weights.
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for layer in model.model.layers:  # type: ignore[union-attr]
+        for layer in model.model.layers:
             attn = layer.self_attn
             shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
             # Zeroed, not empty: padded decode slots read stale blocks before the mask drops them, and
@@ -84,7 +83,7 @@ class ModelRunner:
                 decode_tables.append(table)
                 decode_lens.append(nc + 1)
             else:
-                prefills.append(PrefillChunk(start, start + n, nc, torch.tensor(table, dtype=torch.long)))
+                prefills.append(PrefillChunk(start, start + n, nc, self._t(table)))
             if sched.samples:
                 logit_rows.append(start + n - 1)
                 for s in sched.samples:
@@ -101,8 +100,6 @@ class ModelRunner:
             meta.decode_rows = self._t(decode_rows)
             meta.decode_block_tables = self._t([t + [0] * (width - len(t)) for t in decode_tables])
             meta.decode_context_lens = self._t(decode_lens)
-        for p in prefills:
-            p.block_table = p.block_table.to(self.device)
         return StepBatch(self._t(input_ids), self._t(positions), meta, self._t(logit_rows),
                          self._t(spec_rows), specs, list(out.block_copies))
 
@@ -117,7 +114,7 @@ class ModelRunner:
                 k[dst].copy_(k[src])
                 v[dst].copy_(v[src])
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.caches)
-        logits = self.model.compute_logits(hidden[batch.logit_rows])  # type: ignore[operator]
+        logits = self.model.compute_logits(hidden[batch.logit_rows])
         logits = logits[batch.spec_rows].cpu()
         return StepResult([s.seq_id for s in batch.specs], sample(logits, batch.specs))
 
@@ -125,4 +122,4 @@ class ModelRunner:
     def forward_logits(self, batch: StepBatch) -> torch.Tensor:
         """Logits of every row of the batch (tests compare them with transformers)."""
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.caches)
-        return self.model.compute_logits(hidden)  # type: ignore[operator,no-any-return]
+        return self.model.compute_logits(hidden)

@@ -19,7 +19,7 @@ import torch
 
 from asyncpage.kv_cache import KVCacheManager
 from asyncpage.outputs import FinishReason
-from asyncpage.request import Request, Sequence, SeqStatus
+from asyncpage.request import Request, SeqStatus, Sequence
 
 
 @dataclass

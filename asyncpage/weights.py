@@ -17,21 +17,20 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
-from torch import nn
 
 from asyncpage.errors import ModelLoadError
-from asyncpage.models import model_class
+from asyncpage.models import CausalLM, model_class
 
 log = logging.getLogger("asyncpage")
 
 
 @dataclass
 class LoadedModel:
-    model: nn.Module
+    model: CausalLM
     config: Any
     tokenizer: Any  # transformers PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]  # tokenizer EOS + generation config EOS (+ end-of-turn for GGUF chat models)
@@ -86,7 +85,7 @@ def load(model: str | os.PathLike[str] | None, dtype: torch.dtype, device: torch
     return LoadedModel(module, config, tokenizer, frozenset(eos), str(path), dt)
 
 
-def _build(config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> nn.Module:
+def _build(config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> CausalLM:
     cls = model_class(config)
     # Built on the meta device: no time spent on random init of weights about to be overwritten.
     with torch.device("meta"):
@@ -109,12 +108,12 @@ def _build(config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype, devi
             if tuple(src.shape) != tuple(params[name].shape):
                 raise ModelLoadError(f"{name}: checkpoint shape {tuple(src.shape)} != {tuple(params[name].shape)}")
             params[name].copy_(src)
-    if hasattr(module, "lm_head") and hasattr(module.model, "embed_tokens") and (
-            getattr(config, "tie_word_embeddings", False) or config.model_type == "gemma3_text"):
-        module.lm_head.weight = module.model.embed_tokens.weight  # to_empty() breaks the tie
+    if getattr(config, "tie_word_embeddings", False) or config.model_type == "gemma3_text":
+        lm: Any = module
+        lm.lm_head.weight = lm.model.embed_tokens.weight  # to_empty() breaks the tie
     module = module.to(dtype=dtype).eval()
     module.requires_grad_(False)
-    return module
+    return cast(CausalLM, module)
 
 
 # ---- HF directories ----------------------------------------------------------------------
@@ -226,7 +225,7 @@ def _index_gguf(path: Path, dest: Path) -> None:
     model_type = _GGUF_ARCH_TO_MODEL_TYPE.get(arch)
     if model_type is None:
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported ({sorted(_GGUF_ARCH_TO_MODEL_TYPE)})")
-    tensors = [{"name": t.name, "type": int(t.tensor_type), "shape": [int(x) for x in t.shape],
+    tensors: list[dict[str, Any]] = [{"name": t.name, "type": int(t.tensor_type), "shape": [int(x) for x in t.shape],
                 "offset": int(t.data_offset), "n_bytes": int(t.n_bytes)} for t in reader.tensors]
     for t in tensors:
         _gguf_tensor_name(t["name"], model_type)  # fail now on a tensor we cannot place
@@ -255,9 +254,9 @@ def _index_gguf(path: Path, dest: Path) -> None:
              time.perf_counter() - t0, dest)
 
 
-def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     dim = w.shape[0] // heads // 2
-    return w.reshape(heads, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+    return w.reshape(heads, dim, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def _gguf_tensor_name(name: str, model_type: str) -> str | None:

@@ -22,7 +22,8 @@ def _stream(tok: Any, ids: list[int], stop: tuple[str, ...] = ()) -> tuple[list[
     return [p for p in pieces if p], d
 
 
-@pytest.mark.parametrize("text", ["日本語のテキストです。", "emoji 🎉🚀 and 👩‍👩‍👧 family", "ünïcödé ß ∑ ≠", "中文，混合 English 文本"])
+@pytest.mark.parametrize("text", [
+    "日本語のテキストです。", "emoji 🎉🚀 and 👩‍👩‍👧 family", "ünïcödé ß ∑ ≠", "中文，混合 English 文本"])
 def test_multibyte_text_streams_without_replacement_chars(gemma_tok: Any, text: str) -> None:
     ids = gemma_tok(text, add_special_tokens=False).input_ids
     pieces, _ = _stream(gemma_tok, ids)

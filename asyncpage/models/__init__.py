@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
+import torch
 from torch import nn
 
+from asyncpage.attention import AttentionMetadata
 from asyncpage.models.gemma3 import Gemma3ForCausalLM
 from asyncpage.models.llama import LlamaForCausalLM
+
+
+class CausalLM(Protocol):
+    """What the runner needs of a model: a flat-batch forward over the paged cache, and logits."""
+
+    config: Any
+    model: Any  # .layers[i].self_attn gives num_kv_heads / head_dim for sizing the pool
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
 
 MODEL_TYPES: dict[str, type[nn.Module]] = {
     "gemma3_text": Gemma3ForCausalLM,
