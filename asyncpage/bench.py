@@ -1,0 +1,203 @@
+"""Benchmarks that print figures (never asserted): throughput, TTFT / ITL percentiles, KV usage,
+event-loop lag, and optionally transformers' generate() on the same weights, dtype and workload.
+
+    asyncpage bench --workload mixed -n 32 --dtype bfloat16 --baseline transformers
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from asyncpage.engine import AsyncEngine
+from asyncpage.params import SamplingParams
+
+
+@dataclass
+class Item:
+    prompt: list[int]
+    max_tokens: int
+
+
+class BenchResult(msgspec.Struct):
+    workload: str
+    engine: str
+    dtype: str
+    num_requests: int
+    output_tokens: int
+    prompt_tokens: int
+    wall_s: float
+    throughput_tok_s: float
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    itl_p50_ms: float | None = None
+    itl_p99_ms: float | None = None
+    loop_lag_p50_ms: float | None = None
+    loop_lag_p99_ms: float | None = None
+    peak_kv_blocks_used: int | None = None
+    kv_blocks_total: int | None = None
+    num_preemptions: int | None = None
+    prefix_cache_hit_rate: float | None = None
+
+
+def make_workload(name: str, n: int, vocab: int, bos: int | None, seed: int = 0) -> list[Item]:
+    """Prompts of random ordinary token ids (no special tokens), BOS first; outputs run to max_tokens."""
+    rng = random.Random(seed)
+    lo, hi = 1000, min(vocab, 200_000) - 1
+
+    def ids(k: int) -> list[int]:
+        return ([bos] if bos is not None else []) + [rng.randint(lo, hi) for _ in range(k - 1)]
+
+    if name == "mixed":  # prompts 32-256 tokens, outputs 32-128
+        return [Item(ids(rng.randint(32, 256)), rng.randint(32, 128)) for _ in range(n)]
+    if name == "shared-prefix":  # one 512-token system prompt, short unique suffixes
+        prefix = ids(512)
+        return [Item(prefix + [rng.randint(lo, hi) for _ in range(32)], 32) for _ in range(n)]
+    if name == "long-prompt":
+        return [Item(ids(2048), 32) for _ in range(n)]
+    if name == "single":  # one stream: decode speed
+        return [Item(ids(32), 128)]
+    raise ValueError(f"unknown workload {name!r}")
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))] * 1000
+
+
+async def run_engine(engine: AsyncEngine, items: list[Item], workload: str, progress: bool = True) -> BenchResult:
+    """All requests at once, through the public streaming API, as an embedding app would."""
+    ttfts: list[float] = []
+    itls: list[float] = []
+    lags: list[float] = []
+    peak = 0
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        # Event-loop lag: how late a 10 ms sleep wakes up while the engine is saturated.
+        nonlocal peak
+        loop = asyncio.get_running_loop()
+        while not done.is_set():
+            t = loop.time()
+            await asyncio.sleep(0.01)
+            lags.append(max(0.0, loop.time() - t - 0.01))
+            peak = max(peak, engine.stats().kv_blocks_used)
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(items), desc=f"asyncpage {workload}", unit="req", leave=False)
+
+    async def one(item: Item) -> int:
+        params = SamplingParams(max_tokens=item.max_tokens, temperature=0, ignore_eos=True)
+        start = time.perf_counter()
+        last = None
+        n = 0
+        async for chunk in engine.stream(item.prompt, params):
+            now = time.perf_counter()
+            if last is None:
+                ttfts.append(now - start)
+            else:
+                # A merged chunk of k tokens stands for k inter-token gaps.
+                itls.extend([(now - last) / len(chunk.token_ids)] * len(chunk.token_ids))
+            last = now
+            n += len(chunk.token_ids)
+        if bar is not None:
+            bar.update(1)
+        return n
+
+    before = engine.stats()
+    tick = asyncio.create_task(ticker())
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(one(it) for it in items))
+    wall = time.perf_counter() - t0
+    done.set()
+    await tick
+    if bar is not None:
+        bar.close()
+    after = engine.stats()
+    q = after.prefix_cache_query_tokens - before.prefix_cache_query_tokens
+    h = after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
+    return BenchResult(
+        workload=workload, engine="asyncpage", dtype=engine.config.dtype, num_requests=len(items),
+        output_tokens=sum(counts), prompt_tokens=sum(len(i.prompt) for i in items), wall_s=wall,
+        throughput_tok_s=sum(counts) / wall, ttft_p50_ms=_pct(ttfts, 50), ttft_p99_ms=_pct(ttfts, 99),
+        itl_p50_ms=_pct(itls, 50), itl_p99_ms=_pct(itls, 99), loop_lag_p50_ms=_pct(lags, 50),
+        loop_lag_p99_ms=_pct(lags, 99), peak_kv_blocks_used=peak, kv_blocks_total=after.kv_blocks_total,
+        num_preemptions=after.num_preemptions - before.num_preemptions,
+        prefix_cache_hit_rate=h / q if q else None)
+
+
+def transformers_model(engine: AsyncEngine) -> Any:
+    """transformers' own model class holding the very tensors asyncpage runs (same dequantized
+    weights, same dtype)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = engine.model_config
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, engine.config.dtype))
+    state = engine.runner.model.state_dict()  # type: ignore[attr-defined]
+    hf.load_state_dict(state, strict=False, assign=True)
+    hf.tie_weights()
+    hf.eval()
+    missing = [n for n, p in hf.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise RuntimeError(f"transformers model lacks {missing[:3]}")
+    return hf
+
+
+def run_transformers_static(hf: Any, items: list[Item], dtype: str, batch_size: int = 8,
+                            progress: bool = True) -> BenchResult:
+    """transformers generate() on static, left-padded batches of `batch_size`, in arrival order:
+    each batch runs until its longest request is done. Useful tokens = what each request asked for."""
+    import torch
+
+    pad = 0
+    t0 = time.perf_counter()
+    batches = [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
+    it: Any = batches
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(batches, desc="transformers static batches", unit="batch", leave=False)
+    for batch in it:
+        width = max(len(x.prompt) for x in batch)
+        ids = torch.tensor([[pad] * (width - len(x.prompt)) + x.prompt for x in batch])
+        mask = torch.tensor([[0] * (width - len(x.prompt)) + [1] * len(x.prompt) for x in batch])
+        with torch.inference_mode():
+            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(x.max_tokens for x in batch),
+                        do_sample=False, eos_token_id=None, pad_token_id=pad)
+    wall = time.perf_counter() - t0
+    useful = sum(x.max_tokens for x in items)
+    return BenchResult(workload="", engine=f"transformers generate() static batches of {batch_size}", dtype=dtype,
+                       num_requests=len(items), output_tokens=useful,
+                       prompt_tokens=sum(len(i.prompt) for i in items), wall_s=wall, throughput_tok_s=useful / wall)
+
+
+def format_result(r: BenchResult) -> str:
+    def f(x: float | None, unit: str = "") -> str:
+        return "-" if x is None else f"{x:.1f}{unit}"
+
+    lines = [f"{r.engine} [{r.dtype}] {r.workload}: {r.num_requests} requests, {r.prompt_tokens} prompt + "
+             f"{r.output_tokens} output tokens in {r.wall_s:.1f} s -> {r.throughput_tok_s:.1f} tok/s"]
+    if r.ttft_p50_ms is not None:
+        lines.append(f"  TTFT p50/p99 {f(r.ttft_p50_ms)}/{f(r.ttft_p99_ms)} ms, ITL p50/p99 {f(r.itl_p50_ms)}/"
+                     f"{f(r.itl_p99_ms)} ms, event-loop lag p50/p99 {f(r.loop_lag_p50_ms)}/{f(r.loop_lag_p99_ms)} ms")
+        hit = "-" if r.prefix_cache_hit_rate is None else f"{100 * r.prefix_cache_hit_rate:.0f}%"
+        lines.append(f"  KV blocks peak {r.peak_kv_blocks_used}/{r.kv_blocks_total}, preemptions "
+                     f"{r.num_preemptions}, prefix-cache hit rate {hit}")
+    return "\n".join(lines)
+
+
+def summary_stats(xs: list[float]) -> str:
+    return f"median {statistics.median(xs):.3f}"

@@ -1,0 +1,99 @@
+"""The `asyncpage` command: `asyncpage bench` (figures, optionally against transformers) and
+`asyncpage generate` (one streamed completion)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+
+import msgspec
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="asyncpage", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="stream one completion to the terminal")
+    g.add_argument("prompt")
+    _model_args(g)
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+
+    b = sub.add_parser("bench", help="throughput and latency figures (printed, never asserted)")
+    _model_args(b)
+    b.add_argument("--workload", default="mixed", choices=["mixed", "shared-prefix", "long-prompt", "single"])
+    b.add_argument("-n", "--num-requests", type=int, default=32)
+    b.add_argument("--max-num-seqs", type=int, default=64)
+    b.add_argument("--max-num-batched-tokens", type=int, default=512)
+    b.add_argument("--num-kv-blocks", type=int, default=None)
+    b.add_argument("--no-prefix-caching", action="store_true")
+    b.add_argument("--baseline", choices=["transformers"], default=None,
+                   help="also run transformers' generate() with static batches of 8 on the same weights")
+    b.add_argument("--json", action="store_true", help="print machine-readable results")
+    b.add_argument("--seed", type=int, default=0)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.cmd == "generate":
+        return asyncio.run(_generate(args))
+    return asyncio.run(_bench(args))
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF directory, cached hub id or .gguf (default: gemma-3-270m)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=None)
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    from asyncpage import AsyncEngine, SamplingParams
+
+    engine = AsyncEngine.from_pretrained(args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
+    async with engine:
+        async for chunk in engine.stream(args.prompt, SamplingParams(max_tokens=args.max_tokens,
+                                                                    temperature=args.temperature)):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+async def _bench(args: argparse.Namespace) -> int:
+    from asyncpage import AsyncEngine
+    from asyncpage.bench import format_result, make_workload, run_engine, run_transformers_static, transformers_model
+
+    engine = AsyncEngine.from_pretrained(
+        args.model, dtype=args.dtype, device=args.device, num_threads=args.threads, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=not args.no_prefix_caching)
+    print(f"# model {engine.model_source} [{engine.config.dtype}, {engine.config.num_threads} threads], "
+          f"loaded in {engine.load_seconds:.1f} s; KV pool {engine.config.num_kv_blocks} blocks of "
+          f"{engine.config.block_size}", file=sys.stderr)
+    bos = engine.tokenizer.bos_token_id
+    items = make_workload(args.workload, args.num_requests, engine.vocab_size, bos, args.seed)
+    async with engine:
+        # Warm-up: first-call allocations and kernel selection stay out of the figures.
+        await run_engine(engine, make_workload("single", 1, engine.vocab_size, bos, 99)[:1], "warmup", False)
+        res = await run_engine(engine, items, args.workload)
+    results = [res]
+    if args.baseline == "transformers":
+        hf = transformers_model(engine)
+        base = run_transformers_static(hf, items, engine.config.dtype)
+        base.workload = args.workload
+        results.append(base)
+    if args.json:
+        print(json.dumps([msgspec.to_builtins(r) for r in results], indent=1))
+    else:
+        for r in results:
+            print(format_result(r))
+        if len(results) == 2:
+            print(f"ratio asyncpage / transformers: {res.throughput_tok_s / results[1].throughput_tok_s:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
