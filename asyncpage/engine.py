@@ -42,6 +42,7 @@ from asyncpage.kv_cache import KVCacheManager
 from asyncpage.outputs import (
     Choice,
     EngineStats,
+    FinishedRequest,
     FinishReason,
     GenerateOutput,
     RequestMetrics,
@@ -221,6 +222,7 @@ class AsyncEngine:
         self._seed_rng = random.SystemRandom()
         self._finished = 0
         self._generated = 0
+        self._finish_hooks: list[Callable[[FinishedRequest], None]] = []
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -368,6 +370,11 @@ class AsyncEngine:
                           lps.get(i) if params.logprobs is not None else None) for i in range(params.n)]
         return GenerateOutput(list(req.prompt_token_ids), choices, _metrics(req))
 
+    def on_request_finished(self, callback: Callable[[FinishedRequest], None]) -> None:
+        """Call `callback` on the event loop as each request ends (metrics exporters, logging).
+        It must be quick; an exception in it is logged and otherwise ignored."""
+        self._finish_hooks.append(callback)
+
     def stats(self) -> EngineStats:
         pool = self.kv.pool
         used_slots = sum(min(s.num_computed_tokens, len(s.table.blocks) * self.kv.block_size)
@@ -479,7 +486,22 @@ class AsyncEngine:
             req = self._aborts.popleft()
             for seq in req.seqs:
                 self.scheduler.finish(seq, "abort")
-            self._requests.pop(req.request_id, None)
+            if self._requests.pop(req.request_id, None) is not None:
+                req.times.finished = time.monotonic()
+                self._report(req)
+
+    def _report(self, req: Request) -> None:
+        if not self._finish_hooks:
+            return
+        done = FinishedRequest(
+            request_id=req.request_id, num_prompt_tokens=len(req.prompt_token_ids),
+            num_generated_tokens=sum(s.num_output_tokens for s in req.seqs),
+            finish_reasons=[s.finish_reason or "abort" for s in req.seqs], metrics=_metrics(req))
+        for hook in self._finish_hooks:
+            try:
+                hook(done)
+            except Exception:
+                log.exception("on_request_finished callback failed")
 
     def _wake(self) -> None:
         if self._wake_event is not None:
@@ -539,6 +561,7 @@ class AsyncEngine:
                 t.finished = now
                 self._finished += 1
                 self._requests.pop(req.request_id, None)
+                self._report(req)
 
     def _die(self, exc: BaseException) -> None:
         log.error("asyncpage engine loop failed; failing every request", exc_info=exc)

@@ -49,6 +49,16 @@ class RequestMetrics(msgspec.Struct, frozen=True):
     num_cached_prompt_tokens: int
 
 
+class FinishedRequest(msgspec.Struct, frozen=True):
+    """What `engine.on_request_finished` callbacks receive, once per request (aborted ones included)."""
+
+    request_id: int
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    finish_reasons: list[FinishReason]
+    metrics: RequestMetrics
+
+
 class GenerateOutput(msgspec.Struct, frozen=True):
     """A finished request. `text`, `token_ids` and `finish_reason` are those of choices[0]."""
 
