@@ -47,7 +47,7 @@ class PrometheusMetrics:
                                          registry=self.registry)
 
         class _Gauges:
-            def collect(_self) -> Iterator[Any]:  # noqa: N805 - prometheus' collector protocol
+            def collect(_self) -> Iterator[Any]:
                 s = engine.stats()
 
                 def g(name: str, doc: str, value: float) -> Any:
