@@ -36,9 +36,12 @@ from asyncpage.detokenizer import IncrementalDetokenizer
 from asyncpage.errors import (
     EngineDeadError,
     EngineNotRunningError,
+    ExtractionError,
     InvalidRequestError,
     PromptTooLongError,
 )
+from asyncpage.guided import GrammarManager, GuidedSpec
+from asyncpage.guided.backend import closed_objects
 from asyncpage.kv_cache import KVCacheManager
 from asyncpage.outputs import (
     Choice,
@@ -194,9 +197,10 @@ class RequestStream:
 class AsyncEngine:
     """An in-process inference engine. Construct with `from_pretrained`, run with `async with`."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, guided: GrammarManager) -> None:
         """Prefer `from_pretrained`. Binds to no event loop: that happens in `async with`."""
         self.config = config
+        self.guided = guided
         self._loaded = loaded
         self._options: dict[str, Any] = {}
         self.model_source = loaded.source
@@ -242,18 +246,22 @@ class AsyncEngine:
         max_model_len: int | None = None,
         kv_cache_memory: int | None = None,
         num_threads: int | None = None,
+        guided_backend: str = "llguidance",
+        grammar_compile_timeout: float = 5.0,
     ) -> AsyncEngine:
         """Load a model. `model=None` is gemma-3-270m from its PyPI package; else a local HF
         directory, an HF hub id already in the local cache, or a .gguf file.
         `num_kv_blocks=None` sizes the pool from `kv_cache_memory` bytes (default: 2 GiB on the CPU,
         80% of free GPU memory on CUDA). `num_threads` sets torch's (process-wide) CPU thread pool;
-        default: the cores this process may use."""
+        default: the cores this process may use. Guided decoding uses `guided_backend` ("llguidance" or
+        "xgrammar"); a grammar that takes longer than `grammar_compile_timeout` s is refused."""
         dev = _resolve_device(device)
         dt = _resolve_dtype(dtype, dev)
         options = dict(block_size=block_size, num_kv_blocks=num_kv_blocks,
                        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                        enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend,
-                       max_model_len=max_model_len, kv_cache_memory=kv_cache_memory)
+                       max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
+                       guided_backend=guided_backend, grammar_compile_timeout=grammar_compile_timeout)
         _check_options(options)
         threads = num_threads or len(os.sched_getaffinity(0))
         # One deliberate thread pool for the whole process; two cores are easy to oversubscribe.
@@ -291,7 +299,9 @@ class AsyncEngine:
             max_num_batched_tokens=options["max_num_batched_tokens"], max_num_seqs=options["max_num_seqs"],
             max_model_len=max_len, enable_prefix_caching=options["enable_prefix_caching"],
             attention_backend=_resolve_backend(options["attention_backend"], dev), num_threads=threads)
-        engine = cls(loaded, config)
+        engine = cls(loaded, config, GrammarManager(
+            loaded.tokenizer, int(mc.vocab_size), sorted(loaded.eos_token_ids), options["guided_backend"],
+            options["grammar_compile_timeout"]))
         engine._options = options
         if config.attention_backend == "triton":
             from asyncpage.kernels import use_triton_attention
@@ -371,6 +381,52 @@ class AsyncEngine:
                           lps.get(i) if params.logprobs is not None else None) for i in range(params.n)]
         return GenerateOutput(list(req.prompt_token_ids), choices, _metrics(req))
 
+    async def extract(self, prompt: Prompt, schema: Any, params: SamplingParams | None = None, *,
+                      chat: bool = False) -> Any:
+        """Generate one JSON value constrained to `schema` and return it typed.
+
+        `schema` is a msgspec.Struct type (or any type msgspec can describe: its JSON Schema is used and
+        the result is decoded into it) or a JSON Schema dict (the result is the decoded JSON). `params`
+        defaults to greedy with max_tokens=1024; its json_schema is replaced by `schema`. With
+        `chat=True` the prompt is wrapped in the model's chat template. Raises GrammarError for an
+        unsupported schema, ExtractionError when the output is cut at max_tokens or does not decode.
+
+            class Invoice(msgspec.Struct):
+                number: str
+                total: float
+            inv = await engine.extract("Invoice INV-7, total 12.50 EUR. JSON:", Invoice)
+        """
+        if isinstance(schema, dict):
+            json_schema, target = schema, None
+        else:
+            try:
+                json_schema, target = closed_objects(msgspec.json.schema(schema)), schema
+            except (TypeError, ValueError) as exc:
+                raise InvalidRequestError("schema", f"not a msgspec type or JSON Schema dict: {exc}") from exc
+        base = params or SamplingParams(max_tokens=1024, temperature=0)
+        params = msgspec.structs.replace(base, json_schema=json_schema, regex=None, choice=None, grammar=None)
+        if chat:
+            prompt = self.apply_chat_template(prompt)
+        out = await self.generate(prompt, params)
+        if out.finish_reason == "length":
+            raise ExtractionError("truncated", f"output reached max_tokens={params.max_tokens} before the "
+                                  "value was complete", out.text)
+        try:
+            return msgspec.json.decode(out.text, type=target) if target is not None else msgspec.json.decode(out.text)
+        except msgspec.DecodeError as exc:
+            raise ExtractionError("invalid", str(exc), out.text) from exc
+
+    def apply_chat_template(self, prompt: Prompt) -> list[int]:
+        """Wrap a user message in the model's chat template (with the generation prompt); token ids,
+        so the template's own BOS is not doubled by the tokenizer."""
+        if not isinstance(prompt, str):
+            raise InvalidRequestError("chat", "the chat template applies to str prompts")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("chat", f"{self.model_source} has no chat template")
+        text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                  add_generation_prompt=True)
+        return list(self.tokenizer(str(text), add_special_tokens=False)["input_ids"])
+
     def on_request_finished(self, callback: Callable[[FinishedRequest], None]) -> None:
         """Call `callback` on the event loop as each request ends (metrics exporters, logging).
         It must be quick; an exception in it is logged and otherwise ignored."""
@@ -401,6 +457,8 @@ class AsyncEngine:
             raise InvalidRequestError("params", f"must be SamplingParams, got {type(params).__name__}")
         ids = await self._tokenize(prompt)
         self._validate(ids, params)
+        spec = GuidedSpec.from_params(params)
+        compiled = await self.guided.compile(spec) if spec is not None else None
         if self._dead is not None or not self._running:  # it may have changed while tokenizing
             raise EngineNotRunningError("the engine stopped while the request was being prepared")
         rid = next(self._ids)
@@ -409,7 +467,7 @@ class AsyncEngine:
         seq = Sequence(
             seq_id=self.scheduler.new_seq_id(), index=0, request=req, token_ids=list(ids),
             generator=self._make_generator(req, 0), detokenizer=self._detokenizer(ids, params),
-            num_prompt_tokens=len(ids))
+            num_prompt_tokens=len(ids), matcher=compiled.new_matcher() if compiled is not None else None)
         req.seqs.append(seq)
         self._requests[rid] = req
         self.scheduler.add(seq)
@@ -452,9 +510,6 @@ class AsyncEngine:
             raise PromptTooLongError(
                 "max_tokens", f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the KV pool "
                 f"({pool_tokens} tokens); lower max_tokens or raise num_kv_blocks")
-        if params.guided:
-            field = next(n for n in ("json_schema", "regex", "choice", "grammar") if getattr(params, n) is not None)
-            raise InvalidRequestError(field, "guided decoding is not available in this version of asyncpage")
 
     def _detokenizer(self, ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
@@ -540,7 +595,7 @@ class AsyncEngine:
                 times.first_scheduled = now
         sampled = dict(zip(result.seq_ids, result.sampled.tokens, strict=True))
         logprobs = dict(zip(result.seq_ids, result.sampled.logprobs, strict=True))
-        for seq, token in self.scheduler.update(out, sampled):
+        for seq, token in self.scheduler.update(out, sampled, result.grammar_done):
             self._generated += 1
             req = seq.request
             t = req.times
@@ -598,6 +653,11 @@ def _check_options(o: dict[str, Any]) -> None:
     for name in ("num_kv_blocks", "max_model_len", "kv_cache_memory"):
         if o[name] is not None and (not isinstance(o[name], int) or o[name] < 1):
             raise InvalidRequestError(name, f"must be None or an integer >= 1, got {o[name]!r}")
+    if o["guided_backend"] not in ("llguidance", "xgrammar"):
+        raise InvalidRequestError("guided_backend", f"must be llguidance or xgrammar, got {o['guided_backend']!r}")
+    t = o["grammar_compile_timeout"]
+    if not isinstance(t, int | float) or t <= 0:
+        raise InvalidRequestError("grammar_compile_timeout", f"must be > 0 seconds, got {t!r}")
     if o["attention_backend"] not in ("auto", "torch", "triton"):
         raise InvalidRequestError("attention_backend", f"must be torch, triton or auto, got {o['attention_backend']!r}")
 

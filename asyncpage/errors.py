@@ -4,6 +4,7 @@ AsyncPageError
 ├── InvalidRequestError (also a ValueError)   bad input, raised at submission; names the field
 │   ├── PromptTooLongError                    longer than the context or the whole KV pool
 │   └── GrammarError                          unsupported schema, grammar that fails or times out
+├── ExtractionError                           extract(): output cut at max_tokens or not decodable
 ├── EngineDeadError (also a RuntimeError)     the engine loop failed; every caller hears it
 ├── EngineNotRunningError                     used outside `async with engine:`
 └── ModelLoadError                            weights, config or tokenizer could not be loaded
@@ -31,6 +32,16 @@ class PromptTooLongError(InvalidRequestError):
 
 class GrammarError(InvalidRequestError):
     """A guided-decoding spec that cannot be compiled (unsupported keyword, timeout, syntax)."""
+
+
+class ExtractionError(AsyncPageError):
+    """extract() could not produce a typed value. `reason` is "truncated" (max_tokens reached before
+    the value was complete) or "invalid" (the text did not decode into the requested type)."""
+
+    def __init__(self, reason: str, message: str, text: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.text = text
 
 
 class EngineDeadError(AsyncPageError, RuntimeError):

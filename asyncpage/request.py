@@ -22,6 +22,7 @@ from asyncpage.params import SamplingParams
 if TYPE_CHECKING:
     from asyncpage.detokenizer import IncrementalDetokenizer
     from asyncpage.engine import Mailbox
+    from asyncpage.guided import Matcher
 
 
 class SeqStatus(enum.Enum):
@@ -71,8 +72,9 @@ class Sequence:
     table: BlockTable = field(default_factory=BlockTable)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
-    aborted: bool = False
     logprobs: list[TokenLogprob] | None = None
+    # Guided decoding state; advanced only by the worker thread, right after this sequence is sampled.
+    matcher: Matcher | None = None
 
     @property
     def num_tokens(self) -> int:

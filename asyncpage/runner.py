@@ -8,11 +8,14 @@ reading state the loop may change meanwhile (an abort, a new request).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from asyncpage.attention import AttentionMetadata, PrefillChunk
+from asyncpage.guided import Matcher
+from asyncpage.guided.backend import bitmask_width
 from asyncpage.models import CausalLM
 from asyncpage.sampling import SampleResult, SampleSpec, needs_history, sample
 from asyncpage.scheduler import SchedulerOutput
@@ -33,6 +36,7 @@ class StepBatch:
 class StepResult:
     seq_ids: list[int]
     sampled: SampleResult
+    grammar_done: frozenset[int] = frozenset()  # sequences whose grammar is complete (or broken)
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -57,6 +61,7 @@ class ModelRunner:
             # NaN garbage times a zero attention weight would still be NaN.
             self.caches.append((torch.zeros(shape, dtype=dtype, device=device),
                                 torch.zeros(shape, dtype=dtype, device=device)))
+        self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="asyncpage-masks")
 
     # ---- on the event loop -----------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> StepBatch:
@@ -93,7 +98,7 @@ class ModelRunner:
                     specs.append(SampleSpec(
                         seq_id=s.seq_id, params=p, generator=s.generator,
                         prompt_ids=list(s.token_ids[: s.num_prompt_tokens]) if p.repetition_penalty != 1 else None,
-                        output_ids=list(s.output_token_ids) if hist else None))
+                        output_ids=list(s.output_token_ids) if hist else None, matcher=s.matcher))
         meta = AttentionMetadata(block_size=bs, slot_mapping=self._t(slots), prefills=prefills)
         if decode_rows:
             width = max(len(t) for t in decode_tables)
@@ -113,13 +118,33 @@ class ModelRunner:
             for k, v in self.caches:
                 k[dst].copy_(k[src])
                 v[dst].copy_(v[src])
+        guided = [(i, s.matcher) for i, s in enumerate(batch.specs) if s.matcher is not None]
+        bitmask = masks = None
+        if guided:
+            # Masks are filled on the CPU while the forward pass runs (the grammar engines release the GIL).
+            bitmask = torch.full((len(batch.specs), bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
+            masks = self._mask_pool.submit(_fill_masks, guided, bitmask)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.caches)
         logits = self.model.compute_logits(hidden[batch.logit_rows])
         logits = logits[batch.spec_rows].cpu()
-        return StepResult([s.seq_id for s in batch.specs], sample(logits, batch.specs))
+        if masks is not None:
+            masks.result()
+        result = sample(logits, batch.specs, bitmask)
+        done = set()
+        for i, m in guided:
+            # A rejected token cannot happen with a correct mask; if it does, end the sequence rather
+            # than keep generating outside the grammar.
+            if not m.accept(result.tokens[i]) or m.is_terminated():
+                done.add(batch.specs[i].seq_id)
+        return StepResult([s.seq_id for s in batch.specs], result, frozenset(done))
 
     @torch.inference_mode()
     def forward_logits(self, batch: StepBatch) -> torch.Tensor:
         """Logits of every row of the batch (tests compare them with transformers)."""
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.caches)
         return self.model.compute_logits(hidden)
+
+
+def _fill_masks(guided: list[tuple[int, Matcher]], bitmask: torch.Tensor) -> None:
+    for row, matcher in guided:
+        matcher.fill_bitmask(bitmask, row)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncpage.guided import Matcher, apply_bitmask
 from asyncpage.outputs import TokenLogprob
 from asyncpage.params import SamplingParams
 
@@ -24,7 +25,7 @@ class SampleSpec:
     generator: torch.Generator | None
     prompt_ids: list[int] | None = None  # only when a repetition penalty needs them
     output_ids: list[int] | None = None  # only when a penalty needs them
-    allowed: torch.Tensor | None = None  # bool [V]: guided decoding's mask for this row
+    matcher: Matcher | None = None  # guided decoding: its mask row is applied before anything else
 
 
 @dataclass
@@ -37,16 +38,21 @@ def needs_history(p: SamplingParams) -> bool:
     return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
 
 
-def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> SampleResult:
-    """logits: [N, V] float32, one row per spec (rows may repeat for forked samples)."""
-    n, vocab = logits.shape
+def sample(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor | None = None) -> SampleResult:
+    """logits: [N, V] float32, one row per spec (rows may repeat for forked samples).
+    bitmask: [N, ceil(V/32)] int32 guided-decoding masks (rows of unconstrained specs are ignored)."""
+    n = logits.shape[0]
     raw_logprobs = None
     if any(s.params.logprobs is not None for s in specs):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     logits = logits.clone()
+    if bitmask is not None:
+        rows = [i for i, s in enumerate(specs) if s.matcher is not None]
+        if rows:
+            masked = logits[rows]
+            apply_bitmask(masked, bitmask[rows])
+            logits[rows] = masked
     for i, s in enumerate(specs):
-        if s.allowed is not None:
-            logits[i].masked_fill_(~s.allowed[:vocab], float("-inf"))
         if needs_history(s.params):
             _apply_penalties(logits[i], s)
 

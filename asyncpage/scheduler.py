@@ -139,7 +139,8 @@ class Scheduler:
                 generator=self.make_generator(req, index),
                 detokenizer=parent.detokenizer.fork() if parent.detokenizer else None,
                 num_prompt_tokens=parent.num_prompt_tokens, num_computed_tokens=num_computed,
-                table=self.kv.fork(parent.table), status=SeqStatus.RUNNING)
+                table=self.kv.fork(parent.table), status=SeqStatus.RUNNING,
+                matcher=parent.matcher.fork() if parent.matcher is not None else None)
             req.seqs.append(child)
             self.running.append(child)
             children.append(child)
@@ -154,9 +155,11 @@ class Scheduler:
         seq.request.num_preemptions += 1
 
     # ---- after the step ------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[tuple[Sequence, int]]:
+    def update(self, out: SchedulerOutput, sampled: dict[int, int],
+               grammar_done: frozenset[int] = frozenset()) -> list[tuple[Sequence, int]]:
         """Advance computed counts, append sampled tokens, apply token-level stops.
-        `sampled` maps seq_id -> token. Returns the (sequence, new token) pairs still alive."""
+        `sampled` maps seq_id -> token; `grammar_done` holds the sequences whose grammar is complete.
+        Returns the (sequence, new token) pairs still alive."""
         new_tokens: list[tuple[Sequence, int]] = []
         for sched in out.scheduled:
             seq = sched.seq
@@ -172,7 +175,7 @@ class Scheduler:
                 token = sampled[seq.seq_id]
                 seq.token_ids.append(token)
                 new_tokens.append((seq, token))
-                reason = self._stop_reason(seq, token)
+                reason = "stop" if seq.seq_id in grammar_done else self._stop_reason(seq, token)
                 if reason is not None:
                     self.finish(seq, reason)
         return new_tokens

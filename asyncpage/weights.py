@@ -85,6 +85,28 @@ def load(model: str | os.PathLike[str] | None, dtype: torch.dtype, device: torch
     return LoadedModel(module, config, tokenizer, frozenset(eos), str(path), dt)
 
 
+def load_tokenizer(model: str | os.PathLike[str] | None) -> tuple[Any, Any, frozenset[int]]:
+    """(tokenizer, config, stop token ids) without the weights: what grammar work needs."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = resolve(model)
+    if path.suffix == ".gguf":
+        st = path.stat()
+        key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+        cached = cache_dir() / "gguf" / key
+        if not (cached / "index.json").exists():
+            _index_gguf(path, cached)
+        index = json.loads((cached / "index.json").read_text())
+        config = AutoConfig.for_model(index["model_type"], **index["config"])
+        tokenizer = AutoTokenizer.from_pretrained(cached / "tokenizer")
+        return tokenizer, config, frozenset(index["eos_token_ids"])
+    _, _, tokenizer, eos = _read_hf_dir(path, weights=False)
+    config = AutoConfig.from_pretrained(path)
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    return tokenizer, config, frozenset(eos)
+
+
 def _build(config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> CausalLM:
     cls = model_class(config)
     # Built on the meta device: no time spent on random init of weights about to be overwritten.
@@ -117,15 +139,15 @@ def _build(config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype, devi
 
 
 # ---- HF directories ----------------------------------------------------------------------
-def _read_hf_dir(path: Path) -> tuple[Any, dict[str, torch.Tensor], Any, set[int]]:
+def _read_hf_dir(path: Path, weights: bool = True) -> tuple[Any, dict[str, torch.Tensor], Any, set[int]]:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     config = AutoConfig.from_pretrained(path)
     if getattr(config, "text_config", None) is not None and config.model_type == "gemma3":
         raise ModelLoadError("multimodal Gemma 3 checkpoints are not supported; use a gemma3_text one")
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
+    files = sorted(path.glob("*.safetensors")) if weights else []
+    if weights and not files:
         raise ModelLoadError(f"{path} has no *.safetensors files")
     state: dict[str, torch.Tensor] = {}
     for f in files:

@@ -1,0 +1,1 @@
+"""Lark grammars shipped with asyncpage, usable by name: SamplingParams(grammar="sql_select")."""

@@ -1,0 +1,83 @@
+"""llguidance behind the backend protocol (the default backend)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from asyncpage.guided.backend import GuidedSpec, Matcher, choice_regex, drop_custom_formats, grammar_error
+
+# Compact JSON: no whitespace between tokens. Runaway whitespace until max_tokens is the most
+# reported failure of constrained decoding; a compact policy makes it impossible.
+JSON_OPTIONS = {"whitespace_flexible": False, "lenient": False}
+
+
+class LLGuidanceMatcher:
+    def __init__(self, m: Any) -> None:
+        self._m = m
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        v = bitmask[row]
+        self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+
+    def accept(self, token: int) -> bool:
+        return bool(self._m.consume_token(token))
+
+    def rollback(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)
+
+    def is_accepting(self) -> bool:
+        return bool(self._m.is_accepting())
+
+    def is_terminated(self) -> bool:
+        return bool(self._m.is_stopped())
+
+    def fork(self) -> Matcher:
+        return LLGuidanceMatcher(self._m.deep_copy())
+
+
+class LLGuidanceGrammar:
+    def __init__(self, template: Any) -> None:
+        self._template = template  # compiled once; each sequence gets a cheap deep copy
+
+    def new_matcher(self) -> Matcher:
+        return LLGuidanceMatcher(self._template.deep_copy())
+
+
+class LLGuidanceBackend:
+    name = "llguidance"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        import llguidance.hf
+
+        # Stop tokens are allowed by the mask only where the grammar accepts.
+        self._tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids)
+
+    def compile(self, spec: GuidedSpec) -> LLGuidanceGrammar:
+        from llguidance import LLMatcher
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        if spec.kind == "json_schema":
+            try:
+                schema = drop_custom_formats(json.loads(spec.value))
+                grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+            except ValueError as exc:
+                raise grammar_error(spec, str(exc)) from exc
+        elif spec.kind == "regex":
+            grammar = LLMatcher.grammar_from_regex(spec.value)
+        elif spec.kind == "choice":
+            grammar = LLMatcher.grammar_from_regex(choice_regex(json.loads(spec.value)))
+        else:
+            try:
+                grammar = LLMatcher.grammar_from_lark(any_to_lark(spec.value))  # GBNF/EBNF or Lark
+            except Exception as exc:
+                raise grammar_error(spec, f"cannot parse the grammar: {exc}") from exc
+        error = LLMatcher.validate_grammar(grammar, self._tok)
+        if error and not error.startswith("WARNING"):
+            raise grammar_error(spec, error)
+        matcher = LLMatcher(self._tok, grammar, log_level=0)
+        if matcher.is_error():
+            raise grammar_error(spec, matcher.get_error())
+        return LLGuidanceGrammar(matcher)
