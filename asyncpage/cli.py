@@ -35,10 +35,20 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", action="store_true", help="print machine-readable results")
     b.add_argument("--seed", type=int, default=0)
 
+    gb = sub.add_parser("bench-guided", help="guided decoding: compile / mask time, coverage, throughput")
+    _model_args(gb)
+    gb.add_argument("--data", default="../shared/data", help="folder with json-schema-test-suite and "
+                    "jsonschemabench-dev")
+    gb.add_argument("--backend", default="llguidance", choices=["llguidance", "xgrammar"])
+    gb.add_argument("-n", "--num-requests", type=int, default=16)
+    gb.add_argument("--no-throughput", action="store_true", help="only the model-free figures")
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.cmd == "generate":
         return asyncio.run(_generate(args))
+    if args.cmd == "bench-guided":
+        return asyncio.run(_bench_guided(args))
     return asyncio.run(_bench(args))
 
 
@@ -92,6 +102,42 @@ async def _bench(args: argparse.Namespace) -> int:
             print(format_result(r))
         if len(results) == 2:
             print(f"ratio asyncpage / transformers: {res.throughput_tok_s / results[1].throughput_tok_s:.2f}x")
+    return 0
+
+
+async def _bench_guided(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from asyncpage.guided import GrammarManager
+    from asyncpage.guided.conformance import load_cases, run_all, summarize
+    from asyncpage.weights import load_tokenizer
+
+    tok, config, eos = load_tokenizer(args.model)
+    manager = GrammarManager(tok, config.vocab_size, sorted(eos), args.backend)
+    manager.backend()
+    cases = load_cases(Path(args.data))
+    results = list(tqdm(run_all(manager, tok, cases, config.vocab_size), total=len(cases), desc="schemas",
+                        leave=False))
+    for name, prefix in (("JSONSchemaBench dev", "bench/"), ("JSON Schema Test Suite 2020-12", "suite/")):
+        s = summarize([r for r in results if r.case_id.startswith(prefix)])
+        print(f"{args.backend} on {name}: {s['compiled']}/{s['schemas']} compiled ({100 * s['coverage']:.1f}%), "
+              f"valid accepted {100 * s['valid_accepted']:.2f}% of {s['valid_instances']}, invalid accepted "
+              f"{s['invalid_accepted']} of {s['invalid_instances']}; compile p50/p99 {s['compile_p50_ms']:.1f}/"
+              f"{s['compile_p99_ms']:.1f} ms; mask p50/p99 {s['mask_p50_us']:.1f}/{s['mask_p99_us']:.1f} us")
+    if args.no_throughput:
+        return 0
+    from asyncpage import AsyncEngine
+    from asyncpage.bench import guided_throughput
+
+    engine = AsyncEngine.from_pretrained(args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
+                                         guided_backend=args.backend)
+    async with engine:
+        t = await guided_throughput(engine, args.num_requests)
+    print(f"{args.num_requests} concurrent requests [{engine.config.dtype}]: constrained {t['constrained_tok_s']:.1f} "
+          f"tok/s vs unconstrained {t['unconstrained_tok_s']:.1f} tok/s "
+          f"({100 * t['constrained_tok_s'] / t['unconstrained_tok_s']:.0f}%)")
     return 0
 
 

@@ -10,7 +10,6 @@ import torch
 from asyncpage.errors import GrammarError
 from asyncpage.guided.backend import GuidedSpec, Matcher, choice_regex, grammar_error, schema_keywords
 
-
 # Keywords xgrammar enforces. It silently ignores the others (not, uniqueItems, if/then/else, ...),
 # which would accept instances the schema forbids: such schemas are refused instead.
 ENFORCED = frozenset({
