@@ -43,12 +43,28 @@ def main(argv: list[str] | None = None) -> int:
     gb.add_argument("-n", "--num-requests", type=int, default=16)
     gb.add_argument("--no-throughput", action="store_true", help="only the model-free figures")
 
+    x = sub.add_parser("extract", help="typed JSON from every record of a JSONL file")
+    x.add_argument("--schema", required=True, help="a JSON Schema file or module:StructName")
+    x.add_argument("--input", required=True, help="JSONL: one JSON object per line")
+    x.add_argument("--output", required=True, help="JSONL: one result line per input line")
+    x.add_argument("--prompt", default=None, help="template over the record's fields, e.g. "
+                   "'Contract:\n{text}\nParties as JSON: ' (default: '{text}\n\nThe information above as JSON: ')")
+    _model_args(x)
+    x.add_argument("--max-tokens", type=int, default=512)
+    x.add_argument("--max-prompt-tokens", type=int, default=None, help="refuse longer records (prompt_too_long)")
+    x.add_argument("--concurrency", type=int, default=16)
+    x.add_argument("--id-field", default="id")
+    x.add_argument("--resume", action="store_true", help="skip ids already in the output and append")
+    x.add_argument("--no-progress", action="store_true")
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.cmd == "generate":
         return asyncio.run(_generate(args))
     if args.cmd == "bench-guided":
         return asyncio.run(_bench_guided(args))
+    if args.cmd == "extract":
+        return _extract(args)
     return asyncio.run(_bench(args))
 
 
@@ -102,6 +118,42 @@ async def _bench(args: argparse.Namespace) -> int:
             print(format_result(r))
         if len(results) == 2:
             print(f"ratio asyncpage / transformers: {res.throughput_tok_s / results[1].throughput_tok_s:.2f}x")
+    return 0
+
+
+def _extract(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from asyncpage import AsyncEngine, AsyncPageError
+    from asyncpage.extract import DEFAULT_PROMPT
+    from asyncpage.jobs import JobSummary, load_schema, run_job
+
+    summary: JobSummary | None = None
+
+    async def main() -> None:
+        nonlocal summary
+        engine = AsyncEngine.from_pretrained(args.model, dtype=args.dtype, device=args.device,
+                                             num_threads=args.threads, max_num_seqs=max(args.concurrency, 1))
+        async with engine:
+            summary = await run_job(
+                engine, schema, Path(args.input), Path(args.output), prompt=prompt,
+                concurrency=args.concurrency, max_tokens=args.max_tokens, resume=args.resume, id_field=args.id_field,
+                max_prompt_tokens=args.max_prompt_tokens, progress=not args.no_progress)
+
+    # Shell quoting makes real newlines awkward: "\n" and "\t" in --prompt are newline and tab.
+    prompt = (args.prompt or DEFAULT_PROMPT).replace("\\n", "\n").replace("\\t", "\t")
+    try:
+        schema = load_schema(args.schema)
+        asyncio.run(main())
+    except AsyncPageError as exc:
+        print(f"asyncpage extract: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted: the output is valid; run again with --resume to finish", file=sys.stderr)
+        return 130
+    assert summary is not None
+    for line in summary.lines():
+        print(line, file=sys.stderr)
     return 0
 
 

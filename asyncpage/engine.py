@@ -22,7 +22,7 @@ import os
 import random
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
@@ -40,6 +40,7 @@ from asyncpage.errors import (
     InvalidRequestError,
     PromptTooLongError,
 )
+from asyncpage.extract import DEFAULT_PROMPT, ExtractResult, extract_many
 from asyncpage.guided import GrammarManager, GuidedSpec
 from asyncpage.guided.backend import closed_objects
 from asyncpage.kv_cache import KVCacheManager
@@ -91,10 +92,11 @@ class Mailbox:
     one pending chunk per sample. Memory stays bounded by the request's own output and the engine
     never waits for a slow reader."""
 
-    def __init__(self) -> None:
+    def __init__(self, notify: Callable[[], None] | None = None) -> None:
         self._pending: dict[int, _Pending] = {}
         self._event: anyio.Event | None = None
         self.error: BaseException | None = None
+        self._notify = notify  # extract_many: one wake-up shared by many requests
 
     def put(self, index: int, text: str, token_ids: list[int], logprob: TokenLogprob | None,
             finish_reason: FinishReason | None) -> None:
@@ -114,6 +116,13 @@ class Mailbox:
     def _wake(self) -> None:
         if self._event is not None:
             self._event.set()
+        if self._notify is not None:
+            self._notify()
+
+    def drain(self) -> dict[int, _Pending]:
+        """Everything pending, without waiting (for a reader that only looks once the request is done)."""
+        out, self._pending = self._pending, {}
+        return out
 
     async def get(self) -> list[StreamChunk]:
         while not self._pending and self.error is None:
@@ -416,6 +425,23 @@ class AsyncEngine:
         except msgspec.DecodeError as exc:
             raise ExtractionError("invalid", str(exc), out.text) from exc
 
+    def extract_many(self, items: Iterable[Any] | AsyncIterable[Any], schema: Any, *,
+                     prompt: str | Callable[[Mapping[str, Any]], str] = DEFAULT_PROMPT, concurrency: int = 32,
+                     params: SamplingParams | None = None, id_field: str = "id",
+                     max_prompt_tokens: int | None = None) -> AsyncIterator[ExtractResult]:
+        """Extract a typed value from each record, at most `concurrency` in flight.
+
+        `items`: records (dicts, or plain strings as {"text": ...}), sync or async iterable, read
+        lazily. `prompt`: a template over the record's fields (default "{text}\n\nThe information
+        above as JSON: ") or a function of the record. Yields ExtractResult in completion order, each
+        with the record's `id_field` (or its 1-based position), its value or its own error.
+
+            async for r in engine.extract_many(docs, Invoice, concurrency=16):
+                print(r.id, r.value if r.ok else r.error)
+        """
+        return extract_many(self, items, schema, prompt=prompt, concurrency=concurrency, params=params,
+                            id_field=id_field, max_prompt_tokens=max_prompt_tokens)
+
     def apply_chat_template(self, prompt: Prompt) -> list[int]:
         """Wrap a user message in the model's chat template (with the generation prompt); token ids,
         so the template's own BOS is not doubled by the tokenizer."""
@@ -448,7 +474,7 @@ class AsyncEngine:
             engine_error=repr(self._dead.__cause__) if self._dead is not None else None)
 
     # ---- submission -------------------------------------------------------------------------
-    async def _submit(self, prompt: Prompt, params: SamplingParams) -> Request:
+    async def _submit(self, prompt: Prompt, params: SamplingParams, mailbox: Mailbox | None = None) -> Request:
         if self._dead is not None:
             raise EngineDeadError(f"the engine died earlier: {self._dead.__cause__!r}") from self._dead
         if not self._running:
@@ -463,7 +489,7 @@ class AsyncEngine:
             raise EngineNotRunningError("the engine stopped while the request was being prepared")
         rid = next(self._ids)
         stop_ids = frozenset() if params.ignore_eos else self.eos_token_ids
-        req = Request(rid, ids, params, Mailbox(), stop_ids)
+        req = Request(rid, ids, params, mailbox or Mailbox(), stop_ids)
         seq = Sequence(
             seq_id=self.scheduler.new_seq_id(), index=0, request=req, token_ids=list(ids),
             generator=self._make_generator(req, 0), detokenizer=self._detokenizer(ids, params),

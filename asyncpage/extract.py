@@ -1,0 +1,170 @@
+"""Extraction jobs: typed values from many records, with bounded concurrency.
+
+`extract_many` keeps at most `concurrency` requests in the engine and pulls the next record only
+when one finishes, so memory stays flat whatever the number of records. Results come in completion
+order, each tagged with its record's id, carrying the value or that record's own error; one bad
+record never stops the job.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import msgspec
+
+from asyncpage.errors import InvalidRequestError, PromptTooLongError
+from asyncpage.guided import GuidedSpec
+from asyncpage.guided.backend import closed_objects
+from asyncpage.params import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncpage.engine import AsyncEngine
+    from asyncpage.request import Request
+
+DEFAULT_PROMPT = "{text}\n\nThe information above as JSON: "
+
+
+class ExtractError(msgspec.Struct, frozen=True):
+    reason: str  # invalid_input | prompt_too_long | truncated | invalid_output | engine_error
+    message: str
+
+
+class ExtractResult(msgspec.Struct, frozen=True, omit_defaults=True):
+    id: Any
+    value: Any = None
+    error: ExtractError | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+Record = Mapping[str, Any] | str
+
+
+_FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def render_prompt(template: str | Callable[[Mapping[str, Any]], str], record: Mapping[str, Any]) -> str:
+    """Fill `{field}` placeholders from the record. Only `{identifier}` is a placeholder, so JSON
+    examples in a prompt ({"name": ...}) need no escaping."""
+    if callable(template):
+        return template(record)
+
+    def field(m: re.Match[str]) -> str:
+        name = m.group(1)
+        if name not in record:
+            raise InvalidRequestError("prompt", f"the record has no field {name!r} used by the prompt template")
+        value = record[name]
+        return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+    return _FIELD.sub(field, template)
+
+
+async def _aiter(items: Iterable[Record] | AsyncIterable[Record]) -> AsyncIterator[Record]:
+    if isinstance(items, AsyncIterable):
+        async for x in items:
+            yield x
+    else:
+        for x in items:
+            yield x
+
+
+async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncIterable[Record], schema: Any, *,
+                       prompt: str | Callable[[Mapping[str, Any]], str] = DEFAULT_PROMPT, concurrency: int = 32,
+                       params: SamplingParams | None = None, id_field: str = "id",
+                       max_prompt_tokens: int | None = None) -> AsyncIterator[ExtractResult]:
+    """See AsyncEngine.extract_many."""
+    if concurrency < 1:
+        raise InvalidRequestError("concurrency", "must be >= 1")
+    if isinstance(schema, dict):
+        json_schema, target = schema, None
+    else:
+        json_schema, target = closed_objects(msgspec.json.schema(schema)), schema
+    base = params or SamplingParams(max_tokens=1024, temperature=0)
+    params = msgspec.structs.replace(base, json_schema=json_schema, regex=None, choice=None, grammar=None)
+    spec = GuidedSpec.from_params(params)
+    assert spec is not None
+    await engine.guided.compile(spec)  # an unsupported schema fails the call here, before any record
+
+    from asyncpage.engine import Mailbox
+
+    wake = anyio.Event()
+
+    def notify() -> None:
+        wake.set()
+
+    pending: dict[int, tuple[Any, Request]] = {}
+    ready: list[ExtractResult] = []
+    source = _aiter(items).__aiter__()
+    exhausted = False
+    index = 0
+    try:
+        while True:
+            while not exhausted and len(pending) < concurrency and not ready:
+                try:
+                    record = await source.__anext__()
+                except StopAsyncIteration:
+                    exhausted = True
+                    break
+                index += 1
+                if isinstance(record, str):
+                    record = {"text": record}
+                rid = record.get(id_field, index) if isinstance(record, Mapping) else index
+                try:
+                    if not isinstance(record, Mapping):
+                        raise InvalidRequestError("record", f"must be a JSON object or a string, got "
+                                                            f"{type(record).__name__}")
+                    text = render_prompt(prompt, record)
+                    ids = engine.tokenizer(text)["input_ids"] if len(text) <= 2000 else \
+                        (await anyio.to_thread.run_sync(engine.tokenizer, text))["input_ids"]
+                    if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+                        raise PromptTooLongError("prompt", f"{len(ids)} tokens > max_prompt_tokens={max_prompt_tokens}")
+                    req = await engine._submit(list(ids), params, Mailbox(notify))
+                except PromptTooLongError as exc:
+                    ready.append(ExtractResult(rid, error=ExtractError("prompt_too_long", exc.message)))
+                    continue
+                except InvalidRequestError as exc:
+                    ready.append(ExtractResult(rid, error=ExtractError("invalid_input", str(exc))))
+                    continue
+                pending[req.request_id] = (rid, req)
+            for key in [k for k, (_, r) in pending.items() if r.finished or r.mailbox.error is not None]:
+                rid, req = pending.pop(key)
+                ready.append(_result(rid, req, target))
+            if ready:
+                yield ready.pop(0)
+                continue
+            if exhausted and not pending:
+                return
+            await wake.wait()
+            wake = anyio.Event()
+    finally:
+        # The caller stopped early (break, cancel, error): abort what is still in flight.
+        for _, req in pending.values():
+            engine._abort(req)
+
+
+def _result(rid: Any, req: Request, target: Any) -> ExtractResult:
+    n_prompt = len(req.prompt_token_ids)
+    if req.mailbox.error is not None:
+        return ExtractResult(rid, error=ExtractError("engine_error", str(req.mailbox.error)), prompt_tokens=n_prompt)
+    out = req.mailbox.drain().get(0)
+    text = out.text if out else ""
+    n_out = len(out.token_ids) if out else 0
+    if out is None or out.finish_reason != "stop":
+        reason = out.finish_reason if out else "abort"
+        return ExtractResult(rid, error=ExtractError(
+            "truncated", f"generation ended by {reason} after {n_out} tokens: {text[-80:]!r}"),
+            prompt_tokens=n_prompt, output_tokens=n_out)
+    try:
+        value = msgspec.json.decode(text, type=target) if target is not None else msgspec.json.decode(text)
+    except msgspec.DecodeError as exc:
+        return ExtractResult(rid, error=ExtractError("invalid_output", str(exc)), prompt_tokens=n_prompt,
+                             output_tokens=n_out)
+    return ExtractResult(rid, value=value, prompt_tokens=n_prompt, output_tokens=n_out)
