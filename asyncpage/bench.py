@@ -143,16 +143,16 @@ def transformers_model(engine: AsyncEngine) -> Any:
     from transformers import AutoModelForCausalLM
 
     config = engine.model_config
-    with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, engine.config.dtype))
+    # Built for real (not on the meta device): its non-persistent buffers (rotary frequencies, the
+    # embedding scale) are computed at construction and are not in any state dict.
+    hf = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, engine.config.dtype))
     state = engine.runner.model.state_dict()  # type: ignore[attr-defined]
-    hf.load_state_dict(state, strict=False, assign=True)
-    hf.tie_weights()
-    hf.eval()
-    missing = [n for n, p in hf.named_parameters() if p.device.type == "meta"]
+    missing, _ = hf.load_state_dict(state, strict=False)
+    missing = [m for m in missing if m != "lm_head.weight"]  # tied to the embedding
     if missing:
         raise RuntimeError(f"transformers model lacks {missing[:3]}")
-    return hf
+    hf.tie_weights()
+    return hf.eval()
 
 
 def run_transformers_static(hf: Any, items: list[Item], dtype: str, batch_size: int = 8,
@@ -181,6 +181,33 @@ def run_transformers_static(hf: Any, items: list[Item], dtype: str, batch_size: 
     return BenchResult(workload="", engine=f"transformers generate() static batches of {batch_size}", dtype=dtype,
                        num_requests=len(items), output_tokens=useful,
                        prompt_tokens=sum(len(i.prompt) for i in items), wall_s=wall, throughput_tok_s=useful / wall)
+
+
+def run_transformers_continuous(hf: Any, items: list[Item], dtype: str) -> BenchResult:
+    """transformers' own continuous batching (the generate_batch() machinery), each request with its
+    own max_new_tokens and no EOS, on the same weights."""
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=max(
+        x.max_tokens for x in items))
+    t0 = time.perf_counter()
+    produced = 0
+    with hf.continuous_batching_context_manager(generation_config=cfg, block=True, timeout=5) as manager:
+        ids = [manager.add_request(x.prompt, max_new_tokens=x.max_tokens, eos_token_id=-1) for x in items]
+        pending = set(ids)
+        while pending:
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching thread stopped")
+                continue
+            if result.is_finished():
+                pending.discard(result.request_id)
+                produced += len(result.generated_tokens)
+    wall = time.perf_counter() - t0
+    return BenchResult(workload="", engine="transformers generate_batch() (continuous batching)", dtype=dtype,
+                       num_requests=len(items), output_tokens=produced,
+                       prompt_tokens=sum(len(i.prompt) for i in items), wall_s=wall, throughput_tok_s=produced / wall)
 
 
 def format_result(r: BenchResult) -> str:

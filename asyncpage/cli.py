@@ -90,7 +90,14 @@ async def _generate(args: argparse.Namespace) -> int:
 
 async def _bench(args: argparse.Namespace) -> int:
     from asyncpage import AsyncEngine
-    from asyncpage.bench import format_result, make_workload, run_engine, run_transformers_static, transformers_model
+    from asyncpage.bench import (
+        format_result,
+        make_workload,
+        run_engine,
+        run_transformers_continuous,
+        run_transformers_static,
+        transformers_model,
+    )
 
     engine = AsyncEngine.from_pretrained(
         args.model, dtype=args.dtype, device=args.device, num_threads=args.threads, max_num_seqs=args.max_num_seqs,
@@ -111,13 +118,19 @@ async def _bench(args: argparse.Namespace) -> int:
         base = run_transformers_static(hf, items, engine.config.dtype)
         base.workload = args.workload
         results.append(base)
+        try:
+            cb = run_transformers_continuous(hf, items, engine.config.dtype)
+            cb.workload = args.workload
+            results.append(cb)
+        except Exception as exc:  # an optional, still-moving transformers API: report, do not fail the bench
+            print(f"# transformers continuous batching failed: {exc!r}", file=sys.stderr)
     if args.json:
         print(json.dumps([msgspec.to_builtins(r) for r in results], indent=1))
     else:
         for r in results:
             print(format_result(r))
-        if len(results) == 2:
-            print(f"ratio asyncpage / transformers: {res.throughput_tok_s / results[1].throughput_tok_s:.2f}x")
+        for other in results[1:]:
+            print(f"ratio asyncpage / {other.engine}: {res.throughput_tok_s / other.throughput_tok_s:.2f}x")
     return 0
 
 

@@ -32,6 +32,7 @@ import msgspec
 import sniffio
 import torch
 
+from asyncpage.compute import ComputeThread
 from asyncpage.detokenizer import IncrementalDetokenizer
 from asyncpage.errors import (
     EngineDeadError,
@@ -206,9 +207,12 @@ class RequestStream:
 class AsyncEngine:
     """An in-process inference engine. Construct with `from_pretrained`, run with `async with`."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, guided: GrammarManager) -> None:
-        """Prefer `from_pretrained`. Binds to no event loop: that happens in `async with`."""
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, compute: ComputeThread,
+                 guided: GrammarManager) -> None:
+        """Prefer `from_pretrained` (which calls this on the compute thread, where the KV pool is
+        allocated). Binds to no event loop: that happens in `async with`."""
         self.config = config
+        self.compute = compute
         self.guided = guided
         self._loaded = loaded
         self._options: dict[str, Any] = {}
@@ -260,7 +264,7 @@ class AsyncEngine:
     ) -> AsyncEngine:
         """Load a model. `model=None` is gemma-3-270m from its PyPI package; else a local HF
         directory, an HF hub id already in the local cache, or a .gguf file.
-        `num_kv_blocks=None` sizes the pool from `kv_cache_memory` bytes (default: 2 GiB on the CPU,
+        `num_kv_blocks=None` sizes the pool from `kv_cache_memory` bytes (default: 1 GiB on the CPU,
         80% of free GPU memory on CUDA). `num_threads` sets torch's (process-wide) CPU thread pool;
         default: the cores this process may use. Guided decoding uses `guided_backend` ("llguidance" or
         "xgrammar"); a grammar that takes longer than `grammar_compile_timeout` s is refused."""
@@ -273,10 +277,10 @@ class AsyncEngine:
                        guided_backend=guided_backend, grammar_compile_timeout=grammar_compile_timeout)
         _check_options(options)
         threads = num_threads or len(os.sched_getaffinity(0))
-        # One deliberate thread pool for the whole process; two cores are easy to oversubscribe.
-        torch.set_num_threads(threads)
-        loaded = load(model, getattr(torch, dt), torch.device(dev))
-        return cls._build(loaded, dt, dev, threads, options)
+        # All torch work on one thread with one deliberately sized pool (see compute.py).
+        compute = ComputeThread(threads)
+        loaded = compute.run(load, model, getattr(torch, dt), torch.device(dev))
+        return compute.run(cls._build, loaded, dt, dev, compute, options)
 
     def clone(self, **overrides: Any) -> AsyncEngine:
         """A second engine on the same weights and tokenizer, with its own KV pool and scheduler
@@ -286,10 +290,12 @@ class AsyncEngine:
             raise InvalidRequestError(sorted(bad)[0], "cannot differ between engines sharing weights")
         options = {**self._options, **overrides}
         _check_options(options)
-        return self._build(self._loaded, self.config.dtype, self.config.device, self.config.num_threads, options)
+        return self.compute.run(self._build, self._loaded, self.config.dtype, self.config.device, self.compute,
+                                options)
 
     @classmethod
-    def _build(cls, loaded: LoadedModel, dt: str, dev: str, threads: int, options: dict[str, Any]) -> AsyncEngine:
+    def _build(cls, loaded: LoadedModel, dt: str, dev: str, compute: ComputeThread,
+               options: dict[str, Any]) -> AsyncEngine:
         mc = loaded.config
         block_size = options["block_size"]
         ctx = int(getattr(mc, "max_position_embeddings", 8192))
@@ -299,7 +305,7 @@ class AsyncEngine:
             per_block = kv_bytes_per_block(loaded.model, block_size, getattr(torch, dt))
             budget = options["kv_cache_memory"]
             if budget is None:
-                budget = int(torch.cuda.mem_get_info()[0] * 0.8) if dev == "cuda" else 2 << 30
+                budget = int(torch.cuda.mem_get_info()[0] * 0.8) if dev == "cuda" else 1 << 30
             num_kv_blocks = max(1, budget // per_block)
             # A pool larger than max_num_seqs full contexts is memory nobody can use.
             num_kv_blocks = min(num_kv_blocks, options["max_num_seqs"] * math.ceil(max_len / block_size))
@@ -307,8 +313,8 @@ class AsyncEngine:
             dtype=dt, device=dev, block_size=block_size, num_kv_blocks=num_kv_blocks,
             max_num_batched_tokens=options["max_num_batched_tokens"], max_num_seqs=options["max_num_seqs"],
             max_model_len=max_len, enable_prefix_caching=options["enable_prefix_caching"],
-            attention_backend=_resolve_backend(options["attention_backend"], dev), num_threads=threads)
-        engine = cls(loaded, config, GrammarManager(
+            attention_backend=_resolve_backend(options["attention_backend"], dev), num_threads=compute.num_threads)
+        engine = cls(loaded, config, compute, GrammarManager(
             loaded.tokenizer, int(mc.vocab_size), sorted(loaded.eos_token_ids), options["guided_backend"],
             options["grammar_compile_timeout"]))
         engine._options = options
@@ -605,7 +611,7 @@ class AsyncEngine:
                 batch = self.runner.prepare(out)
                 self._in_step = True
                 try:
-                    result = await anyio.to_thread.run_sync(self.runner.execute, batch)
+                    result = await self.compute.arun(self.runner.execute, batch)
                 finally:
                     self._in_step = False
                 self._apply_aborts()
@@ -716,4 +722,7 @@ def _resolve_backend(backend: str, device: str) -> str:
         return "triton" if device == "cuda" else "torch"
     if backend not in ("torch", "triton"):
         raise InvalidRequestError("attention_backend", f"must be torch, triton or auto, got {backend!r}")
+    if backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise InvalidRequestError("attention_backend", "the Triton kernels run on the CPU only under Triton's "
+                                  "interpreter: set TRITON_INTERPRET=1 before importing asyncpage (slow; for tests)")
     return backend

@@ -8,12 +8,13 @@ reading state the loop may change meanwhile (an abort, a new request).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from asyncpage.attention import AttentionMetadata, PrefillChunk
+from asyncpage.attention import AttentionMetadata, PrefillChunk, paged_attention
 from asyncpage.guided import Matcher
 from asyncpage.guided.backend import bitmask_width
 from asyncpage.models import CausalLM
@@ -30,6 +31,7 @@ class StepBatch:
     spec_rows: torch.Tensor  # [N] index into logit_rows, one per sample (forks repeat a row)
     specs: list[SampleSpec]
     block_copies: list[tuple[int, int]]
+    forked: bool  # some logit rows feed several samples (an n > 1 request forking this step)
 
 
 @dataclass
@@ -54,14 +56,23 @@ class ModelRunner:
         self.vocab_size = int(model.config.vocab_size)
         # The pool belongs to the runner, not to the model: two engines may share one set of weights.
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # One block more than the pool hands out: padding tokens write their K/V there.
+        self.pad_slot = num_blocks * block_size
         for layer in model.model.layers:
             attn = layer.self_attn
-            shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-            # Zeroed, not empty: padded decode slots read stale blocks before the mask drops them, and
-            # NaN garbage times a zero attention weight would still be NaN.
-            self.caches.append((torch.zeros(shape, dtype=dtype, device=device),
-                                torch.zeros(shape, dtype=dtype, device=device)))
+            shape = (num_blocks + 1, block_size, attn.num_kv_heads, attn.head_dim)
+            # Written now, not zero-mapped lazily: on the CPU, first-touch page faults inside the decode
+            # gathers made a cold engine ~40% slower than a warm one. Zeros, not garbage: padded decode
+            # slots are read before the mask drops them, and NaN times a zero weight is still NaN.
+            k, v = torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
+            k.zero_()
+            v.zero_()
+            self.caches.append((k, v))
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="asyncpage-masks")
+        # The attention backend (asyncpage.kernels.use_triton_attention swaps in the Triton kernels).
+        self.attention: Callable[..., torch.Tensor] = paged_attention
+        self.copy_blocks: Callable[[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[int, int]]], None] = \
+            _copy_blocks
 
     # ---- on the event loop -----------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> StepBatch:
@@ -99,14 +110,24 @@ class ModelRunner:
                         seq_id=s.seq_id, params=p, generator=s.generator,
                         prompt_ids=list(s.token_ids[: s.num_prompt_tokens]) if p.repetition_penalty != 1 else None,
                         output_ids=list(s.output_token_ids) if hist else None, matcher=s.matcher))
-        meta = AttentionMetadata(block_size=bs, slot_mapping=self._t(slots), prefills=prefills)
+        # Pad the flat batch (and the rows sent to the LM head) to a few bucket sizes: the CPU matmul
+        # libraries build a kernel per new shape (~0.5 ms per matmul), which cost a cold engine 30% of
+        # its throughput when every step had a new token count. Padding rows attend to nothing.
+        pad = _bucket(len(input_ids)) - len(input_ids)
+        input_ids += [0] * pad
+        positions += [0] * pad
+        slots += [self.pad_slot] * pad
+        n_rows = len(logit_rows)
+        logit_rows += [0] * (_bucket(n_rows) - n_rows)
+        meta = AttentionMetadata(block_size=bs, slot_mapping=self._t(slots), prefills=prefills,
+                                 attention=self.attention)
         if decode_rows:
             width = max(len(t) for t in decode_tables)
             meta.decode_rows = self._t(decode_rows)
             meta.decode_block_tables = self._t([t + [0] * (width - len(t)) for t in decode_tables])
             meta.decode_context_lens = self._t(decode_lens)
         return StepBatch(self._t(input_ids), self._t(positions), meta, self._t(logit_rows),
-                         self._t(spec_rows), specs, list(out.block_copies))
+                         self._t(spec_rows), specs, list(out.block_copies), forked=len(specs) != n_rows)
 
     def _t(self, xs: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.long, device=self.device)
@@ -114,10 +135,7 @@ class ModelRunner:
     # ---- in the worker thread --------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepResult:
-        for src, dst in batch.block_copies:
-            for k, v in self.caches:
-                k[dst].copy_(k[src])
-                v[dst].copy_(v[src])
+        self.copy_blocks(self.caches, batch.block_copies)
         guided = [(i, s.matcher) for i, s in enumerate(batch.specs) if s.matcher is not None]
         bitmask = masks = None
         if guided:
@@ -126,7 +144,11 @@ class ModelRunner:
             masks = self._mask_pool.submit(_fill_masks, guided, bitmask)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.caches)
         logits = self.model.compute_logits(hidden[batch.logit_rows])
-        logits = logits[batch.spec_rows].cpu()
+        if batch.forked:
+            logits = logits[batch.spec_rows]  # forked samples share their parent's row
+        else:
+            logits = logits[: len(batch.specs)]  # one row per sample: drop the padding rows
+        logits = logits.cpu()
         if masks is not None:
             masks.result()
         result = sample(logits, batch.specs, bitmask)
@@ -148,3 +170,17 @@ class ModelRunner:
 def _fill_masks(guided: list[tuple[int, Matcher]], bitmask: torch.Tensor) -> None:
     for row, matcher in guided:
         matcher.fill_bitmask(bitmask, row)
+
+
+def _bucket(n: int) -> int:
+    """8, 16, ..., 64, then multiples of 64."""
+    if n <= 64:
+        return max(8, -(-n // 8) * 8)
+    return -(-n // 64) * 64
+
+
+def _copy_blocks(caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
+    for src, dst in pairs:
+        for k, v in caches:
+            k[dst].copy_(k[src])
+            v[dst].copy_(v[src])

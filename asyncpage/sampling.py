@@ -45,23 +45,27 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor 
     raw_logprobs = None
     if any(s.params.logprobs is not None for s in specs):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-    logits = logits.clone()
-    if bitmask is not None:
-        rows = [i for i, s in enumerate(specs) if s.matcher is not None]
-        if rows:
-            masked = logits[rows]
-            apply_bitmask(masked, bitmask[rows])
-            logits[rows] = masked
-    for i, s in enumerate(specs):
-        if needs_history(s.params):
-            _apply_penalties(logits[i], s)
+    guided_rows = [i for i, s in enumerate(specs) if s.matcher is not None] if bitmask is not None else []
+    penalized = [i for i, s in enumerate(specs) if needs_history(s.params)]
+    if guided_rows or penalized:
+        logits = logits.clone()  # the caller's logits stay raw (logprobs are computed from them)
+        if guided_rows:
+            assert bitmask is not None
+            masked = logits[guided_rows]
+            apply_bitmask(masked, bitmask[guided_rows])
+            logits[guided_rows] = masked
+        for i in penalized:
+            _apply_penalties(logits[i], specs[i])
 
-    tokens = torch.empty(n, dtype=torch.long)
     greedy = [i for i, s in enumerate(specs) if s.params.greedy]
-    if greedy:
-        tokens[greedy] = logits[greedy].argmax(dim=-1)
-    rand = [i for i, s in enumerate(specs) if not s.params.greedy]
-    if rand:
+    if len(greedy) == n:
+        # The common case of a greedy batch: one argmax over the [N, V] logits, no row copies.
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = torch.empty(n, dtype=torch.long)
+        if greedy:
+            tokens[greedy] = logits[greedy].argmax(dim=-1)
+        rand = [i for i, s in enumerate(specs) if not s.params.greedy]
         tokens[rand] = _sample_random(logits[rand], [specs[i] for i in rand])
 
     token_list = tokens.tolist()

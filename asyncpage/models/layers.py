@@ -126,7 +126,8 @@ class PagedSelfAttention(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, q.dtype)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
+        attend = meta.attention or paged_attention
+        o = attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 

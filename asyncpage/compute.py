@@ -1,0 +1,38 @@
+"""ComputeThread: the one thread an engine runs torch on (loading, the KV pool, every step).
+
+Why one dedicated thread: torch's CPU ops run on an OpenMP team that belongs to the calling thread.
+Two threads issuing torch work means two teams on the same cores, and GNU OpenMP then throttles its
+spin-waiting: a decode step measured 62 ms on one thread and 80-83 ms once a second thread had
+issued torch work (batch 32, gemma-3-270m, bf16, 2 cores). So loading, pool allocation and the
+forward all happen here, and the event loop's thread never runs a parallel torch op.
+Engines made with `clone()` share their parent's thread (one team per process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import anyio
+import torch
+
+T = TypeVar("T")
+
+
+class ComputeThread:
+    def __init__(self, num_threads: int) -> None:
+        self.num_threads = num_threads
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="asyncpage-compute")
+        # The thread count is per calling thread in OpenMP: set it where the work runs.
+        self.run(torch.set_num_threads, num_threads)
+
+    def run(self, fn: Callable[..., T], *args: object) -> T:
+        """Run `fn` on the compute thread and wait (from synchronous code)."""
+        return self._executor.submit(fn, *args).result()
+
+    async def arun(self, fn: Callable[..., T], *args: object) -> T:
+        """Run `fn` on the compute thread without blocking the event loop. Not cancellable midway:
+        a step that has started finishes, so its results are never half-applied."""
+        future = self._executor.submit(fn, *args)
+        return await anyio.to_thread.run_sync(future.result)

@@ -1,0 +1,115 @@
+"""The Triton kernels against the torch backend, under Triton's interpreter on the CPU
+(TRITON_INTERPRET=1). Small cases: the interpreter runs each program in Python."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before asyncpage.kernels (and its @triton.jit) is imported
+
+import pytest
+import torch
+
+from asyncpage.attention import AttentionMetadata, PrefillChunk, paged_attention
+from asyncpage.guided.backend import apply_bitmask as torch_apply_bitmask
+
+
+def _batch(seqs: list[tuple[int, int]], bs: int, kvh: int, h: int, d: int, num_blocks: int, seed: int):  # type: ignore[no-untyped-def]
+    """seqs: (num_computed, q_len) per sequence. Returns q, k, v, caches and metadata with cached
+    history already in the pool (scattered over random blocks)."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(num_blocks, bs, kvh, d, generator=g)
+    v_cache = torch.randn(num_blocks, bs, kvh, d, generator=g)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    slots, prefills, dec_rows, dec_tables, dec_lens = [], [], [], [], []
+    row = 0
+    for nc, ql in seqs:
+        n_blocks = -(-(nc + ql) // bs)
+        table = [perm.pop() for _ in range(n_blocks)]
+        slots += [table[p // bs] * bs + p % bs for p in range(nc, nc + ql)]
+        if ql == 1:
+            dec_rows.append(row)
+            dec_tables.append(table)
+            dec_lens.append(nc + 1)
+        else:
+            prefills.append(PrefillChunk(row, row + ql, nc, torch.tensor(table)))
+        row += ql
+    meta = AttentionMetadata(block_size=bs, slot_mapping=torch.tensor(slots), prefills=prefills)
+    if dec_rows:
+        width = max(len(t) for t in dec_tables)
+        meta.decode_rows = torch.tensor(dec_rows)
+        meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables])
+        meta.decode_context_lens = torch.tensor(dec_lens)
+    q = torch.randn(row, h, d, generator=g)
+    k = torch.randn(row, kvh, d, generator=g)
+    v = torch.randn(row, kvh, d, generator=g)
+    return q, k, v, k_cache, v_cache, meta
+
+
+CASES = [
+    # block size, head dim, (query heads, kv heads), window, sequences (num_computed, q_len)
+    (16, 64, (4, 4), None, [(0, 1), (5, 1), (31, 1), (40, 20), (0, 23)]),  # GQA 1, chunk starts mid-block
+    (32, 128, (4, 1), 8, [(3, 1), (70, 1), (0, 17), (33, 19)]),  # MQA (GQA 4), window inside a block
+    (16, 256, (8, 1), 20, [(47, 1), (16, 1), (21, 18), (0, 40)]),  # GQA 8, window across block edges
+    (16, 128, (8, 2), 16, [(15, 1), (16, 1), (17, 1), (5, 11)]),  # window == block size
+]
+
+
+@pytest.mark.parametrize(("bs", "d", "heads", "window", "seqs"), CASES)
+def test_triton_paged_attention_matches_torch(bs: int, d: int, heads: tuple[int, int], window: int | None,
+                                              seqs: list[tuple[int, int]]) -> None:
+    from asyncpage.kernels import paged_attention as triton_attention
+
+    h, kvh = heads
+    q, k, v, kc, vc, meta = _batch(seqs, bs, kvh, h, d, num_blocks=24, seed=bs + d + h)
+    scale = d**-0.5
+    kc2, vc2 = kc.clone(), vc.clone()
+    ref = paged_attention(q, k, v, kc, vc, meta, scale, window)
+    meta.scratch.clear()
+    got = triton_attention(q, k, v, kc2, vc2, meta, scale, window)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # the KV write by slot mapping
+    assert torch.allclose(got, ref, atol=2e-4, rtol=1e-3), (got - ref).abs().max()
+
+
+def test_triton_block_copy_copies_every_layer() -> None:
+    from asyncpage.kernels.cache_ops import copy_blocks
+
+    caches = [(torch.randn(6, 16, 2, 64), torch.randn(6, 16, 2, 64)) for _ in range(2)]
+    expected = [(k.clone(), v.clone()) for k, v in caches]
+    for k, v in expected:
+        k[4], v[4], k[1], v[1] = k[0], v[0], k[3], v[3]
+    copy_blocks(caches, [(0, 4), (3, 1)])
+    for (k, v), (ek, ev) in zip(caches, expected, strict=True):
+        assert torch.equal(k, ek) and torch.equal(v, ev)
+
+
+def test_triton_bitmask_matches_torch_on_a_ragged_vocabulary() -> None:
+    from asyncpage.kernels.bitmask import apply_bitmask
+
+    vocab = 1000 + 17  # not a multiple of 32: the mask is sized to the logits width
+    logits = torch.randn(3, vocab)
+    mask = torch.randint(-(2**31), 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32)
+    ref = logits.clone()
+    torch_apply_bitmask(ref, mask)
+    apply_bitmask(logits, mask)
+    assert torch.equal(logits, ref)
+
+
+async def test_engine_with_triton_attention_matches_transformers_on_the_default_model(
+        default_engine_unstarted, reference) -> None:  # type: ignore[no-untyped-def]
+    """The default model through every Triton kernel (interpreted): transformers' first greedy tokens
+    for two short prompts and the 709-token one (chunked at 256, past the sliding window)."""
+    import asyncio
+
+    from asyncpage.kernels import use_triton_attention
+
+    from asyncpage import SamplingParams
+
+    engine = default_engine_unstarted.clone(max_num_batched_tokens=256, num_kv_blocks=128)
+    use_triton_attention(engine.runner)
+    cases = [reference["cases"][0], reference["cases"][3], reference["cases"][8]]
+    assert len(cases[2]["prompt_token_ids"]) == 709
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    async with engine:
+        outs = await asyncio.gather(*(engine.generate(c["prompt_token_ids"], params) for c in cases))
+    assert [o.token_ids for o in outs] == [c["greedy_token_ids"][:4] for c in cases]
