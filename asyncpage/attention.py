@@ -89,7 +89,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     window: int | None) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, KVH, D] for the new tokens. Writes k/v to the cache, returns [T, H, D]."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    _, bs, kvh, d = k_cache.shape
+    kvh, d = k_cache.shape[2], k_cache.shape[3]
     out = torch.empty_like(q)
     if meta.decode_rows is not None:
         out[meta.decode_rows] = _decode_attention(q[meta.decode_rows], k_cache, v_cache, meta, scale, window)
