@@ -256,3 +256,26 @@ async def guided_throughput(engine: AsyncEngine, n: int = 16) -> dict[str, float
     g_tokens = f_tokens = sum(lengths)
     return {"constrained_tok_s": g_tokens / g_wall, "unconstrained_tok_s": f_tokens / f_wall,
             "constrained_tokens": g_tokens, "unconstrained_tokens": f_tokens}
+
+
+def plot_sweep(levels: list[int], results: list[BenchResult], path: str) -> None:
+    """Throughput and latency (TTFT, ITL p50) against concurrency, as a PNG (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(levels, [r.throughput_tok_s for r in results], "o-")
+    a.set(xscale="log", xlabel="concurrent requests", ylabel="output tokens/s", title="throughput")
+    b.plot(levels, [r.ttft_p50_ms or 0 for r in results], "o-", label="TTFT p50")
+    b.plot(levels, [r.itl_p50_ms or 0 for r in results], "s-", label="inter-token p50")
+    b.set(xscale="log", yscale="log", xlabel="concurrent requests", ylabel="ms", title="latency")
+    b.legend()
+    for ax in (a, b):
+        ax.set_xticks(levels, [str(x) for x in levels])
+        ax.grid(alpha=0.3)
+    r0 = results[0]
+    fig.suptitle(f"asyncpage, {r0.workload.split(' ')[0]} workload, {r0.dtype}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

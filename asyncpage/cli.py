@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run transformers' generate() with static batches of 8 on the same weights")
     b.add_argument("--json", action="store_true", help="print machine-readable results")
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--sweep", default=None, help="comma-separated concurrency levels, e.g. 1,4,16,64: one "
+                   "run of the workload per level, N = level")
+    b.add_argument("--plot", default=None, help="with --sweep: write a PNG of throughput and latency (matplotlib)")
 
     gb = sub.add_parser("bench-guided", help="guided decoding: compile / mask time, coverage, throughput")
     _model_args(gb)
@@ -111,6 +114,22 @@ async def _bench(args: argparse.Namespace) -> int:
     async with engine:
         # Warm-up: first-call allocations and kernel selection stay out of the figures.
         await run_engine(engine, make_workload("single", 1, engine.vocab_size, bos, 99)[:1], "warmup", False)
+        if args.sweep:
+            levels = [int(x) for x in args.sweep.split(",")]
+            sweep = []
+            for level in levels:
+                r = await run_engine(engine, make_workload(args.workload, level, engine.vocab_size, bos,
+                                                           args.seed + level), f"{args.workload} x{level}")
+                print(format_result(r))
+                sweep.append(r)
+            if args.json:
+                print(json.dumps([msgspec.to_builtins(r) for r in sweep], indent=1))
+            if args.plot:
+                from asyncpage.bench import plot_sweep
+
+                plot_sweep(levels, sweep, args.plot)
+                print(f"wrote {args.plot}", file=sys.stderr)
+            return 0
         res = await run_engine(engine, items, args.workload)
     results = [res]
     if args.baseline == "transformers":

@@ -135,6 +135,12 @@ def _build(config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype, devi
         lm.lm_head.weight = lm.model.embed_tokens.weight  # to_empty() breaks the tie
     module = module.to(dtype=dtype).eval()
     module.requires_grad_(False)
+    # After the dtype cast (which would copy fused weights apart again): fuse projections, precompute
+    # norm scales. Each module that can says how (a `fuse` method).
+    for m in module.modules():
+        fuse = getattr(m, "fuse", None)
+        if callable(fuse):
+            fuse()
     return cast(CausalLM, module)
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from asyncpage.attention import AttentionMetadata
 from asyncpage.models.layers import (
+    FusedLinear,
     GemmaRMSNorm,
     PagedSelfAttention,
     Rotary,
@@ -27,9 +28,14 @@ class Gemma3MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_up: FusedLinear | None = None
+
+    def fuse(self) -> None:
+        self.gate_up = FusedLinear([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class Gemma3DecoderLayer(nn.Module):

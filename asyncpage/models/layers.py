@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from asyncpage.attention import AttentionMetadata, paged_attention
@@ -23,10 +24,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        # transformers: normalize in float32, cast back, then scale (in the input dtype).
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -36,11 +35,16 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
+        self.scale: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).type_as(x)
+        # transformers: everything in float32, (1 + w) included, then cast back. The float32 (1 + w)
+        # is made once (fuse()), not every call.
+        scale = self.scale if self.scale is not None else 1.0 + self.weight.float()
+        return F.rms_norm(x.float(), (x.shape[-1],), weight=scale, eps=self.eps).type_as(x)
+
+    def fuse(self) -> None:
+        self.scale = 1.0 + self.weight.detach().float()
 
 
 def rope_inv_freq(config: Any, layer_type: str | None) -> tuple[torch.Tensor, float]:
@@ -79,12 +83,21 @@ class Rotary(nn.Module):
         self.inv_freq = inv_freq
         self.scaling = scaling
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                cache: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for these positions; computed once per step and rotary (not once per layer) when a
+        per-step `cache` is given."""
+        key = f"rotary-{id(self)}-{dtype}"
+        if cache is not None and key in cache:
+            return cache[key]
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        out = (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        if cache is not None:
+            cache[key] = out
+        return out
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -92,6 +105,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+class FusedLinear:
+    """Several projections of the same input as one matmul (fewer, larger GEMMs: faster on the
+    CPU). The original modules' weights become views into the fused weight, so state_dict() and
+    the checkpoint names are unchanged."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        self.sizes = [lin.out_features for lin in linears]
+        self.weight = torch.cat([lin.weight for lin in linears], 0)
+        self.bias = torch.cat([lin.bias for lin in linears], 0) if linears[0].bias is not None else None
+        start = 0
+        for lin, n in zip(linears, self.sizes, strict=True):
+            lin.weight = nn.Parameter(self.weight[start : start + n], requires_grad=False)
+            if self.bias is not None:
+                lin.bias = nn.Parameter(self.bias[start : start + n], requires_grad=False)
+            start += n
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
 class PagedSelfAttention(nn.Module):
@@ -113,17 +146,25 @@ class PagedSelfAttention(nn.Module):
         self.scale = scale
         self.window = window
         self.rotary = rotary
+        self.qkv: FusedLinear | None = None
+
+    def fuse(self) -> None:
+        self.qkv = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None:
+            q, k, v = self.qkv(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        cos, sin = self.rotary.cos_sin(positions, q.dtype)
+        cos, sin = self.rotary.cos_sin(positions, q.dtype, meta.scratch)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         attend = meta.attention or paged_attention

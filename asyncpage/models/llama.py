@@ -11,6 +11,7 @@ from torch import nn
 
 from asyncpage.attention import AttentionMetadata
 from asyncpage.models.layers import (
+    FusedLinear,
     PagedSelfAttention,
     RMSNorm,
     Rotary,
@@ -26,9 +27,14 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.gate_up: FusedLinear | None = None
+
+    def fuse(self) -> None:
+        self.gate_up = FusedLinear([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
