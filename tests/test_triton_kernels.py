@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import os
 
-import torch
-
-CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # before asyncpage.kernels (and its @triton.jit) is imported
-DEVICE = "cuda" if CUDA else "cpu"
-
 import pytest
 import torch
 
 from asyncpage.attention import AttentionMetadata, PrefillChunk, paged_attention
 from asyncpage.guided.backend import apply_bitmask as torch_apply_bitmask
+
+# asyncpage.kernels is imported inside the tests, after this: @triton.jit reads the flag then.
+CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+DEVICE = "cuda" if CUDA else "cpu"
 
 
 def _batch(seqs: list[tuple[int, int]], bs: int, kvh: int, h: int, d: int, num_blocks: int, seed: int):  # type: ignore[no-untyped-def]
