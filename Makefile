@@ -23,11 +23,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
-	$(BIN)/ruff check asyncpage kernels tests examples
+	$(BIN)/ruff check asyncpage kernels tests examples scripts
 	$(BIN)/mypy asyncpage
 
 lint: $(STAMP)
-	$(BIN)/ruff check asyncpage kernels tests examples
+	$(BIN)/ruff check asyncpage kernels tests examples scripts
 	$(BIN)/mypy asyncpage
 
 bench: $(STAMP)

@@ -279,3 +279,45 @@ def plot_sweep(levels: list[int], results: list[BenchResult], path: str) -> None
     fig.suptitle(f"asyncpage, {r0.workload.split(' ')[0]} workload, {r0.dtype}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+async def sharing_figures(engine: AsyncEngine, prefix_len: int = 512, n_warm: int = 15) -> dict[str, float]:
+    """Prefix caching: TTFT of a cold request with a `prefix_len`-token shared prefix, then the median
+    TTFT of `n_warm` requests reusing it (one at a time, so TTFT is the prefill alone).
+    Copy-on-write: peak KV blocks of one n-sample request vs n separate requests, for n = 4 and 8."""
+    rng = random.Random(1)
+    bos = engine.tokenizer.bos_token_id
+    prefix = ([bos] if bos is not None else []) + [rng.randint(1000, 200_000) for _ in range(prefix_len - 1)]
+    one = SamplingParams(max_tokens=1, temperature=0)
+
+    async def ttft(prompt: list[int]) -> float:
+        return (await engine.generate(prompt, one)).metrics.ttft
+
+    def suffix() -> list[int]:
+        return [rng.randint(1000, 200_000) for _ in range(16)]
+
+    cold = await ttft(prefix + suffix())
+    warm = sorted([await ttft(prefix + suffix()) for _ in range(n_warm)])
+    out = {"ttft_cold_ms": cold * 1e3, "ttft_warm_p50_ms": warm[len(warm) // 2] * 1e3}
+
+    async def peak_blocks(coro: Any) -> int:
+        peak = 0
+        task = asyncio.ensure_future(coro)
+        while not task.done():
+            peak = max(peak, engine.stats().kv_blocks_used)
+            await asyncio.sleep(0.005)
+        await task
+        return peak
+
+    long_prompt = ([bos] if bos is not None else []) + [rng.randint(1000, 200_000) for _ in range(708)]
+    for n in (4, 8):
+        params = SamplingParams(n=n, max_tokens=32, temperature=0.8, seed=7, ignore_eos=True)
+        single = SamplingParams(max_tokens=32, temperature=0.8, seed=7, ignore_eos=True)
+        salt = f"bench-{n}-{rng.random()}"  # no prefix-cache help for the separate requests
+        shared = await peak_blocks(engine.generate(long_prompt, msgspec.structs.replace(params, cache_salt=salt)))
+        separate = await peak_blocks(asyncio.gather(*(
+            engine.generate(long_prompt, msgspec.structs.replace(single, cache_salt=f"{salt}-{i}"))
+            for i in range(n))))
+        out[f"blocks_n{n}_shared"] = shared
+        out[f"blocks_n{n}_separate"] = separate
+    return out

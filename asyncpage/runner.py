@@ -117,8 +117,7 @@ class ModelRunner:
         input_ids += [0] * pad
         positions += [0] * pad
         slots += [self.pad_slot] * pad
-        n_rows = len(logit_rows)
-        logit_rows += [0] * (_bucket(n_rows) - n_rows)
+        n_rows = len(logit_rows)  # not padded: the LM head is one matmul, a few new shapes cost little
         meta = AttentionMetadata(block_size=bs, slot_mapping=self._t(slots), prefills=prefills,
                                  attention=self.attention)
         if decode_rows:
@@ -173,9 +172,11 @@ def _fill_masks(guided: list[tuple[int, Matcher]], bitmask: torch.Tensor) -> Non
 
 
 def _bucket(n: int) -> int:
-    """8, 16, ..., 64, then multiples of 64."""
+    """1..8 exactly (one stream must not pay for padding), then 16, 24, ..., 64, then multiples of 64."""
+    if n <= 8:
+        return n
     if n <= 64:
-        return max(8, -(-n // 8) * 8)
+        return -(-n // 8) * 8
     return -(-n // 64) * 64
 
 

@@ -91,12 +91,7 @@ def load_tokenizer(model: str | os.PathLike[str] | None) -> tuple[Any, Any, froz
 
     path = resolve(model)
     if path.suffix == ".gguf":
-        st = path.stat()
-        key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
-        cached = cache_dir() / "gguf" / key
-        if not (cached / "index.json").exists():
-            _index_gguf(path, cached)
-        index = json.loads((cached / "index.json").read_text())
+        cached, index = _gguf_index(path)
         config = AutoConfig.for_model(index["model_type"], **index["config"])
         tokenizer = AutoTokenizer.from_pretrained(cached / "tokenizer")
         return tokenizer, config, frozenset(index["eos_token_ids"])
@@ -204,12 +199,7 @@ def _read_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor], Any, set[int]]
     to the cache; later loads memory-map the tensors straight from the index."""
     from transformers import AutoConfig, AutoTokenizer
 
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
-    cached = cache_dir() / "gguf" / key
-    if not (cached / "index.json").exists():
-        _index_gguf(path, cached)
-    index = json.loads((cached / "index.json").read_text())
+    cached, index = _gguf_index(path)
     model_type = index["model_type"]
     config = AutoConfig.for_model(model_type, **index["config"])
     state = {name: _dequantize(path, t) for t in index["tensors"]
@@ -224,6 +214,16 @@ def _read_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor], Any, set[int]]
     tokenizer = AutoTokenizer.from_pretrained(cached / "tokenizer")
     eos = set(index["eos_token_ids"])
     return config, state, tokenizer, eos
+
+
+def _gguf_index(path: Path) -> tuple[Path, dict[str, Any]]:
+    """The cache folder of a GGUF file (keyed by path, size and mtime) and its index, made if missing."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    cached = cache_dir() / "gguf" / key
+    if not (cached / "index.json").exists():
+        _index_gguf(path, cached)
+    return cached, json.loads((cached / "index.json").read_text())
 
 
 def _dequantize(path: Path, t: dict[str, Any]) -> torch.Tensor:

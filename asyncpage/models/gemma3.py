@@ -12,7 +12,7 @@ from torch import nn
 
 from asyncpage.attention import AttentionMetadata
 from asyncpage.models.layers import (
-    FusedLinear,
+    GatedMLP,
     GemmaRMSNorm,
     PagedSelfAttention,
     Rotary,
@@ -20,22 +20,6 @@ from asyncpage.models.layers import (
     layer_windows,
     rope_inv_freq,
 )
-
-
-class Gemma3MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-        self.gate_up: FusedLinear | None = None
-
-    def fuse(self) -> None:
-        self.gate_up = FusedLinear([self.gate_proj, self.up_proj])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -46,7 +30,7 @@ class Gemma3DecoderLayer(nn.Module):
             h, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
             qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm=GemmaRMSNorm, eps=eps,
             scale=config.query_pre_attn_scalar**-0.5, window=window, rotary=rotary)
-        self.mlp = Gemma3MLP(h, config.intermediate_size)
+        self.mlp = GatedMLP(h, config.intermediate_size, False, "gelu_tanh")
         self.input_layernorm = GemmaRMSNorm(h, eps)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)

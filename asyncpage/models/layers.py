@@ -127,6 +127,26 @@ class FusedLinear:
         return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SiLU for the Llama family, tanh-approximated GELU for Gemma."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool, act: str) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.act = act
+        self.gate_up: FusedLinear | None = None
+
+    def fuse(self) -> None:
+        self.gate_up = FusedLinear([self.gate_proj, self.up_proj])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        gate = F.gelu(gate, approximate="tanh") if self.act == "gelu_tanh" else F.silu(gate)
+        return self.down_proj(gate * up)
+
+
 class PagedSelfAttention(nn.Module):
     """q/k/v projections, optional per-head QK-norm, rotary, paged attention, output projection."""
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from asyncpage.attention import AttentionMetadata
 from asyncpage.models.layers import (
-    FusedLinear,
+    GatedMLP,
     PagedSelfAttention,
     RMSNorm,
     Rotary,
@@ -19,22 +19,6 @@ from asyncpage.models.layers import (
     layer_windows,
     rope_inv_freq,
 )
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, bias: bool) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
-        self.gate_up: FusedLinear | None = None
-
-    def fuse(self) -> None:
-        self.gate_up = FusedLinear([self.gate_proj, self.up_proj])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -50,7 +34,7 @@ class LlamaDecoderLayer(nn.Module):
             o_bias=False if mt == "qwen2" else attn_bias,
             qk_norm=RMSNorm if mt == "qwen3" else None, eps=eps,
             scale=head_dim**-0.5, window=window, rotary=rotary)
-        self.mlp = LlamaMLP(h, config.intermediate_size, bool(getattr(config, "mlp_bias", False)))
+        self.mlp = GatedMLP(h, config.intermediate_size, bool(getattr(config, "mlp_bias", False)), "silu")
         self.input_layernorm = RMSNorm(h, eps)
         self.post_attention_layernorm = RMSNorm(h, eps)
 
