@@ -18,7 +18,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)
 
 DATA = Path(__file__).parent / "data"
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+def _shared_data() -> Path:
+    """The guided-decoding test data (../shared/data next to the checkout, as DESIGN.md places it);
+    ASYNCPAGE_SHARED_DATA overrides it for a checkout elsewhere."""
+    env = os.environ.get("ASYNCPAGE_SHARED_DATA")
+    candidates = [Path(env)] if env else []
+    candidates += [Path(__file__).resolve().parents[2] / "shared" / "data", Path("/work/shared/data")]
+    return next((c for c in candidates if (c / "jsonschemabench-dev").is_dir()), candidates[0])
+
+
+SHARED = _shared_data()
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 3,

@@ -115,3 +115,21 @@ async def test_shared_prefix_on_the_default_model_hits_and_matches(default_engin
     st = default_engine.stats()
     assert [o.token_ids for o in [cold, *warm]] == [o.token_ids for o in expected]
     assert st.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens >= 0.9 * 3 * 512
+
+
+async def test_eight_samples_of_a_709_token_prompt_fit_80_blocks_without_preemption(
+        default_engine: AsyncEngine) -> None:
+    import random
+
+    # Varied tokens, not the reference's repeated paragraphs: on those the model copies the next
+    # sentence with near certainty, and most samples come out equal however they are drawn.
+    rng = random.Random(3)
+    prompt = [2] + [rng.randint(1000, 200_000) for _ in range(708)]
+    params = SamplingParams(n=8, temperature=0.8, seed=7, max_tokens=32)
+    async with default_engine.clone(num_kv_blocks=80, enable_prefix_caching=False) as small:
+        out = await small.generate(prompt, params)
+        st = small.stats()
+    assert st.num_preemptions == 0 and st.kv_blocks_used == 0
+    assert len(out.choices) == 8
+    assert all(len(c.token_ids) == 32 or c.finish_reason == "stop" for c in out.choices)
+    assert len({tuple(c.token_ids) for c in out.choices}) >= 6  # distinct samples
