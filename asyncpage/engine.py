@@ -627,8 +627,8 @@ class AsyncEngine:
                 times.first_scheduled = now
         sampled = dict(zip(result.seq_ids, result.sampled.tokens, strict=True))
         logprobs = dict(zip(result.seq_ids, result.sampled.logprobs, strict=True))
-        for seq, token in self.scheduler.update(out, sampled, result.grammar_done):
-            self._generated += 1
+        for seq, tokens in self.scheduler.update(out, sampled, result.grammar_done, result.forced):
+            self._generated += len(tokens)
             req = seq.request
             t = req.times
             if t.first_token is None:
@@ -637,14 +637,17 @@ class AsyncEngine:
                 t.inter_token.append(now - t.last_token)
             if seq.index == 0:
                 t.last_token = now
-            is_stop = token in seq.params.stop_token_ids or token in req.stop_token_ids
             assert seq.detokenizer is not None
-            text = seq.detokenizer.add(token, is_stop_token=is_stop)
+            text = ""
+            for token in tokens:
+                is_stop = token in seq.params.stop_token_ids or token in req.stop_token_ids
+                text += seq.detokenizer.add(token, is_stop_token=is_stop)
             if seq.detokenizer.stopped and seq.status is SeqStatus.RUNNING:
                 self.scheduler.finish(seq, "stop")
             if seq.status is SeqStatus.FINISHED:
                 text += seq.detokenizer.finish()
-            req.mailbox.put(seq.index, text, [token], logprobs.get(seq.seq_id), seq.finish_reason)
+            # Logprobs exist only for sampled tokens; fast-forward is off for requests that ask for them.
+            req.mailbox.put(seq.index, text, tokens, logprobs.get(seq.seq_id), seq.finish_reason)
             if req.finished:
                 t.finished = now
                 self._finished += 1

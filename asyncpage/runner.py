@@ -39,6 +39,7 @@ class StepResult:
     seq_ids: list[int]
     sampled: SampleResult
     grammar_done: frozenset[int] = frozenset()  # sequences whose grammar is complete (or broken)
+    forced: dict[int, list[int]] | None = None  # tokens the grammar forces after the sampled one
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -152,12 +153,27 @@ class ModelRunner:
             masks.result()
         result = sample(logits, batch.specs, bitmask)
         done = set()
+        forced: dict[int, list[int]] = {}
         for i, m in guided:
+            spec = batch.specs[i]
             # A rejected token cannot happen with a correct mask; if it does, end the sequence rather
             # than keep generating outside the grammar.
             if not m.accept(result.tokens[i]) or m.is_terminated():
-                done.add(batch.specs[i].seq_id)
-        return StepResult([s.seq_id for s in batch.specs], result, frozenset(done))
+                done.add(spec.seq_id)
+                continue
+            if spec.params.logprobs is None:
+                # Fast-forward: tokens the grammar leaves no choice about ('{"name":"' in a schema)
+                # join the sequence now and are computed next step as one chunk, not one step each.
+                ff = []
+                for t in m.forced_tokens():
+                    if not m.accept(t):
+                        break
+                    ff.append(t)
+                if ff:
+                    forced[spec.seq_id] = ff
+                if m.is_terminated():
+                    done.add(spec.seq_id)
+        return StepResult([s.seq_id for s in batch.specs], result, frozenset(done), forced)
 
     @torch.inference_mode()
     def forward_logits(self, batch: StepBatch) -> torch.Tensor:

@@ -155,12 +155,12 @@ class Scheduler:
         seq.request.num_preemptions += 1
 
     # ---- after the step ------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[int, int],
-               grammar_done: frozenset[int] = frozenset()) -> list[tuple[Sequence, int]]:
-        """Advance computed counts, append sampled tokens, apply token-level stops.
-        `sampled` maps seq_id -> token; `grammar_done` holds the sequences whose grammar is complete.
-        Returns the (sequence, new token) pairs still alive."""
-        new_tokens: list[tuple[Sequence, int]] = []
+    def update(self, out: SchedulerOutput, sampled: dict[int, int], grammar_done: frozenset[int] = frozenset(),
+               forced: dict[int, list[int]] | None = None) -> list[tuple[Sequence, list[int]]]:
+        """Advance computed counts, append sampled tokens (and the tokens a grammar forces after
+        them), apply token-level stops. `sampled` maps seq_id -> token; `grammar_done` holds the
+        sequences whose grammar is complete. Returns each sampled sequence with its new tokens."""
+        new_tokens: list[tuple[Sequence, list[int]]] = []
         for sched in out.scheduled:
             seq = sched.seq
             if seq.status is not SeqStatus.RUNNING:
@@ -172,10 +172,17 @@ class Scheduler:
             for seq in sched.samples:
                 if seq.status is not SeqStatus.RUNNING or seq.seq_id not in sampled:
                     continue
-                token = sampled[seq.seq_id]
-                seq.token_ids.append(token)
-                new_tokens.append((seq, token))
-                reason = "stop" if seq.seq_id in grammar_done else self._stop_reason(seq, token)
+                added: list[int] = []
+                reason: FinishReason | None = None
+                for token in [sampled[seq.seq_id], *(forced or {}).get(seq.seq_id, [])]:
+                    seq.token_ids.append(token)
+                    added.append(token)
+                    reason = self._stop_reason(seq, token)
+                    if reason is not None:
+                        break
+                new_tokens.append((seq, added))
+                if reason is None and seq.seq_id in grammar_done:
+                    reason = "stop"
                 if reason is not None:
                     self.finish(seq, reason)
         return new_tokens

@@ -61,6 +61,10 @@ class Matcher(Protocol):
 
     def is_terminated(self) -> bool: ...
 
+    def forced_tokens(self) -> list[int]:
+        """Tokens the grammar allows and no alternative to, from here (not consumed). [] if unknown."""
+        ...
+
     def fork(self) -> Matcher: ...
 
 

@@ -34,6 +34,9 @@ class LLGuidanceMatcher:
     def is_terminated(self) -> bool:
         return bool(self._m.is_stopped())
 
+    def forced_tokens(self) -> list[int]:
+        return list(self._m.compute_ff_tokens())
+
     def fork(self) -> Matcher:
         return LLGuidanceMatcher(self._m.deep_copy())
 

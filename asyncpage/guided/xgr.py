@@ -38,6 +38,9 @@ class XGrammarMatcher:
     def is_terminated(self) -> bool:
         return bool(self._m.is_terminated())
 
+    def forced_tokens(self) -> list[int]:
+        return []  # xgrammar's jump-forward is a string, not tokens; sampling one token at a time is exact
+
     def fork(self) -> Matcher:
         return XGrammarMatcher(self._m.fork())
 
