@@ -187,12 +187,36 @@ def map_subschemas(schema: Any, fn: Any) -> Any:
     return fn(out)
 
 
+# Standard formats llguidance has no matcher for, each narrowed to a format it knows or to a pattern
+# whose every match is valid in that format: the grammar may refuse some valid strings, never accept
+# an invalid one.
+FORMAT_NARROWINGS: dict[str, dict[str, str]] = {
+    "idn-email": {"format": "email"},
+    "idn-hostname": {"format": "hostname"},
+    "uri-reference": {"pattern": r"^[A-Za-z0-9._~/-]*$"},
+    "iri": {"format": "uri"},
+    "iri-reference": {"pattern": r"^[A-Za-z0-9._~/-]*$"},
+    "uri-template": {"pattern": r"^[A-Za-z0-9._~/:-]*$"},
+    "json-pointer": {"pattern": r"^(/[A-Za-z0-9._-]*)*$"},
+    "relative-json-pointer": {"pattern": r"^(0|[1-9][0-9]{0,8})(#|(/[A-Za-z0-9._-]*)*)$"},
+    "regex": {"pattern": r"^[A-Za-z0-9 _-]*$"},
+}
+
+
 def drop_custom_formats(schema: Any) -> Any:
     """Remove `format` values that are not JSON Schema formats ("path", "topic", ...): annotations
-    only, which no validator asserts; a grammar engine would otherwise refuse the whole schema."""
+    only, which no validator asserts; a grammar engine would otherwise refuse the whole schema.
+    Narrow the standard formats the grammar engine lacks (FORMAT_NARROWINGS)."""
     def fn(s: dict[str, Any]) -> dict[str, Any]:
-        if isinstance(s.get("format"), str) and s["format"] not in STANDARD_FORMATS:
+        fmt = s.get("format")
+        if not isinstance(fmt, str):
+            return s
+        if fmt not in STANDARD_FORMATS:
+            return {k: v for k, v in s.items() if k != "format"}
+        narrow = FORMAT_NARROWINGS.get(fmt)
+        if narrow is not None and not ("pattern" in narrow and "pattern" in s):
             s = {k: v for k, v in s.items() if k != "format"}
+            s.update(narrow)
         return s
 
     return map_subschemas(schema, fn)
@@ -207,3 +231,133 @@ def schema_keywords(schema: Any) -> set[str]:
 
     map_subschemas(schema, fn)
     return found
+
+
+_JSON_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
+_UNSET = object()
+
+
+def _resolve(schema: Any, root: Any, depth: int = 0) -> Any:
+    """Follow a local $ref (a few levels); anything else is returned as is."""
+    while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and depth < 8:
+        ref = schema["$ref"]
+        if not ref.startswith("#"):
+            return schema
+        target: Any = root
+        for part in [p for p in ref[1:].split("/") if p]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            target = target.get(part) if isinstance(target, dict) else None
+        if target is None:
+            return schema
+        schema, depth = target, depth + 1
+    return schema
+
+
+def _value_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int):
+        return "integer"
+    if isinstance(v, float):
+        return "integer" if v.is_integer() else "number"
+    names: dict[type, str] = {str: "string", list: "array", dict: "object"}
+    return names.get(type(v), "?")
+
+
+def _types(schema: Any, root: Any) -> frozenset[str] | None:
+    """The JSON types a schema can match, when it says so (type, const, enum); None if unknown."""
+    s = _resolve(schema, root)
+    if not isinstance(s, dict):
+        return None
+    t = s.get("type")
+    if isinstance(t, str):
+        return frozenset({t})
+    if isinstance(t, list) and all(x in _JSON_TYPES for x in t):
+        return frozenset(t)
+    if "const" in s:
+        return frozenset({_value_type(s["const"])})
+    if isinstance(s.get("enum"), list):
+        return frozenset(_value_type(v) for v in s["enum"])
+    return None
+
+
+def _values(schema: Any, root: Any) -> list[Any] | None:
+    s = _resolve(schema, root)
+    if isinstance(s, dict):
+        if "const" in s:
+            return [s["const"]]
+        if isinstance(s.get("enum"), list):
+            return list(s["enum"])
+    return None
+
+
+def _disjoint(a: Any, b: Any, root: Any) -> bool:
+    """True only when no JSON value can match both schemas (provably, by simple rules)."""
+    ta, tb = _types(a, root), _types(b, root)
+    if ta is not None and tb is not None:
+        wa = ta | ({"integer"} if "number" in ta else set())
+        wb = tb | ({"integer"} if "number" in tb else set())
+        if not (wa & wb):
+            return True
+    va, vb = _values(a, root), _values(b, root)
+    if va is not None and vb is not None and not any(x == y for x in va for y in vb):
+        return True
+    ra, rb = _resolve(a, root), _resolve(b, root)
+    if isinstance(ra, dict) and isinstance(rb, dict):
+        # Objects told apart by a discriminator: a property required by both, with disjoint values.
+        common = set(ra.get("required") or []) & set(rb.get("required") or [])
+        pa, pb = ra.get("properties") or {}, rb.get("properties") or {}
+        for name in common:
+            if name in pa and name in pb:
+                xa, xb = _values(pa[name], root), _values(pb[name], root)
+                if xa is not None and xb is not None and not any(x == y for x in xa for y in xb):
+                    return True
+    return False
+
+
+def exclusive_one_of(schema: Any) -> Any:
+    """oneOf whose branches are pairwise disjoint (different types, different const/enum values,
+    different discriminator values) means exactly anyOf: rewrite it so the grammar engine, which
+    refuses oneOf, can compile it. Any other oneOf is left for the engine to refuse."""
+    root = schema
+
+    def fn(s: dict[str, Any]) -> dict[str, Any]:
+        branches = s.get("oneOf")
+        if isinstance(branches, list) and "anyOf" not in s and all(
+                _disjoint(branches[i], branches[j], root)
+                for i in range(len(branches)) for j in range(i + 1, len(branches))):
+            s = {k: v for k, v in s.items() if k != "oneOf"}
+            s["anyOf"] = branches
+        return s
+
+    return map_subschemas(schema, fn)
+
+
+def finite_candidates(schema: Any) -> list[Any] | None:
+    """If the schema itself or one of its top-level allOf branches is an enum/const, the values
+    that could ever validate; else None."""
+    if not isinstance(schema, dict):
+        return None
+    for part in [schema, *(schema.get("allOf") or [])]:
+        if isinstance(part, dict):
+            if "const" in part:
+                return [part["const"]]
+            if isinstance(part.get("enum"), list):
+                return list(part["enum"])
+    return None
+
+
+def enum_of_valid_candidates(schema: Any) -> dict[str, Any] | None:
+    """A schema that can only match a finite set of values (an enum or const at the top, or in a
+    top-level allOf) is exactly {"enum": [the candidates jsonschema says are valid]}, whatever else it
+    says (not, dependencies, ...). Used when the grammar engine refuses the original."""
+    values = finite_candidates(schema)
+    if values is None:
+        return None
+    import jsonschema
+
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+    return {"enum": [v for v in values if validator.is_valid(v)]}

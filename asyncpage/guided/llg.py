@@ -7,7 +7,15 @@ from typing import Any
 
 import torch
 
-from asyncpage.guided.backend import GuidedSpec, Matcher, choice_regex, drop_custom_formats, grammar_error
+from asyncpage.guided.backend import (
+    GuidedSpec,
+    Matcher,
+    choice_regex,
+    drop_custom_formats,
+    enum_of_valid_candidates,
+    exclusive_one_of,
+    grammar_error,
+)
 
 # Compact JSON: no whitespace between tokens. Runaway whitespace until max_tokens is the most
 # reported failure of constrained decoding; a compact policy makes it impossible.
@@ -64,7 +72,7 @@ class LLGuidanceBackend:
 
         if spec.kind == "json_schema":
             try:
-                schema = drop_custom_formats(json.loads(spec.value))
+                schema = exclusive_one_of(drop_custom_formats(json.loads(spec.value)))
                 grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
             except ValueError as exc:
                 raise grammar_error(spec, str(exc)) from exc
@@ -78,6 +86,12 @@ class LLGuidanceBackend:
             except Exception as exc:
                 raise grammar_error(spec, f"cannot parse the grammar: {exc}") from exc
         error = LLMatcher.validate_grammar(grammar, self._tok)
+        if error and not error.startswith("WARNING") and spec.kind == "json_schema":
+            # A schema that only ever matches a few listed values compiles as exactly those values.
+            finite = enum_of_valid_candidates(json.loads(spec.value))
+            if finite is not None and finite["enum"]:
+                grammar = LLMatcher.grammar_from_json_schema(finite, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+                error = LLMatcher.validate_grammar(grammar, self._tok)
         if error and not error.startswith("WARNING"):
             raise grammar_error(spec, error)
         matcher = LLMatcher(self._tok, grammar, log_level=0)
