@@ -89,3 +89,26 @@ async def test_parallel_samples_each_follow_the_grammar(default_engine: AsyncEng
     out = await default_engine.generate("A number: ", SamplingParams(
         n=4, regex=r"[1-9][0-9]{0,3}", max_tokens=6, temperature=1.0, seed=5))
     assert all(re.fullmatch(r"[1-9][0-9]{0,3}", c.text) for c in out.choices)
+
+
+async def test_grammar_forced_tokens_take_no_steps_of_their_own(default_engine_unstarted: AsyncEngine) -> None:
+    """Fast-forward: after '{"' the schema forces 'name' etc.; those tokens join the sequence at once
+    and are computed together, so the request takes fewer engine steps than it has output tokens."""
+    engine = default_engine_unstarted.clone(num_kv_blocks=64)
+    real = engine.runner.execute
+    steps = 0
+
+    def counting(batch):  # type: ignore[no-untyped-def]
+        nonlocal steps
+        steps += 1
+        return real(batch)
+
+    engine.runner.execute = counting  # type: ignore[method-assign]
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "maximum": 150}},
+              "required": ["name", "age"], "additionalProperties": False}
+    async with engine:
+        out = await engine.generate("Alice is 31. As JSON: ", SamplingParams(json_schema=schema, temperature=0))
+    json.loads(out.text)
+    assert out.finish_reason == "stop"
+    assert steps < len(out.token_ids), (steps, len(out.token_ids))
