@@ -41,9 +41,8 @@ from asyncpage.errors import (
     InvalidRequestError,
     PromptTooLongError,
 )
-from asyncpage.extract import DEFAULT_PROMPT, ExtractResult, extract_many
+from asyncpage.extract import DEFAULT_PROMPT, ExtractResult, decode_value, extract_many, json_params
 from asyncpage.guided import GrammarManager, GuidedSpec
-from asyncpage.guided.backend import closed_objects
 from asyncpage.kv_cache import KVCacheManager
 from asyncpage.outputs import (
     Choice,
@@ -411,15 +410,7 @@ class AsyncEngine:
                 total: float
             inv = await engine.extract("Invoice INV-7, total 12.50 EUR. JSON:", Invoice)
         """
-        if isinstance(schema, dict):
-            json_schema, target = schema, None
-        else:
-            try:
-                json_schema, target = closed_objects(msgspec.json.schema(schema)), schema
-            except (TypeError, ValueError) as exc:
-                raise InvalidRequestError("schema", f"not a msgspec type or JSON Schema dict: {exc}") from exc
-        base = params or SamplingParams(max_tokens=1024, temperature=0)
-        params = msgspec.structs.replace(base, json_schema=json_schema, regex=None, choice=None, grammar=None)
+        params, target = json_params(schema, params)
         if chat:
             prompt = self.apply_chat_template(prompt)
         out = await self.generate(prompt, params)
@@ -427,7 +418,7 @@ class AsyncEngine:
             raise ExtractionError("truncated", f"output reached max_tokens={params.max_tokens} before the "
                                   "value was complete", out.text)
         try:
-            return msgspec.json.decode(out.text, type=target) if target is not None else msgspec.json.decode(out.text)
+            return decode_value(out.text, target)
         except msgspec.DecodeError as exc:
             raise ExtractionError("invalid", str(exc), out.text) from exc
 

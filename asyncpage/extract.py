@@ -48,6 +48,26 @@ class ExtractResult(msgspec.Struct, frozen=True, omit_defaults=True):
 Record = Mapping[str, Any] | str
 
 
+def json_params(schema: Any, params: SamplingParams | None) -> tuple[SamplingParams, Any]:
+    """The sampling params for extracting `schema` (a msgspec type or a JSON Schema dict) and the
+    type to decode into (None for a dict schema). `params` defaults to greedy, max_tokens=1024; any
+    other guided-decoding field in it is replaced by the schema."""
+    if isinstance(schema, dict):
+        json_schema, target = schema, None
+    else:
+        try:
+            json_schema, target = closed_objects(msgspec.json.schema(schema)), schema
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError("schema", f"not a msgspec type or JSON Schema dict: {exc}") from exc
+    base = params or SamplingParams(max_tokens=1024, temperature=0)
+    return msgspec.structs.replace(base, json_schema=json_schema, regex=None, choice=None, grammar=None), target
+
+
+def decode_value(text: str, target: Any) -> Any:
+    """The generated JSON as `target` (or plain JSON values); raises msgspec.DecodeError."""
+    return msgspec.json.decode(text, type=target) if target is not None else msgspec.json.decode(text)
+
+
 _FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -83,12 +103,7 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
     """See AsyncEngine.extract_many."""
     if concurrency < 1:
         raise InvalidRequestError("concurrency", "must be >= 1")
-    if isinstance(schema, dict):
-        json_schema, target = schema, None
-    else:
-        json_schema, target = closed_objects(msgspec.json.schema(schema)), schema
-    base = params or SamplingParams(max_tokens=1024, temperature=0)
-    params = msgspec.structs.replace(base, json_schema=json_schema, regex=None, choice=None, grammar=None)
+    params, target = json_params(schema, params)
     spec = GuidedSpec.from_params(params)
     assert spec is not None
     await engine.guided.compile(spec)  # an unsupported schema fails the call here, before any record
@@ -122,11 +137,10 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
                         raise InvalidRequestError("record", f"must be a JSON object or a string, got "
                                                             f"{type(record).__name__}")
                     text = render_prompt(prompt, record)
-                    ids = engine.tokenizer(text)["input_ids"] if len(text) <= 2000 else \
-                        (await anyio.to_thread.run_sync(engine.tokenizer, text))["input_ids"]
+                    ids = await engine._tokenize(text)
                     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
                         raise PromptTooLongError("prompt", f"{len(ids)} tokens > max_prompt_tokens={max_prompt_tokens}")
-                    req = await engine._submit(list(ids), params, Mailbox(notify))
+                    req = await engine._submit(ids, params, Mailbox(notify))
                 except PromptTooLongError as exc:
                     ready.append(ExtractResult(rid, error=ExtractError("prompt_too_long", exc.message)))
                     continue
@@ -163,7 +177,7 @@ def _result(rid: Any, req: Request, target: Any) -> ExtractResult:
             "truncated", f"generation ended by {reason} after {n_out} tokens: {text[-80:]!r}"),
             prompt_tokens=n_prompt, output_tokens=n_out)
     try:
-        value = msgspec.json.decode(text, type=target) if target is not None else msgspec.json.decode(text)
+        value = decode_value(text, target)
     except msgspec.DecodeError as exc:
         return ExtractResult(rid, error=ExtractError("invalid_output", str(exc)), prompt_tokens=n_prompt,
                              output_tokens=n_out)

@@ -114,7 +114,8 @@ def _sample_random(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tenso
     out = torch.empty(n, dtype=torch.long)
 
     trunc = [i for i, s in enumerate(specs) if 0 < s.params.top_k < vocab or s.params.top_p < 1]
-    full = [i for i in range(n) if i not in set(trunc)]
+    truncated = set(trunc)
+    full = [i for i in range(n) if i not in truncated]
     if full:
         p = probs[full]
         min_ps = torch.tensor([specs[i].params.min_p for i in full], dtype=p.dtype)

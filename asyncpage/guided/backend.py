@@ -111,19 +111,7 @@ def ordered_instance(value: Any, schema: Any, root: Any | None = None) -> Any:
     """`value` with object keys in the order the schema lists its properties: the order the
     constrained decoder produces them in (unknown keys keep their place after the known ones)."""
     root = schema if root is None else root
-    if isinstance(schema, dict) and "$ref" in schema and isinstance(schema["$ref"], str):
-        ref = schema["$ref"]
-        if ref.startswith("#"):
-            target: Any = root
-            for part in ref.lstrip("#/").split("/") if ref not in ("#", "#/") else []:
-                part = part.replace("~1", "/").replace("~0", "~")
-                if isinstance(target, dict) and part in target:
-                    target = target[part]
-                else:
-                    target = None
-                    break
-            if target is not None and target is not schema:
-                return ordered_instance(value, target, root)
+    schema = _resolve(schema, root)
     if isinstance(value, dict) and isinstance(schema, dict):
         props: dict[str, Any] = schema["properties"] if isinstance(schema.get("properties"), dict) else {}
         keys = [k for k in props if k in value] + [k for k in value if k not in props]
@@ -283,14 +271,18 @@ def _types(schema: Any, root: Any) -> frozenset[str] | None:
     return None
 
 
-def _values(schema: Any, root: Any) -> list[Any] | None:
-    s = _resolve(schema, root)
+def _listed(s: Any) -> list[Any] | None:
+    """The values a schema lists itself (const or enum), else None."""
     if isinstance(s, dict):
         if "const" in s:
             return [s["const"]]
         if isinstance(s.get("enum"), list):
             return list(s["enum"])
     return None
+
+
+def _values(schema: Any, root: Any) -> list[Any] | None:
+    return _listed(_resolve(schema, root))
 
 
 def _disjoint(a: Any, b: Any, root: Any) -> bool:
@@ -341,11 +333,9 @@ def finite_candidates(schema: Any) -> list[Any] | None:
     if not isinstance(schema, dict):
         return None
     for part in [schema, *(schema.get("allOf") or [])]:
-        if isinstance(part, dict):
-            if "const" in part:
-                return [part["const"]]
-            if isinstance(part.get("enum"), list):
-                return list(part["enum"])
+        values = _listed(part)
+        if values is not None:
+            return values
     return None
 
 
