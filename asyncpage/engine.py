@@ -439,6 +439,31 @@ class AsyncEngine:
         return extract_many(self, items, schema, prompt=prompt, concurrency=concurrency, params=params,
                             id_field=id_field, max_prompt_tokens=max_prompt_tokens)
 
+    async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                   tool_choice: Any = "auto", parallel_tool_calls: bool = True,
+                   response_format: dict[str, Any] | None = None, params: SamplingParams | None = None) -> Any:
+        """OpenAI-shaped chat: messages (and tools) in, a typed ChatResult out. See asyncpage.chat."""
+        from asyncpage.chat import chat
+
+        return await chat(self, messages, tools=tools, tool_choice=tool_choice,
+                          parallel_tool_calls=parallel_tool_calls, response_format=response_format, params=params)
+
+    def chat_stream(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                    tool_choice: Any = "auto", parallel_tool_calls: bool = True,
+                    response_format: dict[str, Any] | None = None,
+                    params: SamplingParams | None = None) -> AsyncIterator[Any]:
+        """chat() as typed deltas: content, reasoning or tool-call fragments, then finish_reason and usage."""
+        from asyncpage.chat import chat_stream
+
+        return chat_stream(self, messages, tools=tools, tool_choice=tool_choice,
+                           parallel_tool_calls=parallel_tool_calls, response_format=response_format, params=params)
+
+    def openai_client(self, **kwargs: Any) -> Any:
+        """An `openai.AsyncOpenAI` talking to this engine in-process (no socket). Needs asyncpage[openai]."""
+        from asyncpage.openai import client
+
+        return client(self, **kwargs)
+
     def apply_chat_template(self, prompt: Prompt) -> list[int]:
         """Wrap a user message in the model's chat template (with the generation prompt); token ids,
         so the template's own BOS is not doubled by the tokenizer."""
