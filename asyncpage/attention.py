@@ -51,7 +51,7 @@ class AttentionMetadata:
         if mask is None:
             assert self.decode_block_tables is not None and self.decode_context_lens is not None
             length = self.decode_block_tables.shape[1] * self.block_size
-            pos = torch.arange(length)
+            pos = torch.arange(length, device=self.decode_context_lens.device)
             last = (self.decode_context_lens - 1)[:, None]
             mask = pos[None, :] <= last
             if window is not None:
@@ -67,8 +67,10 @@ class AttentionMetadata:
         key = ("prefill", window, i)
         mask = self._masks.get(key)
         if mask is None:
-            q_pos = torch.arange(p.num_computed, p.context_len)[:, None]
-            k_pos = torch.arange(p.context_len)[None, :]
+            # On the batch's device: a CPU mask next to CUDA scores fails at the first prefill.
+            dev = self.slot_mapping.device
+            q_pos = torch.arange(p.num_computed, p.context_len, device=dev)[:, None]
+            k_pos = torch.arange(p.context_len, device=dev)[None, :]
             mask = k_pos <= q_pos
             if window is not None:
                 mask &= k_pos > q_pos - window  # transformers' sliding_window_overlay

@@ -146,7 +146,7 @@ def transformers_model(engine: AsyncEngine) -> Any:
     # Built for real (not on the meta device): its non-persistent buffers (rotary frequencies, the
     # embedding scale) are computed at construction and are not in any state dict.
     hf = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, engine.config.dtype))
-    state = engine.runner.model.state_dict()  # type: ignore[attr-defined]
+    state = engine.model.state_dict()
     missing, _ = hf.load_state_dict(state, strict=False)
     missing = [m for m in missing if m != "lm_head.weight"]  # tied to the embedding
     if missing:

@@ -1,13 +1,17 @@
-"""The `asyncpage` command: `asyncpage bench` (figures, optionally against transformers) and
-`asyncpage generate` (one streamed completion)."""
+"""The `asyncpage` command: `asyncpage bench` (figures, optionally against transformers),
+`asyncpage generate` (one streamed completion), `asyncpage extract` (a JSONL job) and
+`asyncpage soak` (a long random run with a verdict)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
+import subprocess
 import sys
+from collections.abc import Iterator
 
 import msgspec
 
@@ -36,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--sweep", default=None, help="comma-separated concurrency levels, e.g. 1,4,16,64: one "
                    "run of the workload per level, N = level")
+    b.add_argument("--competing-load", type=int, default=0, metavar="N",
+                   help="run N busy-looping processes during the measured run (sharing the CPU with other work)")
     b.add_argument("--plot", default=None, help="with --sweep: write a PNG of throughput and latency (matplotlib)")
 
     gb = sub.add_parser("bench-guided", help="guided decoding: compile / mask time, coverage, throughput")
@@ -60,17 +66,34 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--max-prompt-tokens", type=int, default=None, help="refuse longer records (prompt_too_long)")
     x.add_argument("--concurrency", type=int, default=16)
     x.add_argument("--id-field", default="id")
-    x.add_argument("--resume", action="store_true", help="skip ids already in the output and append")
+    x.add_argument("--resume", action="store_true",
+                   help="skip the input lines already answered in the output, and append")
     x.add_argument("--no-progress", action="store_true")
+
+    so = sub.add_parser("soak", help="thousands of random requests, cancellations and dropped streams; a verdict")
+    _model_args(so)
+    so.add_argument("--requests", type=int, default=2000)
+    so.add_argument("--concurrency", type=int, default=32)
+    so.add_argument("--max-tokens", type=int, default=24)
+    so.add_argument("--num-kv-blocks", type=int, default=96, help="a small pool, so preemption happens")
+    so.add_argument("--max-num-seqs", type=int, default=16)
+    so.add_argument("--max-rss-growth", type=float, default=0.05)
+    so.add_argument("--seed", type=int, default=0)
+    so.add_argument("--debug-checks", action="store_true", help="check the pool's invariants every step")
+
+
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        return serve(args)
     if args.cmd == "generate":
         return asyncio.run(_generate(args))
     if args.cmd == "bench-guided":
         return asyncio.run(_bench_guided(args))
     if args.cmd == "extract":
         return _extract(args)
+    if args.cmd == "soak":
+        return asyncio.run(_soak(args))
     if args.cmd == "bench-sharing":
         return asyncio.run(_bench_sharing(args))
     return asyncio.run(_bench(args))
@@ -81,6 +104,23 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=None)
+
+
+async def _soak(args: argparse.Namespace) -> int:
+    from asyncpage import AsyncEngine
+    from asyncpage.soak import soak
+
+    engine = AsyncEngine.from_pretrained(args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
+                                         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                                         debug_checks=args.debug_checks)
+    print(f"soak: {args.requests} requests, concurrency {args.concurrency}, pool {engine.config.num_kv_blocks} "
+          f"blocks x {engine.config.block_size} [{engine.config.dtype}]", flush=True)
+    async with engine:
+        report = await soak(engine, args.requests, args.concurrency, args.max_tokens, args.seed)
+    print("\n".join(report.lines()))
+    ok = report.ok(args.max_rss_growth)
+    print("verdict:", "PASS" if ok else "FAIL")
+    return 0 if ok else 1
 
 
 async def _generate(args: argparse.Namespace) -> int:
@@ -135,7 +175,9 @@ async def _bench(args: argparse.Namespace) -> int:
                 plot_sweep(levels, sweep, args.plot)
                 print(f"wrote {args.plot}", file=sys.stderr)
             return 0
-        res = await run_engine(engine, items, args.workload)
+        with _competing_load(args.competing_load):
+            res = await run_engine(engine, items, args.workload + (f" +{args.competing_load} busy procs"
+                                                                   if args.competing_load else ""))
     results = [res]
     if args.baseline == "transformers":
         hf = transformers_model(engine)
@@ -156,6 +198,18 @@ async def _bench(args: argparse.Namespace) -> int:
         for other in results[1:]:
             print(f"ratio asyncpage / {other.engine}: {res.throughput_tok_s / other.throughput_tok_s:.2f}x")
     return 0
+
+
+@contextlib.contextmanager
+def _competing_load(n: int) -> Iterator[None]:
+    """n processes that each keep a core busy (another tenant of the machine) while the body runs."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 async def _bench_sharing(args: argparse.Namespace) -> int:

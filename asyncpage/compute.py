@@ -5,17 +5,20 @@ Two threads issuing torch work means two teams on the same cores, and GNU OpenMP
 spin-waiting: a decode step measured 62 ms on one thread and 80-83 ms once a second thread had
 issued torch work (batch 32, gemma-3-270m, bf16, 2 cores). So loading, pool allocation and the
 forward all happen here, and the event loop's thread never runs a parallel torch op.
-Engines made with `clone()` share their parent's thread (one team per process).
+Engines made with `clone()` share their parent's thread (one team per process). The thread ends
+when the last engine using it is garbage-collected (the executor goes with it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 import anyio
 import torch
+
+from asyncpage.eventloop import LoopHandle
 
 T = TypeVar("T")
 
@@ -28,11 +31,17 @@ class ComputeThread:
         self.run(torch.set_num_threads, num_threads)
 
     def run(self, fn: Callable[..., T], *args: object) -> T:
-        """Run `fn` on the compute thread and wait (from synchronous code)."""
+        """Run `fn` on the compute thread and wait (from synchronous code, never from the compute thread)."""
         return self._executor.submit(fn, *args).result()
 
     async def arun(self, fn: Callable[..., T], *args: object) -> T:
-        """Run `fn` on the compute thread without blocking the event loop. Not cancellable midway:
-        a step that has started finishes, so its results are never half-applied."""
-        future = self._executor.submit(fn, *args)
-        return await anyio.to_thread.run_sync(future.result)
+        """Run `fn` on the compute thread without blocking the event loop and without borrowing a
+        thread from anyio's shared pool (a host app that fills that pool must not stall the engine).
+        Not cancellable midway: a step that has started finishes, so its results are never half-applied."""
+        future: Future[T] = self._executor.submit(fn, *args)
+        done = anyio.Event()
+        loop = LoopHandle.current()
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(done.set))
+        with anyio.CancelScope(shield=True):
+            await done.wait()
+        return future.result()

@@ -7,6 +7,9 @@ AsyncPageError
 ├── ExtractionError                           extract(): output cut at max_tokens or not decodable
 ├── EngineDeadError (also a RuntimeError)     the engine loop failed; every caller hears it
 ├── EngineNotRunningError                     used outside `async with engine:`
+├── EngineLoopError (also a RuntimeError)     used from a thread or event loop other than the engine's
+├── SamplingError (also a RuntimeError)       no valid next token (NaN logits, a grammar with no way on):
+│                                             that request fails, everything else keeps running
 └── ModelLoadError                            weights, config or tokenizer could not be loaded
 """
 
@@ -50,6 +53,16 @@ class EngineDeadError(AsyncPageError, RuntimeError):
 
 class EngineNotRunningError(AsyncPageError, RuntimeError):
     """stream()/generate() were called outside `async with engine:` (or after it closed)."""
+
+
+class EngineLoopError(AsyncPageError, RuntimeError):
+    """The engine was called from a thread or event loop other than the one running it. An engine
+    belongs to one loop; to use it from elsewhere, hop onto that loop (anyio.from_thread, a portal)."""
+
+
+class SamplingError(AsyncPageError, RuntimeError):
+    """The model gave this request no valid next token (a NaN or +inf logit row, or a grammar mask that
+    left no finite logit). The token is never emitted; only this request fails."""
 
 
 class ModelLoadError(AsyncPageError, RuntimeError):

@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 
-from asyncpage.errors import InvalidRequestError, PromptTooLongError
+from asyncpage.errors import InvalidRequestError, PromptTooLongError, SamplingError
 from asyncpage.guided import GuidedSpec
 from asyncpage.guided.backend import closed_objects
 from asyncpage.params import SamplingParams
+from asyncpage.streams import Mailbox
 
 if TYPE_CHECKING:
     from asyncpage.engine import AsyncEngine
@@ -29,7 +30,9 @@ DEFAULT_PROMPT = "{text}\n\nThe information above as JSON: "
 
 
 class ExtractError(msgspec.Struct, frozen=True):
-    reason: str  # invalid_input | prompt_too_long | truncated | invalid_output | engine_error
+    # invalid_input | prompt_too_long | truncated | invalid_output: the record's own outcome, final;
+    # engine_error: the engine died or closed under it: `asyncpage extract` writes no line, so a resume retries it.
+    reason: str
     message: str
 
 
@@ -39,6 +42,7 @@ class ExtractResult(msgspec.Struct, frozen=True, omit_defaults=True):
     error: ExtractError | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
+    position: int = 0  # 1-based position of the record in the input: unique even when ids are not
 
     @property
     def ok(self) -> bool:
@@ -75,7 +79,13 @@ def render_prompt(template: str | Callable[[Mapping[str, Any]], str], record: Ma
     """Fill `{field}` placeholders from the record. Only `{identifier}` is a placeholder, so JSON
     examples in a prompt ({"name": ...}) need no escaping."""
     if callable(template):
-        return template(record)
+        try:
+            text = template(record)
+        except Exception as exc:  # a user's function: its failure is this record's, never the job's
+            raise InvalidRequestError("prompt", f"the prompt function raised {exc!r}") from exc
+        if not isinstance(text, str):
+            raise InvalidRequestError("prompt", f"the prompt function returned {type(text).__name__}, not str")
+        return text
 
     def field(m: re.Match[str]) -> str:
         name = m.group(1)
@@ -108,14 +118,12 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
     assert spec is not None
     await engine.guided.compile(spec)  # an unsupported schema fails the call here, before any record
 
-    from asyncpage.engine import Mailbox
-
     wake = anyio.Event()
 
     def notify() -> None:
         wake.set()
 
-    pending: dict[int, tuple[Any, Request]] = {}
+    pending: dict[int, tuple[Any, int, Request]] = {}
     ready: list[ExtractResult] = []
     source = _aiter(items).__aiter__()
     exhausted = False
@@ -137,20 +145,21 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
                         raise InvalidRequestError("record", f"must be a JSON object or a string, got "
                                                             f"{type(record).__name__}")
                     text = render_prompt(prompt, record)
-                    ids = await engine._tokenize(text)
+                    ids = await engine.tokenize(text)
                     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
                         raise PromptTooLongError("prompt", f"{len(ids)} tokens > max_prompt_tokens={max_prompt_tokens}")
-                    req = await engine._submit(ids, params, Mailbox(notify))
+                    req = await engine.submit(ids, params, Mailbox(notify))
                 except PromptTooLongError as exc:
-                    ready.append(ExtractResult(rid, error=ExtractError("prompt_too_long", exc.message)))
+                    ready.append(ExtractResult(rid, error=ExtractError("prompt_too_long", exc.message),
+                                               position=index))
                     continue
                 except InvalidRequestError as exc:
-                    ready.append(ExtractResult(rid, error=ExtractError("invalid_input", str(exc))))
+                    ready.append(ExtractResult(rid, error=ExtractError("invalid_input", str(exc)), position=index))
                     continue
-                pending[req.request_id] = (rid, req)
-            for key in [k for k, (_, r) in pending.items() if r.finished or r.mailbox.error is not None]:
-                rid, req = pending.pop(key)
-                ready.append(_result(rid, req, target))
+                pending[req.request_id] = (rid, index, req)
+            for key in [k for k, (_, _, r) in pending.items() if r.finished or r.mailbox.error is not None]:
+                rid, position, req = pending.pop(key)
+                ready.append(msgspec.structs.replace(_result(rid, req, target), position=position))
             if ready:
                 yield ready.pop(0)
                 continue
@@ -160,13 +169,15 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
             wake = anyio.Event()
     finally:
         # The caller stopped early (break, cancel, error): abort what is still in flight.
-        for _, req in pending.values():
-            engine._abort(req)
+        for _, _, req in pending.values():
+            engine.abort(req)
 
 
 def _result(rid: Any, req: Request, target: Any) -> ExtractResult:
     n_prompt = len(req.prompt_token_ids)
-    if req.mailbox.error is not None:
+    if isinstance(req.mailbox.error, SamplingError):  # this record's own failure
+        return ExtractResult(rid, error=ExtractError("invalid_output", str(req.mailbox.error)), prompt_tokens=n_prompt)
+    if req.mailbox.error is not None:  # the engine's failure, not the record's: a job retries these
         return ExtractResult(rid, error=ExtractError("engine_error", str(req.mailbox.error)), prompt_tokens=n_prompt)
     out = req.mailbox.drain().get(0)
     text = out.text if out else ""

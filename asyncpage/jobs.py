@@ -1,8 +1,9 @@
 """`asyncpage extract`: a JSONL file of records in, a JSONL file of typed results out.
 
-Every input line gets exactly one output line, `{"id": ..., "value": ...}` or
-`{"id": ..., "error": {"reason": ..., "message": ...}}`. Lines are written whole and flushed one by
-one, so an interrupted job (Ctrl-C, a kill) leaves a valid file that `--resume` continues: ids
+Every non-blank input line gets exactly one output line, `{"id": ..., "value": ..., "line": n}` or
+`{"id": ..., "error": {"reason": ..., "message": ...}, "line": n}` (n: the input line it answers).
+Lines are written whole and flushed one by one, so an interrupted job (Ctrl-C, a kill, a dead
+engine) leaves a valid file that `--resume` continues: input lines
 already in the output are skipped, and a torn last line from a hard kill is cut off first.
 """
 
@@ -22,7 +23,7 @@ from typing import Any, TextIO
 import msgspec
 
 from asyncpage.engine import AsyncEngine
-from asyncpage.errors import InvalidRequestError
+from asyncpage.errors import EngineDeadError, InvalidRequestError
 from asyncpage.extract import DEFAULT_PROMPT, ExtractError, ExtractResult
 from asyncpage.params import SamplingParams
 
@@ -45,26 +46,79 @@ def load_schema(spec: str) -> Any:
     raise InvalidRequestError("schema", f"{spec!r} is neither a JSON Schema file nor module:Name")
 
 
-def done_ids(output: Path) -> set[str]:
-    """Ids already in `output`; cuts a torn last line (a write interrupted by a hard kill)."""
+class DoneLines:
+    """Which input lines an output file already answers: a bitmap over line numbers (a million
+    records cost 125 KB, whatever their ids), read by streaming the file, never loading it whole."""
+
+    def __init__(self) -> None:
+        self._bits = bytearray()
+        self.legacy_ids: set[str] = set()  # outputs written before lines were recorded carry ids only
+
+    def add(self, line: int) -> None:
+        byte = line >> 3
+        if byte >= len(self._bits):
+            self._bits.extend(bytes(byte + 1 - len(self._bits)))
+        self._bits[byte] |= 1 << (line & 7)
+
+    def __contains__(self, line: int) -> bool:
+        byte = line >> 3
+        return byte < len(self._bits) and bool(self._bits[byte] & (1 << (line & 7)))
+
+
+def cut_torn_tail(output: Path) -> None:
+    """A hard kill can leave a last line without its newline: cut it (that record is redone)."""
+    with output.open("r+b") as f:
+        end = f.seek(0, os.SEEK_END)
+        pos = end
+        while pos > 0:
+            step = min(65536, pos)
+            f.seek(pos - step)
+            chunk = f.read(step)
+            nl = chunk.rfind(b"\n")
+            if nl >= 0:
+                pos = pos - step + nl + 1
+                break
+            pos -= step
+        if pos < end:
+            f.truncate(pos)
+
+
+def done_lines(output: Path) -> DoneLines:
+    """The input lines `output` already holds a final line for (after cutting a torn tail)."""
+    done = DoneLines()
     if not output.exists():
-        return set()
-    data = output.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end < len(data):
-        with output.open("r+b") as f:
-            f.truncate(end)
-    ids = set()
-    for line in data[:end].splitlines():
-        try:
-            ids.add(_key(json.loads(line)["id"]))
-        except (ValueError, KeyError, TypeError):
-            continue
-    return ids
+        return done
+    cut_torn_tail(output)
+    with output.open("rb") as f:
+        for raw in f:
+            try:
+                row = json.loads(raw)
+            except ValueError:
+                continue
+            if not isinstance(row, dict):
+                continue
+            if isinstance(row.get("line"), int):
+                done.add(row["line"])
+            elif "id" in row:
+                done.legacy_ids.add(_key(row["id"]))
+    return done
 
 
 def _key(rid: Any) -> str:
     return json.dumps(rid, sort_keys=True)
+
+
+def _input_lines(path: Path) -> Iterator[tuple[int, str | None, str]]:
+    """(line number, text or None when not UTF-8, error) for each non-blank input line. Read as bytes:
+    one bad byte is that line's error, never the job's."""
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                yield n, raw.decode("utf-8"), ""
+            except UnicodeDecodeError as exc:
+                yield n, None, f"line {n} is not valid UTF-8: {exc}"
 
 
 @dataclass
@@ -95,8 +149,9 @@ class _Writer:
         self.f = f
         self.summary = summary
 
-    def write(self, r: ExtractResult) -> None:
+    def write(self, r: ExtractResult, line_no: int) -> None:
         line = {"id": r.id, "error": msgspec.to_builtins(r.error)} if r.error else {"id": r.id, "value": r.value}
+        line["line"] = line_no  # the input line it answers: what --resume keys on (ids may repeat or be null)
         self.f.write(json.dumps(msgspec.to_builtins(line), ensure_ascii=False) + "\n")
         self.f.flush()
         if r.error:
@@ -110,43 +165,23 @@ class _Writer:
 async def run_job(engine: AsyncEngine, schema: Any, input_path: Path, output_path: Path, *,
                   prompt: str = DEFAULT_PROMPT, concurrency: int = 16, max_tokens: int = 512, resume: bool = False,
                   id_field: str = "id", max_prompt_tokens: int | None = None, progress: bool = True) -> JobSummary:
+    """Every non-blank input line gets exactly one output line across any number of interrupted
+    runs: a record is written once it has its final outcome; one whose engine died or closed under
+    it is not written (the job stops with the error), so `resume=True` does it again."""
     if output_path.exists() and not resume and output_path.stat().st_size:
         raise InvalidRequestError("output", f"{output_path} exists; pass --resume to continue it")
-    skip = done_ids(output_path) if resume else set()
+    done = done_lines(output_path) if resume else DoneLines()
     summary = JobSummary()
-    total = sum(1 for line in input_path.open(encoding="utf-8") if line.strip())
+    total = sum(1 for _ in _input_lines(input_path))
     bar: Any = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=total, unit="rec", desc="extract", dynamic_ncols=True)
     t0 = time.perf_counter()
+    line_of: dict[int, int] = {}  # position in the record stream -> input line, for records in flight
     with output_path.open("a", encoding="utf-8") as f:
         writer = _Writer(f, summary)
-
-        def records() -> Iterator[dict[str, Any]]:
-            with input_path.open(encoding="utf-8") as inp:
-                for n, line in enumerate(inp, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        rec = json.loads(line)
-                        if not isinstance(rec, dict):
-                            raise ValueError(f"a record must be a JSON object, got {type(rec).__name__}")
-                    except ValueError as exc:
-                        rid: Any = f"line-{n}"
-                        if _key(rid) in skip:
-                            summary.skipped += 1
-                        else:
-                            writer.write(ExtractResult(rid, error=ExtractError("invalid_input", str(exc))))
-                        _tick()
-                        continue
-                    rec.setdefault(id_field, f"line-{n}")
-                    if _key(rec[id_field]) in skip:
-                        summary.skipped += 1
-                        _tick()
-                        continue
-                    yield rec
 
         def _tick() -> None:
             if bar is not None:
@@ -155,13 +190,50 @@ async def run_job(engine: AsyncEngine, schema: Any, input_path: Path, output_pat
                 bar.set_postfix_str(f"{summary.output_tokens / max(dt, 1e-9):.0f} tok/s, "
                                     f"{sum(summary.failed.values())} failed", refresh=False)
 
+        def records() -> Iterator[dict[str, Any]]:
+            position = 0
+            for n, text, error in _input_lines(input_path):
+                if n in done:
+                    summary.skipped += 1
+                    _tick()
+                    continue
+                rec: Any = None
+                if text is not None:
+                    try:
+                        rec = json.loads(text)
+                        if not isinstance(rec, dict):
+                            error = f"a record must be a JSON object, got {type(rec).__name__}"
+                    except ValueError as exc:
+                        error = str(exc)
+                rid = rec.get(id_field, f"line-{n}") if isinstance(rec, dict) else f"line-{n}"
+                if done.legacy_ids and _key(rid) in done.legacy_ids:
+                    summary.skipped += 1
+                    _tick()
+                    continue
+                if error:
+                    writer.write(ExtractResult(rid, error=ExtractError("invalid_input", error)), n)
+                    _tick()
+                    continue
+                rec.setdefault(id_field, f"line-{n}")
+                position += 1
+                line_of[position] = n
+                yield rec
+
         params = SamplingParams(max_tokens=max_tokens, temperature=0)
+        engine_error: ExtractResult | None = None
         try:
             async for result in engine.extract_many(records(), schema, prompt=prompt, concurrency=concurrency,
                                                     params=params, id_field=id_field,
                                                     max_prompt_tokens=max_prompt_tokens):
-                writer.write(result)
+                n = line_of.pop(result.position)
+                if result.error is not None and result.error.reason == "engine_error":
+                    engine_error = engine_error or result  # not final: left for the resumed run
+                    continue
+                writer.write(result, n)
                 _tick()
+            if engine_error is not None:
+                assert engine_error.error is not None
+                raise EngineDeadError(f"the engine failed during the job: {engine_error.error.message}")
         except BaseException:
             summary.interrupted = True
             raise

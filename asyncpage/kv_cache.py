@@ -101,6 +101,20 @@ class BlockPool:
         block.tokens = tokens
         self._cached[digest] = block
 
+    def check_invariants(self) -> None:
+        """Raises AssertionError when the pool's own bookkeeping is inconsistent."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is twice in the free queue"
+        for b in self.blocks:
+            assert b.ref_count >= 0, f"block {b.block_id} has ref count {b.ref_count}"
+            where = "in" if b.block_id in free else "not in"
+            assert (b.ref_count == 0) == (b.block_id in free), \
+                f"block {b.block_id}: ref count {b.ref_count} but {where} the free queue"
+            if b.digest is not None:
+                assert self._cached.get(b.digest) is b, f"block {b.block_id} has a digest the map does not point back"
+        for digest, b in self._cached.items():
+            assert b.digest == digest, f"the prefix map points at block {b.block_id}, which holds another digest"
+
     def reset_prefix_cache(self) -> None:
         for digest, block in list(self._cached.items()):
             del self._cached[digest]
@@ -149,19 +163,23 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache ----------------------------------------------------------------------
-    def find_cached_prefix(self, tokens: Sequence[int], salt: str | None) -> list[Block]:
+    def find_cached_prefix(self, tokens: Sequence[int], salt: str | None,
+                           digests: list[bytes] | None = None) -> list[Block]:
         """Longest run of cached full blocks that prefixes `tokens`. The last token is never
-        covered: its logits are needed, so at least one token is always computed."""
+        covered: its logits are needed, so at least one token is always computed. `digests` is the
+        caller's cache of the chained digests of `tokens`' full blocks, extended here as needed: a
+        sequence waiting at the head of the queue is looked up every step and hashed once."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
         max_blocks = (len(tokens) - 1) // bs
+        digests = [] if digests is None else digests
         hits: list[Block] = []
-        parent: bytes | None = None
         for i in range(max_blocks):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            parent = chain_digest(parent, chunk, salt)
-            block = self.pool.lookup(parent, chunk)
+            if i == len(digests):
+                digests.append(chain_digest(digests[-1] if digests else None, chunk, salt))
+            block = self.pool.lookup(digests[i], chunk)
             if block is None:
                 break
             hits.append(block)
@@ -224,6 +242,26 @@ class KVCacheManager:
             self.pool.free(b)
         table.blocks.clear()
         table.digests.clear()
+
+    def check_invariants(self, tables: Sequence[tuple[BlockTable, int]]) -> None:
+        """The pool agrees with the live block tables (each given with its owner, a request id):
+        free + used == total, every block's ref count equals the tables holding it, and a block is in
+        two tables only when shared by a prefix-cache hit (it holds a cached prefix) or by a fork (the
+        tables belong to one request)."""
+        self.pool.check_invariants()
+        pool = self.pool
+        assert pool.num_free + pool.num_used == pool.num_blocks
+        holders: dict[int, list[int]] = {}
+        for table, owner in tables:
+            assert len({b.block_id for b in table.blocks}) == len(table.blocks), "a table holds a block twice"
+            for b in table.blocks:
+                holders.setdefault(b.block_id, []).append(owner)
+        for b in pool.blocks:
+            owners = holders.get(b.block_id, [])
+            assert b.ref_count == len(owners), \
+                f"block {b.block_id}: ref count {b.ref_count}, held by {len(owners)} tables"
+            if len(set(owners)) > 1:
+                assert b.digest is not None, f"block {b.block_id} is shared by requests {owners} but caches no prefix"
 
     def cache_full_blocks(self, table: BlockTable, tokens: Sequence[int], num_computed: int,
                           salt: str | None) -> None:

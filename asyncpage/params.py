@@ -7,6 +7,7 @@ fails where it was written, with the field's name.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -70,7 +71,8 @@ def _is_int(x: object) -> bool:
 
 
 def _is_num(x: object) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and x == x  # x == x: not NaN
+    # Finite only: NaN and inf in any sampling field turn logits into NaN rows downstream.
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _check(p: SamplingParams) -> None:
@@ -80,7 +82,7 @@ def _check(p: SamplingParams) -> None:
     if not _is_int(p.max_tokens) or p.max_tokens < 1:
         raise bad("max_tokens", f"must be an integer >= 1, got {p.max_tokens!r}")
     if not _is_num(p.temperature) or p.temperature < 0:
-        raise bad("temperature", f"must be >= 0 (0 is greedy), got {p.temperature!r}")
+        raise bad("temperature", f"must be a finite number >= 0 (0 is greedy), got {p.temperature!r}")
     if not _is_num(p.top_p) or not 0 < p.top_p <= 1:
         raise bad("top_p", f"must be in (0, 1], got {p.top_p!r}")
     if not _is_int(p.top_k) or p.top_k < -1:

@@ -4,6 +4,8 @@ vLLM V1's arithmetic: a sequence has `num_computed_tokens` and `num_tokens`; eac
 tokens until the first catches up with the second. Chunked prefill, prefix-cache hits (start with
 computed > 0), preemption (computed back to 0) and decode are all the same thing.
 The engine loop owns these objects; the worker thread only sees the snapshot built from them.
+Outside the loop only one field is ever written: `abort_requested` (a flag, set from any thread);
+`released` is read by callers waiting for the loop to let go of a request.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,8 +23,8 @@ from asyncpage.params import SamplingParams
 
 if TYPE_CHECKING:
     from asyncpage.detokenizer import IncrementalDetokenizer
-    from asyncpage.engine import Mailbox
     from asyncpage.guided import Matcher
+    from asyncpage.streams import Mailbox
 
 
 class SeqStatus(enum.Enum):
@@ -53,6 +55,9 @@ class Request:
     forked: bool = False  # n > 1: children are created when the prompt's last token is computed
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
+    abort_requested: bool = False  # set by abort() from anywhere; acted on by the loop only
+    released: bool = False  # the loop is done with it: blocks freed, mailbox final
+    released_event: Any = None  # an anyio.Event made by the first waiter (on the loop)
 
     @property
     def finished(self) -> bool:
@@ -75,6 +80,9 @@ class Sequence:
     logprobs: list[TokenLogprob] | None = None
     # Guided decoding state; advanced only by the worker thread, right after this sequence is sampled.
     matcher: Matcher | None = None
+    # Chained digests of this sequence's full blocks of tokens, computed once (tokens only ever
+    # append): a waiting sequence blocked at the head of the queue is looked up every step.
+    prefix_digests: list[bytes] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

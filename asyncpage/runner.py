@@ -38,8 +38,10 @@ class StepBatch:
 class StepResult:
     seq_ids: list[int]
     sampled: SampleResult
-    grammar_done: frozenset[int] = frozenset()  # sequences whose grammar is complete (or broken)
+    grammar_done: frozenset[int] = frozenset()  # sequences whose grammar is complete
     forced: dict[int, list[int]] | None = None  # tokens the grammar forces after the sampled one
+    # Sequences whose sampled token must not be emitted (no valid token, or the grammar rejected it).
+    failed: dict[int, str] | None = None
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -50,11 +52,13 @@ def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, mask_vocab_size: int | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
         self.vocab_size = int(model.config.vocab_size)
+        # The grammar engines' vocabulary (may exceed the logits width); masks are sliced at use.
+        self.mask_vocab_size = mask_vocab_size or self.vocab_size
         # The pool belongs to the runner, not to the model: two engines may share one set of weights.
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # One block more than the pool hands out: padding tokens write their K/V there.
@@ -140,7 +144,7 @@ class ModelRunner:
         bitmask = masks = None
         if guided:
             # Masks are filled on the CPU while the forward pass runs (the grammar engines release the GIL).
-            bitmask = torch.full((len(batch.specs), bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
+            bitmask = torch.full((len(batch.specs), bitmask_width(self.mask_vocab_size)), -1, dtype=torch.int32)
             masks = self._mask_pool.submit(_fill_masks, guided, bitmask)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.caches)
         logits = self.model.compute_logits(hidden[batch.logit_rows])
@@ -152,13 +156,20 @@ class ModelRunner:
         if masks is not None:
             masks.result()
         result = sample(logits, batch.specs, bitmask)
+        failed = {batch.specs[i].seq_id: "the model produced no valid next token (NaN/inf logits, or nothing "
+                  "the grammar allows has a finite logit)" for i in result.invalid}
         done = set()
         forced: dict[int, list[int]] = {}
         for i, m in guided:
             spec = batch.specs[i]
-            # A rejected token cannot happen with a correct mask; if it does, end the sequence rather
-            # than keep generating outside the grammar.
-            if not m.accept(result.tokens[i]) or m.is_terminated():
+            if spec.seq_id in failed:
+                continue
+            # A correct mask never lets the grammar reject the sampled token; if it ever does, the token is
+            # dropped and the request fails, rather than emitting text outside the grammar.
+            if not m.accept(result.tokens[i]):
+                failed[spec.seq_id] = f"the grammar rejected sampled token {result.tokens[i]}"
+                continue
+            if m.is_terminated():
                 done.add(spec.seq_id)
                 continue
             if spec.params.logprobs is None:
@@ -173,7 +184,7 @@ class ModelRunner:
                     forced[spec.seq_id] = ff
                 if m.is_terminated():
                     done.add(spec.seq_id)
-        return StepResult([s.seq_id for s in batch.specs], result, frozenset(done), forced)
+        return StepResult([s.seq_id for s in batch.specs], result, frozenset(done), forced, failed)
 
     @torch.inference_mode()
     def forward_logits(self, batch: StepBatch) -> torch.Tensor:

@@ -5,6 +5,8 @@ top-k, top-p, min-p and a draw. The draw uses the exponential race (argmax p / E
 which is an exact sample of p, with noise from each sequence's own generator: a seeded request draws
 the same numbers whatever else is in the batch.
 Log-probabilities are those of the raw model output (before penalties and temperature).
+A row with no valid token (a NaN or +inf logit, e.g. float16 overflow, or a mask that leaves no finite
+logit) is reported in `SampleResult.invalid`, never turned into some token id.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class SampleSpec:
 class SampleResult:
     tokens: list[int]
     logprobs: list[TokenLogprob | None]
+    invalid: frozenset[int] = frozenset()  # rows without a valid token: their `tokens` entry is -1
 
 
 def needs_history(p: SamplingParams) -> bool:
@@ -57,6 +60,15 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor 
         for i in penalized:
             _apply_penalties(logits[i], specs[i])
 
+    # amax propagates NaN and +inf, and is -inf only when nothing is allowed: one pass finds every bad row.
+    row_max = logits.amax(dim=-1)
+    valid = torch.isfinite(row_max)
+    invalid = frozenset(torch.nonzero(~valid).flatten().tolist()) if not bool(valid.all()) else frozenset()
+    if invalid:
+        logits = logits.clone()
+        logits[list(invalid)] = 0.0  # sampled, then discarded: keeps NaN out of the other rows' math
+        row_max = row_max.masked_fill(~valid, 0.0)
+
     greedy = [i for i, s in enumerate(specs) if s.params.greedy]
     if len(greedy) == n:
         # The common case of a greedy batch: one argmax over the [N, V] logits, no row copies.
@@ -66,9 +78,11 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor 
         if greedy:
             tokens[greedy] = logits[greedy].argmax(dim=-1)
         rand = [i for i, s in enumerate(specs) if not s.params.greedy]
-        tokens[rand] = _sample_random(logits[rand], [specs[i] for i in rand])
+        tokens[rand] = _sample_random(logits[rand], row_max[rand], [specs[i] for i in rand])
 
     token_list = tokens.tolist()
+    for i in invalid:
+        token_list[i] = -1
     out_logprobs: list[TokenLogprob | None] = [None] * n
     if raw_logprobs is not None:
         for i, s in enumerate(specs):
@@ -80,8 +94,9 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor 
             if k > 0:
                 vals, ids = row.topk(k)
                 top = dict(zip(ids.tolist(), vals.tolist(), strict=True))
-            out_logprobs[i] = TokenLogprob(token_list[i], float(row[token_list[i]]), top)
-    return SampleResult(token_list, out_logprobs)
+            if i not in invalid:
+                out_logprobs[i] = TokenLogprob(token_list[i], float(row[token_list[i]]), top)
+    return SampleResult(token_list, out_logprobs, invalid)
 
 
 def _apply_penalties(row: torch.Tensor, s: SampleSpec) -> None:
@@ -104,12 +119,14 @@ def _apply_penalties(row: torch.Tensor, s: SampleSpec) -> None:
 CANDIDATES = 1024
 
 
-def _sample_random(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+def _sample_random(logits: torch.Tensor, row_max: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
     """Inverse-CDF sampling with one uniform draw per row from the sequence's own generator (a
     262k-wide noise vector per row cost ~4 ms; one number costs nothing)."""
     n, vocab = logits.shape
     temps = torch.tensor([s.params.temperature for s in specs], dtype=logits.dtype)
-    probs = (logits / temps[:, None]).softmax(dim=-1)
+    # The row maximum comes off before dividing: a tiny temperature then sends every other logit to
+    # -inf and the best to 0 (greedy in the limit) instead of overflowing to inf - inf = NaN.
+    probs = ((logits - row_max[:, None]) / temps[:, None]).softmax(dim=-1)
     u = torch.cat([torch.rand(1, generator=s.generator, dtype=torch.float64) for s in specs])
     out = torch.empty(n, dtype=torch.long)
 
@@ -130,12 +147,14 @@ def _sample_random(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tenso
             params = specs[i].params
             if params.top_p < 1 and float(p.sum()) < params.top_p and not 0 < params.top_k <= k:
                 p, idx = probs[i].sort(descending=True)  # the flat-distribution fallback
+            if 0 < params.top_k < p.numel():
+                p, idx = p[: params.top_k], idx[: params.top_k]
             keep = torch.ones_like(p, dtype=torch.bool)
-            if 0 < params.top_k < vocab:
-                keep[params.top_k :] = False
             if params.top_p < 1:
-                # Drop a token when the mass before it already reaches top_p (the first always stays).
-                keep &= (p.cumsum(0) - p) < params.top_p
+                # Over the top-k renormalized, as transformers and vLLM do (top-k first, then top-p):
+                # drop a token when the mass before it already reaches top_p (the first always stays).
+                q = p / p.sum()
+                keep &= (q.cumsum(0) - q) < params.top_p
             if params.min_p > 0:
                 keep &= p >= params.min_p * p[0]
             kept = p * keep

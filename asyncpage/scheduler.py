@@ -43,6 +43,13 @@ class SchedulerOutput:
         return bool(self.scheduled)
 
 
+def _seats(seq: Sequence) -> int:
+    """Slots of max_num_seqs a sequence takes: every sample counts, so a request that will fork
+    into n sequences holds n seats from its admission on."""
+    req = seq.request
+    return req.params.n if seq.index == 0 and req.params.n > 1 and not req.forked else 1
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, make_generator: Callable[[Request, int], torch.Generator | None],
@@ -95,11 +102,12 @@ class Scheduler:
             scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        seats = sum(_seats(s) for s in self.running)
+        while self.waiting and budget > 0 and seats + _seats(self.waiting[0]) <= self.max_num_seqs:
             seq = self.waiting[0]
             cached = []
             if seq.num_computed_tokens == 0:
-                cached = self.kv.find_cached_prefix(seq.token_ids, seq.params.cache_salt)
+                cached = self.kv.find_cached_prefix(seq.token_ids, seq.params.cache_salt, seq.prefix_digests)
             start = len(cached) * self.kv.block_size
             num_new = min(seq.num_tokens - start, budget)
             if not self.kv.can_allocate(seq.table, start, start + num_new, cached,
@@ -115,6 +123,7 @@ class Scheduler:
                 seq.request.num_cached_prompt_tokens = start
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            seats += _seats(seq)
             scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
         return SchedulerOutput(scheduled, copies)
@@ -156,11 +165,15 @@ class Scheduler:
 
     # ---- after the step ------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[int, int], grammar_done: frozenset[int] = frozenset(),
-               forced: dict[int, list[int]] | None = None) -> list[tuple[Sequence, list[int]]]:
+               forced: dict[int, list[int]] | None = None, failed: dict[int, str] | None = None,
+               ) -> tuple[list[tuple[Sequence, list[int]]], list[tuple[Sequence, str]]]:
         """Advance computed counts, append sampled tokens (and the tokens a grammar forces after
         them), apply token-level stops. `sampled` maps seq_id -> token; `grammar_done` holds the
-        sequences whose grammar is complete. Returns each sampled sequence with its new tokens."""
+        sequences whose grammar is complete; `failed` the sequences whose sampled token is invalid
+        (no valid token, or one the grammar rejected): nothing is appended for them. Returns each
+        sampled sequence with its new tokens, and the failed sequences with the reason."""
         new_tokens: list[tuple[Sequence, list[int]]] = []
+        failures: list[tuple[Sequence, str]] = []
         for sched in out.scheduled:
             seq = sched.seq
             if seq.status is not SeqStatus.RUNNING:
@@ -171,6 +184,9 @@ class Scheduler:
         for sched in out.scheduled:
             for seq in sched.samples:
                 if seq.status is not SeqStatus.RUNNING or seq.seq_id not in sampled:
+                    continue
+                if failed and seq.seq_id in failed:
+                    failures.append((seq, failed[seq.seq_id]))
                     continue
                 added: list[int] = []
                 reason: FinishReason | None = None
@@ -185,7 +201,7 @@ class Scheduler:
                     reason = "stop"
                 if reason is not None:
                     self.finish(seq, reason)
-        return new_tokens
+        return new_tokens, failures
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params

@@ -81,13 +81,13 @@ def slow_steps(engine: AsyncEngine, seconds: float) -> None:
     """Make each step take a while (the tiny model is faster than any real one)."""
     import time
 
-    real = engine.runner.execute
+    real = engine._core.runner.execute
 
     def slow(batch):  # type: ignore[no-untyped-def]
         time.sleep(seconds)
         return real(batch)
 
-    engine.runner.execute = slow  # type: ignore[method-assign]
+    engine._core.runner.execute = slow  # type: ignore[method-assign]
 
 
 async def test_a_request_cancelled_while_queued_is_never_prefilled(tiny_llama: Path) -> None:
@@ -171,7 +171,7 @@ async def test_a_slow_consumer_gets_merged_chunks_and_does_not_slow_others(tiny_
 async def test_a_failing_forward_fails_every_request_with_a_typed_error(tiny_llama: Path,
                                                                          caplog: pytest.LogCaptureFixture) -> None:
     engine = tiny_engine(tiny_llama)
-    real = engine.runner.execute
+    real = engine._core.runner.execute
     calls = 0
 
     def flaky(batch):  # type: ignore[no-untyped-def]
@@ -181,7 +181,7 @@ async def test_a_failing_forward_fails_every_request_with_a_typed_error(tiny_lla
             raise RuntimeError("injected device failure")
         return real(batch)
 
-    engine.runner.execute = flaky  # type: ignore[method-assign]
+    engine._core.runner.execute = flaky  # type: ignore[method-assign]
     async with engine:
         results = await asyncio.gather(*(engine.generate(p, GREEDY) for p in PROMPTS[:6]), return_exceptions=True)
         assert all(isinstance(r, EngineDeadError) for r in results), results
@@ -193,7 +193,7 @@ async def test_a_failing_forward_fails_every_request_with_a_typed_error(tiny_lla
         assert st.kv_blocks_used == 0
     assert "injected device failure" in caplog.text
     # Reopening the engine starts a fresh loop that works again.
-    engine.runner.execute = real  # type: ignore[method-assign]
+    engine._core.runner.execute = real  # type: ignore[method-assign]
     async with engine:
         assert len((await engine.generate("again", GREEDY)).token_ids) == 40
 

@@ -95,7 +95,7 @@ async def test_grammar_forced_tokens_take_no_steps_of_their_own(default_engine_u
     """Fast-forward: after '{"' the schema forces 'name' etc.; those tokens join the sequence at once
     and are computed together, so the request takes fewer engine steps than it has output tokens."""
     engine = default_engine_unstarted.clone(num_kv_blocks=64)
-    real = engine.runner.execute
+    real = engine._core.runner.execute
     steps = 0
 
     def counting(batch):  # type: ignore[no-untyped-def]
@@ -103,7 +103,7 @@ async def test_grammar_forced_tokens_take_no_steps_of_their_own(default_engine_u
         steps += 1
         return real(batch)
 
-    engine.runner.execute = counting  # type: ignore[method-assign]
+    engine._core.runner.execute = counting  # type: ignore[method-assign]
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                "age": {"type": "integer", "maximum": 150}},
               "required": ["name", "age"], "additionalProperties": False}

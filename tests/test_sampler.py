@@ -102,3 +102,69 @@ async def test_seeded_sampling_is_reproducible_whatever_else_is_in_the_batch(tin
             max_tokens=24, temperature=1.0, top_p=0.95, seed=99, ignore_eos=True))
     assert crowd[1].token_ids == alone.token_ids
     assert other_seed.token_ids != alone.token_ids
+
+
+# ---- numerically hostile inputs (issue 11, defect 2) ---------------------------------------------
+@pytest.mark.parametrize("t", [math.inf, -1.0, math.nan])
+def test_non_finite_or_negative_temperature_is_refused_naming_the_field(t: float) -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(temperature=t)
+    assert e.value.field == "temperature"
+
+
+def test_a_tiny_temperature_samples_the_argmax_instead_of_garbage() -> None:
+    logits = torch.randn(64, 1000) * 30
+    out = sample(logits, [SampleSpec(i, SamplingParams(temperature=1e-40), torch.Generator().manual_seed(i))
+                          for i in range(64)])
+    assert out.tokens == logits.argmax(-1).tolist()
+    assert not out.invalid
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_nan_or_inf_logit_row_yields_no_token_and_leaves_other_rows_alone(temperature: float) -> None:
+    logits = torch.randn(4, 50)
+    logits[1, 7] = float("nan")
+    logits[2, 3] = float("inf")
+    specs = [SampleSpec(i, SamplingParams(temperature=temperature, seed=i), torch.Generator().manual_seed(i))
+             for i in range(4)]
+    out = sample(logits, specs)
+    assert out.invalid == {1, 2}
+    assert out.tokens[1] == out.tokens[2] == -1
+    assert 0 <= out.tokens[0] < 50 and 0 <= out.tokens[3] < 50
+    if temperature == 0:
+        assert out.tokens[0] == int(logits[0].argmax())
+
+
+def test_a_mask_that_leaves_no_finite_logit_yields_no_token() -> None:
+    from asyncpage.guided.backend import bitmask_width
+
+    logits = torch.randn(2, 64)
+    bitmask = torch.zeros((2, bitmask_width(64)), dtype=torch.int32)  # nothing allowed
+    bitmask[1] = -1  # row 1 unconstrained by its mask
+    specs = [SampleSpec(i, SamplingParams(temperature=0), None, matcher=object()) for i in range(2)]  # type: ignore[arg-type]
+    out = sample(logits, specs, bitmask)
+    assert out.invalid == {0} and out.tokens[1] == int(logits[1].argmax())
+
+
+def test_top_k_then_top_p_renormalizes_over_the_top_k_like_transformers() -> None:
+    """Defect 4: top-p ran over the full distribution instead of the top-k renormalized."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        logits = torch.randn(1, 200, generator=gen) * 3
+        k = int(torch.randint(1, 50, (1,), generator=gen))
+        p = float(torch.rand(1, generator=gen)) * 0.9 + 0.05
+        hf = TopPLogitsWarper(top_p=p)(None, TopKLogitsWarper(top_k=k)(None, logits.clone()))  # type: ignore[arg-type]
+        hf_kept = set(torch.nonzero(hf[0] > -math.inf).flatten().tolist())
+        params = SamplingParams(top_k=k, top_p=p, temperature=1.0)
+        ours = set(sample(logits.repeat(400, 1),
+                          [SampleSpec(i, params, torch.Generator().manual_seed(trial * 1000 + i))
+                           for i in range(400)]).tokens)
+        assert ours <= hf_kept, (trial, k, p, sorted(ours - hf_kept))
+
+
+def test_top_k_with_top_p_on_a_known_distribution() -> None:
+    # top_k=2 keeps [0.5, 0.3] -> renormalized [0.625, 0.375]; top_p=0.6 then keeps the first alone.
+    # Over the full distribution (the old behaviour) 0.5 < 0.6 kept the second as well.
+    assert set(_draw(SamplingParams(top_k=2, top_p=0.6))) == {0}

@@ -123,7 +123,7 @@ async def test_engine_with_triton_attention_matches_transformers_on_the_default_
     if CUDA:
         pytest.skip("on a GPU scripts/gpu_check.sh runs the engine with both backends")
     engine = default_engine_unstarted.clone(max_num_batched_tokens=256, num_kv_blocks=128)
-    use_triton_attention(engine.runner)
+    use_triton_attention(engine._core.runner)
     cases = [reference["cases"][0], reference["cases"][3], reference["cases"][8]]
     assert len(cases[2]["prompt_token_ids"]) == 709
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

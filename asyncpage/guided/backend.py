@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Literal, Protocol
@@ -25,7 +26,10 @@ class GuidedSpec:
     def from_params(p: SamplingParams) -> GuidedSpec | None:
         if p.json_schema is not None:
             # Key order is kept: properties are generated in the order the schema lists them.
-            return GuidedSpec("json_schema", json.dumps(p.json_schema))
+            try:
+                return GuidedSpec("json_schema", json.dumps(p.json_schema, allow_nan=False))
+            except (TypeError, ValueError, RecursionError) as exc:
+                raise GrammarError("json_schema", f"not a JSON document: {exc}") from None
         if p.regex is not None:
             return GuidedSpec("regex", p.regex)
         if p.choice is not None:
@@ -46,6 +50,27 @@ def shipped_grammar(name: str) -> str | None:
 
 def shipped_grammar_names() -> list[str]:
     return sorted(p.name[:-5] for p in resources.files("asyncpage.grammars").iterdir() if p.name.endswith(".lark"))
+
+
+class Deadline:
+    """A compile's time bound, checked cooperatively by the Python parts of compilation (schema
+    rewrites, candidate validation): a hostile schema stops costing CPU when its time is up, instead
+    of running on in an abandoned thread. llguidance's own work is bounded by its fuel limits."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+
+    def check(self) -> None:
+        if time.monotonic() > self.at:
+            raise CompileTimeout(f"compiling took longer than {self.seconds:g} s")
+
+
+class CompileTimeout(Exception):
+    """Raised inside a compile whose Deadline has passed (turned into a GrammarError by the backend)."""
+
+
+NO_DEADLINE = Deadline(float("inf"))
 
 
 class Matcher(Protocol):
@@ -75,8 +100,9 @@ class CompiledGrammar(Protocol):
 class GrammarBackend(Protocol):
     name: str
 
-    def compile(self, spec: GuidedSpec) -> CompiledGrammar:
-        """Compile or raise GrammarError naming the field (and the unsupported keyword if any)."""
+    def compile(self, spec: GuidedSpec, deadline: Deadline = NO_DEADLINE) -> CompiledGrammar:
+        """Compile or raise GrammarError naming the field (and the unsupported keyword if any); past
+        `deadline`, GrammarError as well."""
         ...
 
 
@@ -152,26 +178,28 @@ STANDARD_FORMATS = frozenset({
     "relative-json-pointer", "regex"})
 
 
-def map_subschemas(schema: Any, fn: Any) -> Any:
+def map_subschemas(schema: Any, fn: Any, deadline: Deadline = NO_DEADLINE) -> Any:
     """Apply `fn(dict) -> dict` to every (sub)schema, bottom-up, only at schema positions (a property
     called "format" inside `properties` is a name, not a keyword)."""
     if not isinstance(schema, dict):
         return schema
+    deadline.check()
     out = dict(schema)
     for k in _SCHEMA_MAPS:
         if isinstance(out.get(k), dict):
-            out[k] = {name: map_subschemas(sub, fn) for name, sub in out[k].items()}
+            out[k] = {name: map_subschemas(sub, fn, deadline) for name, sub in out[k].items()}
     for k in _SCHEMA_ONE:
         if k in out:
-            out[k] = map_subschemas(out[k], fn)
+            out[k] = map_subschemas(out[k], fn, deadline)
     for k in _SCHEMA_LISTS:
         if isinstance(out.get(k), list):
-            out[k] = [map_subschemas(sub, fn) for sub in out[k]]
+            out[k] = [map_subschemas(sub, fn, deadline) for sub in out[k]]
     if "items" in out:
         items = out["items"]
-        out["items"] = [map_subschemas(x, fn) for x in items] if isinstance(items, list) else map_subschemas(items, fn)
+        out["items"] = ([map_subschemas(x, fn, deadline) for x in items] if isinstance(items, list)
+                        else map_subschemas(items, fn, deadline))
     if isinstance(out.get("dependencies"), dict):
-        out["dependencies"] = {k: map_subschemas(v, fn) for k, v in out["dependencies"].items()}
+        out["dependencies"] = {k: map_subschemas(v, fn, deadline) for k, v in out["dependencies"].items()}
     return fn(out)
 
 
@@ -191,7 +219,7 @@ FORMAT_NARROWINGS: dict[str, dict[str, str]] = {
 }
 
 
-def drop_custom_formats(schema: Any) -> Any:
+def drop_custom_formats(schema: Any, deadline: Deadline = NO_DEADLINE) -> Any:
     """Remove `format` values that are not JSON Schema formats ("path", "topic", ...): annotations
     only, which no validator asserts; a grammar engine would otherwise refuse the whole schema.
     Narrow the standard formats the grammar engine lacks (FORMAT_NARROWINGS)."""
@@ -207,7 +235,7 @@ def drop_custom_formats(schema: Any) -> Any:
             s.update(narrow)
         return s
 
-    return map_subschemas(schema, fn)
+    return map_subschemas(schema, fn, deadline)
 
 
 def schema_keywords(schema: Any) -> set[str]:
@@ -297,8 +325,10 @@ def _disjoint(a: Any, b: Any, root: Any) -> bool:
     if va is not None and vb is not None and not any(x == y for x in va for y in vb):
         return True
     ra, rb = _resolve(a, root), _resolve(b, root)
-    if isinstance(ra, dict) and isinstance(rb, dict):
+    if isinstance(ra, dict) and isinstance(rb, dict) and ta == tb == frozenset({"object"}):
         # Objects told apart by a discriminator: a property required by both, with disjoint values.
+        # Only when both branches admit objects alone: `required` and `properties` say nothing about
+        # a number or a string, which would match both branches (and fail the original oneOf).
         common = set(ra.get("required") or []) & set(rb.get("required") or [])
         pa, pb = ra.get("properties") or {}, rb.get("properties") or {}
         for name in common:
@@ -309,7 +339,16 @@ def _disjoint(a: Any, b: Any, root: Any) -> bool:
     return False
 
 
-def exclusive_one_of(schema: Any) -> Any:
+def _pairwise_disjoint(branches: list[Any], root: Any, deadline: Deadline) -> bool:
+    for i in range(len(branches)):
+        deadline.check()  # n^2 pairs: a oneOf of thousands of branches must not run unbounded
+        for j in range(i + 1, len(branches)):
+            if not _disjoint(branches[i], branches[j], root):
+                return False
+    return True
+
+
+def exclusive_one_of(schema: Any, deadline: Deadline = NO_DEADLINE) -> Any:
     """oneOf whose branches are pairwise disjoint (different types, different const/enum values,
     different discriminator values) means exactly anyOf: rewrite it so the grammar engine, which
     refuses oneOf, can compile it. Any other oneOf is left for the engine to refuse."""
@@ -317,14 +356,12 @@ def exclusive_one_of(schema: Any) -> Any:
 
     def fn(s: dict[str, Any]) -> dict[str, Any]:
         branches = s.get("oneOf")
-        if isinstance(branches, list) and "anyOf" not in s and all(
-                _disjoint(branches[i], branches[j], root)
-                for i in range(len(branches)) for j in range(i + 1, len(branches))):
+        if isinstance(branches, list) and "anyOf" not in s and _pairwise_disjoint(branches, root, deadline):
             s = {k: v for k, v in s.items() if k != "oneOf"}
             s["anyOf"] = branches
         return s
 
-    return map_subschemas(schema, fn)
+    return map_subschemas(schema, fn, deadline)
 
 
 def finite_candidates(schema: Any) -> list[Any] | None:
@@ -339,7 +376,7 @@ def finite_candidates(schema: Any) -> list[Any] | None:
     return None
 
 
-def enum_of_valid_candidates(schema: Any) -> dict[str, Any] | None:
+def enum_of_valid_candidates(schema: Any, deadline: Deadline = NO_DEADLINE) -> dict[str, Any] | None:
     """A schema that can only match a finite set of values (an enum or const at the top, or in a
     top-level allOf) is exactly {"enum": [the candidates jsonschema says are valid]}, whatever else it
     says (not, dependencies, ...). Used when the grammar engine refuses the original."""
@@ -350,4 +387,9 @@ def enum_of_valid_candidates(schema: Any) -> dict[str, Any] | None:
 
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
-    return {"enum": [v for v in values if validator.is_valid(v)]}
+    valid = []
+    for v in values:
+        deadline.check()  # jsonschema takes milliseconds per value: a 20k-value enum took 87 s
+        if validator.is_valid(v):
+            valid.append(v)
+    return {"enum": valid}

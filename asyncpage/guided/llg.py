@@ -7,7 +7,11 @@ from typing import Any
 
 import torch
 
+from asyncpage.errors import GrammarError
 from asyncpage.guided.backend import (
+    NO_DEADLINE,
+    CompileTimeout,
+    Deadline,
     GuidedSpec,
     Matcher,
     choice_regex,
@@ -66,13 +70,21 @@ class LLGuidanceBackend:
         # Stop tokens are allowed by the mask only where the grammar accepts.
         self._tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids)
 
-    def compile(self, spec: GuidedSpec) -> LLGuidanceGrammar:
+    def compile(self, spec: GuidedSpec, deadline: Deadline = NO_DEADLINE) -> LLGuidanceGrammar:
+        try:
+            return self._compile(spec, deadline)
+        except CompileTimeout as exc:
+            raise GrammarError(spec.kind, f"{exc} (the {spec.kind} is too costly to compile)") from None
+        except RecursionError:
+            raise GrammarError(spec.kind, "nested too deeply to compile") from None
+
+    def _compile(self, spec: GuidedSpec, deadline: Deadline) -> LLGuidanceGrammar:
         from llguidance import LLMatcher
         from llguidance.gbnf_to_lark import any_to_lark
 
         if spec.kind == "json_schema":
             try:
-                schema = exclusive_one_of(drop_custom_formats(json.loads(spec.value)))
+                schema = exclusive_one_of(drop_custom_formats(json.loads(spec.value), deadline), deadline)
                 grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
             except ValueError as exc:
                 raise grammar_error(spec, str(exc)) from exc
@@ -88,12 +100,14 @@ class LLGuidanceBackend:
         error = LLMatcher.validate_grammar(grammar, self._tok)
         if error and not error.startswith("WARNING") and spec.kind == "json_schema":
             # A schema that only ever matches a few listed values compiles as exactly those values.
-            finite = enum_of_valid_candidates(json.loads(spec.value))
+            deadline.check()
+            finite = enum_of_valid_candidates(json.loads(spec.value), deadline)
             if finite is not None and finite["enum"]:
                 grammar = LLMatcher.grammar_from_json_schema(finite, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
                 error = LLMatcher.validate_grammar(grammar, self._tok)
         if error and not error.startswith("WARNING"):
             raise grammar_error(spec, error)
+        deadline.check()
         matcher = LLMatcher(self._tok, grammar, log_level=0)
         if matcher.is_error():
             raise grammar_error(spec, matcher.get_error())

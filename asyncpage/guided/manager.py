@@ -1,21 +1,51 @@
 """GrammarManager: one per engine. Adapts the tokenizer to the backend once, compiles off the event
-loop under a time bound, and caches compiled grammars by spec (the tokenizer is fixed per manager)."""
+loop under a time bound, and caches compiled grammars by spec (the tokenizer is fixed per manager).
+
+A schema is untrusted input, so a hostile one must cost a bounded amount of CPU for a bounded time:
+- one compile thread per manager: however many slow schemas arrive, at most one core compiles;
+- single flight: N concurrent requests with the same new spec share one compile;
+- llguidance's own resource limits (lexer fuel, grammar size) end any compile in bounded work;
+- each compile's deadline starts when it is asked for, not when it runs: a queue of hostile specs
+  costs at most one core until the last of their deadlines; a compile nobody waits for any more is
+  cancelled before it starts, and at most MAX_QUEUED specs may wait (more are refused at once);
+- failures are cached like successes: a spec that failed (or timed out) fails again instantly.
+The cache and the in-flight table are touched on the event loop only; the compile thread only
+compiles and reports back through the loop.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
 from collections import OrderedDict
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
 import anyio
 
 from asyncpage.errors import GrammarError, InvalidRequestError
-from asyncpage.guided.backend import CompiledGrammar, GrammarBackend, GuidedSpec
+from asyncpage.eventloop import LoopHandle
+from asyncpage.guided.backend import NO_DEADLINE, CompiledGrammar, Deadline, GrammarBackend, GuidedSpec
 
 log = logging.getLogger("asyncpage")
 
 BACKENDS = ("llguidance", "xgrammar")
+MAX_QUEUED = 256
+
+
+def _ignore_errors(fn: Any) -> None:
+    try:
+        fn()
+    except Exception:  # remembered by backend(); every compile re-raises it as a GrammarError
+        pass
+
+
+class _Flight:
+    """One compile in progress and the callers waiting for it."""
+
+    def __init__(self, future: Future[CompiledGrammar]) -> None:
+        self.future = future
+        self.waiters = 0
 
 
 class GrammarManager:
@@ -25,51 +55,103 @@ class GrammarManager:
             raise InvalidRequestError("guided_backend", f"must be one of {BACKENDS}, got {backend!r}")
         self.backend_name = backend
         self.compile_timeout = compile_timeout
+        self.vocab_size = vocab_size  # the grammar engine's vocabulary: max(tokenizer, logits width)
         self._tokenizer = tokenizer
-        self._vocab_size = vocab_size  # the logits width: masks are sized to it
         self._stop = sorted(stop_token_ids)
         self._backend: GrammarBackend | None = None
+        self._backend_error: GrammarError | None = None
         self._backend_lock = threading.Lock()
-        self._cache: OrderedDict[GuidedSpec, CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[GuidedSpec, CompiledGrammar | GrammarError] = OrderedDict()
         self._cache_size = cache_size
+        self._flights: dict[GuidedSpec, _Flight] = {}
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="asyncpage-grammar")
 
     def backend(self) -> GrammarBackend:
-        """Built on first use (a second or two for a 262k vocabulary), in whatever thread asks."""
+        """Built on first use (a second or two for a 262k vocabulary), in whatever thread asks. A
+        tokenizer the backend cannot adapt fails once, and every later call fails the same way."""
         with self._backend_lock:
+            if self._backend_error is not None:
+                raise self._backend_error
             if self._backend is None:
-                if self.backend_name == "llguidance":
-                    from asyncpage.guided.llg import LLGuidanceBackend
+                try:
+                    if self.backend_name == "llguidance":
+                        from asyncpage.guided.llg import LLGuidanceBackend
 
-                    self._backend = LLGuidanceBackend(self._tokenizer, self._vocab_size, self._stop)
-                else:
-                    from asyncpage.guided.xgr import XGrammarBackend
+                        self._backend = LLGuidanceBackend(self._tokenizer, self.vocab_size, self._stop)
+                    else:
+                        from asyncpage.guided.xgr import XGrammarBackend
 
-                    self._backend = XGrammarBackend(self._tokenizer, self._vocab_size, self._stop)
+                        self._backend = XGrammarBackend(self._tokenizer, self.vocab_size, self._stop)
+                except Exception as exc:
+                    self._backend_error = GrammarError(
+                        "guided_backend", f"{self.backend_name} cannot use this tokenizer: {exc}")
+                    raise self._backend_error from exc
             return self._backend
 
-    def compile_sync(self, spec: GuidedSpec) -> CompiledGrammar:
-        hit = self._cache.get(spec)
-        if hit is not None:
-            self._cache.move_to_end(spec)
-            return hit
-        compiled = self.backend().compile(spec)
-        self._cache[spec] = compiled
-        while len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
-        return compiled
+    def compile_sync(self, spec: GuidedSpec, deadline: Deadline = NO_DEADLINE) -> CompiledGrammar:
+        """Compile in the calling thread, uncached (tools and tests; the engine uses `compile`)."""
+        return self.backend().compile(spec, deadline)
 
     async def compile(self, spec: GuidedSpec) -> CompiledGrammar:
-        """Compile in a worker thread; past `compile_timeout` seconds the caller gets a GrammarError
-        and the engine is unaffected (the abandoned thread finishes on its own)."""
+        """The compiled grammar for `spec`, from the cache or the compile thread. Past
+        `compile_timeout` seconds the caller gets a GrammarError; the engine is unaffected."""
         hit = self._cache.get(spec)
         if hit is not None:
             self._cache.move_to_end(spec)
+            if isinstance(hit, GrammarError):
+                raise GrammarError(hit.field, hit.message)
             return hit
-        await anyio.to_thread.run_sync(self.backend)  # not counted against the grammar's time bound
+        loop = LoopHandle.current()
+        if self._backend is None and self._backend_error is None:
+            # Adapting the tokenizer (seconds for a 262k vocabulary) is not the grammar's time: built once,
+            # on the compile thread, before any time bound starts.
+            built = anyio.Event()
+            self._executor.submit(_ignore_errors, self.backend).add_done_callback(
+                lambda _: loop.call_soon_threadsafe(built.set))
+            await built.wait()
+        flight = self._flights.get(spec)
+        if flight is None:
+            if len(self._flights) >= MAX_QUEUED:
+                raise GrammarError(spec.kind, f"{MAX_QUEUED} grammars are already compiling; try again shortly")
+            flight = _Flight(self._executor.submit(self.compile_sync, spec, Deadline(self.compile_timeout)))
+            self._flights[spec] = flight
+            flight.future.add_done_callback(lambda _: loop.call_soon_threadsafe(lambda: self._settle(spec, flight)))
+        flight.waiters += 1
+        done = anyio.Event()
+        flight.future.add_done_callback(lambda _: loop.call_soon_threadsafe(done.set))
         try:
-            with anyio.fail_after(self.compile_timeout):
-                return await anyio.to_thread.run_sync(self.compile_sync, spec, abandon_on_cancel=True)
-        except TimeoutError:
+            with anyio.move_on_after(self.compile_timeout):
+                await done.wait()
+        finally:
+            flight.waiters -= 1
+            if flight.waiters == 0 and not flight.future.done() and flight.future.cancel():
+                self._flights.pop(spec, None)  # nobody wants it and it never started: it never will
+        if not flight.future.done():
             log.warning("grammar compilation gave up after %.1f s (%s)", self.compile_timeout, spec.kind)
-            raise GrammarError(spec.kind, f"compiling the {spec.kind} took longer than "
-                                          f"{self.compile_timeout:g} s") from None
+            raise GrammarError(spec.kind, f"compiling the {spec.kind} took longer than {self.compile_timeout:g} s")
+        try:
+            return flight.future.result()
+        except GrammarError as exc:
+            raise GrammarError(exc.field, exc.message) from None
+        except CancelledError:  # pragma: no cover - cancelled only once no caller waits
+            raise GrammarError(spec.kind, "compilation was cancelled") from None
+        except Exception as exc:  # a backend bug must still reach the caller as a typed error
+            raise GrammarError(spec.kind, f"the grammar could not be compiled: {exc!r}") from exc
+
+    def _settle(self, spec: GuidedSpec, flight: _Flight) -> None:
+        """On the loop, once a compile ends: cache its outcome (success or GrammarError)."""
+        if self._flights.get(spec) is flight:
+            del self._flights[spec]
+        if flight.future.cancelled():
+            return
+        exc = flight.future.exception()
+        if exc is None:
+            self._remember(spec, flight.future.result())
+        elif isinstance(exc, GrammarError):
+            self._remember(spec, exc)
+
+    def _remember(self, spec: GuidedSpec, outcome: CompiledGrammar | GrammarError) -> None:
+        self._cache[spec] = outcome
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+

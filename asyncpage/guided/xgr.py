@@ -8,7 +8,15 @@ from typing import Any
 import torch
 
 from asyncpage.errors import GrammarError
-from asyncpage.guided.backend import GuidedSpec, Matcher, choice_regex, grammar_error, schema_keywords
+from asyncpage.guided.backend import (
+    NO_DEADLINE,
+    Deadline,
+    GuidedSpec,
+    Matcher,
+    choice_regex,
+    grammar_error,
+    schema_keywords,
+)
 
 # Keywords xgrammar enforces. It silently ignores the others (not, uniqueItems, if/then/else, ...),
 # which would accept instances the schema forbids: such schemas are refused instead.
@@ -68,7 +76,7 @@ class XGrammarBackend:
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._stop = stop_token_ids
 
-    def compile(self, spec: GuidedSpec) -> XGrammarGrammar:
+    def compile(self, spec: GuidedSpec, deadline: Deadline = NO_DEADLINE) -> XGrammarGrammar:
         try:
             if spec.kind == "json_schema":
                 schema = json.loads(spec.value)

@@ -1,0 +1,261 @@
+"""EngineCore: the state only the engine loop may touch, and the loop itself.
+
+Everything here (scheduler, block pool, runner, the live requests) is read and written by one task
+on one thread. Code outside the loop (the facade, streams, finalizers, other threads) reaches the
+core through two methods, `add()` and `abort()`, which only queue; the loop applies the queues at its
+safe points:
+
+    apply aborts, then adds  ->  schedule  ->  prepare  ->  execute (compute thread)
+                             ->  apply aborts  ->  commit (update + outputs)  ->  repeat
+
+So no abort, however it arrives (a finalizer run by the garbage collector in the middle of
+`schedule()`, a stream dropped on another thread), can change the scheduler between those points.
+This is mini-sglang's "one point per iteration", and vLLM V1's EngineCore.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from collections import deque
+from typing import Any
+
+import anyio
+import torch
+
+from asyncpage.compute import ComputeThread
+from asyncpage.config import EngineConfig
+from asyncpage.errors import EngineDeadError, EngineNotRunningError, SamplingError
+from asyncpage.eventloop import LoopHandle
+from asyncpage.guided import CompiledGrammar
+from asyncpage.kv_cache import KVCacheManager
+from asyncpage.output_processor import OutputProcessor
+from asyncpage.outputs import EngineStats
+from asyncpage.params import SamplingParams
+from asyncpage.request import Request, Sequence
+from asyncpage.runner import ModelRunner, StepResult
+from asyncpage.scheduler import Scheduler, SchedulerOutput
+from asyncpage.streams import Mailbox
+
+log = logging.getLogger("asyncpage")
+
+# How stale a stats() read from another thread may be (the loop publishes a snapshot at most this often).
+STATS_PERIOD_S = 0.05
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model: Any, tokenizer: Any, compute: ComputeThread,
+                 mask_vocab_size: int) -> None:
+        self.config = config
+        self.compute = compute
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size, getattr(torch, config.dtype),
+                                  torch.device(config.device), mask_vocab_size)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
+                                   config.max_model_len, self._make_generator)
+        self.output = OutputProcessor(tokenizer, self.scheduler.finish)
+        # The two queues outside code may touch (deque append/popleft are atomic in CPython).
+        self._adds: deque[Request] = deque()
+        self._aborts: deque[Request] = deque()
+        self._requests: dict[int, Request] = {}
+        self._ids = itertools.count(1)
+        self._seed_rng = random.SystemRandom()
+        self._wake_event: anyio.Event | None = None
+        self.loop: LoopHandle | None = None  # set while the loop runs
+        self.stopping = False
+        self.dead: EngineDeadError | None = None
+        self._stats: EngineStats = self._compute_stats()
+        self._stats_at = 0.0
+
+    # ---- the only entry points from outside the loop -----------------------------------------
+    def new_request(self, ids: list[int], params: SamplingParams, mailbox: Mailbox | None,
+                    stop_token_ids: frozenset[int], compiled: CompiledGrammar | None) -> Request:
+        """A request object, not yet known to the scheduler (pure construction)."""
+        req = Request(next(self._ids), ids, params, mailbox or Mailbox(),
+                      frozenset() if params.ignore_eos else stop_token_ids)
+        seq = Sequence(
+            seq_id=self.scheduler.new_seq_id(), index=0, request=req, token_ids=list(ids),
+            generator=self._make_generator(req, 0), detokenizer=self.output.detokenizer(ids, params),
+            num_prompt_tokens=len(ids), matcher=compiled.new_matcher() if compiled is not None else None)
+        req.seqs.append(seq)
+        return req
+
+    def add(self, req: Request) -> None:
+        self._adds.append(req)
+        self.wake()
+
+    def abort(self, req: Request) -> None:
+        """Safe from any thread and any code path (finalizers included): only queues."""
+        if req.released or req.abort_requested:
+            return
+        req.abort_requested = True
+        self._aborts.append(req)
+        self.wake()
+
+    def wake(self) -> None:
+        loop, event = self.loop, self._wake_event
+        if loop is None or event is None:
+            return
+        if loop.is_current():
+            event.set()
+        else:
+            loop.call_soon_threadsafe(event.set)
+
+    def stats(self) -> EngineStats:
+        """Fresh on the loop's own thread; elsewhere (a metrics scrape thread) the snapshot the loop
+        last published, never state read while the loop changes it."""
+        if self.loop is None or self.loop.is_current():
+            return self._compute_stats()
+        return self._stats
+
+    # ---- the loop ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        self.loop = LoopHandle.current()
+        try:
+            while True:
+                self._apply_aborts()
+                self._apply_adds()
+                if self.stopping:
+                    break
+                if not self.scheduler.has_work:
+                    self._publish_stats(force=True)
+                    self._wake_event = anyio.Event()
+                    if not (self._adds or self._aborts or self.stopping):
+                        await self._wake_event.wait()
+                    self._wake_event = None
+                    continue
+                out = self.scheduler.schedule()
+                if not out:
+                    await anyio.sleep(0.001)  # nothing fits yet; should not happen, but never spin
+                    continue
+                batch = self.runner.prepare(out)
+                result = await self.compute.arun(self.runner.execute, batch)
+                self._apply_aborts()  # aborts that arrived during the step land before it commits
+                self._commit(out, result)
+                if self.config.debug_checks:
+                    self.check_invariants()
+                self._publish_stats()
+        except Exception as exc:
+            self._die(exc)
+        finally:
+            self._close_all()
+            self._publish_stats(force=True)
+            self.loop = None
+
+    def _apply_aborts(self) -> None:
+        while self._aborts:
+            req = self._aborts.popleft()
+            if req.request_id in self._requests:
+                for seq in req.seqs:
+                    self.scheduler.finish(seq, "abort")
+                self._release(req)
+            # else: still queued as an add (dropped there) or already over
+
+    def _apply_adds(self) -> None:
+        while self._adds:
+            req = self._adds.popleft()
+            if req.abort_requested:  # cancelled while queued: never prefilled
+                self._release(req)
+                continue
+            self._requests[req.request_id] = req
+            self.scheduler.add(req.seqs[0])
+
+    def _commit(self, out: SchedulerOutput, result: StepResult) -> None:
+        now = time.monotonic()
+        for sched in out.scheduled:
+            times = sched.seq.request.times
+            if times.first_scheduled is None:
+                times.first_scheduled = now
+        sampled = dict(zip(result.seq_ids, result.sampled.tokens, strict=True))
+        logprobs = dict(zip(result.seq_ids, result.sampled.logprobs, strict=True))
+        updates, failed = self.scheduler.update(out, sampled, result.grammar_done, result.forced, result.failed)
+        for seq, tokens in updates:
+            # Logprobs exist only for sampled tokens; fast-forward is off for requests that ask for them.
+            self.output.process(seq, tokens, logprobs.get(seq.seq_id), now)
+            req = seq.request
+            if req.finished and req.request_id in self._requests:
+                self._release(req)
+        for seq, reason in failed:
+            req = seq.request
+            if req.request_id in self._requests:
+                for s in req.seqs:
+                    self.scheduler.finish(s, "abort")
+                req.mailbox.fail(SamplingError(reason))
+                self._release(req)
+
+    def _release(self, req: Request) -> None:
+        """The loop is done with `req`: its blocks are free; tell whoever waits, then the hooks."""
+        self._requests.pop(req.request_id, None)
+        req.released = True
+        if req.released_event is not None:
+            req.released_event.set()
+        self.output.report(req)
+
+    def _die(self, exc: BaseException) -> None:
+        log.error("asyncpage engine loop failed; failing every request", exc_info=exc)
+        dead = EngineDeadError(f"the engine loop failed: {exc!r}")
+        dead.__cause__ = exc
+        self.dead = dead
+
+    def _close_all(self) -> None:
+        """The loop is ending (closed or dead): every request still here or queued hears why."""
+        error: BaseException = self.dead or EngineNotRunningError("the engine was closed")
+        self._apply_aborts()
+        pending = list(self._requests.values()) + list(self._adds)
+        self._adds.clear()
+        for req in pending:
+            for seq in req.seqs:
+                self.scheduler.finish(seq, "abort")
+            req.mailbox.fail(error)
+            self._release(req)
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _make_generator(self, req: Request, index: int) -> torch.Generator | None:
+        p = req.params
+        if p.greedy:
+            return None
+        if p.seed is None:
+            seed = self._seed_rng.getrandbits(63)
+        else:
+            # Sample i of a seeded request gets its own stream, reproducible on its own.
+            seed = p.seed if index == 0 else hash((p.seed, index)) & ((1 << 63) - 1)
+        g = torch.Generator()
+        g.manual_seed(seed)
+        return g
+
+    def _publish_stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._stats_at >= STATS_PERIOD_S:
+            self._stats = self._compute_stats()
+            self._stats_at = now
+
+    def _compute_stats(self) -> EngineStats:
+        pool, bs = self.kv.pool, self.kv.block_size
+        # A block shared by forks or prefix hits holds its tokens once: count each block once, as
+        # full as the furthest sequence that wrote into it.
+        fill: dict[int, int] = {}
+        for s in self.scheduler.running:
+            for i, b in enumerate(s.table.blocks):
+                n = min(bs, max(0, s.num_computed_tokens - i * bs))
+                if n > fill.get(b.block_id, 0):
+                    fill[b.block_id] = n
+        sched = self.scheduler
+        return EngineStats(
+            kv_blocks_total=pool.num_blocks, kv_blocks_used=pool.num_used,
+            kv_blocks_cached=pool.num_cached_free, kv_blocks_free=pool.num_free, block_size=bs,
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_preemptions=sched.num_preemptions,
+            prefix_cache_query_tokens=self.kv.query_tokens, prefix_cache_hit_tokens=self.kv.hit_tokens,
+            kv_token_slots_allocated=pool.num_used * bs, kv_token_slots_occupied=sum(fill.values()),
+            num_requests_finished=self.output.num_finished, num_generated_tokens=self.output.num_generated,
+            engine_error=repr(self.dead.__cause__) if self.dead is not None else None)
+
+    def check_invariants(self) -> None:
+        """The pool agrees with the block tables (raises AssertionError otherwise): run after every
+        step with `debug_checks=True`, and by the tests whenever the engine is idle."""
+        live = [*self.scheduler.running, *self.scheduler.waiting]
+        self.kv.check_invariants([(s.table, s.request.request_id) for s in live])
+        for s in live:
+            assert s.request.request_id in self._requests, f"sequence {s.seq_id} of a released request is live"

@@ -1,0 +1,39 @@
+"""Submission checks that need the model or the pool (vocabulary, context, pool size, max_num_seqs).
+Checks of the values alone live in params.py. Both raise a typed error naming the field."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from asyncpage.errors import InvalidRequestError, PromptTooLongError
+from asyncpage.params import SamplingParams
+
+
+def check_token_ids(ids: Sequence[object]) -> list[int]:
+    if not ids:
+        raise InvalidRequestError("prompt", "must not be empty")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise InvalidRequestError("prompt", "token ids must be integers")
+    return [int(t) for t in ids]  # type: ignore[call-overload]
+
+
+def check_request(ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
+                  pool_tokens: int, max_num_seqs: int) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError("prompt", f"token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise InvalidRequestError("stop_token_ids", f"token id {bad[0]} outside the vocabulary")
+    if params.n > max_num_seqs:
+        # Every sample is a sequence and counts against max_num_seqs: this one could never be admitted.
+        raise InvalidRequestError("n", f"{params.n} samples exceed max_num_seqs={max_num_seqs}")
+    if len(ids) >= max_model_len:
+        raise PromptTooLongError("prompt", f"{len(ids)} tokens; the context holds {max_model_len} (prompt + output)")
+    if len(ids) >= pool_tokens:
+        raise PromptTooLongError("prompt", f"{len(ids)} tokens can never fit the KV pool ({pool_tokens} tokens)")
+    need = min(len(ids) + params.max_tokens, max_model_len)
+    if need > pool_tokens:
+        raise PromptTooLongError(
+            "max_tokens", f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the KV pool "
+            f"({pool_tokens} tokens); lower max_tokens or raise num_kv_blocks")

@@ -1,0 +1,95 @@
+"""Extraction jobs across interruptions (issue 11, defect 7): every non-blank input line ends with
+exactly one output line, whatever the ids, the bytes, the prompt function or the engine do."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncpage import AsyncEngine, EngineDeadError
+from asyncpage.jobs import done_lines, run_job
+
+SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 6}}, "required": ["word"],
+          "additionalProperties": False}
+
+
+def _input(path: Path) -> int:
+    """16 records with duplicate, null and missing ids, one invalid UTF-8 line, one non-object line."""
+    rows = [json.dumps({"id": i % 5 if i % 3 else None, "text": f"record {i} says hello"}).encode()
+            for i in range(14)]
+    rows.insert(4, b'{"id": "bad-bytes", "text": "caf\xe9 \xff"}')
+    rows.insert(7, b"[1, 2, 3]")
+    rows.insert(9, b"")  # blank lines are not records
+    path.write_bytes(b"\n".join(rows) + b"\n")
+    return 16
+
+
+def _lines(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
+
+
+async def test_a_job_interrupted_by_a_dead_engine_resumes_to_one_line_per_input(tiny_llama: Path,
+                                                                                tmp_path: Path) -> None:
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    n_records = _input(inp)
+    engine = AsyncEngine.from_pretrained(str(tiny_llama), dtype="float32", block_size=4, num_kv_blocks=256)
+    real = engine._core.runner.execute
+    calls = 0
+
+    def dies(batch: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 12:
+            raise RuntimeError("injected device failure")
+        return real(batch)
+
+    engine._core.runner.execute = dies  # type: ignore[method-assign]
+    async with engine:
+        with pytest.raises(EngineDeadError):
+            await run_job(engine, SCHEMA, inp, out, concurrency=3, max_tokens=12, progress=False)
+    first = _lines(out)
+    assert all(r.get("error", {}).get("reason") != "engine_error" for r in first)  # never final
+    assert len(first) < n_records
+
+    engine._core.runner.execute = real  # type: ignore[method-assign]
+    async with engine:
+        summary = await run_job(engine, SCHEMA, inp, out, concurrency=3, max_tokens=12, resume=True,
+                                progress=False)
+        assert summary.skipped == len(first)
+        again = await run_job(engine, SCHEMA, inp, out, concurrency=3, max_tokens=12, resume=True,
+                              progress=False)
+    rows = _lines(out)
+    assert sorted(r["line"] for r in rows) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 15, 16, 17]
+    assert len(rows) == n_records and again.skipped == n_records and again.done == 0
+    by_line = {r["line"]: r for r in rows}
+    assert by_line[5]["error"]["reason"] == "invalid_input" and "UTF-8" in by_line[5]["error"]["message"]
+    assert by_line[8]["error"]["reason"] == "invalid_input"
+    assert [by_line[n]["id"] for n in (1, 2, 4)] == [None, 1, None]  # ids as given, duplicates and nulls kept
+
+
+def test_a_torn_last_line_is_cut_and_its_record_redone(tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": 1, "value": {}, "line": 1}\n{"id": 2, "value": {}, "line": 3}\n{"id": 3, "val')
+    done = done_lines(out)
+    assert 1 in done and 3 in done and 2 not in done and 4 not in done
+    assert out.read_text().endswith('"line": 3}\n')
+
+
+async def test_a_prompt_function_that_raises_fails_only_its_record(tiny_llama: Path) -> None:
+    def prompt(record: Any) -> str:
+        if record["id"] == 2:
+            raise KeyError("boom")
+        return f"{record['text']} as JSON: "
+
+    engine = AsyncEngine.from_pretrained(str(tiny_llama), dtype="float32", block_size=4, num_kv_blocks=256)
+    async with engine:
+        results = [r async for r in engine.extract_many(
+            [{"id": i, "text": f"item {i}"} for i in range(4)], SCHEMA, prompt=prompt,
+            params=None, concurrency=2)]
+    by_id = {r.id: r for r in results}
+    assert set(by_id) == {0, 1, 2, 3}
+    assert by_id[2].error is not None and by_id[2].error.reason == "invalid_input" and "boom" in by_id[2].error.message
+    assert sorted(r.position for r in results) == [1, 2, 3, 4]

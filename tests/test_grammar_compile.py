@@ -1,0 +1,153 @@
+"""Grammar compilation as untrusted input (issue 11, defect 6), vocabularies wider than the logits
+(defect 10), and backend choices a GPU would reject (defect 11)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncpage import AsyncEngine, GrammarError, InvalidRequestError, SamplingParams
+from asyncpage.guided.backend import Deadline, GuidedSpec, enum_of_valid_candidates
+
+# jsonschema takes milliseconds per candidate here: 20k values with `not` took 87 s unbounded.
+HOSTILE = {"enum": list(range(20000)), "not": {"multipleOf": 7}, "uniqueItems": True}
+
+
+def tiny_engine(path: Path, **kw: Any) -> AsyncEngine:
+    opts: dict[str, Any] = dict(dtype="float32", block_size=4, num_kv_blocks=128, max_num_batched_tokens=32)
+    opts.update(kw)
+    return AsyncEngine.from_pretrained(str(path), **opts)
+
+
+def test_a_deadline_stops_the_python_side_of_a_compile() -> None:
+    t = time.monotonic()
+    with pytest.raises(Exception, match="longer than"):
+        enum_of_valid_candidates(HOSTILE, Deadline(0.2))
+    assert time.monotonic() - t < 1.0
+
+
+async def test_a_slow_schema_sent_20_times_costs_one_bounded_compile(tiny_llama: Path) -> None:
+    engine = tiny_engine(tiny_llama, grammar_compile_timeout=0.5)
+    backend = engine.guided.backend()
+    real = backend.compile
+    calls = 0
+    busy = 0
+    peak_busy = 0
+    lock = threading.Lock()
+
+    def counting(spec: GuidedSpec, deadline: Any = None) -> Any:
+        nonlocal calls, busy, peak_busy
+        with lock:
+            calls += 1
+            busy += 1
+            peak_busy = max(peak_busy, busy)
+        try:
+            return real(spec, deadline)
+        finally:
+            with lock:
+                busy -= 1
+
+    backend.compile = counting  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=4, json_schema=HOSTILE)
+    async with engine:
+        t = time.monotonic()
+        free = asyncio.create_task(engine.generate("The quick brown fox", SamplingParams(max_tokens=16)))
+        results = await asyncio.gather(*(engine.generate("x", params) for _ in range(20)), return_exceptions=True)
+        waited = time.monotonic() - t
+        assert all(isinstance(r, GrammarError) for r in results), results[:3]
+        assert len((await free).token_ids) == 16  # served meanwhile
+        # The compile stopped at its deadline; the failure is remembered: a 21st call fails at once.
+        t = time.monotonic()
+        with pytest.raises(GrammarError):
+            await engine.generate("x", params)
+        assert time.monotonic() - t < 0.2
+    assert calls == 1 and peak_busy == 1
+    assert waited < 0.5 + 1.5
+
+
+async def test_concurrent_compiles_with_a_small_cache_never_break(tiny_llama: Path) -> None:
+    engine = tiny_engine(tiny_llama)
+    engine.guided._cache_size = 3
+    async with engine:
+        outs = await asyncio.gather(*(engine.generate("n", SamplingParams(max_tokens=6, regex=f"{i}[a-z]{{2,4}}"))
+                                      for i in range(30)))
+    assert [o.text[: len(str(i))] for i, o in enumerate(outs)] == [str(i) for i in range(30)]
+
+
+async def test_an_unserializable_schema_is_a_typed_error(tiny_llama: Path) -> None:
+    deep: dict[str, Any] = {}
+    node = deep
+    for _ in range(5000):
+        node["items"] = {}
+        node = node["items"]
+    async with tiny_engine(tiny_llama) as engine:
+        for schema in ({"type": "number", "maximum": float("nan")}, {"enum": [{1, 2}]}, deep):
+            with pytest.raises(InvalidRequestError):
+                await engine.generate("x", SamplingParams(max_tokens=2, json_schema=schema))
+        assert engine.healthy
+
+
+async def test_guided_decoding_works_when_the_tokenizer_is_wider_than_the_logits(tiny_llama: Path,
+                                                                                  tmp_path: Path) -> None:
+    """Defect 10: Gemma 3 hub checkpoints have 262,145 tokenizer entries for 262,144 logits."""
+    from transformers import AutoTokenizer
+
+    wide = tmp_path / "wide"
+    shutil.copytree(tiny_llama, wide)
+    tok = AutoTokenizer.from_pretrained(wide)
+    vocab = json.loads((wide / "config.json").read_text())["vocab_size"]
+    extra = [f"<extra_{i}>" for i in range(vocab - len(tok) + 1)]
+    tok.add_special_tokens({"additional_special_tokens": extra})
+    tok.save_pretrained(wide)
+    assert len(tok) == vocab + 1
+    async with tiny_engine(wide) as engine:
+        out = await engine.generate("x", SamplingParams(max_tokens=8, json_schema={"type": "boolean"}))
+        again = await engine.generate("y", SamplingParams(max_tokens=8, choice=["yes", "no"]))
+    assert out.text in ("true", "false") and again.text in ("yes", "no")
+
+
+def test_a_backend_that_cannot_use_the_tokenizer_fails_once_and_stays_failed() -> None:
+    from asyncpage.guided.manager import GrammarManager
+
+    class Broken:
+        def __len__(self) -> int:
+            raise RuntimeError("no vocabulary")
+
+    manager = GrammarManager(Broken(), 10, [1])
+    for _ in range(2):
+        with pytest.raises(GrammarError, match="cannot use this tokenizer"):
+            manager.backend()
+
+
+def test_triton_refuses_block_sizes_the_gpu_would_reject() -> None:
+    """Defect 11: tl.dot needs K >= 16; block_size 1-8 used to be accepted and fail at the first step."""
+    from asyncpage.config import resolve_backend
+
+    with pytest.raises(InvalidRequestError) as e:
+        resolve_backend("triton", "cuda", 8)
+    assert e.value.field == "block_size"
+    assert resolve_backend("auto", "cuda", 8) == "torch"
+    assert resolve_backend("auto", "cuda", 16) == "triton"
+
+
+def test_attention_masks_are_built_on_the_batch_device() -> None:
+    """Defect 11: the torch backend built torch.arange masks on the CPU next to CUDA tensors."""
+    import torch
+
+    from asyncpage.attention import AttentionMetadata, PrefillChunk
+
+    dev = torch.device("meta")  # any non-CPU device shows where the mask lives
+    meta = AttentionMetadata(block_size=4, slot_mapping=torch.zeros(6, dtype=torch.long, device=dev),
+                             prefills=[PrefillChunk(0, 6, 2, torch.zeros(2, dtype=torch.long, device=dev))])
+    meta.decode_block_tables = torch.zeros((1, 2), dtype=torch.long, device=dev)
+    meta.decode_context_lens = torch.ones(1, dtype=torch.long, device=dev)
+    mask = meta.prefill_mask(0, window=4)
+    assert mask is not None and mask.device == dev
+    assert meta.decode_mask(None).device == dev
