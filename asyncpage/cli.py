@@ -81,11 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     so.add_argument("--seed", type=int, default=0)
     so.add_argument("--debug-checks", action="store_true", help="check the pool's invariants every step")
 
-
-
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-        return serve(args)
     if args.cmd == "generate":
         return asyncio.run(_generate(args))
     if args.cmd == "bench-guided":
