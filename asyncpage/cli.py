@@ -81,8 +81,16 @@ def main(argv: list[str] | None = None) -> int:
     so.add_argument("--seed", type=int, default=0)
     so.add_argument("--debug-checks", action="store_true", help="check the pool's invariants every step")
 
+    from asyncpage.serve import add_parser as _serve_parser
+
+    _serve_parser(sub)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.cmd == "serve":
+        from asyncpage.serve import serve
+
+        return serve(args)
     if args.cmd == "generate":
         return asyncio.run(_generate(args))
     if args.cmd == "bench-guided":

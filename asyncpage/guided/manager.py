@@ -88,6 +88,18 @@ class GrammarManager:
                     raise self._backend_error from exc
             return self._backend
 
+    def prepare(self, share_with: GrammarManager | None = None) -> None:
+        """Build the backend now (at load, not under a running loop), or take `share_with`'s when it
+        adapted the same tokenizer for the same backend. A tokenizer the backend cannot use does not
+        fail the load: guided requests get the GrammarError instead."""
+        if (share_with is not None and share_with._tokenizer is self._tokenizer
+                and share_with.backend_name == self.backend_name and share_with.vocab_size == self.vocab_size):
+            with share_with._backend_lock:
+                self._backend, self._backend_error = share_with._backend, share_with._backend_error
+            if self._backend is not None or self._backend_error is not None:
+                return
+        _ignore_errors(self.backend)
+
     def compile_sync(self, spec: GuidedSpec, deadline: Deadline = NO_DEADLINE) -> CompiledGrammar:
         """Compile in the calling thread, uncached (tools and tests; the engine uses `compile`)."""
         return self.backend().compile(spec, deadline)

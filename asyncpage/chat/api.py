@@ -1,0 +1,176 @@
+"""chat() and chat_stream(): OpenAI-shaped messages and tools in, typed results or deltas out.
+
+    res = await engine.chat([{"role": "user", "content": "Weather in Paris?"}], tools=[weather_tool],
+                            tool_choice="required")
+    res.tool_calls[0].name, json.loads(res.tool_calls[0].arguments)
+
+Built only on the engine's public surface (tokenizer, stream(), SamplingParams): a turn is one
+engine request whose prompt is the rendered template and whose grammar comes from grammar.py.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import msgspec
+
+from asyncpage.chat import formats, grammar, messages
+from asyncpage.chat.parse import THINK_CLOSE, THINK_OPEN, parse
+from asyncpage.chat.types import ChatDelta, ChatFinishReason, ChatResult, ToolCall, ToolCallDelta, Usage
+from asyncpage.errors import GrammarError, InvalidRequestError
+from asyncpage.params import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncpage.engine import AsyncEngine
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One prepared turn: the prompt ids, the sampling params (grammar included), how to read it."""
+
+    prompt: list[int]
+    params: SamplingParams
+    spec: grammar.TurnSpec
+
+    def parse(self, text: str, final: bool) -> Any:
+        s = self.spec
+        return parse(text, s.fmt, calls_allowed=s.calls_allowed, reasoning=s.reasoning,
+                     in_reasoning=s.in_reasoning, final=final)
+
+
+def _model_type(engine: AsyncEngine) -> str:
+    return str(getattr(getattr(engine, "model_config", None), "model_type", "") or "")
+
+
+def _prepare_sync(engine: AsyncEngine, msgs: Any, tools: Any, tool_choice: Any, parallel_tool_calls: bool,
+                  response_format: Any, params: SamplingParams | None, tool_format: str | None) -> Turn:
+    params = params if params is not None else SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError("params", f"must be SamplingParams, got {type(params).__name__}")
+    if params.n != 1:
+        raise InvalidRequestError("n", "a chat turn has one choice (send several requests for more)")
+    tool_list = messages.parse_tools(tools)
+    mode = messages.parse_tool_choice(tool_choice, tool_list)
+    answer = messages.parse_response_format(response_format)
+    norm = messages.normalize(msgs)
+    tok = engine.tokenizer
+    template = messages.template_of(tok, _model_type(engine))
+    if tool_format is not None and tool_format not in formats.FORMATS:
+        raise InvalidRequestError("tool_format", f"must be one of {sorted(formats.FORMATS)}")
+    fmt = formats.FORMATS[tool_format] if tool_format else formats.detect(template.text, tok)
+    # tool_choice="none": the tools stay out of the prompt too, so nothing tempts the model to call.
+    shown = tool_list if mode != "none" else []
+    text = messages.render(tok, template, norm, shown, fmt)
+    in_reasoning = template.reasoning and text.rstrip().endswith(THINK_OPEN)
+    spec = grammar.TurnSpec(fmt, tool_list, mode, bool(parallel_tool_calls), answer, template.reasoning,
+                            in_reasoning)
+    lark = grammar.build(spec, tok)
+    if lark is not None and params.guided:
+        raise InvalidRequestError("params", "tools and response_format set the grammar; params must not "
+                                  "carry json_schema, regex, choice or grammar as well")
+    markers = [m for m in (fmt.trigger, THINK_OPEN, THINK_CLOSE) if m]
+    special = grammar._Lit(tok).special
+    if lark is not None:
+        params = msgspec.structs.replace(params, grammar=lark)
+    if spec.calls_allowed and any(m in special for m in markers):
+        # The parser reads the markers from the text: special tokens must not be skipped.
+        params = msgspec.structs.replace(params, skip_special_tokens=False)
+    ids = list(tok(text, add_special_tokens=False)["input_ids"])
+    return Turn(ids, params, spec)
+
+
+async def prepare(engine: AsyncEngine, msgs: Any, *, tools: Any = None, tool_choice: Any = "auto",
+                  parallel_tool_calls: bool = True, response_format: Any = None,
+                  params: SamplingParams | None = None, tool_format: str | None = None) -> Turn:
+    # Rendering and tokenizing run in a worker thread: a long conversation never holds the loop.
+    return await anyio.to_thread.run_sync(lambda: _prepare_sync(
+        engine, msgs, tools, tool_choice, parallel_tool_calls, response_format, params, tool_format))
+
+
+def _call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _finish(reason: str, has_calls: bool) -> ChatFinishReason:
+    if reason == "length":
+        return "length"
+    return "tool_calls" if has_calls else "stop"
+
+
+def _grammar_field(turn: Turn, exc: GrammarError) -> GrammarError:
+    """The engine names `grammar`; the caller wrote tools or response_format."""
+    field = "tools" if turn.spec.calls_allowed else "response_format"
+    return GrammarError(field, exc.message)
+
+
+async def chat(engine: AsyncEngine, msgs: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+               tool_choice: Any = "auto", parallel_tool_calls: bool = True,
+               response_format: dict[str, Any] | None = None, params: SamplingParams | None = None,
+               tool_format: str | None = None) -> ChatResult:
+    """One chat turn to the end. `tool_format` overrides the detected family format
+    ("hermes", "llama3", "mistral", "generic")."""
+    turn = await prepare(engine, msgs, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+                         response_format=response_format, params=params, tool_format=tool_format)
+    pieces: list[str] = []
+    n_tokens = 0
+    reason = "stop"
+    try:
+        async with engine.stream(turn.prompt, turn.params) as stream:
+            async for chunk in stream:
+                pieces.append(chunk.text)
+                n_tokens += len(chunk.token_ids)
+                if chunk.finish_reason is not None:
+                    reason = chunk.finish_reason
+    except GrammarError as exc:
+        raise _grammar_field(turn, exc) from exc
+    p = turn.parse("".join(pieces), final=True)
+    # A call cut by max_tokens is dropped: its arguments would not validate.
+    calls = [ToolCall(_call_id(), c.name, c.arguments) for c in p.calls if c.complete]
+    content = p.content if p.content.strip() or not calls else None
+    return ChatResult(content=content, reasoning=p.reasoning or None, tool_calls=calls,
+                      finish_reason=_finish(reason, bool(calls)), usage=Usage(len(turn.prompt), n_tokens))
+
+
+async def chat_stream(engine: AsyncEngine, msgs: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                      tool_choice: Any = "auto", parallel_tool_calls: bool = True,
+                      response_format: dict[str, Any] | None = None, params: SamplingParams | None = None,
+                      tool_format: str | None = None) -> AsyncIterator[ChatDelta]:
+    """chat() as deltas: content, reasoning, tool-call fragments (index, then id and name on the
+    first fragment, then arguments text), and last one with finish_reason and usage. Leaving the
+    loop early aborts the request and frees its blocks."""
+    turn = await prepare(engine, msgs, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+                         response_format=response_format, params=params, tool_format=tool_format)
+    text = ""
+    n_tokens = 0
+    reason = "stop"
+    sent_reasoning = sent_content = 0
+    sent_args: list[int] = []  # per call: argument characters already sent
+    try:
+        async with engine.stream(turn.prompt, turn.params) as stream:
+            async for chunk in stream:
+                text += chunk.text
+                n_tokens += len(chunk.token_ids)
+                final = chunk.finish_reason is not None
+                if final:
+                    reason = chunk.finish_reason or "stop"
+                p = turn.parse(text, final)
+                if len(p.reasoning) > sent_reasoning:
+                    yield ChatDelta(reasoning=p.reasoning[sent_reasoning:])
+                    sent_reasoning = len(p.reasoning)
+                if len(p.content) > sent_content:
+                    yield ChatDelta(content=p.content[sent_content:])
+                    sent_content = len(p.content)
+                for i, c in enumerate(p.calls):
+                    if i == len(sent_args):
+                        sent_args.append(len(c.arguments))
+                        yield ChatDelta(tool_call=ToolCallDelta(i, _call_id(), c.name, c.arguments))
+                    elif len(c.arguments) > sent_args[i]:
+                        yield ChatDelta(tool_call=ToolCallDelta(i, arguments=c.arguments[sent_args[i]:]))
+                        sent_args[i] = len(c.arguments)
+    except GrammarError as exc:
+        raise _grammar_field(turn, exc) from exc
+    yield ChatDelta(finish_reason=_finish(reason, bool(sent_args)), usage=Usage(len(turn.prompt), n_tokens))

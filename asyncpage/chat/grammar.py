@@ -1,0 +1,173 @@
+"""The Lark grammar (llguidance's dialect) of one chat turn: tool calls, answer schema, reasoning.
+
+Tool calls are made valid by construction: every call is the format's literal text around a
+`%json` rule built from that tool's own `parameters` schema, so its arguments always validate.
+`tool_choice="auto"` is a lazy grammar: free text until the model writes the format's trigger,
+then the grammar holds it to a complete call. JSON is written with fixed separators and no free
+whitespace (runaway whitespace is the most reported failure of JSON modes).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from asyncpage.chat.formats import ToolFormat
+from asyncpage.chat.messages import Tool
+from asyncpage.guided.backend import drop_custom_formats, exclusive_one_of
+
+# json.dumps' separators: what chat templates render with `tojson`, so calls stay in distribution.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class TurnSpec:
+    """What the turn may contain. `mode`: "none" | "auto" | "required" | a tool's name."""
+
+    fmt: ToolFormat
+    tools: list[Tool]
+    mode: str
+    parallel: bool
+    answer_schema: dict[str, Any] | None
+    reasoning: bool  # a <think>...</think> block may open the turn
+    in_reasoning: bool  # the prompt already opened it (the turn starts inside the block)
+
+    @property
+    def calls_allowed(self) -> bool:
+        return self.mode != "none" and bool(self.tools)
+
+    @property
+    def callable_tools(self) -> list[Tool]:
+        if self.mode in ("none", "auto", "required"):
+            return self.tools
+        return [t for t in self.tools if t.name == self.mode]
+
+
+def json_rule(schema: dict[str, Any] | bool) -> str:
+    """`%json {...}` for a schema, with asyncpage's exact rewrites and the fixed JSON style."""
+    s: Any = exclusive_one_of(drop_custom_formats(copy.deepcopy(schema)))
+    if s is True or s == {}:
+        s = {}
+    if not isinstance(s, dict):
+        s = {"not": {}}  # `false`: nothing validates
+    s = {**s, "x-guidance": JSON_STYLE}
+    return "%json " + json.dumps(s)
+
+
+class _Lit:
+    """Grammar literals; a marker that is a special token of the tokenizer becomes `<[id]>`
+    (special tokens cannot be spelled by ordinary text in llguidance, nor by a model)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self.special = {t.content: i for i, t in decoder.items() if getattr(t, "special", False)}
+
+    def __call__(self, text: str) -> str:
+        if not text:
+            return ""
+        if text in self.special:
+            return f"<[{self.special[text]}]>"
+        return json.dumps(text)
+
+    def seq(self, text: str, marker: str) -> str:
+        """`text`, with `marker` (a prefix of it) spelled on its own so it may be a special token."""
+        if marker and text.startswith(marker):
+            return f"{self(marker)} {self(text[len(marker):])}".strip()
+        return self(text)
+
+
+def build(spec: TurnSpec, tokenizer: Any) -> str | None:
+    """Lark text for the turn, or None when the turn is free text (no grammar at all)."""
+    lit = _Lit(tokenizer)
+    fmt = spec.fmt
+    rules: list[str] = []
+    if spec.calls_allowed:
+        tools = spec.callable_tools
+        names = [f"call_{i}" for i in range(len(tools))]
+        rules.append("call: " + " | ".join(names))
+        for rule, tool in zip(names, tools, strict=True):
+            rules.append(f"{rule}: {lit(fmt.call_head(tool.name))} {rule}_args {lit('}')}")
+            rules.append(f"{rule}_args: {json_rule(tool.parameters)}")
+        more = f" ({lit(fmt.sep)} call)*" if spec.parallel else ""
+        rest_of_begin = fmt.begin[len(fmt.trigger):]
+        rules.append(f"calls_after_trigger: {lit(rest_of_begin)} call{more} {lit(fmt.end)}".replace("  ", " "))
+        trigger = lit(fmt.trigger)
+        rules.append(f"calls: {trigger} calls_after_trigger" if trigger else "calls: calls_after_trigger")
+    if spec.answer_schema is not None:
+        rules.append(f"answer: {json_rule(spec.answer_schema)}")
+    if spec.calls_allowed and spec.mode == "auto":
+        if spec.answer_schema is not None and fmt.at_start:
+            # Both open with "{": one JSON Schema (anyOf) lets the JSON parser decide, where two
+            # alternatives would make the lexer commit at the first "{".
+            rules.append(f"answer_or_calls: {_answer_or_calls(spec)}")
+            body = "answer_or_calls"
+        elif spec.answer_schema is not None:
+            body = "answer | calls"
+        elif fmt.at_start:
+            # Free text that does not open with "{" (that would be a call).
+            rules.append(r"PLAIN: /([^{](.|\n)*)?/")
+            body = "PLAIN | calls"
+        elif fmt.trigger in lit.special:
+            rules.append(r"TEXT: /(.|\n)*/")
+            body = f"TEXT | TEXT {lit(fmt.trigger)} calls_after_trigger"
+        else:
+            # Lazy: the first occurrence of the trigger ends the free text and starts the call.
+            rules.append(r"TEXT: /(.|\n)*/")
+            rules.append(f"pre[lazy]: TEXT {lit(fmt.trigger)}")
+            body = "TEXT | pre calls_after_trigger"
+    elif spec.calls_allowed:
+        body = "calls"
+    elif spec.answer_schema is not None:
+        body = "answer"
+    else:
+        return None
+    rules.insert(0, f"body: {body}")
+    if spec.in_reasoning:
+        rules.insert(0, "start: think_rest body")
+    elif spec.reasoning:
+        rules.insert(0, f"start: body | {lit('<think>')} think_rest body")
+    else:
+        rules.insert(0, "start: body")
+    if spec.reasoning or spec.in_reasoning:
+        end = lit("</think>")
+        if end.startswith("<["):
+            rules.append(f"think_rest: THINK {end} GAP?")
+            rules.append(r"THINK: /(.|\n)*/")
+        else:
+            # Lazy: the reasoning ends at the first "</think>", then the turn proper begins.
+            rules.append(r"think_rest: think_text GAP?")
+            rules.append(r"think_text[lazy]: /(.|\n)*<\/think>/")
+        rules.append(r"GAP: /\n{1,2}/")
+    return "%llguidance {}\n" + "\n".join(rules) + "\n"
+
+
+def _answer_or_calls(spec: TurnSpec) -> str:
+    """`%json` of anyOf [the answer, the format's calls as JSON], for JSON formats (generic, Llama 3).
+    Properties are listed in the format's order, so the text is exactly what formats.py renders."""
+    defs: dict[str, Any] = {}
+
+    def hoist(schema: Any) -> Any:
+        # $defs move to the root, where "#/$defs/..." references resolve.
+        if isinstance(schema, dict):
+            for key in ("$defs", "definitions"):
+                defs.update(schema.get(key) or {})
+            return {k: v for k, v in schema.items() if k not in ("$defs", "definitions", "$schema", "$id")}
+        return schema
+
+    fmt = spec.fmt
+    one = [{"type": "object", "properties": {"name": {"const": t.name}, fmt.key: hoist(t.parameters)},
+            "required": ["name", fmt.key], "additionalProperties": False} for t in spec.callable_tools]
+    call = {"anyOf": one}
+    if fmt.name == "generic":
+        calls: dict[str, Any] = {"type": "object", "properties": {"tool_calls": {
+            "type": "array", "items": call, "minItems": 1, **({} if spec.parallel else {"maxItems": 1})}},
+            "required": ["tool_calls"], "additionalProperties": False}
+    else:
+        calls = call  # Llama 3: one call object
+    answer = hoist(spec.answer_schema)
+    root: dict[str, Any] = {"anyOf": [answer, calls]}
+    if defs:
+        root["$defs"] = defs
+    return json_rule(root)

@@ -1,0 +1,311 @@
+"""An OpenAI-compatible surface over one engine: the ASGI app, and clients that reach it in-process.
+
+    client = engine.openai_client()                  # openai.AsyncOpenAI, no socket
+    r = await client.chat.completions.create(model="any", messages=[...], tools=[...])
+    app = asyncpage.openai.app(engine)               # the same app; `asyncpage serve` runs it
+
+Routes: POST /v1/chat/completions (mapped onto asyncpage.chat), POST /v1/completions, GET
+/v1/models. Streaming is SSE in OpenAI's chunk shapes; errors are OpenAI's error object with the
+status OpenAI uses. A client that disconnects cancels its generation (its KV blocks are freed).
+Needs the `asyncpage[openai]` extra (starlette; openai and httpx2 for the client).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from asyncpage.chat import ChatDelta, chat, chat_stream
+from asyncpage.errors import (
+    AsyncPageError,
+    EngineDeadError,
+    EngineNotRunningError,
+    InvalidRequestError,
+    PromptTooLongError,
+)
+from asyncpage.params import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncpage.engine import AsyncEngine
+
+BASE_URL = "http://asyncpage.local/v1"
+DEFAULT_MAX_TOKENS = 1024
+# OpenAI's request names -> SamplingParams fields (same meaning).
+_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "presence_penalty": "presence_penalty",
+             "frequency_penalty": "frequency_penalty", "top_k": "top_k", "min_p": "min_p",
+             "repetition_penalty": "repetition_penalty", "stop_token_ids": "stop_token_ids",
+             "ignore_eos": "ignore_eos"}
+
+
+def model_id(engine: AsyncEngine) -> str:
+    src = str(engine.model_source)
+    return Path(src).stem if src.endswith(".gguf") else Path(src).name or src
+
+
+def error_body(message: str, param: str | None, kind: str = "invalid_request_error",
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _error(exc: BaseException) -> JSONResponse:
+    if isinstance(exc, PromptTooLongError):
+        return JSONResponse(error_body(str(exc), exc.field, code="context_length_exceeded"), 400)
+    if isinstance(exc, InvalidRequestError):
+        return JSONResponse(error_body(exc.message, exc.field), 400)
+    if isinstance(exc, EngineNotRunningError):
+        return JSONResponse(error_body(str(exc), None, "service_unavailable"), 503)
+    if isinstance(exc, EngineDeadError | AsyncPageError):
+        return JSONResponse(error_body(str(exc), None, "server_error"), 500)
+    return JSONResponse(error_body(f"internal error: {exc!r}", None, "server_error"), 500)
+
+
+def _params(body: dict[str, Any], default_max: int) -> SamplingParams:
+    kw: dict[str, Any] = {k: body[o] for o, k in _SAMPLING.items() if body.get(o) is not None}
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    kw["max_tokens"] = default_max if max_tokens is None else max_tokens
+    stop = body.get("stop")
+    if stop is not None:
+        if not isinstance(stop, str | list):
+            raise InvalidRequestError("stop", "must be a string or a list of strings")
+        kw["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+    n = body.get("n")
+    if n not in (None, 1):
+        raise InvalidRequestError("n", "only n=1 is supported")
+    if body.get("logprobs"):
+        raise InvalidRequestError("logprobs", "logprobs are not supported by this server")
+    try:
+        return SamplingParams(**kw)
+    except TypeError as exc:  # a wrongly typed value msgspec could not even store
+        raise InvalidRequestError(next(iter(kw), "body"), str(exc)) from exc
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body() or b"null")
+    except ValueError as exc:
+        raise InvalidRequestError("body", f"is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequestError("body", "must be a JSON object")
+    return body
+
+
+def _require(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = body.get(name)
+    if value is None:
+        raise InvalidRequestError(name, "is required")
+    if not isinstance(value, kind):
+        raise InvalidRequestError(name, f"has the wrong type ({type(value).__name__})")
+    return value
+
+
+async def _until_disconnect(request: Request, fn: Callable[[], Awaitable[Any]]) -> Any:
+    """Run fn, cancelling it if the client goes away first (its request is aborted, blocks freed)."""
+    result: list[Any] = []
+    error: list[BaseException] = []
+
+    async with anyio.create_task_group() as tg:
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            tg.cancel_scope.cancel()
+
+        async def work() -> None:
+            try:
+                result.append(await fn())
+            except Exception as exc:  # raised as itself below, not wrapped in an ExceptionGroup
+                error.append(exc)
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        tg.start_soon(work)
+    if error:
+        raise error[0]
+    if not result:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    return result[0]
+
+
+def _sse(obj: Any) -> str:
+    return "data: " + json.dumps(obj, separators=(",", ":")) + "\n\n"
+
+
+def _usage(u: Any) -> dict[str, int]:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens}
+
+
+def _chat_args(body: dict[str, Any]) -> dict[str, Any]:
+    return dict(tools=body.get("tools"), tool_choice=body.get("tool_choice", "auto"),
+                parallel_tool_calls=body.get("parallel_tool_calls", True) is not False,
+                response_format=body.get("response_format"))
+
+
+async def _first(stream: AsyncIterator[ChatDelta]) -> ChatDelta:
+    """The first delta, so that request errors become an error response, not a broken stream."""
+    return await stream.__anext__()
+
+
+def app(engine: AsyncEngine) -> Starlette:
+    """The OpenAI-compatible ASGI app over `engine` (started by the caller, or by the app's lifespan
+    when `asyncpage serve` owns the engine). Requests may name any model: one engine serves one."""
+    served = model_id(engine)
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": served, "object": "model", "created": 0, "owned_by": "asyncpage"}]})
+
+    async def chat_completions(request: Request) -> Response:
+        try:
+            body = await _json_body(request)
+            msgs = _require(body, "messages", list)
+            params = _params(body, DEFAULT_MAX_TOKENS)
+            args = _chat_args(body)
+            cid, created, model = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time()), body.get("model") or served
+            if body.get("stream"):
+                stream = chat_stream(engine, msgs, params=params, **args)
+                first = await _first(stream)
+                opts = body.get("stream_options") or {}
+                usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
+                return StreamingResponse(_chat_sse(stream, first, cid, created, model, usage),
+                                         media_type="text/event-stream")
+            res = await _until_disconnect(request, lambda: chat(engine, msgs, params=params, **args))
+            if isinstance(res, Response):
+                return res
+        except Exception as exc:
+            return _error(exc)
+        message: dict[str, Any] = {"role": "assistant", "content": res.content}
+        if res.reasoning is not None:
+            message["reasoning_content"] = res.reasoning
+        if res.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}} for c in res.tool_calls]
+        return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
+                             "choices": [{"index": 0, "message": message, "finish_reason": res.finish_reason,
+                                          "logprobs": None}],
+                             "usage": _usage(res.usage)})
+
+    async def completions(request: Request) -> Response:
+        try:
+            body = await _json_body(request)
+            prompt = _require(body, "prompt", (str, list))
+            params = _params(body, 16)  # OpenAI's default for /v1/completions
+            cid, created, model = "cmpl-" + uuid.uuid4().hex[:24], int(time.time()), body.get("model") or served
+            if body.get("stream"):
+                stream = engine.stream(prompt, params)
+                first = await stream.__anext__()
+                opts = body.get("stream_options") or {}
+                usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
+                return StreamingResponse(_completion_sse(stream, first, cid, created, model, usage),
+                                         media_type="text/event-stream")
+            out = await _until_disconnect(request, lambda: engine.generate(prompt, params))
+            if isinstance(out, Response):
+                return out
+        except Exception as exc:
+            return _error(exc)
+        return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                             "choices": [{"index": 0, "text": out.text, "finish_reason": out.finish_reason,
+                                          "logprobs": None}],
+                             "usage": {"prompt_tokens": len(out.prompt_token_ids),
+                                       "completion_tokens": len(out.token_ids),
+                                       "total_tokens": len(out.prompt_token_ids) + len(out.token_ids)}})
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 404
+        return JSONResponse(error_body(f"{request.method} {request.url.path}: no such route", None), status)
+
+    return Starlette(routes=[
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ], exception_handlers={404: not_found, 405: not_found})
+
+
+async def _chat_sse(stream: AsyncIterator[ChatDelta], first: ChatDelta, cid: str, created: int, model: str,
+                    include_usage: bool) -> AsyncIterator[str]:
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        return _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+
+    yield chunk({"role": "assistant", "content": ""})
+    d: ChatDelta | None = first
+    try:
+        while d is not None:
+            if d.content:
+                yield chunk({"content": d.content})
+            if d.reasoning:
+                yield chunk({"reasoning_content": d.reasoning})
+            if d.tool_call is not None:
+                tc = d.tool_call
+                frag: dict[str, Any] = {"index": tc.index, "function": {"arguments": tc.arguments}}
+                if tc.id is not None:
+                    frag.update(id=tc.id, type="function")
+                    frag["function"]["name"] = tc.name
+                yield chunk({"tool_calls": [frag]})
+            if d.finish_reason is not None:
+                yield chunk({}, d.finish_reason)
+                if include_usage and d.usage is not None:
+                    yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                                "choices": [], "usage": _usage(d.usage)})
+            d = await anext(stream, None)
+    except Exception as exc:  # an engine failure mid-stream: OpenAI's clients read an error event
+        yield _sse(error_body(str(exc), None, "server_error"))
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+    yield "data: [DONE]\n\n"
+
+
+async def _completion_sse(stream: Any, first: Any, cid: str, created: int, model: str,
+                          include_usage: bool) -> AsyncIterator[str]:
+    n_tokens = 0
+    c = first
+    try:
+        while c is not None:
+            n_tokens += len(c.token_ids)
+            yield _sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                        "choices": [{"index": 0, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}]})
+            c = await anext(stream, None)
+    except Exception as exc:
+        yield _sse(error_body(str(exc), None, "server_error"))
+    finally:
+        await stream.aclose()
+    if include_usage and stream.request is not None:
+        n_prompt = len(stream.request.prompt_token_ids)
+        yield _sse({"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [],
+                    "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_tokens,
+                              "total_tokens": n_prompt + n_tokens}})
+    yield "data: [DONE]\n\n"
+
+
+def http_client(engine: AsyncEngine, *, module: str = "httpx2", **kwargs: Any) -> Any:
+    """An `httpx2.AsyncClient` (or `httpx.AsyncClient` with module="httpx") that reaches the app
+    in-process through the streaming transport: hand it to any client that takes one."""
+    import importlib
+
+    from asyncpage.asgi_transport import make_transport_class
+
+    mod = importlib.import_module(module)
+    transport = make_transport_class(mod)(app(engine))
+    kwargs.setdefault("timeout", None)
+    return mod.AsyncClient(transport=transport, base_url=BASE_URL, **kwargs)
+
+
+def client(engine: AsyncEngine, **kwargs: Any) -> Any:
+    """`openai.AsyncOpenAI` wired to `engine` in-process: no socket, no second process."""
+    import openai
+
+    kwargs.setdefault("api_key", "asyncpage")
+    kwargs.setdefault("base_url", BASE_URL)
+    kwargs.setdefault("max_retries", 0)
+    kwargs.setdefault("http_client", http_client(engine))
+    return openai.AsyncOpenAI(**kwargs)

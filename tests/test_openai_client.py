@@ -1,0 +1,155 @@
+"""The OpenAI-compatible surface, driven by the official `openai` client in-process (streaming
+transport, no socket) on the real default model: tool calls valid by construction in every
+tool_choice mode, streamed deltas that assemble the same calls, usage, errors, cancellation."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from asyncpage import AsyncEngine
+
+pytestmark = pytest.mark.slow
+
+WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z ]{1,20}$"},
+                                                   "unit": {"enum": ["c", "f"]}},
+                  "required": ["city", "unit"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                            "parameters": WEATHER_PARAMS}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "Local time in a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string",
+                                                        "maxLength": 20}}, "required": ["city"]}}}
+ASK = [{"role": "system", "content": "You are a weather assistant."},
+       {"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+
+
+@pytest.fixture(scope="module")
+def client(default_engine: AsyncEngine) -> openai.AsyncOpenAI:
+    return default_engine.openai_client()
+
+
+def _check_calls(calls: Any, allowed: tuple[str, ...] = ("get_weather",)) -> None:
+    schemas = {"get_weather": WEATHER_PARAMS, "get_time": TIME["function"]["parameters"]}
+    assert calls
+    for c in calls:
+        assert c.type == "function" and c.id and c.function.name in allowed
+        jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
+
+
+async def test_chat_without_tools_answers_in_text(client: openai.AsyncOpenAI, default_engine: AsyncEngine) -> None:
+    r = await client.chat.completions.create(model="anything", messages=ASK, max_tokens=8, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length") and isinstance(r.choices[0].message.content, str)
+    assert r.usage is not None and r.usage.completion_tokens <= 8 and r.usage.prompt_tokens > 10
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [r.model if r.model != "anything" else models.data[0].id]
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+async def test_forced_tool_call_returns_valid_arguments(client: openai.AsyncOpenAI, choice: str) -> None:
+    tool_choice: Any = "required" if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
+    r = await client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice,
+                                             parallel_tool_calls=False, max_tokens=48, temperature=0)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls or []) == 1
+    _check_calls(ch.message.tool_calls, ("get_weather", "get_time") if choice == "required" else ("get_weather",))
+
+
+async def test_streamed_tool_call_assembles_from_index_stable_deltas(client: openai.AsyncOpenAI) -> None:
+    kw: Any = dict(model="m", messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                   max_tokens=48, temperature=0)
+    whole = await client.chat.completions.create(**kw)
+    t0 = time.monotonic()
+    stream = await client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    calls: dict[int, dict[str, str]] = {}
+    first_at, finish, usage = None, None, None
+    async for chunk in stream:
+        first_at = first_at or time.monotonic() - t0
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                if tc.id is not None:
+                    assert tc.index not in calls and tc.function and tc.function.name
+                    calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": ""}
+                calls[tc.index]["arguments"] += (tc.function.arguments or "") if tc.function else ""
+            finish = c.finish_reason or finish
+    total = time.monotonic() - t0
+    assert finish == "tool_calls" and usage is not None and usage.completion_tokens > 0
+    assert first_at is not None and first_at < total
+    assert list(calls) == list(range(len(calls)))
+    for c in calls.values():
+        assert c["name"] == "get_weather"
+        jsonschema.validate(json.loads(c["arguments"]), WEATHER_PARAMS)
+    same = whole.choices[0].message.tool_calls or []
+    assert [(c.function.name, c.function.arguments) for c in same] == [(c["name"], c["arguments"])
+                                                                       for c in calls.values()]
+
+
+async def test_auto_and_none_never_return_invalid_calls(client: openai.AsyncOpenAI) -> None:
+    r = await client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice="auto",
+                                             max_tokens=24, temperature=0)
+    if r.choices[0].message.tool_calls:
+        _check_calls(r.choices[0].message.tool_calls)
+    r = await client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice="none",
+                                             max_tokens=8, temperature=0)
+    assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_response_format_json_schema_is_followed(client: openai.AsyncOpenAI) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                               "sunny": {"type": "boolean"}},
+              "required": ["city", "sunny"], "additionalProperties": False}
+    r = await client.chat.completions.create(
+        model="m", messages=ASK, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema, "strict": True}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content or ""), schema)
+
+
+async def test_malformed_request_gets_a_400_naming_the_parameter(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model="m", messages=ASK, temperature=-1)
+    assert e.value.status_code == 400 and e.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER],
+                                             tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert e.value.param == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model="m", messages=[{"role": "wizard", "content": "x"}])
+    assert e.value.param == "messages[0].role"
+    with pytest.raises(openai.NotFoundError):
+        await client.get("/nowhere", cast_to=object)
+
+
+async def test_closing_a_stream_early_frees_its_kv_blocks(client: openai.AsyncOpenAI,
+                                                          default_engine: AsyncEngine) -> None:
+    stream = await client.chat.completions.create(model="m", messages=ASK, max_tokens=200, temperature=0.8,
+                                                  stream=True, extra_body={"ignore_eos": True})
+    n = 0
+    async for _ in stream:
+        n += 1
+        if n == 3:
+            assert default_engine.stats().kv_blocks_used > 0
+            break
+    await stream.close()
+    for _ in range(100):
+        st = default_engine.stats()
+        if st.kv_blocks_used == 0 and st.num_running == 0:
+            break
+        import asyncio
+
+        await asyncio.sleep(0.02)
+    assert default_engine.stats().kv_blocks_used == 0 and default_engine.stats().num_running == 0
+
+
+async def test_completions_endpoint_streams_text(client: openai.AsyncOpenAI) -> None:
+    r = await client.completions.create(model="m", prompt="The capital of France is", max_tokens=4, temperature=0)
+    assert r.choices[0].text and r.usage is not None and r.usage.completion_tokens <= 4
+    parts = [c.choices[0].text async for c in await client.completions.create(
+        model="m", prompt="The capital of France is", max_tokens=4, temperature=0, stream=True) if c.choices]
+    assert "".join(parts) == r.choices[0].text

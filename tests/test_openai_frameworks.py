@@ -1,0 +1,94 @@
+"""Agent frameworks over the in-process OpenAI surface on the real default model: pydantic-ai,
+LangChain and the OpenAI Agents SDK reach the engine with no socket and no second process, and
+get structurally valid tool calls and typed outputs (the 270M base model is not expected to be
+smart, only to be held to the shapes)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from pydantic import BaseModel, Field
+
+from asyncpage import AsyncEngine
+
+pytestmark = pytest.mark.slow
+os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
+
+
+class Weather(BaseModel):
+    city: str = Field(max_length=16)
+    celsius: int = Field(ge=-60, le=60)
+
+
+def get_weather(city: str) -> str:
+    """Current weather in a city."""
+    return json.dumps({"city": city, "celsius": 21})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_pydantic_ai_agent_with_a_tool_runs_to_a_typed_result(default_engine: AsyncEngine, stream: bool) -> None:
+    from pydantic_ai import Agent, RunContext, Tool
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    from pydantic_ai.tools import ToolDefinition
+    from pydantic_ai.usage import UsageLimits
+
+    called: list[str] = []
+
+    def weather(city: str) -> str:
+        """Current weather in a city."""
+        called.append(city)
+        return get_weather(city)
+
+    async def once(ctx: RunContext[None], tool: ToolDefinition) -> ToolDefinition | None:
+        # A base model would call the weather tool forever; after one call only the output tool is left.
+        return None if called else tool
+
+    model = OpenAIChatModel("gemma", provider=OpenAIProvider(openai_client=default_engine.openai_client()))
+    agent = Agent(model, output_type=Weather, tools=[Tool(weather, prepare=once)],
+                  instructions="Answer with the weather.",
+                  model_settings={"temperature": 0.0, "max_tokens": 64, "parallel_tool_calls": False})
+    limits = UsageLimits(request_limit=6)
+    if stream:
+        async with agent.run_stream("Weather in Paris?", usage_limits=limits) as run:
+            out = await run.get_output()
+    else:
+        out = (await agent.run("Weather in Paris?", usage_limits=limits)).output
+    assert isinstance(out, Weather)
+
+
+async def test_langchain_bind_tools_and_structured_output(default_engine: AsyncEngine) -> None:
+    from langchain_openai import ChatOpenAI
+
+    from asyncpage.openai import http_client
+
+    llm = ChatOpenAI(model="gemma", api_key="x", base_url="http://asyncpage.local/v1", temperature=0, max_tokens=48,
+                     http_async_client=http_client(default_engine))
+    msg = await llm.bind_tools([get_weather], tool_choice="get_weather").ainvoke("Weather in Paris?")
+    assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
+    assert isinstance(msg.tool_calls[0]["args"]["city"], str)
+    w = await llm.with_structured_output(Weather, method="json_schema").ainvoke("Weather in Paris as JSON?")
+    assert isinstance(w, Weather)
+
+
+async def test_openai_agents_sdk_runner_with_a_function_tool(default_engine: AsyncEngine) -> None:
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @function_tool
+    def weather(city: str) -> str:
+        """Current weather in a city."""
+        calls.append(city)
+        return f"21 C in {city}"
+
+    agent = Agent(name="w", instructions="Use the tool, then answer.", tools=[weather],
+                  model=OpenAIChatCompletionsModel(model="gemma", openai_client=default_engine.openai_client()),
+                  model_settings=ModelSettings(tool_choice="required", temperature=0.0, max_tokens=48,
+                                               parallel_tool_calls=False),
+                  tool_use_behavior="stop_on_first_tool")
+    result = await Runner.run(agent, "Weather in Paris?", max_turns=4)
+    assert len(calls) == 1 and result.final_output == f"21 C in {calls[0]}"
