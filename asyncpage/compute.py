@@ -18,17 +18,29 @@ from typing import TypeVar
 import anyio
 import torch
 
+from asyncpage.cpu_share import CpuShare
 from asyncpage.eventloop import LoopHandle
 
 T = TypeVar("T")
 
 
 class ComputeThread:
-    def __init__(self, num_threads: int) -> None:
+    def __init__(self, num_threads: int, adaptive: bool = True) -> None:
+        """`adaptive`: follow the cores other processes leave free (cpu_share.py), up to `num_threads`."""
         self.num_threads = num_threads
+        self.active_threads = num_threads
+        self._share = CpuShare(num_threads) if adaptive and num_threads > 1 else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="asyncpage-compute")
         # The thread count is per calling thread in OpenMP: set it where the work runs.
         self.run(torch.set_num_threads, num_threads)
+
+    def _adapt_then(self, fn: Callable[..., T], *args: object) -> T:
+        if self._share is not None:
+            want = self._share.threads(self.active_threads)
+            if want is not None and want != self.active_threads:
+                torch.set_num_threads(want)
+                self.active_threads = want
+        return fn(*args)
 
     def run(self, fn: Callable[..., T], *args: object) -> T:
         """Run `fn` on the compute thread and wait (from synchronous code, never from the compute thread)."""
@@ -38,7 +50,7 @@ class ComputeThread:
         """Run `fn` on the compute thread without blocking the event loop and without borrowing a
         thread from anyio's shared pool (a host app that fills that pool must not stall the engine).
         Not cancellable midway: a step that has started finishes, so its results are never half-applied."""
-        future: Future[T] = self._executor.submit(fn, *args)
+        future: Future[T] = self._executor.submit(self._adapt_then, fn, *args)
         done = anyio.Event()
         loop = LoopHandle.current()
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(done.set))

@@ -129,8 +129,9 @@ class AsyncEngine:
         check_options(options)
         resolve_backend(attention_backend, dev, block_size)  # refuse before minutes of loading
         threads = num_threads or len(os.sched_getaffinity(0))
-        # All torch work on one thread with one deliberately sized pool (see compute.py).
-        compute = ComputeThread(threads)
+        # All torch work on one thread with one deliberately sized pool (see compute.py); with the
+        # default thread count it follows the cores other processes leave free (cpu_share.py).
+        compute = ComputeThread(threads, adaptive=num_threads is None)
         loaded = compute.run(load, model, getattr(torch, dt), torch.device(dev))
         return compute.run(cls._build, loaded, dt, dev, compute, options)
 
