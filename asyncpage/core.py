@@ -150,13 +150,23 @@ class EngineCore:
             if req.request_id in self._requests:
                 for seq in req.seqs:
                     self.scheduler.finish(seq, "abort")
+                self._tell_aborted(req)
                 self._release(req)
             # else: still queued as an add (dropped there) or already over
+
+    @staticmethod
+    def _tell_aborted(req: Request) -> None:
+        """Whoever still reads the request (an abort() from elsewhere) gets each open sample's end."""
+        for i in range(req.params.n):
+            seq = req.seqs[i] if i < len(req.seqs) else None
+            if seq is None or seq.finish_reason == "abort":
+                req.mailbox.put(i, "", [], None, "abort")
 
     def _apply_adds(self) -> None:
         while self._adds:
             req = self._adds.popleft()
             if req.abort_requested:  # cancelled while queued: never prefilled
+                self._tell_aborted(req)
                 self._release(req)
                 continue
             self._requests[req.request_id] = req
@@ -220,7 +230,8 @@ class EngineCore:
             seed = self._seed_rng.getrandbits(63)
         else:
             # Sample i of a seeded request gets its own stream, reproducible on its own.
-            seed = p.seed if index == 0 else hash((p.seed, index)) & ((1 << 63) - 1)
+            seed = p.seed if index == 0 else hash((p.seed, index))
+            seed &= (1 << 64) - 1  # any Python int is a seed; torch takes 64 bits
         g = torch.Generator()
         g.manual_seed(seed)
         return g

@@ -20,7 +20,12 @@ class IncrementalDetokenizer:
         self._backend = tokenizer.backend_tokenizer  # the Rust tokenizers.Tokenizer
         # Seeded with the prompt's tail: some decoders (SentencePiece's Metaspace) drop a leading
         # space on the first token of a stream, which would be wrong mid-text.
-        self._context = prompt_ids[-8:]
+        # Cut at a character boundary: a prompt of token ids may end inside a multi-byte character, whose
+        # leftover bytes would otherwise come out as U+FFFD at the head of the output.
+        context = prompt_ids[-8:]
+        while context and self._backend.decode(context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+            context = context[:-1]
+        self._context = context
         self._skip_special = skip_special_tokens
         self._stream = DecodeStream(ids=self._context, skip_special_tokens=skip_special_tokens)
         self._stop = stop

@@ -45,16 +45,22 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     cache_salt: str | None = None
 
     def __post_init__(self) -> None:
-        # Accept the natural spellings (a str, a list) and store tuples: the struct is frozen and hashable
-        # parts keep it safe to share between the caller and the engine thread.
-        if isinstance(self.stop, str):
-            msgspec.structs.force_setattr(self, "stop", (self.stop,))
-        elif not isinstance(self.stop, tuple):
-            msgspec.structs.force_setattr(self, "stop", tuple(self.stop))
-        if not isinstance(self.stop_token_ids, tuple):
-            msgspec.structs.force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if self.choice is not None and not isinstance(self.choice, tuple):
-            msgspec.structs.force_setattr(self, "choice", tuple(self.choice))
+        # Accept the natural spellings (a str, a list, None for "none") and store tuples: the struct is
+        # frozen and hashable parts keep it safe to share between the caller and the engine thread.
+        for name in ("stop", "stop_token_ids", "choice"):
+            value = getattr(self, name)
+            if value is None:
+                if name != "choice":
+                    msgspec.structs.force_setattr(self, name, ())
+            elif isinstance(value, str):
+                if name == "stop_token_ids":
+                    raise InvalidRequestError(name, f"must be a list of token ids, got {value!r}")
+                msgspec.structs.force_setattr(self, name, (value,))  # one stop string / one choice
+            elif not isinstance(value, tuple):
+                try:
+                    msgspec.structs.force_setattr(self, name, tuple(value))
+                except TypeError:
+                    raise InvalidRequestError(name, f"must be a list, got {type(value).__name__}") from None
         _check(self)
 
     @property
@@ -112,3 +118,15 @@ def _check(p: SamplingParams) -> None:
         raise bad("choice", "must be a non-empty list of non-empty strings")
     if p.json_schema is not None and not isinstance(p.json_schema, dict | bool):
         raise bad("json_schema", "must be a JSON Schema dict")
+    for name in ("regex", "grammar", "cache_salt"):
+        v = getattr(p, name)
+        if v is not None and not isinstance(v, str):
+            raise bad(name, f"must be a str, got {type(v).__name__}")
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad(name, "must be valid Unicode (no unpaired surrogates)") from None
+    for name in ("ignore_eos", "skip_special_tokens"):
+        if not isinstance(getattr(p, name), bool):
+            raise bad(name, f"must be true or false, got {getattr(p, name)!r}")

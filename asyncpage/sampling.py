@@ -106,7 +106,9 @@ def _apply_penalties(row: torch.Tensor, s: SampleSpec) -> None:
         # transformers' RepetitionPenaltyLogitsProcessor: every token seen (prompt and output).
         seen = torch.cat([torch.tensor(s.prompt_ids or [], dtype=torch.long), out]).unique()
         vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        penalized = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        # A tiny penalty divides a positive logit past the float range: keep it the largest finite value.
+        row[seen] = penalized.clamp(max=torch.finfo(row.dtype).max)
     if (p.presence_penalty or p.frequency_penalty) and out.numel():
         # OpenAI semantics: generated tokens only.
         counts = torch.bincount(out, minlength=row.numel())[: row.numel()].to(row.dtype)

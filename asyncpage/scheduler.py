@@ -126,6 +126,10 @@ class Scheduler:
             seats += _seats(seq)
             scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
+        # A child forked early in this step can be preempted later in it (a later sequence needed its
+        # block): it must not be sampled, or its grammar matcher and generator would run ahead of it.
+        for sched in scheduled:
+            sched.samples = [s for s in sched.samples if s.status is SeqStatus.RUNNING]
         return SchedulerOutput(scheduled, copies)
 
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:

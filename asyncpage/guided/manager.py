@@ -8,7 +8,8 @@ A schema is untrusted input, so a hostile one must cost a bounded amount of CPU 
 - each compile's deadline starts when it is asked for, not when it runs: a queue of hostile specs
   costs at most one core until the last of their deadlines; a compile nobody waits for any more is
   cancelled before it starts, and at most MAX_QUEUED specs may wait (more are refused at once);
-- failures are cached like successes: a spec that failed (or timed out) fails again instantly.
+- failures are cached like successes: a spec whose compile failed (or ran past its deadline) fails
+  again instantly.
 The cache and the in-flight table are touched on the event loop only; the compile thread only
 compiles and reports back through the loop.
 """
