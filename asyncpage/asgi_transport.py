@@ -130,7 +130,16 @@ def make_transport_class(httpx_module: Any) -> type:
             }
             ex = _Exchange(self.app, scope, body)
             _spawn(ex.run, self._tasks)
-            await ex.started.wait()
+            try:
+                await ex.started.wait()
+            except BaseException:
+                # The caller gave up before the headers (a cancel, a timeout): tell the app the client
+                # is gone, as a socket would, so the generation is aborted and the app task ends.
+                ex.disconnected.set()
+                ex.chunks.close()
+                if ex.cancel_scope is not None:
+                    ex.cancel_scope.cancel()
+                raise
             if ex.error is not None and ex.finished.is_set() and not ex.headers:
                 raise ex.error
             return httpx_module.Response(ex.status, headers=ex.headers, stream=ResponseBody(ex, ex.chunks),

@@ -256,7 +256,7 @@ class EngineCore:
         return EngineStats(
             kv_blocks_total=pool.num_blocks, kv_blocks_used=pool.num_used,
             kv_blocks_cached=pool.num_cached_free, kv_blocks_free=pool.num_free, block_size=bs,
-            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_running=sched.num_seats, num_waiting=len(sched.waiting),
             num_preemptions=sched.num_preemptions,
             prefix_cache_query_tokens=self.kv.query_tokens, prefix_cache_hit_tokens=self.kv.hit_tokens,
             kv_token_slots_allocated=pool.num_used * bs, kv_token_slots_occupied=sum(fill.values()),

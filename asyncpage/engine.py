@@ -42,7 +42,14 @@ from asyncpage.errors import (
     ExtractionError,
     InvalidRequestError,
 )
-from asyncpage.extract import DEFAULT_PROMPT, ExtractResult, decode_value, extract_many, json_params
+from asyncpage.extract import (
+    DEFAULT_PROMPT,
+    ExtractResult,
+    closed_early_error,
+    decode_value,
+    extract_many,
+    json_params,
+)
 from asyncpage.guided import GrammarManager, GuidedSpec
 from asyncpage.output_processor import request_metrics
 from asyncpage.outputs import Choice, EngineStats, FinishedRequest, FinishReason, GenerateOutput, TokenLogprob
@@ -255,6 +262,8 @@ class AsyncEngine:
         defaults to greedy with max_tokens=1024; its json_schema is replaced by `schema`. With
         `chat=True` the prompt is wrapped in the model's chat template. Raises GrammarError for an
         unsupported schema, ExtractionError when the output is cut at max_tokens or does not decode.
+        A value that budget closing (`budget_close`, on by default) ended at max_tokens is valid but
+        may be cut short: it raises ExtractionError("closed_early") with the typed value in `.value`.
 
             class Invoice(msgspec.Struct):
                 number: str
@@ -266,8 +275,9 @@ class AsyncEngine:
             prompt = self.apply_chat_template(prompt)
         out = await self.generate(prompt, params)
         if out.finish_reason == "length":
-            raise ExtractionError("truncated", f"output reached max_tokens={params.max_tokens} before the "
-                                  "value was complete", out.text)
+            # Closed validly by the budget: raised with the value attached (see extract.closed_early_error).
+            raise await closed_early_error(self, params, out.token_ids, out.text, target) or ExtractionError(
+                "truncated", f"output reached max_tokens={params.max_tokens} before the value was complete", out.text)
         try:
             return decode_value(out.text, target)
         except msgspec.DecodeError as exc:

@@ -4,6 +4,7 @@ AsyncPageError
 ├── InvalidRequestError (also a ValueError)   bad input, raised at submission; names the field
 │   ├── PromptTooLongError                    longer than the context or the whole KV pool
 │   └── GrammarError                          unsupported schema, grammar that fails or times out
+│       └── GrammarTimeoutError               over the compile time bound (transient: not cached)
 ├── ExtractionError                           extract(): output cut at max_tokens or not decodable
 ├── EngineDeadError (also a RuntimeError)     the engine loop failed; every caller hears it
 ├── EngineNotRunningError                     used outside `async with engine:`
@@ -14,6 +15,8 @@ AsyncPageError
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class AsyncPageError(Exception):
@@ -37,14 +40,23 @@ class GrammarError(InvalidRequestError):
     """A guided-decoding spec that cannot be compiled (unsupported keyword, timeout, syntax)."""
 
 
-class ExtractionError(AsyncPageError):
-    """extract() could not produce a typed value. `reason` is "truncated" (max_tokens reached before
-    the value was complete) or "invalid" (the text did not decode into the requested type)."""
+class GrammarTimeoutError(GrammarError):
+    """Compiling took longer than the time bound (the grammar may be hostile, or the compile thread
+    busy). Not remembered: asking again later compiles again."""
 
-    def __init__(self, reason: str, message: str, text: str) -> None:
+
+class ExtractionError(AsyncPageError):
+    """extract() could not produce a complete typed value. `reason` is "truncated" (max_tokens reached
+    before the value was complete), "invalid" (the text did not decode into the requested type), or
+    "closed_early": budget closing ended the value at max_tokens; it is valid and decoded, in `value`
+    (`has_value` is True), but may be shorter than what the model would have written."""
+
+    def __init__(self, reason: str, message: str, text: str, value: Any = None, has_value: bool = False) -> None:
         super().__init__(f"{reason}: {message}")
         self.reason = reason
         self.text = text
+        self.value = value
+        self.has_value = has_value
 
 
 class EngineDeadError(AsyncPageError, RuntimeError):

@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 
-from asyncpage.errors import InvalidRequestError, PromptTooLongError, SamplingError
+from asyncpage.errors import (
+    ExtractionError,
+    GrammarTimeoutError,
+    InvalidRequestError,
+    PromptTooLongError,
+    SamplingError,
+)
 from asyncpage.guided import GuidedSpec
 from asyncpage.guided.backend import closed_objects
 from asyncpage.params import SamplingParams
@@ -43,6 +49,8 @@ class ExtractResult(msgspec.Struct, frozen=True, omit_defaults=True):
     prompt_tokens: int = 0
     output_tokens: int = 0
     position: int = 0  # 1-based position of the record in the input: unique even when ids are not
+    # The budget (max_tokens) closed the value early: it validates, but may be shorter than the model's own.
+    closed_early: bool = False
 
     @property
     def ok(self) -> bool:
@@ -65,6 +73,31 @@ def json_params(schema: Any, params: SamplingParams | None) -> tuple[SamplingPar
             raise InvalidRequestError("schema", f"not a msgspec type or JSON Schema dict: {exc}") from exc
     base = params or SamplingParams(max_tokens=1024, temperature=0)
     return msgspec.structs.replace(base, json_schema=json_schema, regex=None, choice=None, grammar=None), target
+
+
+def closed_validly(matcher: Any, params: SamplingParams) -> bool:
+    """A request that ended by length has a complete value when budget closing brought its grammar to
+    an accepting state (read once the sequence is finished: nothing else touches its matcher then)."""
+    return bool(params.budget_close and matcher is not None and matcher.is_accepting())
+
+
+async def closed_early_error(engine: AsyncEngine, params: SamplingParams, token_ids: list[int], text: str,
+                             target: Any) -> ExtractionError | None:
+    """For extract(): the ExtractionError("closed_early") carrying the value when an output cut by
+    max_tokens was closed validly by budget closing (its tokens take a fresh matcher of the same
+    grammar to an accepting state, and it decodes), else None."""
+    spec = GuidedSpec.from_params(params)
+    if not params.budget_close or spec is None:
+        return None
+    matcher = (await engine.guided.compile(spec)).new_matcher()
+    if not all(matcher.accept(t) for t in token_ids) or not matcher.is_accepting():
+        return None
+    try:
+        value = decode_value(text, target)
+    except msgspec.DecodeError:
+        return None
+    return ExtractionError("closed_early", f"max_tokens={params.max_tokens} closed the value early (it is valid: "
+                           "see .value)", text, value, has_value=True)
 
 
 def decode_value(text: str, target: Any) -> Any:
@@ -153,6 +186,9 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
                     ready.append(ExtractResult(rid, error=ExtractError("prompt_too_long", exc.message),
                                                position=index))
                     continue
+                except GrammarTimeoutError as exc:  # the engine's moment, not the record's: retriable
+                    ready.append(ExtractResult(rid, error=ExtractError("engine_error", str(exc)), position=index))
+                    continue
                 except InvalidRequestError as exc:
                     ready.append(ExtractResult(rid, error=ExtractError("invalid_input", str(exc)), position=index))
                     continue
@@ -182,6 +218,14 @@ def _result(rid: Any, req: Request, target: Any) -> ExtractResult:
     out = req.mailbox.drain().get(0)
     text = out.text if out else ""
     n_out = len(out.token_ids) if out else 0
+    if out is not None and out.finish_reason == "length" and closed_validly(req.seqs[0].matcher if req.seqs else None,
+                                                                              req.params):
+        try:
+            value = decode_value(text, target)
+        except msgspec.DecodeError:
+            pass
+        else:
+            return ExtractResult(rid, value=value, prompt_tokens=n_prompt, output_tokens=n_out, closed_early=True)
     if out is None or out.finish_reason != "stop":
         reason = out.finish_reason if out else "abort"
         return ExtractResult(rid, error=ExtractError(

@@ -46,6 +46,9 @@ def load_schema(spec: str) -> Any:
     raise InvalidRequestError("schema", f"{spec!r} is neither a JSON Schema file nor module:Name")
 
 
+MAX_LINE = 1 << 36  # a line number past this is not one of ours (and would cost a huge bitmap)
+
+
 class DoneLines:
     """Which input lines an output file already answers: a bitmap over line numbers (a million
     records cost 125 KB, whatever their ids), read by streaming the file, never loading it whole."""
@@ -97,9 +100,13 @@ def done_lines(output: Path) -> DoneLines:
                 continue
             if not isinstance(row, dict):
                 continue
-            if isinstance(row.get("line"), int):
-                done.add(row["line"])
-            elif "id" in row:
+            error = row.get("error")
+            if isinstance(error, dict) and error.get("reason") == "engine_error":
+                continue  # written by older versions; never final: redo it
+            line = row.get("line")
+            if type(line) is int and 1 <= line <= MAX_LINE:
+                done.add(line)
+            elif "line" not in row and "id" in row:
                 done.legacy_ids.add(_key(row["id"]))
     return done
 
@@ -124,6 +131,7 @@ def _input_lines(path: Path) -> Iterator[tuple[int, str | None, str]]:
 @dataclass
 class JobSummary:
     done: int = 0
+    closed_early: int = 0  # done, with a value budget closing ended at max_tokens
     failed: Counter[str] = field(default_factory=Counter)
     skipped: int = 0
     prompt_tokens: int = 0
@@ -133,7 +141,9 @@ class JobSummary:
 
     def lines(self) -> list[str]:
         rate = self.done + sum(self.failed.values())
-        out = [f"records: {self.done} done, {sum(self.failed.values())} failed"
+        out = [f"records: {self.done} done"
+               + (f" ({self.closed_early} closed early by max_tokens)" if self.closed_early else "")
+               + f", {sum(self.failed.values())} failed"
                + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(self.failed.items()))})" if self.failed else "")
                + (f", {self.skipped} skipped (already in the output)" if self.skipped else ""),
                f"tokens: {self.prompt_tokens} prompt, {self.output_tokens} output",
@@ -151,6 +161,9 @@ class _Writer:
 
     def write(self, r: ExtractResult, line_no: int) -> None:
         line = {"id": r.id, "error": msgspec.to_builtins(r.error)} if r.error else {"id": r.id, "value": r.value}
+        if r.closed_early:
+            line["closed_early"] = True  # valid, but ended by --max-tokens: maybe shorter than the model's own
+            self.summary.closed_early += 1
         line["line"] = line_no  # the input line it answers: what --resume keys on (ids may repeat or be null)
         self.f.write(json.dumps(msgspec.to_builtins(line), ensure_ascii=False) + "\n")
         self.f.flush()
@@ -233,7 +246,8 @@ async def run_job(engine: AsyncEngine, schema: Any, input_path: Path, output_pat
                 _tick()
             if engine_error is not None:
                 assert engine_error.error is not None
-                raise EngineDeadError(f"the engine failed during the job: {engine_error.error.message}")
+                raise EngineDeadError(f"some records could not be processed ({engine_error.error.message}); "
+                                      "they are not in the output: run again with --resume")
         except BaseException:
             summary.interrupted = True
             raise

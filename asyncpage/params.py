@@ -14,6 +14,8 @@ import msgspec
 
 from asyncpage.errors import InvalidRequestError
 
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
+
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How to sample one request. `temperature=0` is greedy.
@@ -43,6 +45,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     grammar: str | None = None
     # Isolates prefix-cache entries between tenants: blocks are shared only under equal salts.
     cache_salt: str | None = None
+    # Guided output closes validly within max_tokens (and the context): once the budget gets down to the
+    # shortest valid completion, only tokens that keep one within it are taken (asyncpage.guided.budget).
+    # finish_reason is "length" when the budget forced the close. llguidance backend; every guided kind.
+    budget_close: bool = True
+    # Runaway guards under json_schema (0 = off; each is off anyway where the schema asks for long values):
+    # a number's digit run may not exceed this many digits...
+    max_number_digits: int = 15
+    # ...and a string whose tail repeats one n-gram (1-8 tokens) this many times is ended, where allowed.
+    max_string_repeats: int = 8
 
     def __post_init__(self) -> None:
         # Accept the natural spellings (a str, a list, None for "none") and store tuples: the struct is
@@ -65,7 +76,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, float32 division by the temperature overflows (1e-46 rounds to 0): it is greedy.
+        return self.temperature < GREEDY_BELOW
 
     @property
     def guided(self) -> bool:
@@ -111,6 +123,12 @@ def _check(p: SamplingParams) -> None:
         raise bad("repetition_penalty", f"must be > 0, got {p.repetition_penalty!r}")
     if p.logprobs is not None and (not _is_int(p.logprobs) or not 0 <= p.logprobs <= 20):
         raise bad("logprobs", f"must be an integer in [0, 20] or None, got {p.logprobs!r}")
+    if not isinstance(p.budget_close, bool):
+        raise bad("budget_close", f"must be a bool, got {p.budget_close!r}")
+    for name in ("max_number_digits", "max_string_repeats"):
+        v = getattr(p, name)
+        if not _is_int(v) or v < 0:
+            raise bad(name, f"must be an integer >= 0 (0 turns the guard off), got {v!r}")
     guided = [n for n in ("json_schema", "regex", "choice", "grammar") if getattr(p, n) is not None]
     if len(guided) > 1:
         raise bad(guided[1], f"at most one of json_schema, regex, choice, grammar; got {guided}")

@@ -16,8 +16,10 @@ import torch
 
 from asyncpage.attention import AttentionMetadata, PrefillChunk, paged_attention
 from asyncpage.guided import Matcher
-from asyncpage.guided.backend import bitmask_width
+from asyncpage.guided.backend import apply_bitmask, bitmask_width
+from asyncpage.guided.budget import ALTERNATIVES, Closer, Guards, guards_for
 from asyncpage.models import CausalLM
+from asyncpage.outputs import TokenLogprob
 from asyncpage.sampling import SampleResult, SampleSpec, needs_history, sample
 from asyncpage.scheduler import SchedulerOutput
 
@@ -111,10 +113,13 @@ class ModelRunner:
                     spec_rows.append(len(logit_rows) - 1)
                     p = s.params
                     hist = needs_history(p)
+                    budget = None
+                    if s.matcher is not None and p.budget_close:
+                        budget = min(p.max_tokens - s.num_output_tokens, out.max_model_len - s.num_tokens)
                     specs.append(SampleSpec(
                         seq_id=s.seq_id, params=p, generator=s.generator,
                         prompt_ids=list(s.token_ids[: s.num_prompt_tokens]) if p.repetition_penalty != 1 else None,
-                        output_ids=list(s.output_token_ids) if hist else None, matcher=s.matcher))
+                        output_ids=list(s.output_token_ids) if hist else None, matcher=s.matcher, budget=budget))
         # Pad the flat batch (and the rows sent to the LM head) to a few bucket sizes: the CPU matmul
         # libraries build a kernel per new shape (~0.5 ms per matmul), which cost a cold engine 30% of
         # its throughput when every step had a new token count. Padding rows attend to nothing.
@@ -164,6 +169,19 @@ class ModelRunner:
             spec = batch.specs[i]
             if spec.seq_id in failed:
                 continue
+            closer = _closer(m, spec) if spec.budget is not None else None
+            if closer is not None:
+                assert bitmask is not None
+                chosen = _budget_step(closer, i, spec, result, logits, bitmask)
+                if chosen is None:
+                    failed[spec.seq_id] = f"the grammar rejected sampled token {result.tokens[i]}"
+                    continue
+                ff, stopped = chosen
+                if ff:
+                    forced[spec.seq_id] = ff
+                if stopped:
+                    done.add(spec.seq_id)
+                continue
             # A correct mask never lets the grammar reject the sampled token; if it ever does, the token is
             # dropped and the request fails, rather than emitting text outside the grammar.
             if not m.accept(result.tokens[i]):
@@ -191,6 +209,46 @@ class ModelRunner:
         """Logits of every row of the batch (tests compare them with transformers)."""
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.caches)
         return self.model.compute_logits(hidden)
+
+
+def _closer(m: Matcher, spec: SampleSpec) -> Closer | None:
+    make = getattr(m, "closer", None)  # llguidance matchers only
+    if make is None:
+        return None
+    p = spec.params
+
+    def guards() -> Guards | None:  # asked once per sequence
+        return guards_for(p.json_schema, p.max_number_digits, p.max_string_repeats) if p.json_schema is not None \
+            else None
+
+    closer: Closer | None = make(guards)
+    return closer
+
+
+def _budget_step(closer: Closer, i: int, spec: SampleSpec, result: SampleResult, logits: torch.Tensor,
+                 bitmask: torch.Tensor) -> tuple[list[int], bool] | None:
+    """Take row i's token through budget closing (it may be replaced by one that keeps a valid
+    completion within the budget); returns (forced tokens, grammar ended), None if the grammar refuses."""
+    sampled = result.tokens[i]
+
+    def alternatives() -> list[int]:
+        row = logits[i : i + 1].clone()
+        apply_bitmask(row, bitmask[i : i + 1])
+        vals, ids = row[0].topk(min(ALTERNATIVES, row.shape[1]))
+        return [int(t) for t, v in zip(ids.tolist(), vals.tolist(), strict=True) if v != float("-inf")]
+
+    assert spec.budget is not None
+    out = closer.step(sampled, spec.budget, spec.params.logprobs is None, alternatives)
+    if out is None:
+        return None
+    token, ff, stopped = out
+    if token != sampled:
+        result.tokens[i] = token
+        old = result.logprobs[i]
+        if old is not None:
+            lp = float(torch.log_softmax(logits[i].float(), dim=-1)[token])
+            result.logprobs[i] = TokenLogprob(token, lp, old.top)
+    return ff, stopped
 
 
 def _fill_masks(guided: list[tuple[int, Matcher]], bitmask: torch.Tensor) -> None:

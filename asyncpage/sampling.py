@@ -28,6 +28,8 @@ class SampleSpec:
     prompt_ids: list[int] | None = None  # only when a repetition penalty needs them
     output_ids: list[int] | None = None  # only when a penalty needs them
     matcher: Matcher | None = None  # guided decoding: its mask row is applied before anything else
+    # budget_close: tokens this sequence may still emit, the one sampled now included (None: not closing)
+    budget: int | None = None
 
 
 @dataclass

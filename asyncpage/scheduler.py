@@ -34,6 +34,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     block_copies: list[tuple[int, int]]  # copy-on-write, done before the forward writes
+    max_model_len: int = 1 << 62  # the context bound a sampled sequence's budget also counts against
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +69,11 @@ class Scheduler:
     def new_seq_id(self) -> int:
         self._next_seq_id += 1
         return self._next_seq_id
+
+    @property
+    def num_seats(self) -> int:
+        """Sequences running, counted as max_num_seqs counts them (an n > 1 request not yet forked: n)."""
+        return sum(_seats(s) for s in self.running)
 
     @property
     def has_work(self) -> bool:
@@ -130,7 +136,7 @@ class Scheduler:
         # block): it must not be sampled, or its grammar matcher and generator would run ahead of it.
         for sched in scheduled:
             sched.samples = [s for s in sched.samples if s.status is SeqStatus.RUNNING]
-        return SchedulerOutput(scheduled, copies)
+        return SchedulerOutput(scheduled, copies, self.max_model_len)
 
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         sched = ScheduledSeq(seq, num_new)
@@ -203,6 +209,8 @@ class Scheduler:
                 new_tokens.append((seq, added))
                 if reason is None and seq.seq_id in grammar_done:
                     reason = "stop"
+                if reason == "stop" and getattr(seq.matcher, "budget_forced", False):
+                    reason = "length"  # the value is complete because the budget closed it
                 if reason is not None:
                     self.finish(seq, reason)
         return new_tokens, failures

@@ -114,6 +114,9 @@ class RequestStream:
             if self._request is None:
                 self._request = await self._engine.submit(self._prompt, self._params)
                 self._open = self._params.n
+                if self._closed:  # closed from elsewhere while it was being submitted: never run it
+                    self._engine.abort(self._request)
+                    raise StopAsyncIteration
             while not self._buffer:
                 if self._open == 0:
                     self._closed = True

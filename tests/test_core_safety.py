@@ -138,6 +138,28 @@ async def test_a_request_cancelled_while_queued_is_never_prefilled(tiny_llama: P
         assert engine.stats().prefix_cache_query_tokens == n_first  # the cancelled prompt was never looked up
 
 
+async def test_a_stream_closed_while_it_is_being_submitted_never_runs(tiny_llama: Path) -> None:
+    engine = tiny_engine(tiny_llama)
+    gate = asyncio.Event()
+    real = engine.guided.compile
+
+    async def slow_compile(spec: Any) -> Any:
+        await gate.wait()
+        return await real(spec)
+
+    engine.guided.compile = slow_compile  # type: ignore[method-assign]
+    async with engine:
+        s = engine.stream("hello", SamplingParams(max_tokens=30, regex="[a-z ]+"))
+        reader = asyncio.create_task(anext(s, None))
+        await asyncio.sleep(0.05)  # the reader is inside submit(), compiling
+        await s.aclose()
+        gate.set()
+        assert await reader is None  # ended, not a chunk of a request nobody wants
+        await _idle(engine)
+        assert engine.stats().num_generated_tokens == 0
+        assert s.request is not None and s.request.released
+
+
 async def test_forks_count_against_max_num_seqs(tiny_llama: Path) -> None:
     """Defect 5: every sample is a sequence; n-1 children used to be added past max_num_seqs."""
     engine = tiny_engine(tiny_llama, max_num_seqs=4)

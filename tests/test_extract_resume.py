@@ -93,3 +93,15 @@ async def test_a_prompt_function_that_raises_fails_only_its_record(tiny_llama: P
     assert set(by_id) == {0, 1, 2, 3}
     assert by_id[2].error is not None and by_id[2].error.reason == "invalid_input" and "boom" in by_id[2].error.message
     assert sorted(r.position for r in results) == [1, 2, 3, 4]
+
+
+def test_resume_redoes_engine_errors_and_ignores_lines_that_are_not_ours(tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    rows = [{"id": "a", "value": {}}, {"id": "b", "error": {"reason": "engine_error", "message": "died"}},
+            {"id": "c", "value": {}, "line": -1}, {"id": "d", "value": {}, "line": True},
+            {"id": "e", "value": {}, "line": 10**12}, {"id": "f", "value": {}, "line": 4},
+            {"id": "g", "error": {"reason": "engine_error", "message": "x"}, "line": 5}]
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    done = done_lines(out)
+    assert done.legacy_ids == {'"a"'}  # b was never final
+    assert [n for n in range(1, 8) if n in done] == [4]

@@ -476,7 +476,8 @@ def check_outcome(rec: Rec, tokenizer: Any) -> None:
         where = f"request {rec.num} sample {i} ({p}): {text!r} {toks} {reason}"
         assert reason in ("stop", "length"), where
         assert len(toks) <= p.max_tokens, where
-        if reason == "length":
+        if reason == "length" and not (p.guided and getattr(p, "budget_close", False)):
+            # (A value the budget closed early ends with "length" and may be shorter than max_tokens.)
             assert len(toks) == p.max_tokens, where
         assert all(0 <= t < 320 for t in toks), where
         assert not any(s in text for s in p.stop), where

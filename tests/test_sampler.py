@@ -168,3 +168,11 @@ def test_top_k_with_top_p_on_a_known_distribution() -> None:
     # top_k=2 keeps [0.5, 0.3] -> renormalized [0.625, 0.375]; top_p=0.6 then keeps the first alone.
     # Over the full distribution (the old behaviour) 0.5 < 0.6 kept the second as well.
     assert set(_draw(SamplingParams(top_k=2, top_p=0.6))) == {0}
+
+
+@pytest.mark.parametrize("t", [1e-46, 1e-300, 5e-6])
+def test_temperatures_below_float_range_are_greedy(t: float) -> None:
+    logits = torch.randn(8, 320) * 5
+    out = sample(logits, [SampleSpec(i, SamplingParams(temperature=t), torch.Generator().manual_seed(i))
+                          for i in range(8)])
+    assert out.tokens == logits.argmax(-1).tolist() and not out.invalid

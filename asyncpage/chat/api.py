@@ -128,7 +128,8 @@ async def chat(engine: AsyncEngine, msgs: list[dict[str, Any]], *, tools: list[d
     except GrammarError as exc:
         raise _grammar_field(turn, exc) from exc
     p = turn.parse("".join(pieces), final=True)
-    # A call cut by max_tokens is dropped: its arguments would not validate.
+    # Budget closing (on unless params turn it off) ends a call that meets max_tokens validly, marker
+    # included, so it is returned (finish_reason "length"); a call still cut (budget_close=False) is dropped.
     calls = [ToolCall(_call_id(), c.name, c.arguments) for c in p.calls if c.complete]
     content = p.content if p.content.strip() or not calls else None
     return ChatResult(content=content, reasoning=p.reasoning or None, tool_calls=calls,
@@ -149,6 +150,7 @@ async def chat_stream(engine: AsyncEngine, msgs: list[dict[str, Any]], *, tools:
     reason = "stop"
     sent_reasoning = sent_content = 0
     sent_args: list[int] = []  # per call: argument characters already sent
+    complete_calls = False  # finish_reason "tool_calls" only for calls that closed, as chat() returns them
     try:
         async with engine.stream(turn.prompt, turn.params) as stream:
             async for chunk in stream:
@@ -158,6 +160,8 @@ async def chat_stream(engine: AsyncEngine, msgs: list[dict[str, Any]], *, tools:
                 if final:
                     reason = chunk.finish_reason or "stop"
                 p = turn.parse(text, final)
+                if final:
+                    complete_calls = any(c.complete for c in p.calls)
                 if len(p.reasoning) > sent_reasoning:
                     yield ChatDelta(reasoning=p.reasoning[sent_reasoning:])
                     sent_reasoning = len(p.reasoning)
@@ -173,4 +177,4 @@ async def chat_stream(engine: AsyncEngine, msgs: list[dict[str, Any]], *, tools:
                         sent_args[i] = len(c.arguments)
     except GrammarError as exc:
         raise _grammar_field(turn, exc) from exc
-    yield ChatDelta(finish_reason=_finish(reason, bool(sent_args)), usage=Usage(len(turn.prompt), n_tokens))
+    yield ChatDelta(finish_reason=_finish(reason, complete_calls), usage=Usage(len(turn.prompt), n_tokens))

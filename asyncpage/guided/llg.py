@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -10,7 +11,6 @@ import torch
 from asyncpage.errors import GrammarError
 from asyncpage.guided.backend import (
     NO_DEADLINE,
-    CompileTimeout,
     Deadline,
     GuidedSpec,
     Matcher,
@@ -20,6 +20,7 @@ from asyncpage.guided.backend import (
     exclusive_one_of,
     grammar_error,
 )
+from asyncpage.guided.budget import ROOT_NODES, Closer, CloseState, Guards, Planner
 
 # Compact JSON: no whitespace between tokens. Runaway whitespace until max_tokens is the most
 # reported failure of constrained decoding; a compact policy makes it impossible.
@@ -27,8 +28,10 @@ JSON_OPTIONS = {"whitespace_flexible": False, "lenient": False}
 
 
 class LLGuidanceMatcher:
-    def __init__(self, m: Any) -> None:
+    def __init__(self, m: Any, grammar: LLGuidanceGrammar | None = None, close: CloseState | None = None) -> None:
         self._m = m
+        self._grammar = grammar  # for the start state's completion, computed once per grammar
+        self._close = close  # budget closing (asyncpage.guided.budget); made on first use
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         v = bitmask[row]
@@ -50,15 +53,44 @@ class LLGuidanceMatcher:
         return list(self._m.compute_ff_tokens())
 
     def fork(self) -> Matcher:
-        return LLGuidanceMatcher(self._m.deep_copy())
+        return LLGuidanceMatcher(self._m.deep_copy(), self._grammar,
+                                 self._close.copy() if self._close is not None else None)
+
+    def closer(self, guards: Callable[[], Guards | None] = lambda: None) -> Closer | None:
+        """The budget-closing stepper of this sequence (None when the tokenizer lacks byte tokens);
+        `guards` is asked once, when the sequence first needs it."""
+        g = self._grammar
+        if g is None or not g.planner.usable:
+            return None
+        if self._close is None:
+            self._close = CloseState(guards=guards())
+            path = g.start_completion()  # a new matcher is at the grammar's start
+            if path is not None:
+                self._close.path = path
+                self._close.tokens = g.planner.tokens_for(self._m, path)
+                self._close.known_at = len(self._close.tokens)
+                self._close.anchor = path
+        return Closer(g.planner, self._m, self._close)
+
+    @property
+    def budget_forced(self) -> bool:
+        return self._close is not None and self._close.forced
 
 
 class LLGuidanceGrammar:
-    def __init__(self, template: Any) -> None:
+    def __init__(self, template: Any, planner: Planner) -> None:
         self._template = template  # compiled once; each sequence gets a cheap deep copy
+        self.planner = planner
+        self._start: tuple[bytes | None] | None = None
 
     def new_matcher(self) -> Matcher:
-        return LLGuidanceMatcher(self._template.deep_copy())
+        return LLGuidanceMatcher(self._template.deep_copy(), self)
+
+    def start_completion(self) -> bytes | None:
+        """A shortest completion from the start state (searched once; a race only repeats the work)."""
+        if self._start is None:
+            self._start = (self.planner.search(self._template.deep_copy(), (), ROOT_NODES),)
+        return self._start[0]
 
 
 class LLGuidanceBackend:
@@ -69,12 +101,11 @@ class LLGuidanceBackend:
 
         # Stop tokens are allowed by the mask only where the grammar accepts.
         self._tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids)
+        self.planner = Planner(self._tok)
 
     def compile(self, spec: GuidedSpec, deadline: Deadline = NO_DEADLINE) -> LLGuidanceGrammar:
         try:
             return self._compile(spec, deadline)
-        except CompileTimeout as exc:
-            raise GrammarError(spec.kind, f"{exc} (the {spec.kind} is too costly to compile)") from None
         except RecursionError:
             raise GrammarError(spec.kind, "nested too deeply to compile") from None
 
@@ -111,4 +142,4 @@ class LLGuidanceBackend:
         matcher = LLMatcher(self._tok, grammar, log_level=0)
         if matcher.is_error():
             raise grammar_error(spec, matcher.get_error())
-        return LLGuidanceGrammar(matcher)
+        return LLGuidanceGrammar(matcher, self.planner)

@@ -8,8 +8,8 @@ A schema is untrusted input, so a hostile one must cost a bounded amount of CPU 
 - each compile's deadline starts when it is asked for, not when it runs: a queue of hostile specs
   costs at most one core until the last of their deadlines; a compile nobody waits for any more is
   cancelled before it starts, and at most MAX_QUEUED specs may wait (more are refused at once);
-- failures are cached like successes: a spec whose compile failed (or ran past its deadline) fails
-  again instantly.
+- refusals are cached like successes (a spec the engine refused is refused again instantly); a
+  timeout is not (GrammarTimeoutError): it may be the load of the moment, so a later ask compiles again.
 The cache and the in-flight table are touched on the event loop only; the compile thread only
 compiles and reports back through the loop.
 """
@@ -19,14 +19,21 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import anyio
 
-from asyncpage.errors import GrammarError, InvalidRequestError
+from asyncpage.errors import GrammarError, GrammarTimeoutError, InvalidRequestError
 from asyncpage.eventloop import LoopHandle
-from asyncpage.guided.backend import NO_DEADLINE, CompiledGrammar, Deadline, GrammarBackend, GuidedSpec
+from asyncpage.guided.backend import (
+    NO_DEADLINE,
+    CompiledGrammar,
+    CompileTimeout,
+    Deadline,
+    GrammarBackend,
+    GuidedSpec,
+)
 
 log = logging.getLogger("asyncpage")
 
@@ -139,15 +146,17 @@ class GrammarManager:
             flight.waiters -= 1
             if flight.waiters == 0 and not flight.future.done() and flight.future.cancel():
                 self._flights.pop(spec, None)  # nobody wants it and it never started: it never will
-        if not flight.future.done():
+        timeout = GrammarTimeoutError(spec.kind, f"compiling the {spec.kind} took longer than "
+                                                 f"{self.compile_timeout:g} s")
+        if not flight.future.done() or flight.future.cancelled():
             log.warning("grammar compilation gave up after %.1f s (%s)", self.compile_timeout, spec.kind)
-            raise GrammarError(spec.kind, f"compiling the {spec.kind} took longer than {self.compile_timeout:g} s")
+            raise timeout
         try:
             return flight.future.result()
+        except CompileTimeout:
+            raise timeout from None
         except GrammarError as exc:
             raise GrammarError(exc.field, exc.message) from None
-        except CancelledError:  # pragma: no cover - cancelled only once no caller waits
-            raise GrammarError(spec.kind, "compilation was cancelled") from None
         except Exception as exc:  # a backend bug must still reach the caller as a typed error
             raise GrammarError(spec.kind, f"the grammar could not be compiled: {exc!r}") from exc
 

@@ -77,6 +77,9 @@ class XGrammarBackend:
         self._stop = stop_token_ids
 
     def compile(self, spec: GuidedSpec, deadline: Deadline = NO_DEADLINE) -> XGrammarGrammar:
+        # xgrammar's native compile cannot be interrupted: the deadline is only checked before it starts
+        # (queued behind a hostile compile, a spec gives up instead of adding to it).
+        deadline.check()
         try:
             if spec.kind == "json_schema":
                 schema = json.loads(spec.value)
