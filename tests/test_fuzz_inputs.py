@@ -41,6 +41,7 @@ from .conftest import SHARED
 
 EXAMPLES = int(os.environ.get("ASYNCPAGE_FUZZ_EXAMPLES", "30"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, print_blob=True,
+                derandomize=not os.environ.get("ASYNCPAGE_FUZZ_RANDOM"),  # ASYNCPAGE_FUZZ_RANDOM=1: new examples
                 phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                        HealthCheck.data_too_large, HealthCheck.filter_too_much])

@@ -436,7 +436,9 @@ class Closer:
                 fits = rest >= (len(s.tokens) + MARGIN if s.tokens else 0)
             if not fits:
                 m.rollback(1 + len(ff))
-                self.s.__dict__.update(saved.__dict__)
+                retry_below = s.retry_below  # a failed search stays failed for the next candidates
+                s.__dict__.update(saved.__dict__)
+                s.retry_below = min(s.retry_below, retry_below)
                 return "budget", [], False
         for t in [token, *ff]:
             d = p.token_bytes(t)
