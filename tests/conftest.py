@@ -108,6 +108,23 @@ def build_tiny(arch: str, path: Path, seed: int = 0) -> Any:
     return model
 
 
+def fail_at_step(engine: Any, step: int, message: str = "injected device failure") -> Any:
+    """Fault injection: the engine's `step`-th forward raises RuntimeError(message). Returns the real
+    `execute`, to put back with `engine._core.runner.execute = real`."""
+    real = engine._core.runner.execute
+    calls = 0
+
+    def flaky(batch: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == step:
+            raise RuntimeError(message)
+        return real(batch)
+
+    engine._core.runner.execute = flaky
+    return real
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
     root = tmp_path_factory.mktemp("tiny")

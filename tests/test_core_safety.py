@@ -18,6 +18,8 @@ from asyncpage import AsyncEngine, SamplingParams
 from asyncpage.errors import EngineLoopError, InvalidRequestError
 from asyncpage.outputs import FinishedRequest
 
+from .conftest import fail_at_step
+
 LONG = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 PROMPTS = [f"Numbers: {i} {i + 1} {i + 2} and the quick brown fox " * (1 + i % 3) for i in range(12)]
 
@@ -317,17 +319,7 @@ async def test_a_dead_engine_reports_every_request_to_the_hooks(tiny_llama: Path
     engine = tiny_engine(tiny_llama)
     reports: list[FinishedRequest] = []
     engine.on_request_finished(reports.append)
-    real = engine._core.runner.execute
-    calls = 0
-
-    def flaky(batch: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 3:
-            raise RuntimeError("injected")
-        return real(batch)
-
-    engine._core.runner.execute = flaky  # type: ignore[method-assign]
+    fail_at_step(engine, 3, "injected")
     async with engine:
         results = await asyncio.gather(*(engine.generate(p, LONG) for p in PROMPTS[:4]), return_exceptions=True)
     assert all(isinstance(r, Exception) for r in results)

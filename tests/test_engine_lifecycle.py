@@ -11,7 +11,10 @@ import pytest
 
 from asyncpage import AsyncEngine, EngineDeadError, SamplingParams
 
+from .conftest import fail_at_step
+
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
 
 
 def tiny_engine(path: Path, **kw: object) -> AsyncEngine:
@@ -171,17 +174,7 @@ async def test_a_slow_consumer_gets_merged_chunks_and_does_not_slow_others(tiny_
 async def test_a_failing_forward_fails_every_request_with_a_typed_error(tiny_llama: Path,
                                                                          caplog: pytest.LogCaptureFixture) -> None:
     engine = tiny_engine(tiny_llama)
-    real = engine._core.runner.execute
-    calls = 0
-
-    def flaky(batch):  # type: ignore[no-untyped-def]
-        nonlocal calls
-        calls += 1
-        if calls == 5:
-            raise RuntimeError("injected device failure")
-        return real(batch)
-
-    engine._core.runner.execute = flaky  # type: ignore[method-assign]
+    real = fail_at_step(engine, 5, "injected device failure")
     async with engine:
         results = await asyncio.gather(*(engine.generate(p, GREEDY) for p in PROMPTS[:6]), return_exceptions=True)
         assert all(isinstance(r, EngineDeadError) for r in results), results

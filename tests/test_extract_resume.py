@@ -12,8 +12,11 @@ import pytest
 from asyncpage import AsyncEngine, EngineDeadError
 from asyncpage.jobs import done_lines, run_job
 
+from .conftest import fail_at_step
+
 SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 6}}, "required": ["word"],
           "additionalProperties": False}
+
 
 
 def _input(path: Path) -> int:
@@ -36,17 +39,7 @@ async def test_a_job_interrupted_by_a_dead_engine_resumes_to_one_line_per_input(
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     n_records = _input(inp)
     engine = AsyncEngine.from_pretrained(str(tiny_llama), dtype="float32", block_size=4, num_kv_blocks=256)
-    real = engine._core.runner.execute
-    calls = 0
-
-    def dies(batch: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 12:
-            raise RuntimeError("injected device failure")
-        return real(batch)
-
-    engine._core.runner.execute = dies  # type: ignore[method-assign]
+    real = fail_at_step(engine, 12, "injected device failure")
     async with engine:
         with pytest.raises(EngineDeadError):
             await run_job(engine, SCHEMA, inp, out, concurrency=3, max_tokens=12, progress=False)

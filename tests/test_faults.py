@@ -21,8 +21,11 @@ from asyncpage.errors import SamplingError
 from asyncpage.guided import GuidedSpec
 from asyncpage.outputs import FinishedRequest
 
+from .conftest import fail_at_step
+
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 PROMPTS = [f"Numbers: {i} {i + 1} and the quick brown fox " * (1 + i % 2) for i in range(6)]
+
 
 
 def tiny_engine(path: Path, **kw: Any) -> AsyncEngine:
@@ -42,17 +45,7 @@ async def idle(engine: AsyncEngine, timeout: float = 5.0) -> None:
 async def test_a_forward_that_raises_fails_every_caller_calls_their_hooks_and_refuses_new_work(
         tiny_llama: Path, caplog: pytest.LogCaptureFixture) -> None:
     engine = tiny_engine(tiny_llama)
-    real = engine._core.runner.execute
-    calls = 0
-
-    def flaky(batch: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 4:
-            raise RuntimeError("injected device failure")
-        return real(batch)
-
-    engine._core.runner.execute = flaky  # type: ignore[method-assign]
+    fail_at_step(engine, 4, "injected device failure")
     finished: list[FinishedRequest] = []
     engine.on_request_finished(finished.append)
     async with engine:
