@@ -108,7 +108,7 @@ class Scheduler:
             scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
 
-        seats = sum(_seats(s) for s in self.running)
+        seats = self.num_seats
         while self.waiting and budget > 0 and seats + _seats(self.waiting[0]) <= self.max_num_seqs:
             seq = self.waiting[0]
             cached = []
