@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 
 BASE_URL = "http://asyncpage.local/v1"
 DEFAULT_MAX_TOKENS = 1024
+# A request body past this is refused (413) before it is parsed, rendered or tokenized: a server
+# must not let one client spend its memory and CPU on a prompt far beyond any model's context.
+MAX_REQUEST_BYTES = 8 << 20
 # OpenAI's request names -> SamplingParams fields (same meaning).
 _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "presence_penalty": "presence_penalty",
              "frequency_penalty": "frequency_penalty", "top_k": "top_k", "min_p": "min_p",
@@ -58,14 +61,23 @@ def error_body(message: str, param: str | None, kind: str = "invalid_request_err
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+class RequestTooLargeError(InvalidRequestError):
+    """The request body is over the app's `max_request_bytes`."""
+
+
 def _error(exc: BaseException) -> JSONResponse:
+    if isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        return _error(exc.exceptions[0])  # one failed prompt of a batch: report it as itself
+    if isinstance(exc, RequestTooLargeError):
+        return JSONResponse(error_body(exc.message, exc.field, code="request_too_large"), 413)
     if isinstance(exc, PromptTooLongError):
         return JSONResponse(error_body(str(exc), exc.field, code="context_length_exceeded"), 400)
     if isinstance(exc, InvalidRequestError):
         return JSONResponse(error_body(exc.message, exc.field), 400)
-    if isinstance(exc, EngineNotRunningError):
+    if isinstance(exc, EngineNotRunningError | EngineDeadError):
+        # 503: the server cannot serve now; a balancer sends the client elsewhere (a 500 reads as a bad request).
         return JSONResponse(error_body(str(exc), None, "service_unavailable"), 503)
-    if isinstance(exc, EngineDeadError | AsyncPageError):
+    if isinstance(exc, AsyncPageError):
         return JSONResponse(error_body(str(exc), None, "server_error"), 500)
     return JSONResponse(error_body(f"internal error: {exc!r}", None, "server_error"), 500)
 
@@ -82,17 +94,27 @@ def _params(body: dict[str, Any], default_max: int) -> SamplingParams:
     n = body.get("n")
     if n not in (None, 1):
         raise InvalidRequestError("n", "only n=1 is supported")
-    if body.get("logprobs"):
-        raise InvalidRequestError("logprobs", "logprobs are not supported by this server")
+    # Refused rather than ignored: a caller relying on them would get silently different output.
+    for name in ("logprobs", "top_logprobs", "logit_bias", "suffix", "best_of"):
+        if body.get(name) and not (name == "best_of" and body[name] == 1):
+            raise InvalidRequestError(name, f"{name} is not supported by this server")
     try:
         return SamplingParams(**kw)
     except TypeError as exc:  # a wrongly typed value msgspec could not even store
         raise InvalidRequestError(next(iter(kw), "body"), str(exc)) from exc
 
 
-async def _json_body(request: Request) -> dict[str, Any]:
+async def _json_body(request: Request, limit: int) -> dict[str, Any]:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise RequestTooLargeError("body", f"is {declared} bytes, over this server's limit of {limit}")
+    raw = bytearray()
+    async for part in request.stream():
+        raw += part
+        if len(raw) > limit:  # a chunked body says no length up front: count as it arrives
+            raise RequestTooLargeError("body", f"is over this server's limit of {limit} bytes")
     try:
-        body = json.loads(await request.body() or b"null")
+        body = json.loads(bytes(raw) or b"null")
     except ValueError as exc:
         raise InvalidRequestError("body", f"is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
@@ -156,18 +178,33 @@ async def _first(stream: AsyncIterator[ChatDelta]) -> ChatDelta:
     return await stream.__anext__()
 
 
-def app(engine: AsyncEngine) -> Starlette:
+def _prompts(value: Any) -> list[str | list[int]]:
+    """/v1/completions' `prompt`: a string, token ids, or a list of either (one choice per prompt)."""
+    def ids(v: Any) -> bool:
+        return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+    if isinstance(value, str) or ids(value):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(p, str) or ids(p) for p in value):
+        return list(value)
+    raise InvalidRequestError("prompt", "must be a string, a list of token ids, or a non-empty list of either")
+
+
+def app(engine: AsyncEngine, *, max_request_bytes: int = MAX_REQUEST_BYTES) -> Starlette:
     """The OpenAI-compatible ASGI app over `engine` (started by the caller, or by the app's lifespan
-    when `asyncpage serve` owns the engine). Requests may name any model: one engine serves one."""
+    when `asyncpage serve` owns the engine). Requests may name any model: one engine serves one.
+    Bodies over `max_request_bytes` get a 413 before any work is done on them."""
     served = model_id(engine)
 
     async def models(request: Request) -> Response:
+        if not engine.healthy:
+            return _error(EngineDeadError("the engine loop has stopped; see the server log"))
         return JSONResponse({"object": "list", "data": [
             {"id": served, "object": "model", "created": 0, "owned_by": "asyncpage"}]})
 
     async def chat_completions(request: Request) -> Response:
         try:
-            body = await _json_body(request)
+            body = await _json_body(request, max_request_bytes)
             msgs = _require(body, "messages", list)
             params = _params(body, DEFAULT_MAX_TOKENS)
             args = _chat_args(body)
@@ -197,28 +234,41 @@ def app(engine: AsyncEngine) -> Starlette:
 
     async def completions(request: Request) -> Response:
         try:
-            body = await _json_body(request)
-            prompt = _require(body, "prompt", (str, list))
+            body = await _json_body(request, max_request_bytes)
+            prompts = _prompts(_require(body, "prompt", (str, list)))
             params = _params(body, 16)  # OpenAI's default for /v1/completions
             cid, created, model = "cmpl-" + uuid.uuid4().hex[:24], int(time.time()), body.get("model") or served
             if body.get("stream"):
-                stream = engine.stream(prompt, params)
+                if len(prompts) > 1:
+                    raise InvalidRequestError("prompt", "a streamed completion takes one prompt")
+                stream = engine.stream(prompts[0], params)
                 first = await stream.__anext__()
                 opts = body.get("stream_options") or {}
                 usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
                 return StreamingResponse(_completion_sse(stream, first, cid, created, model, usage),
                                          media_type="text/event-stream")
-            out = await _until_disconnect(request, lambda: engine.generate(prompt, params))
-            if isinstance(out, Response):
-                return out
+
+            async def run_all() -> list[Any]:
+                outs: list[Any] = [None] * len(prompts)
+                async with anyio.create_task_group() as tg:  # one request per prompt, batched by the engine
+                    for i, prompt in enumerate(prompts):
+                        async def one(i: int = i, prompt: Any = prompt) -> None:
+                            outs[i] = await engine.generate(prompt, params)
+                        tg.start_soon(one)
+                return outs
+
+            result = await _until_disconnect(request, run_all)
+            if isinstance(result, Response):
+                return result
         except Exception as exc:
             return _error(exc)
+        n_prompt = sum(len(o.prompt_token_ids) for o in result)
+        n_out = sum(len(o.token_ids) for o in result)
         return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                             "choices": [{"index": 0, "text": out.text, "finish_reason": out.finish_reason,
-                                          "logprobs": None}],
-                             "usage": {"prompt_tokens": len(out.prompt_token_ids),
-                                       "completion_tokens": len(out.token_ids),
-                                       "total_tokens": len(out.prompt_token_ids) + len(out.token_ids)}})
+                             "choices": [{"index": i, "text": o.text, "finish_reason": o.finish_reason,
+                                          "logprobs": None} for i, o in enumerate(result)],
+                             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+                                       "total_tokens": n_prompt + n_out}})
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 404

@@ -17,16 +17,18 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     s.add_argument("--device", default="auto")
+    s.add_argument("--max-request-bytes", type=int, default=None,
+                   help="refuse request bodies over this many bytes with a 413 (default 8 MiB)")
 
 
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from asyncpage import AsyncEngine
-    from asyncpage.openai import app
+    from asyncpage.openai import MAX_REQUEST_BYTES, app
 
     engine = AsyncEngine.from_pretrained(args.model, dtype=args.dtype, device=args.device)
-    application = app(engine)
+    application = app(engine, max_request_bytes=args.max_request_bytes or MAX_REQUEST_BYTES)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:

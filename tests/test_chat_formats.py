@@ -131,6 +131,23 @@ def test_grammars_accept_the_format_and_refuse_invalid_arguments(tok: Any, name:
     assert _accepts(thinking, one, tok)
 
 
+@pytest.mark.parametrize("fmt", [GENERIC, LLAMA3], ids=["generic", "llama3"])
+def test_a_tool_and_the_answer_defining_the_same_name_keep_their_own_definitions(tok: Any, fmt: Any) -> None:
+    # Both schemas define "Item", differently: each `$ref` must still reach its own schema's one.
+    tool = {"type": "object", "properties": {"x": {"$ref": "#/$defs/Item"}, "self": {"$ref": "#"}},
+            "required": ["x"], "additionalProperties": False, "$defs": {"Item": {"type": "integer"}}}
+    answer = {"type": "object", "properties": {"y": {"$ref": "#/definitions/Item"}}, "required": ["y"],
+              "definitions": {"Item": {"type": "string"}}}
+    g = build(TurnSpec(fmt, parse_tools([{"type": "function", "function": {"name": "f", "parameters": tool}}]),
+                       "auto", True, answer, False, False), tok)
+    assert g is not None
+    assert _accepts(g, fmt.render([("f", '{"x": 1}')]), tok)
+    assert _accepts(g, fmt.render([("f", '{"x": 1, "self": {"x": 2}}')]), tok)  # "#" is the tool's own root
+    assert not _accepts(g, fmt.render([("f", '{"x": "a"}')]), tok)
+    assert not _accepts(g, fmt.render([("f", '{"x": 1, "self": {"y": "s"}}')]), tok)
+    assert _accepts(g, '{"y": "s"}', tok) and not _accepts(g, '{"y": 1}', tok)
+
+
 def test_streaming_parser_is_prefix_stable_and_exact() -> None:
     for fmt in FORMATS.values():
         calls = [("get_weather", '{"city": "oslo", "unit": "c"}'), ("get_time", '{"n": 3}')]
@@ -147,3 +164,11 @@ def test_streaming_parser_is_prefix_stable_and_exact() -> None:
         p = parse(text, fmt, calls_allowed=True, reasoning=True, in_reasoning=False, final=True)
         assert p.reasoning == "plan" and [(c.name, c.arguments) for c in p.calls] == calls
         assert all(c.complete for c in p.calls)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS.values()), ids=list(FORMATS))
+def test_a_call_cut_before_its_name_is_not_returned_as_content(fmt: Any) -> None:
+    lead = "" if fmt.at_start else "Checking. "
+    for cut in (fmt.begin + '{"', fmt.begin + '{"na', fmt.head + "get_wea"):
+        p = parse(lead + cut, fmt, calls_allowed=True, reasoning=False, in_reasoning=False, final=True)
+        assert p.content == lead and p.calls == [], (cut, p)

@@ -310,3 +310,21 @@ async def test_a_reader_of_a_request_aborted_with_engine_abort_is_told_instead_o
         with anyio.fail_after(3):
             rest = [c async for c in stream]
         assert rest and rest[-1].finish_reason == "abort"
+
+
+async def test_a_dead_engine_answers_openai_clients_with_503_not_a_crash(tiny_llama: Path) -> None:
+    import openai
+
+    engine = tiny_engine(tiny_llama)
+    fail_at_step(engine, 2, "injected device failure")
+    async with engine:
+        client = engine.openai_client()
+        with pytest.raises(openai.APIStatusError) as e:
+            await client.completions.create(model="m", prompt="Hello there", max_tokens=8)
+        assert e.value.status_code == 503
+        with pytest.raises(openai.APIStatusError) as e:  # every later request, and the model list, say so
+            await client.completions.create(model="m", prompt="again", max_tokens=2)
+        assert e.value.status_code == 503
+        with pytest.raises(openai.APIStatusError) as e:
+            await client.models.list()
+        assert e.value.status_code == 503 and not engine.healthy

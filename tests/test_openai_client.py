@@ -90,6 +90,44 @@ async def test_streamed_tool_call_assembles_from_index_stable_deltas(client: ope
                                                                        for c in calls.values()]
 
 
+async def test_stop_strings_never_cut_inside_a_tool_call(client: openai.AsyncOpenAI) -> None:
+    # Every call's JSON holds '"', ", " and ": ": as stop strings they would end it mid-arguments.
+    for stream in (False, True):
+        kw: Any = dict(model="m", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=48,
+                       temperature=0, parallel_tool_calls=False, stop=['"', ", ", "}"])
+        if not stream:
+            r = await client.chat.completions.create(**kw)
+            assert r.choices[0].finish_reason == "tool_calls"
+            _check_calls(r.choices[0].message.tool_calls)
+            continue
+        args, finish = "", None
+        async for chunk in await client.chat.completions.create(**kw, stream=True):
+            for c in chunk.choices:
+                for tc in c.delta.tool_calls or []:
+                    args += (tc.function.arguments or "") if tc.function else ""
+                finish = c.finish_reason or finish
+        assert finish == "tool_calls"
+        jsonschema.validate(json.loads(args), WEATHER_PARAMS)
+
+
+async def test_stop_strings_still_end_free_text_when_tools_are_offered(default_engine: AsyncEngine) -> None:
+    from asyncpage import SamplingParams
+
+    msgs = [{"role": "user", "content": "Write a short poem about the sea."}]
+    free = await default_engine.chat(msgs, tools=[WEATHER], tool_choice="auto",
+                                     params=SamplingParams(max_tokens=24, temperature=0))
+    assert free.content and not free.tool_calls, free  # this model answers in text here
+    word = free.content.split()[1]
+    deltas = [d async for d in default_engine.chat_stream(msgs, tools=[WEATHER], tool_choice="auto",
+                                                          params=SamplingParams(max_tokens=24, temperature=0,
+                                                                                stop=[word]))]
+    cut = free.content[: free.content.index(word)]
+    assert "".join(d.content or "" for d in deltas) == cut and deltas[-1].finish_reason == "stop"
+    res = await default_engine.chat(msgs, tools=[WEATHER], tool_choice="auto",
+                                    params=SamplingParams(max_tokens=24, temperature=0, stop=[word]))
+    assert res.content == cut and res.finish_reason == "stop" and res.usage.completion_tokens < 24
+
+
 async def test_auto_and_none_never_return_invalid_calls(client: openai.AsyncOpenAI) -> None:
     r = await client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice="auto",
                                              max_tokens=24, temperature=0)
@@ -124,6 +162,37 @@ async def test_malformed_request_gets_a_400_naming_the_parameter(client: openai.
     assert e.value.param == "messages[0].role"
     with pytest.raises(openai.NotFoundError):
         await client.get("/nowhere", cast_to=object)
+
+
+async def test_unsupported_or_oversized_requests_are_refused_not_ignored(client: openai.AsyncOpenAI,
+                                                                      default_engine: AsyncEngine) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model="m", messages=ASK, logit_bias={"1": 5})
+    assert e.value.param == "logit_bias"
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.completions.create(model="m", prompt=["a", "b"], max_tokens=2, stream=True)
+    assert e.value.param == "prompt"
+    import httpx2
+
+    from asyncpage.asgi_transport import make_transport_class
+    from asyncpage.openai import app
+
+    transport = make_transport_class(httpx2)(app(default_engine, max_request_bytes=1000))
+    async with httpx2.AsyncClient(transport=transport, base_url="http://x/v1") as hc:
+        r = await hc.post("/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x" * 2000}]})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        r = await hc.post("/chat/completions", json={"model": "m", "messages": ASK, "max_tokens": 1})
+        assert r.status_code == 200
+    assert default_engine.stats().kv_blocks_used == 0
+
+
+async def test_completions_take_a_list_of_prompts_one_choice_each(client: openai.AsyncOpenAI) -> None:
+    prompts = ["The capital of France is", "One, two, three,"]
+    r = await client.completions.create(model="m", prompt=prompts, max_tokens=4, temperature=0)
+    singles = [await client.completions.create(model="m", prompt=p, max_tokens=4, temperature=0) for p in prompts]
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [s.choices[0].text for s in singles]
+    assert r.usage is not None and r.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles if s.usage)
 
 
 async def test_closing_a_stream_early_frees_its_kv_blocks(client: openai.AsyncOpenAI,

@@ -19,7 +19,7 @@ import anyio
 import msgspec
 
 from asyncpage.chat import formats, grammar, messages
-from asyncpage.chat.parse import THINK_CLOSE, THINK_OPEN, parse
+from asyncpage.chat.parse import THINK_CLOSE, THINK_OPEN, Parsed, held, parse
 from asyncpage.chat.types import ChatDelta, ChatFinishReason, ChatResult, ToolCall, ToolCallDelta, Usage
 from asyncpage.errors import GrammarError, InvalidRequestError
 from asyncpage.params import SamplingParams
@@ -35,8 +35,9 @@ class Turn:
     prompt: list[int]
     params: SamplingParams
     spec: grammar.TurnSpec
+    stops: tuple[str, ...] = ()  # the caller's stop strings, when this layer applies them (see _prepare_sync)
 
-    def parse(self, text: str, final: bool) -> Any:
+    def parse(self, text: str, final: bool) -> Parsed:
         s = self.spec
         return parse(text, s.fmt, calls_allowed=s.calls_allowed, reasoning=s.reasoning,
                      in_reasoning=s.in_reasoning, final=final)
@@ -76,11 +77,36 @@ def _prepare_sync(engine: AsyncEngine, msgs: Any, tools: Any, tool_choice: Any, 
     special = grammar._Lit(tok).special
     if lark is not None:
         params = msgspec.structs.replace(params, grammar=lark)
+    stops: tuple[str, ...] = ()
+    if spec.calls_allowed and params.stop:
+        # A stop string met inside a call would cut its arguments mid-JSON, and a grammar-forced call
+        # is not the model's text to stop: here they apply to reasoning and content only.
+        stops, params = params.stop, msgspec.structs.replace(params, stop=())
     if spec.calls_allowed and any(m in special for m in markers):
         # The parser reads the markers from the text: special tokens must not be skipped.
         params = msgspec.structs.replace(params, skip_special_tokens=False)
     ids = list(tok(text, add_special_tokens=False)["input_ids"])
-    return Turn(ids, params, spec)
+    return Turn(ids, params, spec, stops)
+
+
+def _cut_at_stop(p: Parsed, stops: tuple[str, ...], final: bool) -> bool:
+    """Cut `p` at the first stop string in its reasoning or content (dropping all after it) and
+    say whether one was met; before the end, hold back a tail that could still grow into one."""
+    for name in ("reasoning", "content"):
+        text = getattr(p, name)
+        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+        if hits:
+            setattr(p, name, text[: min(hits)])
+            if name == "reasoning":
+                p.content = ""
+            p.calls.clear()
+            return True
+    if not final and not p.calls:
+        # Only the part still growing is held: content once it began, else the reasoning.
+        name = "content" if p.content else "reasoning"
+        text = getattr(p, name)
+        setattr(p, name, text[: len(text) - max(held(text, s) for s in stops)])
+    return False
 
 
 async def prepare(engine: AsyncEngine, msgs: Any, *, tools: Any = None, tool_choice: Any = "auto",
@@ -107,6 +133,28 @@ def _grammar_field(turn: Turn, exc: GrammarError) -> GrammarError:
     return GrammarError(field, exc.message)
 
 
+async def _parsed(engine: AsyncEngine, turn: Turn) -> AsyncIterator[tuple[Parsed, str | None, int]]:
+    """The turn as read after each chunk: (parsed so far, finish reason on the last one, tokens so far).
+    The last item is always a final parse; leaving early aborts the request and frees its blocks."""
+    text, n_tokens = "", 0
+    try:
+        async with engine.stream(turn.prompt, turn.params) as stream:
+            async for chunk in stream:
+                text += chunk.text
+                n_tokens += len(chunk.token_ids)
+                final = chunk.finish_reason is not None
+                p = turn.parse(text, final)
+                if turn.stops and _cut_at_stop(p, turn.stops, final):
+                    yield p, "stop", n_tokens  # closing the stream (leaving the block) aborts the request
+                    return
+                yield p, chunk.finish_reason, n_tokens
+                if final:
+                    return
+    except GrammarError as exc:
+        raise _grammar_field(turn, exc) from exc
+    yield turn.parse(text, True), "stop", n_tokens  # the stream ended without a finish (never expected)
+
+
 async def chat(engine: AsyncEngine, msgs: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                tool_choice: Any = "auto", parallel_tool_calls: bool = True,
                response_format: dict[str, Any] | None = None, params: SamplingParams | None = None,
@@ -115,25 +163,16 @@ async def chat(engine: AsyncEngine, msgs: list[dict[str, Any]], *, tools: list[d
     ("hermes", "llama3", "mistral", "generic")."""
     turn = await prepare(engine, msgs, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
                          response_format=response_format, params=params, tool_format=tool_format)
-    pieces: list[str] = []
-    n_tokens = 0
-    reason = "stop"
-    try:
-        async with engine.stream(turn.prompt, turn.params) as stream:
-            async for chunk in stream:
-                pieces.append(chunk.text)
-                n_tokens += len(chunk.token_ids)
-                if chunk.finish_reason is not None:
-                    reason = chunk.finish_reason
-    except GrammarError as exc:
-        raise _grammar_field(turn, exc) from exc
-    p = turn.parse("".join(pieces), final=True)
+    last: tuple[Parsed, str | None, int] = (Parsed(), None, 0)
+    async for item in _parsed(engine, turn):
+        last = item
+    p, reason, n_tokens = last
     # Budget closing (on unless params turn it off) ends a call that meets max_tokens validly, marker
     # included, so it is returned (finish_reason "length"); a call still cut (budget_close=False) is dropped.
     calls = [ToolCall(_call_id(), c.name, c.arguments) for c in p.calls if c.complete]
     content = p.content if p.content.strip() or not calls else None
     return ChatResult(content=content, reasoning=p.reasoning or None, tool_calls=calls,
-                      finish_reason=_finish(reason, bool(calls)), usage=Usage(len(turn.prompt), n_tokens))
+                      finish_reason=_finish(reason or "stop", bool(calls)), usage=Usage(len(turn.prompt), n_tokens))
 
 
 async def chat_stream(engine: AsyncEngine, msgs: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
@@ -145,36 +184,25 @@ async def chat_stream(engine: AsyncEngine, msgs: list[dict[str, Any]], *, tools:
     loop early aborts the request and frees its blocks."""
     turn = await prepare(engine, msgs, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
                          response_format=response_format, params=params, tool_format=tool_format)
-    text = ""
+    reason: str | None = None
     n_tokens = 0
-    reason = "stop"
     sent_reasoning = sent_content = 0
     sent_args: list[int] = []  # per call: argument characters already sent
     complete_calls = False  # finish_reason "tool_calls" only for calls that closed, as chat() returns them
-    try:
-        async with engine.stream(turn.prompt, turn.params) as stream:
-            async for chunk in stream:
-                text += chunk.text
-                n_tokens += len(chunk.token_ids)
-                final = chunk.finish_reason is not None
-                if final:
-                    reason = chunk.finish_reason or "stop"
-                p = turn.parse(text, final)
-                if final:
-                    complete_calls = any(c.complete for c in p.calls)
-                if len(p.reasoning) > sent_reasoning:
-                    yield ChatDelta(reasoning=p.reasoning[sent_reasoning:])
-                    sent_reasoning = len(p.reasoning)
-                if len(p.content) > sent_content:
-                    yield ChatDelta(content=p.content[sent_content:])
-                    sent_content = len(p.content)
-                for i, c in enumerate(p.calls):
-                    if i == len(sent_args):
-                        sent_args.append(len(c.arguments))
-                        yield ChatDelta(tool_call=ToolCallDelta(i, _call_id(), c.name, c.arguments))
-                    elif len(c.arguments) > sent_args[i]:
-                        yield ChatDelta(tool_call=ToolCallDelta(i, arguments=c.arguments[sent_args[i]:]))
-                        sent_args[i] = len(c.arguments)
-    except GrammarError as exc:
-        raise _grammar_field(turn, exc) from exc
-    yield ChatDelta(finish_reason=_finish(reason, complete_calls), usage=Usage(len(turn.prompt), n_tokens))
+    async for item in _parsed(engine, turn):
+        p, reason, n_tokens = item
+        complete_calls = any(c.complete for c in p.calls)
+        if len(p.reasoning) > sent_reasoning:
+            yield ChatDelta(reasoning=p.reasoning[sent_reasoning:])
+            sent_reasoning = len(p.reasoning)
+        if len(p.content) > sent_content:
+            yield ChatDelta(content=p.content[sent_content:])
+            sent_content = len(p.content)
+        for i, c in enumerate(p.calls):
+            if i == len(sent_args):
+                sent_args.append(len(c.arguments))
+                yield ChatDelta(tool_call=ToolCallDelta(i, _call_id(), c.name, c.arguments))
+            elif len(c.arguments) > sent_args[i]:
+                yield ChatDelta(tool_call=ToolCallDelta(i, arguments=c.arguments[sent_args[i]:]))
+                sent_args[i] = len(c.arguments)
+    yield ChatDelta(finish_reason=_finish(reason or "stop", complete_calls), usage=Usage(len(turn.prompt), n_tokens))

@@ -147,18 +147,10 @@ def _answer_or_calls(spec: TurnSpec) -> str:
     """`%json` of anyOf [the answer, the format's calls as JSON], for JSON formats (generic, Llama 3).
     Properties are listed in the format's order, so the text is exactly what formats.py renders."""
     defs: dict[str, Any] = {}
-
-    def hoist(schema: Any) -> Any:
-        # $defs move to the root, where "#/$defs/..." references resolve.
-        if isinstance(schema, dict):
-            for key in ("$defs", "definitions"):
-                defs.update(schema.get(key) or {})
-            return {k: v for k, v in schema.items() if k not in ("$defs", "definitions", "$schema", "$id")}
-        return schema
-
     fmt = spec.fmt
-    one = [{"type": "object", "properties": {"name": {"const": t.name}, fmt.key: hoist(t.parameters)},
-            "required": ["name", fmt.key], "additionalProperties": False} for t in spec.callable_tools]
+    one = [{"type": "object", "properties": {"name": {"const": t.name}, fmt.key: scoped(t.parameters, f"t{i}", defs)},
+            "required": ["name", fmt.key], "additionalProperties": False}
+           for i, t in enumerate(spec.callable_tools)]
     call = {"anyOf": one}
     if fmt.name == "generic":
         calls: dict[str, Any] = {"type": "object", "properties": {"tool_calls": {
@@ -166,8 +158,56 @@ def _answer_or_calls(spec: TurnSpec) -> str:
             "required": ["tool_calls"], "additionalProperties": False}
     else:
         calls = call  # Llama 3: one call object
-    answer = hoist(spec.answer_schema)
+    answer = scoped(spec.answer_schema, "answer", defs)
     root: dict[str, Any] = {"anyOf": [answer, calls]}
     if defs:
         root["$defs"] = defs
     return json_rule(root)
+
+
+# Keywords whose values are data, not schemas: a "$ref" inside them is a value to keep as written.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
+_NAME_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def scoped(schema: Any, tag: str, defs: dict[str, Any]) -> Any:
+    """`schema` made embeddable beside others under one root: its definitions move into the shared
+    `defs` under names prefixed by `tag`, and its local `$ref`s are rewritten to match. Merging
+    definitions by their own names would let two schemas that both define, say, `Item` resolve
+    each other's, and arguments could pass the grammar yet fail their tool's schema."""
+    if not isinstance(schema, dict):
+        return schema
+    own = {**(schema.get("definitions") or {}), **(schema.get("$defs") or {})}
+    body = {k: v for k, v in schema.items() if k not in ("$defs", "definitions", "$schema", "$id")}
+    refers_to_root = False
+
+    def target(ref: str) -> str:
+        nonlocal refers_to_root
+        for key in ("$defs", "definitions"):
+            prefix = f"#/{key}/"
+            if ref.startswith(prefix):
+                name, slash, rest = ref[len(prefix):].partition("/")
+                return f"#/$defs/{tag}__{name}{slash}{rest}"
+        if ref == "#" or ref.startswith("#/"):
+            # The schema's own root (recursion) or a place inside it: a copy of it lives in defs.
+            refers_to_root = True
+            return f"#/$defs/{tag}{ref[1:]}"
+        return ref
+
+    def rewrite(node: Any, names: bool = False) -> Any:
+        # `names`: node maps property (or definition) names to schemas, so its keys are not keywords.
+        if isinstance(node, dict):
+            if names:
+                return {k: rewrite(v) for k, v in node.items()}
+            return {k: (target(v) if k == "$ref" and isinstance(v, str)
+                        else v if k in _DATA_KEYWORDS else rewrite(v, k in _NAME_MAPS)) for k, v in node.items()}
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    out = rewrite(body)
+    for name, d in own.items():
+        defs[f"{tag}__{name}"] = rewrite(d)
+    if refers_to_root:
+        defs[tag] = out
+    return out

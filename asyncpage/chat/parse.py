@@ -29,7 +29,7 @@ class Parsed:
     calls: list[ParsedCall] = field(default_factory=list)
 
 
-def _held(text: str, marker: str) -> int:
+def held(text: str, marker: str) -> int:
     """Length of the longest proper suffix of `text` that starts `marker`."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):
@@ -78,7 +78,7 @@ def parse(text: str, fmt: ToolFormat, *, calls_allowed: bool, reasoning: bool, i
         start = 0 if in_reasoning else text.index(THINK_OPEN) + len(THINK_OPEN)
         end = text.find(THINK_CLOSE, start)
         if end < 0:
-            cut = len(text) if final else len(text) - _held(text, THINK_CLOSE)
+            cut = len(text) if final else len(text) - held(text, THINK_CLOSE)
             out.reasoning = text[start:cut].lstrip("\n")
             return out
         out.reasoning = text[start:end].strip("\n")
@@ -91,15 +91,20 @@ def parse(text: str, fmt: ToolFormat, *, calls_allowed: bool, reasoning: bool, i
     head = fmt.head
     if fmt.at_start:
         if not body.startswith(head):
-            if not final and head.startswith(body):
-                return out  # still undecided between an answer and a call
+            if body and head.startswith(body):
+                return out  # undecided yet, or at the end a call cut before its name: markup, not content
             out.content = body
             return out
         at = 0
     else:
         at = body.find(head)
         if at < 0:
-            out.content = body if final else body[: len(body) - _held(body, head)]
+            if not final:
+                out.content = body[: len(body) - held(body, head)]
+                return out
+            # Under the grammar the trigger always opens a call: after it, a call cut before its name.
+            cut = body.find(fmt.trigger) if fmt.trigger else -1
+            out.content = body if cut < 0 else body[:cut]
             return out
         out.content = body[:at]
     _calls(body, at + len(head), fmt, out.calls)
