@@ -84,7 +84,7 @@ def _error(exc: BaseException) -> JSONResponse:
 
 def _params(body: dict[str, Any], default_max: int) -> SamplingParams:
     kw: dict[str, Any] = {k: body[o] for o, k in _SAMPLING.items() if body.get(o) is not None}
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), None)
     kw["max_tokens"] = default_max if max_tokens is None else max_tokens
     stop = body.get("stop")
     if stop is not None:
@@ -95,7 +95,7 @@ def _params(body: dict[str, Any], default_max: int) -> SamplingParams:
     if n not in (None, 1):
         raise InvalidRequestError("n", "only n=1 is supported")
     # Refused rather than ignored: a caller relying on them would get silently different output.
-    for name in ("logprobs", "top_logprobs", "logit_bias", "suffix", "best_of"):
+    for name in ("logprobs", "top_logprobs", "logit_bias", "suffix", "best_of", "echo", "functions", "function_call"):
         if body.get(name) and not (name == "best_of" and body[name] == 1):
             raise InvalidRequestError(name, f"{name} is not supported by this server")
     try:
@@ -115,10 +115,16 @@ async def _json_body(request: Request, limit: int) -> dict[str, Any]:
             raise RequestTooLargeError("body", f"is over this server's limit of {limit} bytes")
     try:
         body = json.loads(bytes(raw) or b"null")
+    except RecursionError:
+        raise InvalidRequestError("body", "is nested too deeply") from None
     except ValueError as exc:
         raise InvalidRequestError("body", f"is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise InvalidRequestError("body", "must be a JSON object")
+    for flag in ("stream", "parallel_tool_calls", "echo"):
+        # "false" as a string is truthy: a flag of the wrong type would do the opposite of what was meant.
+        if body.get(flag) is not None and not isinstance(body[flag], bool):
+            raise InvalidRequestError(flag, f"must be true or false, got {body[flag]!r}")
     return body
 
 

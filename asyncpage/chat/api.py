@@ -73,7 +73,8 @@ def _prepare_sync(engine: AsyncEngine, msgs: Any, tools: Any, tool_choice: Any, 
     if lark is not None and params.guided:
         raise InvalidRequestError("params", "tools and response_format set the grammar; params must not "
                                   "carry json_schema, regex, choice or grammar as well")
-    markers = [m for m in (fmt.trigger, THINK_OPEN, THINK_CLOSE) if m]
+    markers = [m for m in ((fmt.trigger if spec.calls_allowed else ""), THINK_OPEN if template.reasoning else "",
+                           THINK_CLOSE if template.reasoning else "") if m]
     special = grammar._Lit(tok).special
     if lark is not None:
         params = msgspec.structs.replace(params, grammar=lark)
@@ -82,7 +83,7 @@ def _prepare_sync(engine: AsyncEngine, msgs: Any, tools: Any, tool_choice: Any, 
         # A stop string met inside a call would cut its arguments mid-JSON, and a grammar-forced call
         # is not the model's text to stop: here they apply to reasoning and content only.
         stops, params = params.stop, msgspec.structs.replace(params, stop=())
-    if spec.calls_allowed and any(m in special for m in markers):
+    if any(m in special for m in markers):
         # The parser reads the markers from the text: special tokens must not be skipped.
         params = msgspec.structs.replace(params, skip_special_tokens=False)
     ids = list(tok(text, add_special_tokens=False)["input_ids"])
@@ -117,7 +118,9 @@ async def prepare(engine: AsyncEngine, msgs: Any, *, tools: Any = None, tool_cho
         engine, msgs, tools, tool_choice, parallel_tool_calls, response_format, params, tool_format))
 
 
-def _call_id() -> str:
+def _call_id(fmt: formats.ToolFormat) -> str:
+    if fmt is formats.MISTRAL:  # Mistral's own templates refuse any id but 9 alphanumerics
+        return uuid.uuid4().hex[:9]
     return "call_" + uuid.uuid4().hex[:24]
 
 
@@ -169,7 +172,7 @@ async def chat(engine: AsyncEngine, msgs: list[dict[str, Any]], *, tools: list[d
     p, reason, n_tokens = last
     # Budget closing (on unless params turn it off) ends a call that meets max_tokens validly, marker
     # included, so it is returned (finish_reason "length"); a call still cut (budget_close=False) is dropped.
-    calls = [ToolCall(_call_id(), c.name, c.arguments) for c in p.calls if c.complete]
+    calls = [ToolCall(_call_id(turn.spec.fmt), c.name, c.arguments) for c in p.calls if c.complete]
     content = p.content if p.content.strip() or not calls else None
     return ChatResult(content=content, reasoning=p.reasoning or None, tool_calls=calls,
                       finish_reason=_finish(reason or "stop", bool(calls)), usage=Usage(len(turn.prompt), n_tokens))
@@ -195,13 +198,16 @@ async def chat_stream(engine: AsyncEngine, msgs: list[dict[str, Any]], *, tools:
         if len(p.reasoning) > sent_reasoning:
             yield ChatDelta(reasoning=p.reasoning[sent_reasoning:])
             sent_reasoning = len(p.reasoning)
-        if len(p.content) > sent_content:
+        # Whitespace alone before a call is no content (chat() returns None): hold it until text follows.
+        if len(p.content) > sent_content and (p.content.strip() or (reason is not None and not p.calls)):
             yield ChatDelta(content=p.content[sent_content:])
             sent_content = len(p.content)
         for i, c in enumerate(p.calls):
             if i == len(sent_args):
+                if not c.arguments:
+                    break  # the header goes out with the first arguments text: a call cut at its name is dropped
                 sent_args.append(len(c.arguments))
-                yield ChatDelta(tool_call=ToolCallDelta(i, _call_id(), c.name, c.arguments))
+                yield ChatDelta(tool_call=ToolCallDelta(i, _call_id(turn.spec.fmt), c.name, c.arguments))
             elif len(c.arguments) > sent_args[i]:
                 yield ChatDelta(tool_call=ToolCallDelta(i, arguments=c.arguments[sent_args[i]:]))
                 sent_args[i] = len(c.arguments)

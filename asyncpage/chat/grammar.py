@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,18 +59,33 @@ def json_rule(schema: dict[str, Any] | bool) -> str:
 
 class _Lit:
     """Grammar literals; a marker that is a special token of the tokenizer becomes `<[id]>`
-    (special tokens cannot be spelled by ordinary text in llguidance, nor by a model)."""
+    (special tokens cannot be spelled by ordinary text in llguidance, nor by a model).
+    llguidance also takes every added token spelled `<...>` as special, whatever its flag: Qwen's
+    `<tool_call>` and `<think>` are added as non-special tokens, and spelled as text the grammar
+    would refuse the very token the model writes them with."""
 
     def __init__(self, tokenizer: Any) -> None:
         decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-        self.special = {t.content: i for i, t in decoder.items() if getattr(t, "special", False)}
+        self.special = {t.content: i for i, t in decoder.items() if getattr(t, "special", False)
+                        or (len(t.content) >= 2 and t.content.startswith("<") and t.content.endswith(">"))}
 
     def __call__(self, text: str) -> str:
+        """`text` as string literals with each special token in it as its `<[id]>`: Hermes' end
+        marker is a newline, then the one token a model closes its call with."""
         if not text:
             return ""
-        if text in self.special:
-            return f"<[{self.special[text]}]>"
-        return json.dumps(text)
+        found = sorted((s for s in self.special if s in text), key=len, reverse=True)
+        if not found:
+            return json.dumps(text)
+        parts, pos = [], 0
+        for m in re.finditer("|".join(map(re.escape, found)), text):
+            if m.start() > pos:
+                parts.append(json.dumps(text[pos:m.start()]))
+            parts.append(f"<[{self.special[m.group()]}]>")
+            pos = m.end()
+        if pos < len(text):
+            parts.append(json.dumps(text[pos:]))
+        return " ".join(parts)
 
     def seq(self, text: str, marker: str) -> str:
         """`text`, with `marker` (a prefix of it) spelled on its own so it may be a special token."""
@@ -159,6 +175,13 @@ def _answer_or_calls(spec: TurnSpec) -> str:
     else:
         calls = call  # Llama 3: one call object
     answer = scoped(spec.answer_schema, "answer", defs)
+    # A loose answer (json_object, or a schema without this key) would also take a call-shaped
+    # object, unchecked against the tools, and the parser would read it back as a call.
+    marker = "tool_calls" if fmt.name == "generic" else fmt.key
+    if answer is True:
+        answer = {}
+    if isinstance(answer, dict) and marker not in (answer.get("properties") or {}):
+        answer = {**answer, "properties": {**(answer.get("properties") or {}), marker: False}}
     root: dict[str, Any] = {"anyOf": [answer, calls]}
     if defs:
         root["$defs"] = defs
@@ -188,6 +211,8 @@ def scoped(schema: Any, tag: str, defs: dict[str, Any]) -> Any:
             if ref.startswith(prefix):
                 name, slash, rest = ref[len(prefix):].partition("/")
                 return f"#/$defs/{tag}__{name}{slash}{rest}"
+        if ref.startswith("#") and not ref.startswith("#/") and len(ref) > 1:
+            return f"#{tag}__{ref[1:]}"  # a plain-name ($anchor) reference
         if ref == "#" or ref.startswith("#/"):
             # The schema's own root (recursion) or a place inside it: a copy of it lives in defs.
             refers_to_root = True
@@ -200,6 +225,7 @@ def scoped(schema: Any, tag: str, defs: dict[str, Any]) -> Any:
             if names:
                 return {k: rewrite(v) for k, v in node.items()}
             return {k: (target(v) if k == "$ref" and isinstance(v, str)
+                        else f"{tag}__{v}" if k in ("$anchor", "$dynamicAnchor") and isinstance(v, str)
                         else v if k in _DATA_KEYWORDS else rewrite(v, k in _NAME_MAPS)) for k, v in node.items()}
         if isinstance(node, list):
             return [rewrite(v) for v in node]

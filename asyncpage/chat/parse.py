@@ -79,12 +79,13 @@ def parse(text: str, fmt: ToolFormat, *, calls_allowed: bool, reasoning: bool, i
         end = text.find(THINK_CLOSE, start)
         if end < 0:
             cut = len(text) if final else len(text) - held(text, THINK_CLOSE)
-            out.reasoning = text[start:cut].lstrip("\n")
+            # Trailing newlines wait: if the block closes next, they are not part of the reasoning.
+            out.reasoning = text[start:cut].lstrip("\n") if final else text[start:cut].strip("\n")
             return out
         out.reasoning = text[start:end].strip("\n")
         body = text[end + len(THINK_CLOSE):].lstrip("\n")
-    elif reasoning and not final and THINK_OPEN.startswith(text.lstrip()) and text.strip():
-        return out  # maybe the start of a reasoning block
+    elif reasoning and not final and THINK_OPEN.startswith(text.lstrip()):
+        return out  # maybe the start of a reasoning block (whitespace included: it may precede one)
     if not calls_allowed:
         out.content = body
         return out
