@@ -94,7 +94,7 @@ def load_tokenizer(model: str | os.PathLike[str] | None) -> tuple[Any, Any, froz
         cached, index = _gguf_index(path)
         config = AutoConfig.for_model(index["model_type"], **index["config"])
         tokenizer = AutoTokenizer.from_pretrained(cached / "tokenizer")
-        return tokenizer, config, frozenset(index["eos_token_ids"])
+        return tokenizer, config, frozenset(index["eos_token_ids"]) | _end_of_turn_ids(tokenizer)
     _, _, tokenizer, eos = _read_hf_dir(path, weights=False)
     config = AutoConfig.from_pretrained(path)
     if tokenizer.eos_token_id is not None:
@@ -212,8 +212,25 @@ def _read_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor], Any, set[int]]
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             state[name] = _unpermute(w, heads)
     tokenizer = AutoTokenizer.from_pretrained(cached / "tokenizer")
-    eos = set(index["eos_token_ids"])
+    # Also applied here, not only in the index: an index cached before a token joined the list gets it.
+    eos = set(index["eos_token_ids"]) | _end_of_turn_ids(tokenizer)
     return config, state, tokenizer, eos
+
+
+# llama.cpp ends generation on these tokens, known by their text (its EOG list, llama-vocab.cpp); a
+# GGUF has no generation config to say so. Those of the supported families: Gemma's end of turn,
+# Qwen's (<|endoftext|> ends Qwen2/3 turns too: in their generation configs, not their GGUF's eos id),
+# Llama 3's.
+_GGUF_END_OF_TURN = ("<end_of_turn>", "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
+
+
+def _end_of_turn_ids(tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for tok in _GGUF_END_OF_TURN:
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            ids.add(tid)
+    return ids
 
 
 def _gguf_index(path: Path) -> tuple[Path, dict[str, Any]]:
@@ -265,11 +282,7 @@ def _index_gguf(path: Path, dest: Path) -> None:
     eos_id = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     if eos_id is not None:
         eos.add(int(eos_id))
-    # llama.cpp ends generation on end-of-turn tokens; a GGUF has no generation config to say so.
-    for tok in ("<end_of_turn>", "<|im_end|>", "<|eot_id|>"):
-        tid = tokenizer.convert_tokens_to_ids(tok)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
-            eos.add(tid)
+    eos |= _end_of_turn_ids(tokenizer)
     index = {"source": str(path), "model_type": model_type, "config": _gguf_config_kwargs(reader, arch, model_type),
              "tensors": tensors, "eos_token_ids": sorted(eos)}
     (tmp / "index.json").write_text(json.dumps(index))

@@ -179,7 +179,8 @@ async def test_unsupported_or_oversized_requests_are_refused_not_ignored(client:
 
     transport = make_transport_class(httpx2)(app(default_engine, max_request_bytes=1000))
     async with httpx2.AsyncClient(transport=transport, base_url="http://x/v1") as hc:
-        r = await hc.post("/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x" * 2000}]})
+        big = {"model": "m", "messages": [{"role": "user", "content": "x" * 2000}]}
+        r = await hc.post("/chat/completions", json=big)
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         r = await hc.post("/chat/completions", json={"model": "m", "messages": ASK, "max_tokens": 1})
         assert r.status_code == 200
@@ -192,7 +193,8 @@ async def test_completions_take_a_list_of_prompts_one_choice_each(client: openai
     singles = [await client.completions.create(model="m", prompt=p, max_tokens=4, temperature=0) for p in prompts]
     assert [c.index for c in r.choices] == [0, 1]
     assert [c.text for c in r.choices] == [s.choices[0].text for s in singles]
-    assert r.usage is not None and r.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles if s.usage)
+    assert r.usage is not None
+    assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles if s.usage)
 
 
 async def test_closing_a_stream_early_frees_its_kv_blocks(client: openai.AsyncOpenAI,
