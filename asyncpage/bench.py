@@ -7,6 +7,7 @@ event-loop lag, and optionally transformers' generate() on the same weights, dty
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import Any
 import msgspec
 
 from asyncpage.engine import AsyncEngine
+from asyncpage.outputs import GenerateOutput
 from asyncpage.params import SamplingParams
 
 
@@ -321,3 +323,79 @@ async def sharing_figures(engine: AsyncEngine, prefix_len: int = 512, n_warm: in
         out[f"blocks_n{n}_shared"] = shared
         out[f"blocks_n{n}_separate"] = separate
     return out
+
+
+class EvictionRun(msgspec.Struct):
+    policy: str
+    prefix_cache_hit_rate: float
+    shared_prompt_hits: int  # requests with the system prompt that found it cached (most of it)
+    shared_prompt_requests: int
+    prefix_cache_evictions: int
+    ttft_p50_ms: float
+    ttft_shared_p50_ms: float
+    outputs: list[list[int]]
+
+
+def eviction_workload(rng: random.Random, bos: int | None, rounds: int, every: int, system_tokens: int,
+                      prompt_tokens: int, question_tokens: int = 32) -> list[tuple[bool, list[int]]]:
+    """`rounds` times: the system prompt with a question of its own, then `every - 1` one-off prompts
+    of `prompt_tokens`. Returns (uses the system prompt, token ids) per request, in order."""
+    def ids(k: int) -> list[int]:
+        return [rng.randint(1000, 200_000) for _ in range(k)]
+
+    head = [bos] if bos is not None else []
+    system = head + ids(system_tokens - len(head))
+    out: list[tuple[bool, list[int]]] = []
+    for _ in range(rounds):
+        out.append((True, system + ids(question_tokens)))
+        out += [(False, head + ids(prompt_tokens - len(head))) for _ in range(every - 1)]
+    return out
+
+
+async def eviction_figures(engine: AsyncEngine, num_kv_blocks: int, rounds: int = 8, every: int = 4,
+                           system_tokens: int = 512, prompt_tokens: int = 512, max_tokens: int = 8,
+                           progress: bool = True) -> list[EvictionRun]:
+    """The same requests, one at a time (so TTFT is the prefill alone), each through three clones of
+    `engine` with a pool of `num_kv_blocks`: prefix caching off (the reference outputs), "lru", and the
+    default policy. A pool smaller than one round's blocks makes the one-off prompts evict the
+    system prompt between its uses unless the policy keeps it."""
+    workload = eviction_workload(random.Random(5), engine.tokenizer.bos_token_id, rounds, every, system_tokens,
+                                 prompt_tokens)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    # "Found": all of the system prompt's full blocks but the last one may be cut by the BOS offset.
+    found = (system_tokens // engine.config.block_size - 1) * engine.config.block_size
+    configs: dict[str, dict[str, Any]] = {"off": {"enable_prefix_caching": False}, "lru": {"eviction_policy": "lru"},
+                                          "default": {"eviction_policy": None}}
+    outs: dict[str, list[GenerateOutput]] = {name: [] for name in configs}
+    async with contextlib.AsyncExitStack() as stack:
+        clones = {name: await stack.enter_async_context(engine.clone(num_kv_blocks=num_kv_blocks, **options))
+                  for name, options in configs.items()}
+        for clone in clones.values():
+            await clone.generate(workload[-1][1][:64], SamplingParams(max_tokens=2))  # warm-up, not counted
+        before = {name: clone.stats() for name, clone in clones.items()}
+        it: Any = workload
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(workload, desc="eviction", unit="req", leave=False)
+        # Request by request through the three pools in turn, not one policy after another: other
+        # work on a shared machine then slows every policy alike, and TTFTs stay comparable.
+        for _, prompt in it:
+            for name, clone in clones.items():
+                outs[name].append(await clone.generate(prompt, params))
+        after = {name: clone.stats() for name, clone in clones.items()}
+    runs = []
+    for name in configs:
+        st, st0, o = after[name], before[name], outs[name]
+        q = st.prefix_cache_query_tokens - st0.prefix_cache_query_tokens
+        h = st.prefix_cache_hit_tokens - st0.prefix_cache_hit_tokens
+        shared = [x for (s, _), x in zip(workload, o, strict=True) if s]
+        runs.append(EvictionRun(
+            policy=name, prefix_cache_hit_rate=h / q if q else 0.0,
+            shared_prompt_hits=sum(1 for x in shared if x.metrics.num_cached_prompt_tokens >= found),
+            shared_prompt_requests=len(shared),
+            prefix_cache_evictions=st.prefix_cache_evictions - st0.prefix_cache_evictions,
+            ttft_p50_ms=_pct([x.metrics.ttft for x in o], 50) or 0.0,
+            ttft_shared_p50_ms=_pct([x.metrics.ttft for x in shared], 50) or 0.0,
+            outputs=[x.token_ids for x in o]))
+    return runs

@@ -1,6 +1,6 @@
-"""The `asyncpage` command: `asyncpage bench` (figures, optionally against transformers),
-`asyncpage generate` (one streamed completion), `asyncpage extract` (a JSONL job) and
-`asyncpage soak` (a long random run with a verdict)."""
+"""The `asyncpage` command: `asyncpage bench` (figures, optionally against transformers; also
+`bench-guided`, `bench-sharing`, `bench-eviction`), `asyncpage generate` (one streamed completion),
+`asyncpage extract` (a JSONL job) and `asyncpage soak` (a long random run with a verdict)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -55,12 +56,31 @@ def main(argv: list[str] | None = None) -> int:
     sh = sub.add_parser("bench-sharing", help="prefix caching (cold vs warm TTFT) and copy-on-write (blocks)")
     _model_args(sh)
 
+    ev = sub.add_parser("bench-eviction", help="prefix-cache eviction: LRU vs the default policy on a tight pool")
+    _model_args(ev)
+    ev.add_argument("--num-kv-blocks", type=int, default=96, help="the pool (blocks of 16 tokens); one round "
+                    "of the default workload needs ~133")
+    ev.add_argument("--rounds", type=int, default=8)
+    ev.add_argument("--every", type=int, default=4, help="one request in EVERY uses the system prompt")
+    ev.add_argument("--system-tokens", type=int, default=512)
+    ev.add_argument("--prompt-tokens", type=int, default=512, help="length of each one-off prompt")
+    ev.add_argument("--max-tokens", type=int, default=8)
+    # float32: in bfloat16 a hit that ends mid-chunk changes how the rest of the prompt is chunked,
+    # and rounding alone can flip a greedy token, which would hide a wrong block among false alarms.
+    ev.set_defaults(dtype="float32")
+
     x = sub.add_parser("extract", help="typed JSON from every record of a JSONL file")
     x.add_argument("--schema", required=True, help="a JSON Schema file or module:StructName")
     x.add_argument("--input", required=True, help="JSONL: one JSON object per line")
     x.add_argument("--output", required=True, help="JSONL: one result line per input line")
     x.add_argument("--prompt", default=None, help="template over the record's fields, e.g. "
-                   "'Contract:\n{text}\nParties as JSON: ' (default: '{text}\n\nThe information above as JSON: ')")
+                   "'Contract:\n{text}\nParties as JSON: ' (default: one written from the schema: each field, "
+                   "its description and allowed values, over the record's text)")
+    x.add_argument("--copy-fields", default=None, metavar="auto|F1,F2",
+                   help="string fields copied from the record, never invented: names, or auto (every string "
+                   "without enum, const or format); also \"x-copy\": true in a JSON Schema")
+    x.add_argument("--examples", default=None, metavar="FILE",
+                   help="JSONL of solved records ({\"text\": ..., \"value\": {...}}) shown in the default prompt")
     _model_args(x)
     x.add_argument("--max-tokens", type=int, default=512)
     x.add_argument("--max-prompt-tokens", type=int, default=None, help="refuse longer records (prompt_too_long)")
@@ -101,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(_soak(args))
     if args.cmd == "bench-sharing":
         return asyncio.run(_bench_sharing(args))
+    if args.cmd == "bench-eviction":
+        return asyncio.run(_bench_eviction(args))
     return asyncio.run(_bench(args))
 
 
@@ -232,12 +254,40 @@ async def _bench_sharing(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _bench_eviction(args: argparse.Namespace) -> int:
+    from asyncpage import AsyncEngine
+    from asyncpage.bench import eviction_figures
+
+    # A fixed thread count: following other processes' load would change reduction orders between the
+    # runs whose outputs are compared.
+    threads = args.threads or len(os.sched_getaffinity(0))
+    engine = AsyncEngine.from_pretrained(args.model, dtype=args.dtype, device=args.device, num_threads=threads)
+    runs = await eviction_figures(engine, args.num_kv_blocks, args.rounds, args.every, args.system_tokens,
+                                  args.prompt_tokens, args.max_tokens)
+    n = args.rounds * args.every
+    print(f"prefix-cache eviction [{engine.config.dtype}], pool {args.num_kv_blocks} blocks of "
+          f"{engine.config.block_size}: {args.rounds} rounds of a {args.system_tokens}-token system prompt "
+          f"(+ a 32-token question) then {args.every - 1} one-off {args.prompt_tokens}-token prompts; {n} requests "
+          f"one at a time, {args.max_tokens} greedy tokens each")
+    print(f"{'policy':<8} {'prefix hit rate':>15} {'system prompt found':>20} {'evictions':>10} "
+          f"{'TTFT p50 all':>13} {'TTFT p50 system-prompt requests':>32}")
+    ref = runs[0]
+    for r in runs[1:]:
+        found = f"{r.shared_prompt_hits}/{r.shared_prompt_requests}"
+        print(f"{r.policy:<8} {100 * r.prefix_cache_hit_rate:>14.1f}% {found:>20} {r.prefix_cache_evictions:>10} "
+              f"{r.ttft_p50_ms:>10.0f} ms {r.ttft_shared_p50_ms:>29.0f} ms")
+    print(f"{'off':<8} {'-':>15} {'-':>20} {'-':>10} {ref.ttft_p50_ms:>10.0f} ms {ref.ttft_shared_p50_ms:>29.0f} ms")
+    same = {r.policy: r.outputs == ref.outputs for r in runs[1:]}
+    print("outputs equal to prefix caching off (greedy): "
+          + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in same.items()))
+    return 0 if all(same.values()) else 1
+
+
 def _extract(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from asyncpage import AsyncEngine, AsyncPageError
-    from asyncpage.extract import DEFAULT_PROMPT
-    from asyncpage.jobs import JobSummary, load_schema, run_job
+    from asyncpage.jobs import JobSummary, load_examples, load_schema, run_job
 
     summary: JobSummary | None = None
 
@@ -249,12 +299,14 @@ def _extract(args: argparse.Namespace) -> int:
             summary = await run_job(
                 engine, schema, Path(args.input), Path(args.output), prompt=prompt,
                 concurrency=args.concurrency, max_tokens=args.max_tokens, resume=args.resume, id_field=args.id_field,
-                max_prompt_tokens=args.max_prompt_tokens, progress=not args.no_progress)
+                max_prompt_tokens=args.max_prompt_tokens, progress=not args.no_progress,
+                copy_fields=args.copy_fields, examples=examples)
 
     # Shell quoting makes real newlines awkward: "\n" and "\t" in --prompt are newline and tab.
-    prompt = (args.prompt or DEFAULT_PROMPT).replace("\\n", "\n").replace("\\t", "\t")
+    prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t") if args.prompt else None
     try:
         schema = load_schema(args.schema)
+        examples = load_examples(Path(args.examples)) if args.examples else []
         asyncio.run(main())
     except AsyncPageError as exc:
         print(f"asyncpage extract: {exc}", file=sys.stderr)

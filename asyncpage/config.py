@@ -13,6 +13,7 @@ import msgspec
 import torch
 
 from asyncpage.errors import InvalidRequestError
+from asyncpage.eviction import EVICTION_POLICIES
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -27,6 +28,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     attention_backend: str
     num_threads: int
     debug_checks: bool = False  # check the KV pool's invariants after every step (tests, fuzzing)
+    eviction_policy: str | None = None  # None: prefix-aware (eviction.py); "lru": plain LRU
 
 
 def check_options(o: dict[str, Any]) -> None:
@@ -44,6 +46,9 @@ def check_options(o: dict[str, Any]) -> None:
     t = o["grammar_compile_timeout"]
     if not isinstance(t, int | float) or isinstance(t, bool) or not 0 < t < math.inf:
         raise InvalidRequestError("grammar_compile_timeout", f"must be > 0 seconds, got {t!r}")
+    if o["eviction_policy"] not in EVICTION_POLICIES:
+        raise InvalidRequestError("eviction_policy", f"must be None (the default, prefix-aware) or 'lru', "
+                                  f"got {o['eviction_policy']!r}")
     if o["attention_backend"] not in ("auto", "torch", "triton"):
         raise InvalidRequestError("attention_backend", f"must be torch, triton or auto, got {o['attention_backend']!r}")
 

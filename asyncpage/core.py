@@ -50,7 +50,8 @@ class EngineCore:
                  mask_vocab_size: int) -> None:
         self.config = config
         self.compute = compute
-        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                 config.eviction_policy)
         self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size, getattr(torch, config.dtype),
                                   torch.device(config.device), mask_vocab_size)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
@@ -261,7 +262,8 @@ class EngineCore:
             prefix_cache_query_tokens=self.kv.query_tokens, prefix_cache_hit_tokens=self.kv.hit_tokens,
             kv_token_slots_allocated=pool.num_used * bs, kv_token_slots_occupied=sum(fill.values()),
             num_requests_finished=self.output.num_finished, num_generated_tokens=self.output.num_generated,
-            engine_error=repr(self.dead.__cause__) if self.dead is not None else None)
+            engine_error=repr(self.dead.__cause__) if self.dead is not None else None,
+            prefix_cache_evictions=pool.num_evictions)
 
     def check_invariants(self) -> None:
         """The pool agrees with the block tables (raises AssertionError otherwise): run after every

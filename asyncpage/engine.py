@@ -16,7 +16,7 @@ new loop or under trio (anyio throughout); while open it belongs to that one loo
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self
 
@@ -25,6 +25,7 @@ import msgspec
 import sniffio
 import torch
 
+from asyncpage import grounding
 from asyncpage.compute import ComputeThread
 from asyncpage.config import (
     EngineConfig,
@@ -43,11 +44,11 @@ from asyncpage.errors import (
     InvalidRequestError,
 )
 from asyncpage.extract import (
-    DEFAULT_PROMPT,
     ExtractResult,
     closed_early_error,
     decode_value,
     extract_many,
+    grounded,
     json_params,
 )
 from asyncpage.guided import GrammarManager, GuidedSpec
@@ -115,6 +116,7 @@ class AsyncEngine:
         guided_backend: str = "llguidance",
         grammar_compile_timeout: float = 5.0,
         debug_checks: bool | None = None,
+        eviction_policy: str | None = None,
     ) -> AsyncEngine:
         """Load a model. `model=None` is gemma-3-270m from its PyPI package; else a local HF
         directory, an HF hub id already in the local cache, or a .gguf file.
@@ -122,7 +124,9 @@ class AsyncEngine:
         80% of free GPU memory on CUDA). `num_threads` sets torch's (process-wide) CPU thread pool;
         default: the cores this process may use. Guided decoding uses `guided_backend` ("llguidance" or
         "xgrammar"); a grammar that takes longer than `grammar_compile_timeout` s is refused.
-        `debug_checks=True` (or ASYNCPAGE_DEBUG_CHECKS=1) checks the KV pool's invariants every step."""
+        `debug_checks=True` (or ASYNCPAGE_DEBUG_CHECKS=1) checks the KV pool's invariants every step.
+        `eviction_policy`: which cached prefix a full pool gives up first; None (the default) keeps
+        what many requests share and evicts the ends of prefix chains first, "lru" the oldest."""
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         if debug_checks is None:
@@ -132,7 +136,7 @@ class AsyncEngine:
                        enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend,
                        max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                        guided_backend=guided_backend, grammar_compile_timeout=grammar_compile_timeout,
-                       debug_checks=bool(debug_checks))
+                       debug_checks=bool(debug_checks), eviction_policy=eviction_policy)
         check_options(options)
         resolve_backend(attention_backend, dev, block_size)  # refuse before minutes of loading
         threads = num_threads or len(os.sched_getaffinity(0))
@@ -166,7 +170,8 @@ class AsyncEngine:
             max_num_batched_tokens=options["max_num_batched_tokens"], max_num_seqs=options["max_num_seqs"],
             max_model_len=max_len, enable_prefix_caching=options["enable_prefix_caching"],
             attention_backend=resolve_backend(options["attention_backend"], dev, options["block_size"]),
-            num_threads=compute.num_threads, debug_checks=options["debug_checks"])
+            num_threads=compute.num_threads, debug_checks=options["debug_checks"],
+            eviction_policy=options["eviction_policy"])
         # Masks cover every id either side knows: some checkpoints' tokenizers have more entries than
         # the logits (Gemma 3 on the hub: 262,145 vs 262,144); masks are sliced to the logits at use.
         mask_vocab = max(int(mc.vocab_size), len(loaded.tokenizer))
@@ -254,7 +259,8 @@ class AsyncEngine:
         return GenerateOutput(list(req.prompt_token_ids), choices, request_metrics(req))
 
     async def extract(self, prompt: Prompt, schema: Any, params: SamplingParams | None = None, *,
-                      chat: bool = False) -> Any:
+                      chat: bool = False, copy_from: str | Sequence[str] | None = None,
+                      copy_fields: Sequence[str] | str | None = None) -> Any:
         """Generate one JSON value constrained to `schema` and return it typed.
 
         `schema` is a msgspec.Struct type (or any type msgspec can describe: its JSON Schema is used and
@@ -264,6 +270,9 @@ class AsyncEngine:
         unsupported schema, ExtractionError when the output is cut at max_tokens or does not decode.
         A value that budget closing (`budget_close`, on by default) ended at max_tokens is valid but
         may be cut short: it raises ExtractionError("closed_early") with the typed value in `.value`.
+        `copy_from`: the source text (or texts); string fields marked `"x-copy": true` in the schema,
+        or named by `copy_fields` (a list, or "auto": every string without enum, const or format;
+        the default when nothing is marked) must then be spans copied from it (grounded extraction).
 
             class Invoice(msgspec.Struct):
                 number: str
@@ -271,9 +280,19 @@ class AsyncEngine:
             inv = await engine.extract("Invoice INV-7, total 12.50 EUR. JSON:", Invoice)
         """
         params, target = json_params(schema, params)
+        if copy_from is not None:
+            assert params.json_schema is not None
+            if copy_fields is None and not grounding.copied(params.json_schema):
+                copy_fields = "auto"
+            sources = [copy_from] if isinstance(copy_from, str) else list(copy_from)
+            params = grounded(params, grounding.mark(params.json_schema, copy_fields), sources)
         if chat:
             prompt = self.apply_chat_template(prompt)
-        out = await self.generate(prompt, params)
+        try:
+            out = await self.generate(prompt, params)
+        finally:
+            if copy_from is not None:
+                self.guided.forget(GuidedSpec.from_params(params))  # the grammar embeds this source only
         if out.finish_reason == "length":
             # Closed validly by the budget: raised with the value attached (see extract.closed_early_error).
             raise await closed_early_error(self, params, out.token_ids, out.text, target) or ExtractionError(
@@ -284,21 +303,27 @@ class AsyncEngine:
             raise ExtractionError("invalid", str(exc), out.text) from exc
 
     def extract_many(self, items: Iterable[Any] | AsyncIterable[Any], schema: Any, *,
-                     prompt: str | Callable[[Mapping[str, Any]], str] = DEFAULT_PROMPT, concurrency: int = 32,
+                     prompt: str | Callable[[Mapping[str, Any]], str] | None = None, concurrency: int = 32,
                      params: SamplingParams | None = None, id_field: str = "id",
-                     max_prompt_tokens: int | None = None) -> AsyncIterator[ExtractResult]:
+                     max_prompt_tokens: int | None = None, copy_fields: Sequence[str] | str | None = None,
+                     examples: Sequence[Mapping[str, Any]] = ()) -> AsyncIterator[ExtractResult]:
         """Extract a typed value from each record, at most `concurrency` in flight.
 
         `items`: records (dicts, or plain strings as {"text": ...}), sync or async iterable, read
-        lazily. `prompt`: a template over the record's fields (default "{text}\n\nThe information
-        above as JSON: ") or a function of the record. Yields ExtractResult in completion order, each
-        with the record's `id_field` (or its 1-based position), its value or its own error.
+        lazily. `prompt`: a template over the record's fields, a function of the record, or by
+        default one written from the schema (each field, its description and allowed values) over
+        the record's "text", with `examples` (records with their labeled "value") as solved cases.
+        `copy_fields` (names, or "auto") or `"x-copy": true` in the schema: those string fields are
+        copied from the record (the fields its prompt shows), never invented. Yields ExtractResult in
+        completion order, each with the record's `id_field` (or its 1-based position), its value or
+        its own error.
 
             async for r in engine.extract_many(docs, Invoice, concurrency=16):
                 print(r.id, r.value if r.ok else r.error)
         """
         return extract_many(self, items, schema, prompt=prompt, concurrency=concurrency, params=params,
-                            id_field=id_field, max_prompt_tokens=max_prompt_tokens)
+                            id_field=id_field, max_prompt_tokens=max_prompt_tokens, copy_fields=copy_fields,
+                            examples=examples)
 
     async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                    tool_choice: Any = "auto", parallel_tool_calls: bool = True,

@@ -1,7 +1,8 @@
 """Block bookkeeping for the paged KV cache. No tensors here: the runner owns the K/V storage and
 this module only decides which physical block holds which tokens.
 
-BlockPool      ref-counted blocks, an O(1) LRU free queue, and the prefix-hash -> block map.
+BlockPool      ref-counted blocks, an O(1) queue of empty free blocks, the prefix-hash -> block map,
+               and an eviction policy (eviction.py) ordering the free blocks that hold a prefix.
 KVCacheManager the block table of each sequence: growing it, forking it (copy-on-write), freeing it,
                and finding a sequence's cached prefix.
 """
@@ -12,6 +13,8 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from asyncpage.eviction import make_policy
 
 
 @dataclass(eq=False)
@@ -28,51 +31,64 @@ class Block:
 class BlockPool:
     """Fixed pool of `num_blocks` blocks.
 
-    Invariants (tested with hypothesis): every block is either referenced (ref_count > 0) or in the
-    free queue, never both; a block in the hash map holds exactly the tokens of its digest.
-    Free blocks are evicted oldest first, and blocks without cached content are reused before any
-    block that still holds a prefix somebody may ask for again.
+    Invariants (tested with hypothesis): every block is either referenced (ref_count > 0) or free,
+    never both; a free block is in the empty queue when it holds no prefix and in the eviction
+    policy's keeping (eviction.py) when it does; a block in the hash map holds exactly the tokens of
+    its digest. Empty blocks are reused before any block that still holds a prefix somebody may ask
+    for again; which of those goes first is the policy's choice.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, eviction_policy: str | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        # OrderedDict as an O(1) doubly-linked free list: pop from the front, append or push-front.
+        # OrderedDict as an O(1) doubly-linked free list of blocks holding nothing worth keeping.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, Block] = {}
+        self._evictable = make_policy(eviction_policy, self.blocks, self._cached)
+        self.num_evictions = 0  # cached prefixes given up to make room
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     @property
     def num_cached_free(self) -> int:
         """Free blocks that still hold a reusable prefix."""
-        return sum(1 for b in self._free if self.blocks[b].digest is not None)
+        return len(self._evictable)
 
     def allocate(self) -> Block:
-        if not self._free:
-            raise RuntimeError("KV block pool exhausted (the scheduler must check num_free first)")
-        block_id, _ = self._free.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.digest is not None:  # evict: its old content is about to be overwritten
+        if self._free:
+            block = self.blocks[self._free.popitem(last=False)[0]]
+        elif len(self._evictable):
+            block = self._evictable.evict()
+            assert block.digest is not None
+            # Out of the map before the policy hears of it: it judges what is still reachable.
             del self._cached[block.digest]
+            self._evictable.uncached(block)
             block.digest = None
             block.tokens = None
+            self.num_evictions += 1
+        else:
+            raise RuntimeError("KV block pool exhausted (the scheduler must check num_free first)")
         block.ref_count = 1
         return block
 
-    def ref(self, block: Block) -> None:
-        """Take one more reference (a prefix-cache hit or a fork)."""
+    def ref(self, block: Block, hit: bool = False) -> None:
+        """Take one more reference: a prefix-cache hit (`hit`, counted by the eviction policy) or a fork."""
         if block.ref_count == 0:
-            del self._free[block.block_id]
+            if block.digest is None:
+                del self._free[block.block_id]
+            else:
+                self._evictable.taken(block)
+        if hit:
+            self._evictable.hit(block)
         block.ref_count += 1
 
     def free(self, block: Block) -> None:
@@ -80,10 +96,11 @@ class BlockPool:
             raise RuntimeError(f"double free of KV block {block.block_id}")
         block.ref_count -= 1
         if block.ref_count == 0:
-            self._free[block.block_id] = None
             if block.digest is None:
-                # Nothing worth keeping: reuse it before any cached block.
+                self._free[block.block_id] = None
                 self._free.move_to_end(block.block_id, last=False)
+            else:
+                self._evictable.freed(block)
 
     def lookup(self, digest: bytes, tokens: tuple[int, ...]) -> Block | None:
         block = self._cached.get(digest)
@@ -91,8 +108,10 @@ class BlockPool:
             return None
         return block
 
-    def register(self, block: Block, digest: bytes, tokens: tuple[int, ...]) -> None:
-        """Record that a full block holds `tokens` under `digest`, so later prompts can reuse it."""
+    def register(self, block: Block, digest: bytes, tokens: tuple[int, ...], parent: bytes | None = None,
+                 depth: int = 0) -> None:
+        """Record that a full block holds `tokens` under `digest`, the `depth`-th block of a chain
+        continuing `parent`, so later prompts can reuse it."""
         if not self.enable_caching or block.digest is not None:
             return
         if digest in self._cached:
@@ -100,26 +119,38 @@ class BlockPool:
         block.digest = digest
         block.tokens = tokens
         self._cached[digest] = block
+        self._evictable.cached(block, parent, depth)
+        if block.ref_count == 0:
+            del self._free[block.block_id]
+            self._evictable.freed(block)
 
     def check_invariants(self) -> None:
         """Raises AssertionError when the pool's own bookkeeping is inconsistent."""
-        free = set(self._free)
-        assert len(free) == len(self._free), "a block is twice in the free queue"
+        empty, kept = set(self._free), set(self._evictable.evictable_ids())
+        assert len(empty) == len(self._free), "a block is twice in the free queue"
+        assert len(kept) == len(self._evictable), "the eviction policy counts a block twice"
+        assert not empty & kept, "a block is both empty and kept for its prefix"
         for b in self.blocks:
             assert b.ref_count >= 0, f"block {b.block_id} has ref count {b.ref_count}"
-            where = "in" if b.block_id in free else "not in"
-            assert (b.ref_count == 0) == (b.block_id in free), \
-                f"block {b.block_id}: ref count {b.ref_count} but {where} the free queue"
+            free = b.block_id in empty or b.block_id in kept
+            where = "free" if free else "not free"
+            assert (b.ref_count == 0) == free, f"block {b.block_id}: ref count {b.ref_count} but {where}"
+            if b.block_id in empty:
+                assert b.digest is None, f"block {b.block_id} holds a prefix but sits in the empty queue"
             if b.digest is not None:
                 assert self._cached.get(b.digest) is b, f"block {b.block_id} has a digest the map does not point back"
         for digest, b in self._cached.items():
             assert b.digest == digest, f"the prefix map points at block {b.block_id}, which holds another digest"
+        self._evictable.check_invariants()
 
     def reset_prefix_cache(self) -> None:
+        self._evictable.clear()
         for digest, block in list(self._cached.items()):
             del self._cached[digest]
             block.digest = None
             block.tokens = None
+            if block.ref_count == 0:
+                self._free[block.block_id] = None
 
 
 def chain_digest(parent: bytes | None, tokens: Sequence[int], salt: str | None) -> bytes:
@@ -145,9 +176,10 @@ class BlockTable:
 class KVCacheManager:
     """Owns the block tables. Every method takes the table it works on: no hidden per-request state."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 eviction_policy: str | None = None) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, eviction_policy=eviction_policy)
         self.enable_prefix_caching = enable_prefix_caching
         self.query_tokens = 0
         self.hit_tokens = 0
@@ -205,7 +237,7 @@ class KVCacheManager:
         in the cache. Returns the (src, dst) block copies the runner must do before this step writes:
         copy-on-write of a shared, partly filled block."""
         for b in cached:
-            self.pool.ref(b)
+            self.pool.ref(b, hit=True)
             table.blocks.append(b)
             assert b.digest is not None
             table.digests.append(b.digest)
@@ -237,7 +269,8 @@ class KVCacheManager:
         return BlockTable(list(table.blocks), list(table.digests))
 
     def free(self, table: BlockTable) -> None:
-        # Tail first: the tail of a prompt is the least likely part to be shared, so it is evicted first.
+        # Tail first: the tail of a prompt is the least likely part to be shared, so under "lru" it is
+        # evicted first (the default policy evicts chain ends first whatever the order).
         for b in reversed(table.blocks):
             self.pool.free(b)
         table.blocks.clear()
@@ -271,6 +304,7 @@ class KVCacheManager:
         parent = table.digests[-1] if table.digests else None
         for i in range(len(table.digests), num_full):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            parent = chain_digest(parent, chunk, salt)
-            table.digests.append(parent)
-            self.pool.register(table.blocks[i], parent, chunk)
+            digest = chain_digest(parent, chunk, salt)
+            table.digests.append(digest)
+            self.pool.register(table.blocks[i], digest, chunk, parent, depth=i)
+            parent = digest

@@ -64,6 +64,8 @@ class PrometheusMetrics:
                                           value=s.prefix_cache_query_tokens)
                 yield CounterMetricFamily(f"{p}:prefix_cache_hits", "Prompt tokens found in the cache",
                                           value=s.prefix_cache_hit_tokens)
+                yield CounterMetricFamily(f"{p}:prefix_cache_evictions", "Cached KV blocks evicted to make room",
+                                          value=s.prefix_cache_evictions)
 
         self.registry.register(_Gauges())
         engine.on_request_finished(self.observe)

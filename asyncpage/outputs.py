@@ -95,3 +95,5 @@ class EngineStats(msgspec.Struct, frozen=True):
     num_requests_finished: int
     num_generated_tokens: int
     engine_error: str | None = None
+    # Cached blocks given up to make room: their prefix must be computed again if asked for.
+    prefix_cache_evictions: int = 0

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every figure in the README, one after the other (never two heavy runs at once on 2 cores).
-# Takes ~15 minutes here. Figures vary ~10-20% from run to run on this (shared) machine.
+# Takes ~17 minutes here. Figures vary ~10-20% from run to run on this (shared) machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 A=.venv/bin/asyncpage
@@ -11,5 +11,6 @@ done
 $A bench --workload mixed -n 32 --dtype bfloat16 --baseline transformers
 $A bench --workload mixed -n 32 --dtype float32 --baseline transformers
 $A bench-sharing --dtype bfloat16
+$A bench-eviction
 $A bench-guided --data ../shared/data --dtype bfloat16
 $A bench --workload mixed --dtype bfloat16 --sweep 1,4,16,64 --plot docs/concurrency.png
