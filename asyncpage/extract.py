@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
 
+from asyncpage import grounding
 from asyncpage.errors import (
     ExtractionError,
     GrammarTimeoutError,
@@ -23,6 +24,7 @@ from asyncpage.errors import (
     PromptTooLongError,
     SamplingError,
 )
+from asyncpage.extract_prompt import schema_prompt
 from asyncpage.guided import GuidedSpec
 from asyncpage.guided.backend import closed_objects
 from asyncpage.params import SamplingParams
@@ -32,7 +34,10 @@ if TYPE_CHECKING:
     from asyncpage.engine import AsyncEngine
     from asyncpage.request import Request
 
+# The plain template of earlier versions; the default is now schema_prompt (fields and their meaning).
 DEFAULT_PROMPT = "{text}\n\nThe information above as JSON: "
+Prompt = str | Callable[[Mapping[str, Any]], str]
+DEMOS_MIN_CONTEXT = 2048  # below this context the default prompt's built-in solved records are left out
 
 
 class ExtractError(msgspec.Struct, frozen=True):
@@ -75,6 +80,23 @@ def json_params(schema: Any, params: SamplingParams | None) -> tuple[SamplingPar
     return msgspec.structs.replace(base, json_schema=json_schema, regex=None, choice=None, grammar=None), target
 
 
+def grounded(params: SamplingParams, schema: dict[str, Any], sources: list[str]) -> SamplingParams:
+    """`params` with the schema's grammar where its `x-copy` fields are spans of `sources`."""
+    return msgspec.structs.replace(params, json_schema=None, grammar=grounding.grammar(schema, sources))
+
+
+def copy_sources(prompt: Prompt | None, record: Mapping[str, Any], id_field: str) -> list[str]:
+    """What a record's copied fields may copy from: the fields its prompt template shows, else its
+    text field, else every string field but its id."""
+    if isinstance(prompt, str):
+        names = [n for n in dict.fromkeys(_FIELD.findall(prompt)) if n != id_field]
+    elif isinstance(record.get("text"), str):
+        names = ["text"]
+    else:
+        names = [n for n in record if n != id_field]
+    return [v for n in names if isinstance(v := record.get(n), str) and v]
+
+
 def closed_validly(matcher: Any, params: SamplingParams) -> bool:
     """A request that ended by length has a complete value when budget closing brought its grammar to
     an accepting state (read once the sequence is finished: nothing else touches its matcher then)."""
@@ -108,7 +130,7 @@ def decode_value(text: str, target: Any) -> Any:
 _FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
-def render_prompt(template: str | Callable[[Mapping[str, Any]], str], record: Mapping[str, Any]) -> str:
+def render_prompt(template: Prompt, record: Mapping[str, Any]) -> str:
     """Fill `{field}` placeholders from the record. Only `{identifier}` is a placeholder, so JSON
     examples in a prompt ({"name": ...}) need no escaping."""
     if callable(template):
@@ -140,16 +162,27 @@ async def _aiter(items: Iterable[Record] | AsyncIterable[Record]) -> AsyncIterat
 
 
 async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncIterable[Record], schema: Any, *,
-                       prompt: str | Callable[[Mapping[str, Any]], str] = DEFAULT_PROMPT, concurrency: int = 32,
-                       params: SamplingParams | None = None, id_field: str = "id",
-                       max_prompt_tokens: int | None = None) -> AsyncIterator[ExtractResult]:
+                       prompt: Prompt | None = None, concurrency: int = 32, params: SamplingParams | None = None,
+                       id_field: str = "id", max_prompt_tokens: int | None = None,
+                       copy_fields: Sequence[str] | str | None = None,
+                       examples: Sequence[Mapping[str, Any]] = ()) -> AsyncIterator[ExtractResult]:
     """See AsyncEngine.extract_many."""
     if concurrency < 1:
         raise InvalidRequestError("concurrency", "must be >= 1")
     params, target = json_params(schema, params)
     spec = GuidedSpec.from_params(params)
-    assert spec is not None
+    assert spec is not None and params.json_schema is not None
     await engine.guided.compile(spec)  # an unsupported schema fails the call here, before any record
+    marked = grounding.mark(params.json_schema, copy_fields)
+    copying = grounding.copied(marked)
+    if copying:
+        grounding.grammar(marked, ["x"])  # an x-copy the grammar cannot express fails here, not per record
+    if prompt is None:
+        prompt = schema_prompt(marked, examples=examples, copied=grounding.copied_names(marked),
+                               demos=engine.config.max_model_len >= DEMOS_MIN_CONTEXT)
+    elif examples:
+        raise InvalidRequestError("examples", "examples go into the default prompt; a prompt of your own "
+                                              "carries its examples itself")
 
     wake = anyio.Event()
 
@@ -181,7 +214,8 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
                     ids = await engine.tokenize(text)
                     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
                         raise PromptTooLongError("prompt", f"{len(ids)} tokens > max_prompt_tokens={max_prompt_tokens}")
-                    req = await engine.submit(ids, params, Mailbox(notify))
+                    own = grounded(params, marked, copy_sources(prompt, record, id_field)) if copying else params
+                    req = await engine.submit(ids, own, Mailbox(notify))
                 except PromptTooLongError as exc:
                     ready.append(ExtractResult(rid, error=ExtractError("prompt_too_long", exc.message),
                                                position=index))
@@ -196,6 +230,8 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
             for key in [k for k, (_, _, r) in pending.items() if r.finished or r.mailbox.error is not None]:
                 rid, position, req = pending.pop(key)
                 ready.append(msgspec.structs.replace(_result(rid, req, target), position=position))
+                if copying:
+                    engine.guided.forget(GuidedSpec.from_params(req.params))  # this record's grammar ends with it
             if ready:
                 yield ready.pop(0)
                 continue
@@ -207,6 +243,8 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
         # The caller stopped early (break, cancel, error): abort what is still in flight.
         for _, _, req in pending.values():
             engine.abort(req)
+            if copying:
+                engine.guided.forget(GuidedSpec.from_params(req.params))
 
 
 def _result(rid: Any, req: Request, target: Any) -> ExtractResult:

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -24,7 +24,7 @@ import msgspec
 
 from asyncpage.engine import AsyncEngine
 from asyncpage.errors import EngineDeadError, InvalidRequestError
-from asyncpage.extract import DEFAULT_PROMPT, ExtractError, ExtractResult
+from asyncpage.extract import ExtractError, ExtractResult
 from asyncpage.params import SamplingParams
 
 
@@ -44,6 +44,17 @@ def load_schema(spec: str) -> Any:
         except (ImportError, AttributeError) as exc:
             raise InvalidRequestError("schema", f"cannot import {spec}: {exc}") from exc
     raise InvalidRequestError("schema", f"{spec!r} is neither a JSON Schema file nor module:Name")
+
+
+def load_examples(path: Path) -> list[dict[str, Any]]:
+    """Solved records for the default prompt: JSONL lines {"text": ..., "value": {...}}."""
+    try:
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, ValueError) as exc:
+        raise InvalidRequestError("examples", f"cannot read {path}: {exc}") from exc
+    if not all(isinstance(r, dict) and isinstance(r.get("text"), str) and "value" in r for r in rows):
+        raise InvalidRequestError("examples", f"{path}: every line must be {{\"text\": ..., \"value\": ...}}")
+    return rows
 
 
 MAX_LINE = 1 << 36  # a line number past this is not one of ours (and would cost a huge bitmap)
@@ -176,8 +187,10 @@ class _Writer:
 
 
 async def run_job(engine: AsyncEngine, schema: Any, input_path: Path, output_path: Path, *,
-                  prompt: str = DEFAULT_PROMPT, concurrency: int = 16, max_tokens: int = 512, resume: bool = False,
-                  id_field: str = "id", max_prompt_tokens: int | None = None, progress: bool = True) -> JobSummary:
+                  prompt: str | None = None, concurrency: int = 16, max_tokens: int = 512, resume: bool = False,
+                  id_field: str = "id", max_prompt_tokens: int | None = None, progress: bool = True,
+                  copy_fields: Sequence[str] | str | None = None,
+                  examples: Sequence[Mapping[str, Any]] = ()) -> JobSummary:
     """Every non-blank input line gets exactly one output line across any number of interrupted
     runs: a record is written once it has its final outcome; one whose engine died or closed under
     it is not written (the job stops with the error), so `resume=True` does it again."""
@@ -237,7 +250,8 @@ async def run_job(engine: AsyncEngine, schema: Any, input_path: Path, output_pat
         try:
             async for result in engine.extract_many(records(), schema, prompt=prompt, concurrency=concurrency,
                                                     params=params, id_field=id_field,
-                                                    max_prompt_tokens=max_prompt_tokens):
+                                                    max_prompt_tokens=max_prompt_tokens, copy_fields=copy_fields,
+                                                    examples=examples):
                 n = line_of.pop(result.position)
                 if result.error is not None and result.error.reason == "engine_error":
                     engine_error = engine_error or result  # not final: left for the resumed run

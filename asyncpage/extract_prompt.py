@@ -1,0 +1,103 @@
+"""The default extraction prompt: the fields and what they mean, read from the schema.
+
+A small model given only "The information above as JSON:" guesses what each key wants. Each
+record is followed by its field list (name, description, allowed values, when it may be null,
+whether it is copied as written) and "JSON:". Two solved records of an unrelated schema come first
+(DEMOS): measured on the default model, they teach the pattern (copy a span, null when absent)
+better than instructions; the caller's own labeled examples follow them in the same shape.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+from asyncpage.errors import InvalidRequestError
+from asyncpage.grounding import resolve as _resolve
+
+TEXT_FIELD = "text"
+_DEMO_FIELDS = [
+    "- sender: who wrote it; text, copied exactly as written in the record",
+    "- city: where the sender lives; text, copied exactly as written in the record; null when the record "
+    "does not give it",
+    "- order: the order number; text, copied exactly as written in the record; null when the record does "
+    "not give it",
+    "- wants_money_back: true or false",
+]
+DEMOS = [
+    ("Hello, this is Ana Beatriz Silva from Porto. My order 7781-B never arrived, please send my money back. "
+     "Call me at 555 0192.",
+     {"sender": "Ana Beatriz Silva", "city": "Porto", "order": "7781-B", "wants_money_back": True}),
+    ("From: Tom Reyes\nThe export button in the Lumen Desk app is greyed out since Monday. No need to refund "
+     "anything, just fix it.",
+     {"sender": "Tom Reyes", "city": None, "order": None, "wants_money_back": False}),
+]
+
+
+def _kind(root: dict[str, Any], s: dict[str, Any]) -> tuple[str, bool]:
+    """A short reading of a property's type, and whether it may be null."""
+    alts = [_resolve(root, a) for a in (s.get("anyOf") or s.get("oneOf") or [])]
+    types = s.get("type")
+    names = [types] if isinstance(types, str) else list(types or [])
+    names += [a.get("type") for a in alts if isinstance(a.get("type"), str)]
+    nullable = "null" in names
+    enum = s.get("enum") or next((a.get("enum") for a in alts if a.get("enum")), None)
+    if enum:
+        return "one of " + ", ".join(json.dumps(v) for v in enum if v is not None), nullable
+    if "const" in s:
+        return "always " + json.dumps(s["const"]), nullable
+    kinds = [n for n in names if n != "null"]
+    text = {"boolean": "true or false", "integer": "a whole number", "number": "a number",
+            "array": "a list", "object": "an object"}
+    return (text.get(kinds[0], "text") if kinds else "a value"), nullable
+
+
+def field_lines(schema: dict[str, Any], copied: Collection[str] = ()) -> list[str]:
+    """One line per top-level property: name, meaning, values allowed."""
+    obj = _resolve(schema, schema)
+    required = set(obj.get("required") or [])
+    lines = []
+    for name, prop in (obj.get("properties") or {}).items():
+        p = _resolve(schema, prop)
+        kind, nullable = _kind(schema, p)
+        meaning = str(p.get("description") or p.get("title") or "").strip().rstrip(".")
+        meaning = "" if meaning.lower() == name.lower() else meaning
+        parts = [meaning] if meaning else []
+        parts.append(kind + (", copied exactly as written in the record" if name in copied else ""))
+        if nullable:
+            parts.append("null when the record does not give it")
+        elif name not in required:
+            parts.append("may be left out")
+        lines.append(f"- {name}: " + "; ".join(parts))
+    return lines
+
+
+def schema_prompt(schema: dict[str, Any], *, examples: Sequence[Mapping[str, Any]] = (),
+                  copied: Collection[str] = (), demos: bool = True,
+                  text_field: str = TEXT_FIELD) -> Callable[[Mapping[str, Any]], str]:
+    """The prompt (a function of the record) for extracting `schema` from `record[text_field]`.
+    `examples`: records with their labeled `value`, shown as solved cases after the built-in DEMOS
+    (`demos=False` leaves those out: about 400 tokens a short-context model cannot spare)."""
+    fields = "\n".join(field_lines(schema, copied))
+    shots = [_case(text, "\n".join(_DEMO_FIELDS), value) for text, value in DEMOS] if demos else []
+    for i, ex in enumerate(examples):
+        if not isinstance(ex, Mapping) or not isinstance(ex.get(text_field), str) or "value" not in ex:
+            raise InvalidRequestError("examples", f"example {i + 1} needs a {text_field!r} string and a 'value'")
+        shots.append(_case(ex[text_field], fields, ex["value"]))
+    preamble = "".join(shots)
+
+    def prompt(record: Mapping[str, Any]) -> str:
+        text = record.get(text_field)
+        if not isinstance(text, str):
+            raise InvalidRequestError("prompt", f"the record has no {text_field!r} string for the default prompt "
+                                                "(pass prompt= a template over its fields)")
+        return preamble + _case(text, fields, None)
+
+    return prompt
+
+
+def _case(text: str, fields: str, value: Any) -> str:
+    """One record in the prompt; with its value, a solved one (spaced JSON, as the grammar writes it)."""
+    head = f"Record:\n{text.strip()}\n\nFields:\n{fields}\nJSON: "
+    return head if value is None else head + json.dumps(value, ensure_ascii=False) + "\n\n"

@@ -1,0 +1,222 @@
+"""Grounded extraction: string fields whose value must be copied from the record, never invented.
+
+A schema marks such a field with `"x-copy": true` (or `copy_fields` marks them: a list of names,
+or "auto" for every free string field). The schema then compiles to a Lark grammar (llguidance's
+dialect) in which each copied value is a span of the record's text: llguidance's
+`substring_chunks` lexeme (a suffix automaton of the source) intersected (`&`) with the field's own
+length and pattern constraints. Everything else in the schema stays `%json`, so a copied field is
+exactly the schema's string with one more constraint. Nullable copied fields may be null: the
+way out when the record holds no such value (an order id it does not mention).
+
+The grammar embeds the source, so it is specific to one record: the extraction layer compiles it
+for that record only and drops it from the grammar cache when the record ends.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from asyncpage.errors import InvalidRequestError
+
+COPY = "x-copy"
+# One JSON string character as the grammar sees it: escaped forms count as one.
+_JSON_CHAR = r'(?:[^"\\\x00-\x1f]|\\(?:["\\\/bfnrt]|u[0-9a-fA-F]{4}))'
+# json.dumps' separators: the JSON most often seen in a model's training text. Compact JSON
+# ({"a":"x"}) made the default model answer "1" for every copied field; spaced JSON did not.
+ITEM_SEP, KEY_SEP = ", ", ": "
+_STYLE = {"whitespace_flexible": False, "lenient": False, "item_separator": ITEM_SEP, "key_separator": KEY_SEP}
+
+
+def mark(schema: dict[str, Any], fields: Sequence[str] | str | None) -> dict[str, Any]:
+    """`schema` with `"x-copy": true` on the named top-level string properties; "auto" marks every
+    string property without enum, const or format (nullable ones included). None: as written."""
+    if fields is None:
+        return schema
+    root = dict(schema)
+    obj = dict(resolve(root, root))
+    props = dict(obj.get("properties") or {})
+    if isinstance(fields, str) and fields != "auto":
+        fields = [f.strip() for f in fields.split(",") if f.strip()]
+    names = [n for n, p in props.items() if _free_string(resolve(root, p))] if fields == "auto" else list(fields)
+    for name in names:
+        if name not in props:
+            raise InvalidRequestError("copy_fields", f"the schema has no property {name!r} (it has {sorted(props)})")
+        prop = resolve(root, props[name])
+        if _string_branch(root, prop) is None:
+            raise InvalidRequestError("copy_fields", f"{name!r} is not a string property: only strings are copied")
+        props[name] = {**prop, COPY: True}
+    obj["properties"] = props
+    if "$ref" in root:  # a msgspec schema: the object lives in $defs
+        return {**obj, "$defs": root.get("$defs", {})}
+    root.update(obj)
+    return root
+
+
+def copied(schema: Any) -> bool:
+    """Whether any property anywhere in `schema` is marked `x-copy`."""
+    if isinstance(schema, dict):
+        return schema.get(COPY) is True or any(copied(v) for v in schema.values())
+    if isinstance(schema, list):
+        return any(copied(v) for v in schema)
+    return False
+
+
+def copied_names(schema: dict[str, Any]) -> set[str]:
+    """The top-level properties marked `x-copy` (what the default prompt says is copied)."""
+    props = resolve(schema, schema).get("properties") or {}
+    return {n for n, p in props.items() if isinstance(p, dict) and p.get(COPY) is True}
+
+
+def grammar(schema: dict[str, Any], sources: Sequence[str]) -> str:
+    """Lark text for `schema` where every `x-copy` string is a span of one of `sources`."""
+    if not sources or not any(sources):
+        raise InvalidRequestError("copy_from", "grounded extraction needs the record's text to copy from")
+    b = _Builder(schema, sources)
+    start = b.value(schema)
+    return "%llguidance {}\n" + "\n".join([f"start: {start}", *b.rules]) + "\n"
+
+
+def resolve(root: dict[str, Any], node: Any) -> Any:
+    """Follow local `$ref`s (what msgspec and pydantic emit) to the schema they name."""
+    seen = 0
+    while isinstance(node, dict) and isinstance(node.get("$ref"), str) and seen < 32:
+        ref = node["$ref"]
+        if not ref.startswith("#/"):
+            raise InvalidRequestError("schema", f"$ref {ref!r}: only local references are supported with x-copy")
+        target: Any = root
+        for part in ref[2:].split("/"):
+            target = target.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(target, dict) else None
+        if target is None:
+            raise InvalidRequestError("schema", f"$ref {ref!r} points nowhere")
+        node = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+        seen += 1
+    return node
+
+
+def _free_string(s: Any) -> bool:
+    branch = _string_branch({}, s) if isinstance(s, dict) else None
+    return branch is not None and not any(k in branch for k in ("enum", "const", "format"))
+
+
+def _string_branch(root: dict[str, Any], s: dict[str, Any]) -> dict[str, Any] | None:
+    """The string schema inside `s` (itself, or the string side of string-or-null), else None."""
+    t = s.get("type")
+    if t == "string" or (isinstance(t, list) and set(t) <= {"string", "null"} and "string" in t):
+        return s
+    for key in ("anyOf", "oneOf"):
+        alts = s.get(key)
+        if isinstance(alts, list) and alts:
+            strings = [a for a in (resolve(root, x) for x in alts) if a.get("type") != "null"]
+            if len(strings) == 1 and len(alts) - len(strings) <= 1:
+                return _string_branch(root, strings[0])
+    return None
+
+
+def _nullable(root: dict[str, Any], s: dict[str, Any]) -> bool:
+    t = s.get("type")
+    if isinstance(t, list) and "null" in t:
+        return True
+    return any(resolve(root, a).get("type") == "null" for k in ("anyOf", "oneOf") for a in s.get(k) or [])
+
+
+# Whole words (joined by - / . :), single punctuation marks, runs of whitespace: spans start and
+# end on these bounds.
+_WORDS = re.compile(r"\w+(?:[-/.:]\w+)*|\s+|[^\w\s]")  # "ORD-48213", "4.2.1", "12:30" stay whole
+
+
+def _chunks(text: str) -> list[str]:
+    """The source as span units, each written as inside a JSON string (so a span is a valid string
+    body). Units are words, not characters: a value cannot start or stop mid-word, which is what a
+    small model did when any character span was allowed ("1" from "$129" as a customer, "0091")."""
+    return [json.dumps(w, ensure_ascii=False)[1:-1] for w in _WORDS.findall(text)]
+
+
+class _Builder:
+    def __init__(self, root: dict[str, Any], sources: Sequence[str]) -> None:
+        self.root = root
+        self.defs = {k: root[k] for k in ("$defs", "definitions") if isinstance(root.get(k), dict)}
+        self.rules: list[str] = []
+        spans = " | ".join("%regex " + json.dumps({"substring_chunks": _chunks(s)}) for s in sources if s)
+        self.rules.append(f"SOURCE_SPAN: {spans}")
+        self.n = 0
+
+    def _name(self, base: str) -> str:
+        self.n += 1
+        return f"{base}_{self.n}"
+
+    def value(self, schema: Any) -> str:
+        s = resolve(self.root, schema)
+        if not copied(s):
+            return self._json(s)
+        if s.get(COPY) is True:
+            return self._span(s)
+        if s.get("type") == "object" or "properties" in s:
+            return self._object(s)
+        if s.get("type") == "array" and "items" in s:
+            return self._array(s)
+        raise InvalidRequestError("schema", "x-copy is supported on string properties of objects (and arrays of "
+                                            "them), not under anyOf/oneOf/allOf")
+
+    def _json(self, s: Any) -> str:
+        body: Any = {**s, **self.defs} if isinstance(s, dict) else s
+        if isinstance(body, dict):
+            body = {**body, "x-guidance": _STYLE}
+        return "%json " + json.dumps(body)
+
+    def _span(self, s: dict[str, Any]) -> str:
+        branch = _string_branch(self.root, s)
+        if branch is None or any(k in branch for k in ("enum", "const")):
+            raise InvalidRequestError("schema", "x-copy applies to free string properties (no enum or const)")
+        lo = max(1, int(branch.get("minLength", 1)))  # an empty span copies nothing: null is the way out
+        hi = branch.get("maxLength")
+        name = self._name("COPIED").upper()
+        parts = ["SOURCE_SPAN", f"/{_JSON_CHAR}{{{lo},{'' if hi is None else int(hi)}}}/"]
+        pattern = branch.get("pattern")
+        if isinstance(pattern, str):
+            parts.append("/" + _unanchored(pattern).replace("/", "\\/") + "/")
+        self.rules.append(f"{name}: " + " & ".join(parts))
+        rule = f'"\\"" {name} "\\""'
+        return f"({rule} | \"null\")" if _nullable(self.root, s) else rule
+
+    def _object(self, s: dict[str, Any]) -> str:
+        props: dict[str, Any] = s.get("properties") or {}
+        required = set(s.get("required") or [])
+        # Properties in schema order; an optional one may be left out. Built from the last property
+        # back: `after` is the rest once a pair was written (it opens with a comma), `first` the rest
+        # while none was. `after` is a named rule (optional properties use it twice), so the text
+        # grows linearly with the properties.
+        after, first = "", ""
+        for key in reversed(list(props)):
+            pair = f"{json.dumps(json.dumps(key) + KEY_SEP)} {self.value(props[key])}"
+            tail_after = f"{json.dumps(ITEM_SEP)} {pair} {after}".strip()
+            tail_first = f"{pair} {after}".strip()
+            if key not in required:
+                tail_after = f"({tail_after} | {after})" if after else f"({tail_after})?"
+                tail_first = f"({tail_first} | {first})" if first else f"({tail_first})?"
+            after, first = self._rule("after", tail_after), tail_first
+        return self._rule("obj", f'"{{" {first} "}}"'.replace("  ", " "))
+
+    def _rule(self, base: str, body: str) -> str:
+        name = self._name(base)
+        self.rules.append(f"{name}: {body}")
+        return name
+
+    def _array(self, s: dict[str, Any]) -> str:
+        if s.get("maxItems") is not None or int(s.get("minItems", 0)) > 1 or s.get("uniqueItems"):
+            raise InvalidRequestError("schema", "x-copy inside an array supports no maxItems, minItems > 1 or "
+                                                "uniqueItems")
+        item = self.value(s["items"])
+        items = f"{item} ({json.dumps(ITEM_SEP)} {item})*"
+        body = items if int(s.get("minItems", 0)) == 1 else f"({items})?"
+        return self._rule("arr", f'"[" {body} "]"')
+
+
+def _unanchored(pattern: str) -> str:
+    """A JSON Schema pattern (a search: unanchored unless it says ^ or $) as a whole-match regex."""
+    start = pattern.startswith("^")
+    end = pattern.endswith("$") and not pattern.endswith("\\$")
+    core = pattern[1 if start else 0 : len(pattern) - 1 if end else len(pattern)]
+    return ("" if start else ".*") + f"(?:{core})" + ("" if end else ".*")

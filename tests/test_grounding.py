@@ -1,0 +1,163 @@
+"""Grounded extraction: fields marked x-copy (or named by copy_fields) can only be spans of the
+record's text, intersected with the schema's own constraints; nullable ones may be null. Grammar
+checks run on a tiny tokenizer with llguidance directly; the engine checks on a tiny random model,
+whose every copied value must still come from its record."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+import pytest
+
+from asyncpage import AsyncEngine, InvalidRequestError, SamplingParams, grounding
+from asyncpage.extract_prompt import schema_prompt
+from asyncpage.guided.backend import closed_objects
+
+SOURCE = 'From: Fatima Khan\nI bought "CloudDesk Pro" (order ORD-48213) and want a refund.'
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"customer": {"type": "string", "maxLength": 40, "description": "who wrote it"},
+                   "product": {"type": "string"},
+                   "order_id": {"type": ["string", "null"], "pattern": "^[A-Z]+-[0-9]+$"},
+                   "refund": {"type": "boolean"},
+                   "channel": {"enum": ["email", "chat"]},
+                   "note": {"type": "string"}},
+    "required": ["customer", "product", "order_id", "refund"]}
+
+
+@pytest.fixture(scope="module")
+def accepts(tiny_llama: Path) -> Any:
+    import llguidance.hf
+    from llguidance import LLMatcher
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    lt = llguidance.hf.from_tokenizer(tok, n_vocab=len(tok))
+
+    def check(lark: str, text: str) -> bool:
+        m = LLMatcher(lt, LLMatcher.grammar_from_lark(lark), log_level=0)
+        assert not m.is_error(), m.get_error()
+        return all(m.consume_token(t) for t in tok(text, add_special_tokens=False)["input_ids"]) and m.is_accepting()
+
+    return check
+
+
+def _obj(**kw: Any) -> str:
+    return json.dumps(kw)  # json.dumps' spacing is the grammar's
+
+
+def test_auto_marks_every_free_string_and_nullable_string_but_not_enums() -> None:
+    marked = grounding.mark(SCHEMA, "auto")
+    assert grounding.copied_names(marked) == {"customer", "product", "order_id", "note"}
+    assert grounding.copied_names(grounding.mark(SCHEMA, "customer, order_id")) == {"customer", "order_id"}
+    assert SCHEMA["properties"]["customer"].get("x-copy") is None  # the caller's schema is not touched
+
+
+def test_copy_fields_naming_a_missing_or_non_string_field_is_refused() -> None:
+    with pytest.raises(InvalidRequestError, match="no property 'nope'") as e:
+        grounding.mark(SCHEMA, ["nope"])
+    assert e.value.field == "copy_fields"
+    with pytest.raises(InvalidRequestError, match="not a string"):
+        grounding.mark(SCHEMA, ["refund"])
+
+
+def test_copied_values_must_be_spans_of_the_record(accepts: Any) -> None:
+    g = grounding.grammar(grounding.mark(SCHEMA, ["customer", "product", "order_id"]), [SOURCE])
+    assert accepts(g, _obj(customer="Fatima Khan", product="CloudDesk Pro", order_id="ORD-48213", refund=True))
+    assert accepts(g, _obj(customer="Fatima", product='"CloudDesk Pro"', order_id=None, refund=False,
+                           channel="chat", note="anything"))  # quotes copied as JSON escapes; note is free
+    assert not accepts(g, _obj(customer="Fahima Khan", product="CloudDesk Pro", order_id=None, refund=True))
+    assert not accepts(g, _obj(customer="Fatima Khan", product="CloudDesk", order_id="ORD-10000", refund=True))
+    assert not accepts(g, _obj(customer="", product="CloudDesk Pro", order_id=None, refund=True))  # empty span
+    assert not accepts(g, _obj(customer="Fatima Khan", product="CloudDesk Pro", refund=True))  # required
+
+
+def test_the_schema_constraints_still_hold_on_copied_values(accepts: Any) -> None:
+    g = grounding.grammar(grounding.mark(SCHEMA, "auto"), [SOURCE])
+    # order_id's pattern: "order" is in the text but is not an id.
+    assert not accepts(g, _obj(customer="Fatima Khan", product="Pro", order_id="order", refund=True))
+    long = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 4, "x-copy": True}},
+            "required": ["a"]}
+    g = grounding.grammar(long, [SOURCE])
+    assert accepts(g, _obj(a="Khan")) and not accepts(g, _obj(a="Fatima"))
+
+
+def test_copied_values_start_and_end_on_whole_words(accepts: Any) -> None:
+    g = grounding.grammar(grounding.mark(SCHEMA, ["customer"]), [SOURCE])
+    fine = dict(product="x", order_id=None, refund=True)
+    assert accepts(g, _obj(customer="Fatima Khan", **fine)) and accepts(g, _obj(customer="ORD-48213", **fine))
+    for part in ("atima", "Fatima Kh", "4821"):
+        assert not accepts(g, _obj(customer=part, **fine)), part
+
+
+def test_a_msgspec_struct_schema_with_optional_and_list_fields_is_grounded(accepts: Any) -> None:
+    class Ticket(msgspec.Struct):
+        customer: Annotated[str, msgspec.Meta(min_length=1, max_length=60)]
+        order_id: str | None
+        urgent: bool
+        tags: list[str] = []
+
+    marked = grounding.mark(closed_objects(msgspec.json.schema(Ticket)), "auto")
+    g = grounding.grammar(marked, [SOURCE])
+    assert accepts(g, _obj(customer="Fatima", order_id=None, urgent=False))
+    assert accepts(g, _obj(customer="Khan", order_id="ORD-48213", urgent=True, tags=["refund", "Pro"]))
+    assert not accepts(g, _obj(customer="Bob", order_id=None, urgent=False))
+    assert accepts(g, _obj(customer="Khan", order_id=None, urgent=True, tags=["urgent"]))  # lists stay free
+    marked["properties"]["tags"] = {"type": "array", "items": {"type": "string", "x-copy": True}}
+    g = grounding.grammar(marked, [SOURCE])  # unless their items are marked
+    assert accepts(g, _obj(customer="Khan", order_id=None, urgent=True, tags=["refund", "Pro"]))
+    assert not accepts(g, _obj(customer="Khan", order_id=None, urgent=True, tags=["urgent"]))
+
+
+def test_any_of_several_sources_may_be_copied(accepts: Any) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string", "x-copy": True}}, "required": ["a"]}
+    g = grounding.grammar(schema, ["alpha beta", "gamma"])
+    assert accepts(g, _obj(a="beta")) and accepts(g, _obj(a="gamma")) and not accepts(g, _obj(a="delta"))
+
+
+def test_grammars_for_long_records_compile_in_milliseconds(accepts: Any) -> None:
+    # Timed for the report, not asserted: compile cost is printed (see README, grounded extraction).
+    text = ("Order ORD-48213 from Fatima Khan about CloudDesk Pro, delivered late. " * 800)[:50_000]
+    for n in (1_000, 10_000, 50_000):
+        t0 = time.perf_counter()
+        g = grounding.grammar(grounding.mark(SCHEMA, "auto"), [text[:n]])
+        assert accepts(g, _obj(customer="Fatima Khan", product="CloudDesk Pro", order_id="ORD-48213", refund=False))
+        print(f"grounded grammar, {n} source chars: {1000 * (time.perf_counter() - t0):.1f} ms (build+compile+check)")
+
+
+def test_the_default_prompt_names_each_field_its_meaning_and_values() -> None:
+    marked = grounding.mark(SCHEMA, ["customer"])
+    prompt = schema_prompt(marked, copied=grounding.copied_names(marked),
+                           examples=[{"text": "From: Al Bo", "value": {"customer": "Al Bo"}}])({"text": "Hi {x}"})
+    assert "- customer: who wrote it; text, copied exactly as written" in prompt
+    assert '- channel: one of "email", "chat"; may be left out' in prompt
+    assert "- order_id: text; null when the record does not give it" in prompt
+    assert 'Record:\nFrom: Al Bo\n\nFields:\n- customer: who wrote it' in prompt
+    assert 'JSON: {"customer": "Al Bo"}\n\nRecord:\nHi {x}\n\nFields:\n' in prompt
+    assert prompt.endswith("JSON: ")  # and the braces in a record are text, not placeholders
+
+
+async def test_extract_many_copies_every_value_from_its_own_record(tiny_llama: Path) -> None:
+    records = [{"id": i, "text": t} for i, t in enumerate(
+        ["Invoice from Anna Berg for the Lumen lamp.", "Bob Stone wrote about order 77-A.", "Cara Diaz"])]
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "order": {"type": ["string", "null"], "maxLength": 8}},
+              "required": ["name", "order"], "additionalProperties": False}
+    engine = AsyncEngine.from_pretrained(str(tiny_llama), dtype="float32", num_kv_blocks=64)
+    async with engine:
+        cached = len(engine.guided._cache)
+        results = [r async for r in engine.extract_many(
+            records, schema, copy_fields="auto", params=SamplingParams(max_tokens=40, temperature=1.0, seed=3))]
+        assert len(engine.guided._cache) <= cached + 1  # per-record grammars leave with their records
+        for r in results:
+            assert r.ok, r.error
+            text = records[r.id]["text"]
+            for value in r.value.values():
+                assert value is None or (value and value in text), (value, text)
+        one = await engine.extract("Anna Berg, order 77-A. JSON: ", schema, SamplingParams(max_tokens=40, seed=1),
+                                   copy_from="Anna Berg, order 77-A")
+        assert all(v is None or v in "Anna Berg, order 77-A" for v in one.values())
