@@ -290,13 +290,14 @@ class AsyncEngine:
             prompt = self.apply_chat_template(prompt)
         try:
             out = await self.generate(prompt, params)
+            if out.finish_reason == "length":
+                # Closed validly by the budget: raised with the value attached (see extract.closed_early_error).
+                raise await closed_early_error(self, params, out.token_ids, out.text, target) or ExtractionError(
+                    "truncated", f"output reached max_tokens={params.max_tokens} before the value was complete",
+                    out.text)
         finally:
             if copy_from is not None:
                 self.guided.forget(GuidedSpec.from_params(params))  # the grammar embeds this source only
-        if out.finish_reason == "length":
-            # Closed validly by the budget: raised with the value attached (see extract.closed_early_error).
-            raise await closed_early_error(self, params, out.token_ids, out.text, target) or ExtractionError(
-                "truncated", f"output reached max_tokens={params.max_tokens} before the value was complete", out.text)
         try:
             return decode_value(out.text, target)
         except msgspec.DecodeError as exc:

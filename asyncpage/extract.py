@@ -176,7 +176,13 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
     marked = grounding.mark(params.json_schema, copy_fields)
     copying = grounding.copied(marked)
     if copying:
-        grounding.grammar(marked, ["x"])  # an x-copy the grammar cannot express fails here, not per record
+        # An x-copy the grammar cannot express (or a pattern llguidance refuses) fails the call here,
+        # not every record: compile the grammar once over a stand-in text.
+        probe = GuidedSpec.from_params(grounded(params, marked, ["x"]))
+        try:
+            await engine.guided.compile(probe)  # type: ignore[arg-type]  # never None: params are guided
+        finally:
+            engine.guided.forget(probe)
     if prompt is None:
         prompt = schema_prompt(marked, examples=examples, copied=grounding.copied_names(marked),
                                demos=engine.config.max_model_len >= DEMOS_MIN_CONTEXT)
@@ -206,6 +212,7 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
                 if isinstance(record, str):
                     record = {"text": record}
                 rid = record.get(id_field, index) if isinstance(record, Mapping) else index
+                own = params
                 try:
                     if not isinstance(record, Mapping):
                         raise InvalidRequestError("record", f"must be a JSON object or a string, got "
@@ -216,15 +223,10 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
                         raise PromptTooLongError("prompt", f"{len(ids)} tokens > max_prompt_tokens={max_prompt_tokens}")
                     own = grounded(params, marked, copy_sources(prompt, record, id_field)) if copying else params
                     req = await engine.submit(ids, own, Mailbox(notify))
-                except PromptTooLongError as exc:
-                    ready.append(ExtractResult(rid, error=ExtractError("prompt_too_long", exc.message),
-                                               position=index))
-                    continue
-                except GrammarTimeoutError as exc:  # the engine's moment, not the record's: retriable
-                    ready.append(ExtractResult(rid, error=ExtractError("engine_error", str(exc)), position=index))
-                    continue
-                except InvalidRequestError as exc:
-                    ready.append(ExtractResult(rid, error=ExtractError("invalid_input", str(exc)), position=index))
+                except (PromptTooLongError, GrammarTimeoutError, InvalidRequestError) as exc:
+                    if own is not params:
+                        engine.guided.forget(GuidedSpec.from_params(own))  # a refusal is cached too
+                    ready.append(ExtractResult(rid, error=_submit_error(exc), position=index))
                     continue
                 pending[req.request_id] = (rid, index, req)
             for key in [k for k, (_, _, r) in pending.items() if r.finished or r.mailbox.error is not None]:
@@ -245,6 +247,14 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
             engine.abort(req)
             if copying:
                 engine.guided.forget(GuidedSpec.from_params(req.params))
+
+
+def _submit_error(exc: Exception) -> ExtractError:
+    if isinstance(exc, PromptTooLongError):
+        return ExtractError("prompt_too_long", exc.message)
+    if isinstance(exc, GrammarTimeoutError):  # the engine's moment, not the record's: retriable
+        return ExtractError("engine_error", str(exc))
+    return ExtractError("invalid_input", str(exc))
 
 
 def _result(rid: Any, req: Request, target: Any) -> ExtractResult:

@@ -24,6 +24,12 @@ from asyncpage.errors import InvalidRequestError
 COPY = "x-copy"
 # One JSON string character as the grammar sees it: escaped forms count as one.
 _JSON_CHAR = r'(?:[^"\\\x00-\x1f]|\\(?:["\\\/bfnrt]|u[0-9a-fA-F]{4}))'
+# A JSON string character that is not whitespace (escaped \n, \t, \r included), and a span that
+# starts and ends with one.
+_SOLID = r'(?:[^"\\\x00-\x20]|\\(?:["\\\/bf]|u[0-9a-fA-F]{4}))'
+_TRIMMED = f"{_SOLID}(?:{_JSON_CHAR}*{_SOLID})?"
+_NOTHING = r"/[^\s\S]/"  # a regex no text matches
+_SLASH = re.compile(r"(\\.)|/")  # an unescaped "/" ends a Lark regex literal: escape only those
 # json.dumps' separators: the JSON most often seen in a model's training text. Compact JSON
 # ({"a":"x"}) made the default model answer "1" for every copied field; spaced JSON did not.
 ITEM_SEP, KEY_SEP = ", ", ": "
@@ -40,7 +46,7 @@ def mark(schema: dict[str, Any], fields: Sequence[str] | str | None) -> dict[str
     props = dict(obj.get("properties") or {})
     if isinstance(fields, str) and fields != "auto":
         fields = [f.strip() for f in fields.split(",") if f.strip()]
-    names = [n for n, p in props.items() if _free_string(resolve(root, p))] if fields == "auto" else list(fields)
+    names = [n for n, p in props.items() if _free_string(root, resolve(root, p))] if fields == "auto" else list(fields)
     for name in names:
         if name not in props:
             raise InvalidRequestError("copy_fields", f"the schema has no property {name!r} (it has {sorted(props)})")
@@ -72,10 +78,10 @@ def copied_names(schema: dict[str, Any]) -> set[str]:
 
 def grammar(schema: dict[str, Any], sources: Sequence[str]) -> str:
     """Lark text for `schema` where every `x-copy` string is a span of one of `sources`."""
-    if not sources or not any(sources):
-        raise InvalidRequestError("copy_from", "grounded extraction needs the record's text to copy from")
     b = _Builder(schema, sources)
     start = b.value(schema)
+    if b.must_copy and not any(sources):
+        raise InvalidRequestError("copy_from", "the record has no text to copy a non-nullable field from")
     return "%llguidance {}\n" + "\n".join([f"start: {start}", *b.rules]) + "\n"
 
 
@@ -96,8 +102,8 @@ def resolve(root: dict[str, Any], node: Any) -> Any:
     return node
 
 
-def _free_string(s: Any) -> bool:
-    branch = _string_branch({}, s) if isinstance(s, dict) else None
+def _free_string(root: dict[str, Any], s: Any) -> bool:
+    branch = _string_branch(root, s) if isinstance(s, dict) else None
     return branch is not None and not any(k in branch for k in ("enum", "const", "format"))
 
 
@@ -109,7 +115,10 @@ def _string_branch(root: dict[str, Any], s: dict[str, Any]) -> dict[str, Any] | 
     for key in ("anyOf", "oneOf"):
         alts = s.get(key)
         if isinstance(alts, list) and alts:
-            strings = [a for a in (resolve(root, x) for x in alts) if a.get("type") != "null"]
+            resolved = [resolve(root, x) for x in alts]
+            if not all(isinstance(a, dict) for a in resolved):
+                return None  # a boolean schema among the alternatives: not a plain string
+            strings = [a for a in resolved if a.get("type") != "null"]
             if len(strings) == 1 and len(alts) - len(strings) <= 1:
                 return _string_branch(root, strings[0])
     return None
@@ -139,9 +148,11 @@ class _Builder:
         self.root = root
         self.defs = {k: root[k] for k in ("$defs", "definitions") if isinstance(root.get(k), dict)}
         self.rules: list[str] = []
+        # No text at all: a lexeme nothing matches, so nullable copied fields can only be null.
         spans = " | ".join("%regex " + json.dumps({"substring_chunks": _chunks(s)}) for s in sources if s)
-        self.rules.append(f"SOURCE_SPAN: {spans}")
+        self.rules.append("SOURCE_SPAN: " + (spans or _NOTHING))
         self.n = 0
+        self.must_copy = False  # a copied field that cannot be null
 
     def _name(self, base: str) -> str:
         self.n += 1
@@ -168,22 +179,38 @@ class _Builder:
 
     def _span(self, s: dict[str, Any]) -> str:
         branch = _string_branch(self.root, s)
-        if branch is None or any(k in branch for k in ("enum", "const")):
-            raise InvalidRequestError("schema", "x-copy applies to free string properties (no enum or const)")
+        if branch is None or any(k in branch for k in ("enum", "const", "format")):
+            raise InvalidRequestError("schema", "x-copy applies to free string properties (no enum, const or format)")
         lo = max(1, int(branch.get("minLength", 1)))  # an empty span copies nothing: null is the way out
         hi = branch.get("maxLength")
         name = self._name("COPIED").upper()
-        parts = ["SOURCE_SPAN", f"/{_JSON_CHAR}{{{lo},{'' if hi is None else int(hi)}}}/"]
+        if hi is not None and int(hi) < lo:
+            raise InvalidRequestError("schema", f"x-copy needs maxLength >= 1 (got {hi})")
+        # No whitespace at either end (a span of the text, not of its spacing), length in characters.
+        parts = ["SOURCE_SPAN", f"/{_TRIMMED}/", f"/{_JSON_CHAR}{{{lo},{'' if hi is None else int(hi)}}}/"]
         pattern = branch.get("pattern")
         if isinstance(pattern, str):
-            parts.append("/" + _unanchored(pattern).replace("/", "\\/") + "/")
+            # The pattern is matched against the JSON text of the span, which equals the value only
+            # when it has no escapes: with a pattern, spans needing escapes are left out.
+            parts.append("/[^\\\\]*/")
+            parts.append("/" + _SLASH.sub(lambda m: m.group(1) or "\\/", _unanchored(pattern)) + "/")
         self.rules.append(f"{name}: " + " & ".join(parts))
         rule = f'"\\"" {name} "\\""'
-        return f"({rule} | \"null\")" if _nullable(self.root, s) else rule
+        if _nullable(self.root, s):
+            return f"({rule} | \"null\")"
+        self.must_copy = True
+        return rule
 
     def _object(self, s: dict[str, Any]) -> str:
         props: dict[str, Any] = s.get("properties") or {}
         required = set(s.get("required") or [])
+        # The object is written key by key from `properties`; what that cannot honour is refused.
+        unsupported = [k for k in ("allOf", "anyOf", "oneOf", "not", "if", "dependentRequired", "dependentSchemas",
+                                   "minProperties") if k in s and not (k == "minProperties" and
+                                                                        s[k] <= len(required & set(props)))]
+        if unsupported or not required <= set(props):
+            raise InvalidRequestError("schema", "an object with x-copy fields is written from its properties; "
+                                      f"it cannot also use {unsupported or 'required names missing from properties'}")
         # Properties in schema order; an optional one may be left out. Built from the last property
         # back: `after` is the rest once a pair was written (it opens with a comma), `first` the rest
         # while none was. `after` is a named rule (optional properties use it twice), so the text

@@ -161,3 +161,56 @@ async def test_extract_many_copies_every_value_from_its_own_record(tiny_llama: P
         one = await engine.extract("Anna Berg, order 77-A. JSON: ", schema, SamplingParams(max_tokens=40, seed=1),
                                    copy_from="Anna Berg, order 77-A")
         assert all(v is None or v in "Anna Berg, order 77-A" for v in one.values())
+
+
+class Addr(msgspec.Struct):
+    city: str
+
+
+class WithOptionals(msgspec.Struct):
+    name: str
+    addr: Addr | None = None
+    note: str | None = None
+
+
+def test_auto_skips_optional_structs_instead_of_failing(accepts: Any) -> None:
+    marked = grounding.mark(closed_objects(msgspec.json.schema(WithOptionals)), "auto")
+    assert grounding.copied_names(marked) == {"name", "note"}
+    g = grounding.grammar(marked, [SOURCE])
+    assert accepts(g, _obj(name="Fatima", addr={"city": "anywhere"}, note=None))
+
+
+def test_copied_values_never_start_or_end_with_whitespace(accepts: Any) -> None:
+    g = grounding.grammar(grounding.mark(SCHEMA, ["customer"]), [SOURCE])
+    fine = dict(product="x", order_id=None, refund=True)
+    for bad in (" Fatima", "Khan\n", "Khan\nI ", " "):
+        assert not accepts(g, _obj(customer=bad, **fine)), bad
+    assert accepts(g, _obj(customer="Khan\nI", **fine))
+
+
+def test_patterns_hold_on_the_decoded_value_and_may_contain_slashes(accepts: Any) -> None:
+    schema = {"type": "object", "properties": {
+        "line": {"type": "string", "pattern": "^[^\\n]*$", "x-copy": True},
+        "url": {"type": ["string", "null"], "pattern": "^https?:\\/\\/", "x-copy": True}}, "required": ["line", "url"]}
+    g = grounding.grammar(schema, ["Fatima Khan\nsee https://example.com/x now"])
+    assert accepts(g, _obj(line="Fatima Khan", url="https://example.com/x"))
+    assert not accepts(g, _obj(line="Khan\nsee", url=None))  # the pattern forbids a newline in the value
+
+
+def test_a_record_with_no_text_gives_null_for_nullable_copied_fields(accepts: Any) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": ["string", "null"], "x-copy": True}}, "required": ["a"]}
+    g = grounding.grammar(schema, [""])
+    assert accepts(g, _obj(a=None)) and not accepts(g, _obj(a="x"))
+    with pytest.raises(InvalidRequestError):
+        grounding.grammar(grounding.mark(SCHEMA, ["customer"]), [""])
+
+
+def test_what_a_copied_object_cannot_honour_is_refused_clearly() -> None:
+    for extra in ({"minProperties": 5}, {"anyOf": [{"required": ["a"]}]}, {"required": ["a", "ghost"]}):
+        schema = {"type": "object", "properties": {"a": {"type": "string", "x-copy": True}}, "required": ["a"],
+                  **extra}
+        with pytest.raises(InvalidRequestError, match="x-copy"):
+            grounding.grammar(schema, [SOURCE])
+    with pytest.raises(InvalidRequestError, match="format"):
+        grounding.grammar({"type": "object", "properties": {"a": {"type": "string", "format": "email",
+                                                                  "x-copy": True}}}, [SOURCE])
