@@ -172,6 +172,12 @@ class GrammarManager:
         elif isinstance(exc, GrammarError):
             self._remember(spec, exc)
 
+    def forget(self, spec: GuidedSpec | None) -> None:
+        """Drop `spec` from the cache (on the loop): a grammar made for one record (grounded
+        extraction embeds its text) is of no use once that record is done."""
+        if spec is not None:
+            self._cache.pop(spec, None)
+
     def _remember(self, spec: GuidedSpec, outcome: CompiledGrammar | GrammarError) -> None:
         self._cache[spec] = outcome
         while len(self._cache) > self._cache_size:
