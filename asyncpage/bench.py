@@ -337,11 +337,15 @@ class EvictionRun(msgspec.Struct):
 
 
 def eviction_workload(rng: random.Random, bos: int | None, rounds: int, every: int, system_tokens: int,
-                      prompt_tokens: int, question_tokens: int = 32) -> list[tuple[bool, list[int]]]:
+                      prompt_tokens: int, question_tokens: int = 32,
+                      vocab: int = 200_001) -> list[tuple[bool, list[int]]]:
     """`rounds` times: the system prompt with a question of its own, then `every - 1` one-off prompts
-    of `prompt_tokens`. Returns (uses the system prompt, token ids) per request, in order."""
+    of `prompt_tokens`. Returns (uses the system prompt, token ids) per request, in order. Ids are
+    drawn above the low (special) ids and below `vocab`."""
+    lo, hi = min(1000, vocab // 4), min(vocab, 200_000) - 1
+
     def ids(k: int) -> list[int]:
-        return [rng.randint(1000, 200_000) for _ in range(k)]
+        return [rng.randint(lo, hi) for _ in range(k)]
 
     head = [bos] if bos is not None else []
     system = head + ids(system_tokens - len(head))
@@ -360,7 +364,7 @@ async def eviction_figures(engine: AsyncEngine, num_kv_blocks: int, rounds: int 
     default policy. A pool smaller than one round's blocks makes the one-off prompts evict the
     system prompt between its uses unless the policy keeps it."""
     workload = eviction_workload(random.Random(5), engine.tokenizer.bos_token_id, rounds, every, system_tokens,
-                                 prompt_tokens)
+                                 prompt_tokens, vocab=engine.vocab_size)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     # "Found": all of the system prompt's full blocks but the last one may be cut by the BOS offset.
     found = (system_tokens // engine.config.block_size - 1) * engine.config.block_size

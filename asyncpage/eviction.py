@@ -107,11 +107,18 @@ class LRUPolicy:
 
 
 # Hits beyond this say nothing new about a prefix, and the cap bounds how long an unused prefix that
-# was once hot outlives its last use: about HITS_CAP turnovers of the pool (see PrefixAwarePolicy).
-HITS_CAP = 8
-# A block this many blocks deep counts double: recomputing it attends over everything before it.
-# It only weighs blocks with equal hits against each other; hits dominate.
-DEPTH_SCALE = 64
+# was once hot outlives its last use: about HIT_WEIGHT * HITS_CAP turnovers of the pool.
+HITS_CAP = 4
+# What one more hit is worth, in turnovers of the pool: a one-off round of prompts can turn a tight
+# pool over more than once between two uses of a shared prefix, so one turnover per hit is too little.
+HIT_WEIGHT = 2
+# Depth (recomputing a deep block attends over everything before it) adds less than one hit's worth,
+# growing up to DEPTH_CAP blocks: it orders blocks with equal hits and never outweighs one more hit
+# (a 256-block one-off tail must not outlive a shared prefix hit twice).
+DEPTH_CAP = 63
+# Evicted digests whose hits are remembered, per pool block. One round of one-off prompts can evict
+# several pools' worth before a shared prefix comes back; ~170 bytes an entry.
+GHOSTS_PER_BLOCK = 8
 
 
 class PrefixAwarePolicy:
@@ -122,7 +129,8 @@ class PrefixAwarePolicy:
     or in use) continues its digest; inner blocks are evicted only when no leaf is free.
 
     Among leaves, GreedyDual-Size-Frequency: a block freed when the clock reads L gets the value
-    L + (1 + hits) * (1 + depth / DEPTH_SCALE), and the clock moves up to each victim's value. So a
+    L + 1 + HIT_WEIGHT * hits + min(depth, DEPTH_CAP) / (DEPTH_CAP + 1), and the clock moves up to
+    each victim's value. So a
     prefix that many requests reused outlives one-off prompts freed after it, recency still counts
     (later frees start from a higher clock), and a once-hot prefix nobody asks for any more sinks
     below fresh blocks after a few turnovers of the pool instead of pinning it. Ties: oldest first.
@@ -150,7 +158,7 @@ class PrefixAwarePolicy:
         self._evictable: set[int] = set()
         self._clock = 0.0
         self._stamps = itertools.count(1)  # increasing, so equal values leave oldest first
-        # Hits of the last num_blocks evicted digests, oldest dropped first. Without them a shared
+        # Hits of the last GHOSTS_PER_BLOCK * num_blocks evicted digests, oldest dropped first. Without them a shared
         # prefix evicted between its uses comes back with no hits every time and never earns its
         # keep against one-off prompts (ARC's ghost lists, reduced to a count; ~170 bytes a block).
         self._ghosts: OrderedDict[bytes, int] = OrderedDict()
@@ -178,7 +186,8 @@ class PrefixAwarePolicy:
 
     def freed(self, block: Block) -> None:
         i = block.block_id
-        self._value[i] = self._clock + (1 + min(self._hits[i], HITS_CAP)) * (1 + self._depth[i] / DEPTH_SCALE)
+        depth = min(self._depth[i], DEPTH_CAP) / (DEPTH_CAP + 1)
+        self._value[i] = self._clock + 1 + HIT_WEIGHT * min(self._hits[i], HITS_CAP) + depth
         self._evictable.add(i)
         self._push(i)
 
@@ -200,7 +209,7 @@ class PrefixAwarePolicy:
         # Every victim, one-offs included: a prefix that was never hit before it went is exactly
         # the one whose second request must find out that it is shared.
         self._ghosts[block.digest] = self._hits[i]
-        if len(self._ghosts) > len(self._blocks):
+        if len(self._ghosts) > GHOSTS_PER_BLOCK * len(self._blocks):
             self._ghosts.popitem(last=False)
         parent = self._parent[i]
         self._parent[i] = None

@@ -107,6 +107,21 @@ def test_a_shared_prompt_evicted_between_its_uses_is_noticed_when_it_comes_back(
     assert found[None][3:] == [8 * BS] * 3
 
 
+@pytest.mark.parametrize(("system_blocks", "one_off_blocks", "pool"), [(8, 32, 64), (16, 64, 80), (8, 64, 80)])
+def test_a_shared_prompt_survives_one_off_prompts_much_longer_than_it(system_blocks: int, one_off_blocks: int,
+                                                                      pool: int) -> None:
+    # One-offs 4-8x the system prompt, a pool about half of a round: the churn evicts more digests
+    # per round than the pool holds, and a deep one-off tail must not outweigh a prefix hit twice.
+    workload = eviction_workload(random.Random(7), 1, rounds=8, every=4, system_tokens=system_blocks * BS,
+                                 prompt_tokens=one_off_blocks * BS, question_tokens=2)
+    found = {}
+    for policy in (None, "lru"):
+        kv = KVCacheManager(pool, BS, eviction_policy=policy)
+        found[policy] = [n for shared, n in ((s, serve(kv, p)) for s, p in workload) if shared]
+    assert found["lru"] == [0] * 8
+    assert sum(n == system_blocks * BS for n in found[None]) >= 4, found[None]  # from its 4th use on, or sooner
+
+
 def test_allocation_succeeds_when_every_cached_free_block_continues_into_one_in_use() -> None:
     # Two requests computed the same prefix at once: the second's copy stayed private, and its next
     # block continues the first's. Once the first ends, no free cached block is a leaf.
