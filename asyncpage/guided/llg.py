@@ -60,7 +60,7 @@ class LLGuidanceMatcher:
         """The budget-closing stepper of this sequence (None when the tokenizer lacks byte tokens);
         `guards` is asked once, when the sequence first needs it."""
         g = self._grammar
-        if g is None or not g.planner.usable:
+        if g is None or not g.planner.usable or not g.closable:
             return None
         if self._close is None:
             self._close = CloseState(guards=guards())
@@ -78,9 +78,12 @@ class LLGuidanceMatcher:
 
 
 class LLGuidanceGrammar:
-    def __init__(self, template: Any, planner: Planner) -> None:
+    def __init__(self, template: Any, planner: Planner, closable: bool = True) -> None:
         self._template = template  # compiled once; each sequence gets a cheap deep copy
         self.planner = planner
+        # The planner spells completions as text; a grammar naming special tokens (`<[id]>`, e.g.
+        # Qwen's <tool_call>) cannot be completed that way, so it is not budget-closed.
+        self.closable = closable
         self._start: tuple[bytes | None] | None = None
 
     def new_matcher(self) -> Matcher:
@@ -142,4 +145,4 @@ class LLGuidanceBackend:
         matcher = LLMatcher(self._tok, grammar, log_level=0)
         if matcher.is_error():
             raise grammar_error(spec, matcher.get_error())
-        return LLGuidanceGrammar(matcher, self.planner)
+        return LLGuidanceGrammar(matcher, self.planner, closable=not (spec.kind == "grammar" and "<[" in spec.value))
