@@ -2,7 +2,8 @@
 (max_tokens=384), then every output is parsed and validated (Draft 2020-12, format checks), those that
 ended by max_tokens included (budget closing, on by default, closes them validly: "closed").
 Prints refused / failed / valid / invalid / cut counts and the share of compiled schemas without a valid
-value. `--no-budget-close` gives the figures without budget closing. Needs jsonschema (the test extra).
+value. `--no-budget-close` gives the figures without budget closing, `--backend xgrammar` those of the
+other grammar backend. Needs jsonschema (the test extra).
 
     .venv/bin/python scripts/guided_e2e.py ../shared/data/jsonschemabench-dev --limit 40
 """
@@ -30,9 +31,10 @@ async def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--no-budget-close", action="store_true")
+    ap.add_argument("--backend", default="llguidance", choices=["llguidance", "xgrammar"])
     args = ap.parse_args()
     files = sorted(Path(args.folder).glob("*.json"))[:: args.stride][: args.limit]
-    engine = AsyncEngine.from_pretrained(dtype=args.dtype)
+    engine = AsyncEngine.from_pretrained(dtype=args.dtype, guided_backend=args.backend)
     counts = {"refused": 0, "failed": 0, "valid": 0, "invalid": 0, "cut": 0, "closed": 0}
     slowest_refusal = 0.0
 

@@ -5,8 +5,10 @@ backend.py    the small protocol (compile -> grammar; per-sequence matcher: mask
 llg.py        llguidance behind it (the default: ~10 ms compiles on a 262k vocabulary)
 xgr.py        xgrammar behind it
 manager.py    tokenizer adaptation once, compiled-grammar cache, compile off the loop with a time bound
-budget.py     budget closing (a valid completion kept within max_tokens, worked out through the matcher)
-              and the JSON runaway guards (digit runs, repeated n-grams in strings)
+budget.py     budget closing: the closer between sampling and the grammar (a valid completion kept
+              within max_tokens) and each grammar's start completion (searched on the compile thread)
+search.py     the searches for completions, through a byte-vocabulary matcher of the grammar
+guards.py     the JSON runaway guards (digit runs, repeated n-grams in strings)
 """
 
 from asyncpage.guided.backend import CompiledGrammar, GuidedSpec, Matcher, apply_bitmask

@@ -20,7 +20,9 @@ from asyncpage.guided.backend import (
     exclusive_one_of,
     grammar_error,
 )
-from asyncpage.guided.budget import ROOT_NODES, Closer, CloseState, Guards, Planner
+from asyncpage.guided.budget import Closer, CloseState, Planner, StartPlan
+from asyncpage.guided.guards import Guards
+from asyncpage.guided.search import byte_tokenizer
 
 # Compact JSON: no whitespace between tokens. Runaway whitespace until max_tokens is the most
 # reported failure of constrained decoding; a compact policy makes it impossible.
@@ -30,7 +32,7 @@ JSON_OPTIONS = {"whitespace_flexible": False, "lenient": False}
 class LLGuidanceMatcher:
     def __init__(self, m: Any, grammar: LLGuidanceGrammar | None = None, close: CloseState | None = None) -> None:
         self._m = m
-        self._grammar = grammar  # for the start state's completion, computed once per grammar
+        self._grammar = grammar  # for the start state's completion, searched once per grammar
         self._close = close  # budget closing (asyncpage.guided.budget); made on first use
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -54,22 +56,24 @@ class LLGuidanceMatcher:
 
     def fork(self) -> Matcher:
         return LLGuidanceMatcher(self._m.deep_copy(), self._grammar,
-                                 self._close.copy() if self._close is not None else None)
+                                 self._close.copy(fork=True) if self._close is not None else None)
 
     def closer(self, guards: Callable[[], Guards | None] = lambda: None) -> Closer | None:
-        """The budget-closing stepper of this sequence (None when the tokenizer lacks byte tokens);
-        `guards` is asked once, when the sequence first needs it."""
+        """The budget-closing stepper of this sequence; None when the tokenizer lacks byte tokens, or
+        when the grammar does not compile over bytes (it names special tokens, `<[id]>`: a chat
+        template's markers), where no completion could be spelled in bytes anyway. `guards` is asked
+        once, when the sequence first needs it. Never searches the grammar's start completion: it
+        takes it when the compile thread has it ready (see budget.StartPlan)."""
         g = self._grammar
-        if g is None or not g.planner.usable or not g.closable:
+        if g is None or g.start_plan is None or g.byte_template is None:
             return None
         if self._close is None:
-            self._close = CloseState(guards=guards())
-            path = g.start_completion()  # a new matcher is at the grammar's start
-            if path is not None:
-                self._close.path = path
-                self._close.tokens = g.planner.tokens_for(self._m, path)
-                self._close.known_at = len(self._close.tokens)
-                self._close.anchor = path
+            # A new matcher is at the grammar's start (every token of a budget-closing sequence
+            # goes through its closer, from the first).
+            self._close = CloseState(shadow=g.byte_template.deep_copy(), guards=guards())
+            self._close.start(g.start_plan)
+        else:
+            self._close.adopt_anchor(g.start_plan)
         return Closer(g.planner, self._m, self._close)
 
     @property
@@ -78,22 +82,25 @@ class LLGuidanceMatcher:
 
 
 class LLGuidanceGrammar:
-    def __init__(self, template: Any, planner: Planner, closable: bool = True) -> None:
+    def __init__(self, template: Any, planner: Planner, byte_template: Any | None = None) -> None:
         self._template = template  # compiled once; each sequence gets a cheap deep copy
         self.planner = planner
-        # The planner spells completions as text; a grammar naming special tokens (`<[id]>`, e.g.
-        # Qwen's <tool_call>) cannot be completed that way, so it is not budget-closed.
-        self.closable = closable
-        self._start: tuple[bytes | None] | None = None
+        self.byte_template = byte_template  # the same grammar over bytes (search.byte_tokenizer)
+        # Budget closing needs both; its start completion is searched by the GrammarManager's
+        # compile thread after the compile (or by start_completion).
+        self.start_plan = StartPlan(planner, template, byte_template) \
+            if byte_template is not None and planner.usable else None
 
     def new_matcher(self) -> Matcher:
         return LLGuidanceMatcher(self._template.deep_copy(), self)
 
     def start_completion(self) -> bytes | None:
-        """A shortest completion from the start state (searched once; a race only repeats the work)."""
-        if self._start is None:
-            self._start = (self.planner.search(self._template.deep_copy(), (), ROOT_NODES),)
-        return self._start[0]
+        """A short completion from the start state, searched now in the calling thread unless it was
+        already (tools and tests; the engine searches it on the compile thread)."""
+        plan = self.start_plan
+        if plan is None:
+            return None
+        return plan.path if plan.done else plan.run()
 
 
 class LLGuidanceBackend:
@@ -105,6 +112,7 @@ class LLGuidanceBackend:
         # Stop tokens are allowed by the mask only where the grammar accepts.
         self._tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids)
         self.planner = Planner(self._tok)
+        self._byte_tok = byte_tokenizer()
 
     def compile(self, spec: GuidedSpec, deadline: Deadline = NO_DEADLINE) -> LLGuidanceGrammar:
         try:
@@ -145,4 +153,5 @@ class LLGuidanceBackend:
         matcher = LLMatcher(self._tok, grammar, log_level=0)
         if matcher.is_error():
             raise grammar_error(spec, matcher.get_error())
-        return LLGuidanceGrammar(matcher, self.planner, closable=not (spec.kind == "grammar" and "<[" in spec.value))
+        byte_matcher = LLMatcher(self._byte_tok, grammar, log_level=0)  # a fraction of the compile above
+        return LLGuidanceGrammar(matcher, self.planner, None if byte_matcher.is_error() else byte_matcher)

@@ -12,13 +12,23 @@ A schema is untrusted input, so a hostile one must cost a bounded amount of CPU 
   timeout is not (GrammarTimeoutError): it may be the load of the moment, so a later ask compiles again.
 The cache and the in-flight table are touched on the event loop only; the compile thread only
 compiles and reports back through the loop.
+
+Budget closing needs each grammar's completion from its start state (budget.StartPlan). That search
+runs on the compile thread too, right after the compile and outside its time bound (a slow search
+must not fail a good grammar), so the compute thread never stalls a step on it. Compiles come first:
+searches run in slices of START_SLICE seconds, and between two slices any compile asked meanwhile
+runs; each search stops after budget.START_SECONDS of its own time, at most MAX_PLANS wait (more
+are dropped), and one whose grammar nobody holds any more is skipped. Until a grammar's search is done
+its sequences close without a start completion (budget.CloseState.adopt_anchor).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+import time
+import weakref
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -34,11 +44,15 @@ from asyncpage.guided.backend import (
     GrammarBackend,
     GuidedSpec,
 )
+from asyncpage.guided.budget import StartPlan
+from asyncpage.guided.search import Steps
 
 log = logging.getLogger("asyncpage")
 
 BACKENDS = ("llguidance", "xgrammar")
 MAX_QUEUED = 256
+START_SLICE = 0.02  # seconds of start search between two looks for waiting compiles
+MAX_PLANS = 256  # start searches waiting at once
 
 
 def _ignore_errors(fn: Any) -> None:
@@ -73,6 +87,12 @@ class GrammarManager:
         self._cache_size = cache_size
         self._flights: dict[GuidedSpec, _Flight] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="asyncpage-grammar")
+        # Start searches (compile thread only, but for the count of compiles waiting, under the lock).
+        self._plans: deque[weakref.ref[StartPlan]] = deque()
+        self._plan_running: Steps | None = None
+        self._pump_queued = False
+        self._compiles_waiting = 0
+        self._waiting_lock = threading.Lock()
 
     def backend(self) -> GrammarBackend:
         """Built on first use (a second or two for a 262k vocabulary), in whatever thread asks. A
@@ -133,7 +153,14 @@ class GrammarManager:
         if flight is None:
             if len(self._flights) >= MAX_QUEUED:
                 raise GrammarError(spec.kind, f"{MAX_QUEUED} grammars are already compiling; try again shortly")
-            flight = _Flight(self._executor.submit(self.compile_sync, spec, Deadline(self.compile_timeout)))
+            with self._waiting_lock:
+                self._compiles_waiting += 1
+            try:
+                flight = _Flight(self._executor.submit(self._compile_job, spec, Deadline(self.compile_timeout)))
+            except BaseException:
+                with self._waiting_lock:
+                    self._compiles_waiting -= 1
+                raise
             self._flights[spec] = flight
             flight.future.add_done_callback(lambda _: loop.call_soon_threadsafe(lambda: self._settle(spec, flight)))
         flight.waiters += 1
@@ -146,6 +173,9 @@ class GrammarManager:
             flight.waiters -= 1
             if flight.waiters == 0 and not flight.future.done() and flight.future.cancel():
                 self._flights.pop(spec, None)  # nobody wants it and it never started: it never will
+                with self._waiting_lock:
+                    self._compiles_waiting -= 1
+                self._executor.submit(self._schedule_plans)  # searches that gave way to it go on
         timeout = GrammarTimeoutError(spec.kind, f"compiling the {spec.kind} took longer than "
                                                  f"{self.compile_timeout:g} s")
         if not flight.future.done() or flight.future.cancelled():
@@ -159,6 +189,53 @@ class GrammarManager:
             raise GrammarError(exc.field, exc.message) from None
         except Exception as exc:  # a backend bug must still reach the caller as a typed error
             raise GrammarError(spec.kind, f"the grammar could not be compiled: {exc!r}") from exc
+
+    def _compile_job(self, spec: GuidedSpec, deadline: Deadline) -> CompiledGrammar:
+        """On the compile thread: the compile, then its start search queued behind any other compile."""
+        with self._waiting_lock:
+            self._compiles_waiting -= 1
+        try:
+            compiled = self.compile_sync(spec, deadline)
+            plan: StartPlan | None = getattr(compiled, "start_plan", None)
+            if plan is not None and not plan.done:
+                if len(self._plans) < MAX_PLANS:
+                    self._plans.append(weakref.ref(plan))
+                else:
+                    log.warning("%d start searches are waiting: one is dropped (its sequences close without it)",
+                                MAX_PLANS)
+            return compiled
+        finally:
+            self._schedule_plans()  # searches a slice left for this compile go on behind the next one
+
+    def _schedule_plans(self) -> None:
+        """On the compile thread: one _plan_slice job queued, behind whatever is queued now."""
+        if not self._pump_queued and (self._plans or self._plan_running is not None):
+            self._pump_queued = True
+            self._executor.submit(self._plan_slice)
+
+    def _plan_slice(self) -> None:
+        """On the compile thread: advance the start searches for up to START_SLICE seconds, or until a
+        compile is waiting (that compile queues the next slice when it ends)."""
+        self._pump_queued = False
+        end = time.monotonic() + START_SLICE
+        while time.monotonic() < end:
+            if self._compiles_waiting:
+                return
+            if self._plan_running is None:
+                if not self._plans:
+                    return
+                plan = self._plans.popleft()()
+                if plan is None or plan.done:
+                    continue  # dropped with its grammar, or searched already (start_completion)
+                self._plan_running = plan.steps()  # bounded by its own time (budget.START_SECONDS)
+            try:
+                next(self._plan_running)
+            except StopIteration:
+                self._plan_running = None
+            except Exception:  # a backend bug: that grammar closes without a start completion
+                log.exception("the start search of a grammar failed")
+                self._plan_running = None
+        self._schedule_plans()
 
     def _settle(self, spec: GuidedSpec, flight: _Flight) -> None:
         """On the loop, once a compile ends: cache its outcome (success or GrammarError)."""

@@ -1,8 +1,18 @@
-"""xgrammar behind the backend protocol."""
+"""xgrammar behind the backend protocol.
+
+Budget closing works here as with llguidance: `XgrRaw` puts an xgrammar matcher behind the llguidance
+matcher methods the closer and its searches use (asyncpage.guided.budget, asyncpage.guided.search),
+and each grammar is also compiled for a 256-byte vocabulary, the byte matcher the searches run on.
+Differences: no fast-forward inside the closer (xgrammar forces a string, not tokens), and budget
+closing needs llguidance's view of the tokenizer (token bytes, tokenizations); a tokenizer it cannot
+read leaves xgrammar's guided decoding as it is, without budget closing.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,6 +27,10 @@ from asyncpage.guided.backend import (
     grammar_error,
     schema_keywords,
 )
+from asyncpage.guided.budget import Closer, CloseState, Planner, StartPlan
+from asyncpage.guided.guards import Guards
+
+log = logging.getLogger("asyncpage")
 
 # Keywords xgrammar enforces. It silently ignores the others (not, uniqueItems, if/then/else, ...),
 # which would accept instances the schema forbids: such schemas are refused instead.
@@ -25,11 +39,72 @@ ENFORCED = frozenset({
     "$ref", "$defs", "definitions", "minItems", "maxItems", "minLength", "maxLength", "pattern", "minimum",
     "maximum", "exclusiveMinimum", "exclusiveMaximum", "title", "description", "default", "examples",
     "$schema", "$id", "$comment", "deprecated", "readOnly", "writeOnly"})
+BYTE_VOCAB = 257  # the 256 bytes and an end token, for the byte matchers
+
+
+class XgrRaw:
+    """An xgrammar GrammarMatcher with the llguidance matcher methods budget closing uses. Each
+    accepted token is one rollback step, as in llguidance."""
+
+    __slots__ = ("_words", "m")
+
+    def __init__(self, m: Any, vocab_size: int) -> None:
+        self.m = m
+        self._words = (vocab_size + 31) // 32
+
+    def try_consume_tokens(self, tokens: list[int]) -> int:
+        n = 0
+        for t in tokens:
+            if not self.m.accept_token(t):
+                break
+            n += 1
+        return n
+
+    def validate_tokens(self, tokens: list[int]) -> int:
+        n = self.try_consume_tokens(tokens)
+        self.rollback(n)
+        return n
+
+    def consume_token(self, token: int) -> bool:
+        return bool(self.m.accept_token(token))
+
+    def consume_tokens(self, tokens: list[int]) -> bool:
+        n = self.try_consume_tokens(tokens)
+        if n < len(tokens):
+            self.rollback(n)
+            return False
+        return True
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self.m.rollback(n)
+
+    def is_accepting(self) -> bool:
+        return bool(self.m.is_completed())
+
+    def is_stopped(self) -> bool:
+        return bool(self.m.is_terminated())
+
+    def compute_ff_bytes(self) -> bytes:
+        return str(self.m.find_jump_forward_string()).encode()
+
+    def compute_ff_tokens(self) -> list[int]:
+        return []  # see XGrammarMatcher.forced_tokens
+
+    def compute_bitmask(self) -> bytes:
+        mask = torch.zeros((1, self._words), dtype=torch.int32)
+        self.m.fill_next_token_bitmask(mask, 0)
+        return mask.numpy().tobytes()
+
+    def deep_copy(self) -> XgrRaw:
+        return XgrRaw(self.m.fork(), 32 * self._words)
 
 
 class XGrammarMatcher:
-    def __init__(self, m: Any) -> None:
+    def __init__(self, m: Any, grammar: XGrammarGrammar | None = None, close: CloseState | None = None) -> None:
         self._m = m
+        self._grammar = grammar
+        self._close = close  # budget closing (asyncpage.guided.budget); made on first use
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
@@ -50,20 +125,56 @@ class XGrammarMatcher:
         return []  # xgrammar's jump-forward is a string, not tokens; sampling one token at a time is exact
 
     def fork(self) -> Matcher:
-        return XGrammarMatcher(self._m.fork())
+        return XGrammarMatcher(self._m.fork(), self._grammar,
+                               self._close.copy(fork=True) if self._close is not None else None)
+
+    def closer(self, guards: Callable[[], Guards | None] = lambda: None) -> Closer | None:
+        """The budget-closing stepper of this sequence, as llguidance's (LLGuidanceMatcher.closer);
+        None where budget closing is unavailable for this grammar."""
+        g = self._grammar
+        if g is None or g.start_plan is None or g.byte_template is None:
+            return None
+        if self._close is None:
+            self._close = CloseState(shadow=g.byte_template.deep_copy(), guards=guards())
+            self._close.start(g.start_plan)
+        else:
+            self._close.adopt_anchor(g.start_plan)
+        return Closer(g.start_plan.planner, XgrRaw(self._m, g.vocab_size), self._close)
+
+    @property
+    def budget_forced(self) -> bool:
+        return self._close is not None and self._close.forced
 
 
 class XGrammarGrammar:
-    def __init__(self, compiled: Any, stop_token_ids: list[int]) -> None:
+    def __init__(self, compiled: Any, stop_token_ids: list[int], vocab_size: int = 0,
+                 planner: Planner | None = None, byte_compiled: Any | None = None) -> None:
         self._compiled = compiled
         self._stop = stop_token_ids
+        self.vocab_size = vocab_size
+        self.byte_template: XgrRaw | None = None
+        self.start_plan: StartPlan | None = None
+        if planner is not None and planner.usable and byte_compiled is not None:
+            import xgrammar as xgr
 
-    def new_matcher(self) -> Matcher:
+            self.byte_template = XgrRaw(xgr.GrammarMatcher(byte_compiled), BYTE_VOCAB)
+            self.start_plan = StartPlan(planner, XgrRaw(self._new(), vocab_size), self.byte_template)
+
+    def _new(self) -> Any:
         import xgrammar as xgr
 
         # terminate_without_stop_token: a finished grammar ends the sequence, as with llguidance.
-        return XGrammarMatcher(xgr.GrammarMatcher(self._compiled, override_stop_tokens=self._stop,
-                                                  terminate_without_stop_token=True))
+        return xgr.GrammarMatcher(self._compiled, override_stop_tokens=self._stop, terminate_without_stop_token=True)
+
+    def new_matcher(self) -> Matcher:
+        return XGrammarMatcher(self._new(), self)
+
+    def start_completion(self) -> bytes | None:
+        """As LLGuidanceGrammar.start_completion."""
+        plan = self.start_plan
+        if plan is None:
+            return None
+        return plan.path if plan.done else plan.run()
 
 
 class XGrammarBackend:
@@ -75,31 +186,52 @@ class XGrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._stop = stop_token_ids
+        self._vocab_size = vocab_size
+        byte_info = xgr.TokenizerInfo([bytes([b]) for b in range(256)] + [b"<|end|>"], vocab_size=BYTE_VOCAB,
+                                      stop_token_ids=[256])
+        self._byte_compiler = xgr.GrammarCompiler(byte_info, max_threads=1)
+        self.planner: Planner | None = None
+        try:
+            import llguidance.hf
+
+            self.planner = Planner(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                                 eos_token=stop_token_ids))
+        except Exception as exc:  # budget closing is optional; guided decoding itself does not need it
+            log.warning("budget closing is off with xgrammar for this tokenizer: %s", exc)
 
     def compile(self, spec: GuidedSpec, deadline: Deadline = NO_DEADLINE) -> XGrammarGrammar:
         # xgrammar's native compile cannot be interrupted: the deadline is only checked before it starts
         # (queued behind a hostile compile, a spec gives up instead of adding to it).
         deadline.check()
         try:
-            if spec.kind == "json_schema":
-                schema = json.loads(spec.value)
-                ignored = sorted(schema_keywords(schema) - ENFORCED)
-                if ignored:
-                    raise GrammarError(spec.kind, f"unsupported JSON Schema keyword(s) {', '.join(ignored)} "
-                                                  "(xgrammar backend)")
-                # Compact JSON, as with llguidance; strict_mode: nothing beyond what the schema allows.
-                g = self._compiler.compile_json_schema(spec.value, any_whitespace=False, separators=(",", ":"),
-                                                       strict_mode=True)
-            elif spec.kind == "regex":
-                g = self._compiler.compile_regex(spec.value)
-            elif spec.kind == "choice":
-                g = self._compiler.compile_regex(choice_regex(json.loads(spec.value)))
-            else:
-                if "::=" not in spec.value:
-                    raise ValueError("xgrammar takes EBNF (GBNF) grammars; Lark grammars need the llguidance backend")
-                g = self._compiler.compile_grammar(spec.value)
+            g = self._compile(self._compiler, spec)
         except GrammarError:
             raise
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses with its message
             raise grammar_error(spec, str(exc)) from exc
-        return XGrammarGrammar(g, self._stop)
+        byte_g = None
+        if self.planner is not None:
+            try:
+                byte_g = self._compile(self._byte_compiler, spec)  # a 257-token vocabulary: a fraction of g's
+            except Exception:  # pragma: no cover - compiled above for the model's vocabulary
+                byte_g = None
+        return XGrammarGrammar(g, self._stop, self._vocab_size, self.planner, byte_g)
+
+    @staticmethod
+    def _compile(compiler: Any, spec: GuidedSpec) -> Any:
+        if spec.kind == "json_schema":
+            schema = json.loads(spec.value)
+            ignored = sorted(schema_keywords(schema) - ENFORCED)
+            if ignored:
+                raise GrammarError(spec.kind, f"unsupported JSON Schema keyword(s) {', '.join(ignored)} "
+                                              "(xgrammar backend)")
+            # Compact JSON, as with llguidance; strict_mode: nothing beyond what the schema allows.
+            return compiler.compile_json_schema(spec.value, any_whitespace=False, separators=(",", ":"),
+                                                strict_mode=True)
+        if spec.kind == "regex":
+            return compiler.compile_regex(spec.value)
+        if spec.kind == "choice":
+            return compiler.compile_regex(choice_regex(json.loads(spec.value)))
+        if "::=" not in spec.value:
+            raise ValueError("xgrammar takes EBNF (GBNF) grammars; Lark grammars need the llguidance backend")
+        return compiler.compile_grammar(spec.value)
