@@ -47,7 +47,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     cache_salt: str | None = None
     # Guided output closes validly within max_tokens (and the context): once the budget gets down to the
     # shortest valid completion, only tokens that keep one within it are taken (asyncpage.guided.budget).
-    # finish_reason is "length" when the budget forced the close. llguidance backend; every guided kind.
+    # finish_reason is "length" when the budget forced the close. Both backends; every guided kind.
     budget_close: bool = True
     # Runaway guards under json_schema (0 = off; each is off anyway where the schema asks for long values):
     # a number's digit run may not exceed this many digits...

@@ -212,7 +212,7 @@ class ModelRunner:
 
 
 def _closer(m: Matcher, spec: SampleSpec) -> Closer | None:
-    make = getattr(m, "closer", None)  # llguidance matchers only
+    make = getattr(m, "closer", None)  # matchers that support budget closing
     if make is None:
         return None
     p = spec.params
