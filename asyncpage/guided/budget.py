@@ -314,3 +314,20 @@ class Closer:
         # Nothing fits (the budget was below the shortest completion from the start): the model's own.
         r = self._try(sampled, budget, fast_forward, check=False)
         return sampled, r[1], r[2]
+
+
+def sequence_closer(plan: StartPlan | None, byte_template: Any, state: CloseState | None, planner: Planner,
+                    raw: Any, guards: Callable[[], Guards | None]) -> tuple[Closer | None, CloseState | None]:
+    """One sequence's closer and its (new or kept) state, for either backend's matcher: None where
+    the grammar has no byte-level copy or start plan (budget closing unavailable for it). A new
+    state starts at the grammar's start (every token of a budget-closing sequence goes through its
+    closer, from the first); a kept one takes the start plan's anchor once the search has it."""
+    if plan is None or byte_template is None:
+        return None, state
+    if state is None:
+        state = CloseState(shadow=byte_template.deep_copy(), guards=guards())
+        state.start(plan)
+    else:
+        state.adopt_anchor(plan)
+    return Closer(planner, raw, state), state
+

@@ -20,7 +20,7 @@ from asyncpage.guided.backend import (
     exclusive_one_of,
     grammar_error,
 )
-from asyncpage.guided.budget import Closer, CloseState, Planner, StartPlan
+from asyncpage.guided.budget import Closer, CloseState, Planner, StartPlan, sequence_closer
 from asyncpage.guided.guards import Guards
 from asyncpage.guided.search import byte_tokenizer
 
@@ -65,16 +65,10 @@ class LLGuidanceMatcher:
         once, when the sequence first needs it. Never searches the grammar's start completion: it
         takes it when the compile thread has it ready (see budget.StartPlan)."""
         g = self._grammar
-        if g is None or g.start_plan is None or g.byte_template is None:
+        if g is None:
             return None
-        if self._close is None:
-            # A new matcher is at the grammar's start (every token of a budget-closing sequence
-            # goes through its closer, from the first).
-            self._close = CloseState(shadow=g.byte_template.deep_copy(), guards=guards())
-            self._close.start(g.start_plan)
-        else:
-            self._close.adopt_anchor(g.start_plan)
-        return Closer(g.planner, self._m, self._close)
+        closer, self._close = sequence_closer(g.start_plan, g.byte_template, self._close, g.planner, self._m, guards)
+        return closer
 
     @property
     def budget_forced(self) -> bool:

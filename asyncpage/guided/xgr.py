@@ -27,7 +27,7 @@ from asyncpage.guided.backend import (
     grammar_error,
     schema_keywords,
 )
-from asyncpage.guided.budget import Closer, CloseState, Planner, StartPlan
+from asyncpage.guided.budget import Closer, CloseState, Planner, StartPlan, sequence_closer
 from asyncpage.guided.guards import Guards
 
 log = logging.getLogger("asyncpage")
@@ -132,14 +132,11 @@ class XGrammarMatcher:
         """The budget-closing stepper of this sequence, as llguidance's (LLGuidanceMatcher.closer);
         None where budget closing is unavailable for this grammar."""
         g = self._grammar
-        if g is None or g.start_plan is None or g.byte_template is None:
+        if g is None or g.start_plan is None:
             return None
-        if self._close is None:
-            self._close = CloseState(shadow=g.byte_template.deep_copy(), guards=guards())
-            self._close.start(g.start_plan)
-        else:
-            self._close.adopt_anchor(g.start_plan)
-        return Closer(g.start_plan.planner, XgrRaw(self._m, g.vocab_size), self._close)
+        closer, self._close = sequence_closer(g.start_plan, g.byte_template, self._close, g.start_plan.planner,
+                                              XgrRaw(self._m, g.vocab_size), guards)
+        return closer
 
     @property
     def budget_forced(self) -> bool:
