@@ -34,8 +34,6 @@ if TYPE_CHECKING:
     from asyncpage.engine import AsyncEngine
     from asyncpage.request import Request
 
-# The plain template of earlier versions; the default is now schema_prompt (fields and their meaning).
-DEFAULT_PROMPT = "{text}\n\nThe information above as JSON: "
 Prompt = str | Callable[[Mapping[str, Any]], str]
 DEMOS_MIN_CONTEXT = 2048  # below this context the default prompt's built-in solved records are left out
 
