@@ -25,6 +25,7 @@ from typing import Any
 import anyio
 import torch
 
+from asyncpage.beam import BeamParams, BeamSearch
 from asyncpage.compute import ComputeThread
 from asyncpage.config import EngineConfig
 from asyncpage.errors import EngineDeadError, EngineNotRunningError, SamplingError
@@ -54,9 +55,9 @@ class EngineCore:
                                  config.eviction_policy)
         self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size, getattr(torch, config.dtype),
                                   torch.device(config.device), mask_vocab_size)
+        self.output = OutputProcessor(tokenizer, lambda seq, reason: self.scheduler.finish(seq, reason))
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.max_model_len, self._make_generator)
-        self.output = OutputProcessor(tokenizer, self.scheduler.finish)
+                                   config.max_model_len, self._make_generator, self.output.stop_string_hit)
         # The two queues outside code may touch (deque append/popleft are atomic in CPython).
         self._adds: deque[Request] = deque()
         self._aborts: deque[Request] = deque()
@@ -72,10 +73,13 @@ class EngineCore:
 
     # ---- the only entry points from outside the loop -----------------------------------------
     def new_request(self, ids: list[int], params: SamplingParams, mailbox: Mailbox | None,
-                    stop_token_ids: frozenset[int], compiled: CompiledGrammar | None) -> Request:
+                    stop_token_ids: frozenset[int], compiled: CompiledGrammar | None,
+                    beam: BeamParams | None = None) -> Request:
         """A request object, not yet known to the scheduler (pure construction)."""
         req = Request(next(self._ids), ids, params, mailbox or Mailbox(),
                       frozenset() if params.ignore_eos else stop_token_ids)
+        if beam is not None:
+            req.beam = BeamSearch(beam, params.max_tokens, len(req.stop_token_ids | set(params.stop_token_ids)))
         seq = Sequence(
             seq_id=self.scheduler.new_seq_id(), index=0, request=req, token_ids=list(ids),
             generator=self._make_generator(req, 0), detokenizer=self.output.detokenizer(ids, params),
@@ -181,7 +185,16 @@ class EngineCore:
                 times.first_scheduled = now
         sampled = dict(zip(result.seq_ids, result.sampled.tokens, strict=True))
         logprobs = dict(zip(result.seq_ids, result.sampled.logprobs, strict=True))
-        updates, failed = self.scheduler.update(out, sampled, result.grammar_done, result.forced, result.failed)
+        updates, failed = self.scheduler.update(out, sampled, result.grammar_done, result.forced, result.failed,
+                                                result.beams)
+        for sched in out.scheduled:
+            req = sched.seq.request
+            if req.beam is not None and sched.samples and req.request_id in self._requests:
+                req.times.first_token = req.times.first_token or now
+                req.times.last_token = now
+                if req.beam.done:
+                    self.output.beams(req)
+                    self._release(req)
         for seq, tokens in updates:
             # Logprobs exist only for sampled tokens; fast-forward is off for requests that ask for them.
             self.output.process(seq, tokens, logprobs.get(seq.seq_id), now)

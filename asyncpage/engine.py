@@ -26,6 +26,7 @@ import sniffio
 import torch
 
 from asyncpage import grounding
+from asyncpage.beam import BeamParams, EarlyStopping
 from asyncpage.compute import ComputeThread
 from asyncpage.config import (
     EngineConfig,
@@ -53,12 +54,21 @@ from asyncpage.extract import (
 )
 from asyncpage.guided import GrammarManager, GuidedSpec
 from asyncpage.output_processor import request_metrics
-from asyncpage.outputs import Choice, EngineStats, FinishedRequest, FinishReason, GenerateOutput, TokenLogprob
+from asyncpage.outputs import (
+    Beam,
+    BeamSearchOutput,
+    Choice,
+    EngineStats,
+    FinishedRequest,
+    FinishReason,
+    GenerateOutput,
+    TokenLogprob,
+)
 from asyncpage.params import SamplingParams
 from asyncpage.request import Request
 from asyncpage.runner import kv_bytes_per_block
 from asyncpage.streams import Mailbox, RequestStream
-from asyncpage.validation import check_request, check_token_ids
+from asyncpage.validation import check_beam_search, check_request, check_token_ids
 from asyncpage.weights import LoadedModel, load
 
 Prompt = str | list[int]
@@ -258,6 +268,30 @@ class AsyncEngine:
                           lps.get(i) if params.logprobs is not None else None) for i in range(params.n)]
         return GenerateOutput(list(req.prompt_token_ids), choices, request_metrics(req))
 
+    async def beam_search(self, prompt: Prompt, beam_width: int = 4, max_tokens: int = 32,
+                          length_penalty: float = 1.0, early_stopping: EarlyStopping = False,
+                          params: SamplingParams | None = None) -> BeamSearchOutput:
+        """The `beam_width` best continuations, best first, as transformers' `generate(num_beams=...,
+        do_sample=False)` finds and ranks them. `params` carries guided decoding (each beam keeps its
+        own grammar state), stop strings and ids, penalties, ignore_eos; its max_tokens is replaced by
+        `max_tokens` and its sampling fields (temperature, top-p/k, seed) play no part. Beams share
+        their prompt's KV blocks and each other's common prefix (copy-on-write).
+            out = await engine.beam_search("The capital of France is", beam_width=4, max_tokens=8)
+            print(out.beams[0].text, out.beams[0].cumulative_logprob)
+        """
+        beam = BeamParams(beam_width=beam_width, length_penalty=length_penalty, early_stopping=early_stopping)
+        params = msgspec.structs.replace(params or SamplingParams(temperature=0), max_tokens=max_tokens)
+        req = await self.submit(prompt, params, beam=beam)
+        try:
+            chunks = await req.mailbox.get()  # the loop posts every beam at once, when the search is done
+        except BaseException:
+            self.abort(req)  # cancelled: the beams' blocks are freed at the loop's next safe point
+            raise
+        assert req.beam is not None
+        beams = [Beam(c.token_ids, c.text, h.cumulative_logprob, h.score, h.finish_reason)
+                 for c, h in zip(chunks, req.beam.finished, strict=False)]
+        return BeamSearchOutput(list(req.prompt_token_ids), beams, request_metrics(req))
+
     async def extract(self, prompt: Prompt, schema: Any, params: SamplingParams | None = None, *,
                       chat: bool = False, copy_from: str | Sequence[str] | None = None,
                       copy_fields: Sequence[str] | str | None = None) -> Any:
@@ -378,9 +412,11 @@ class AsyncEngine:
         return self._core.dead is None
 
     # ---- submission: what extraction, chat and streams build on ------------------------------
-    async def submit(self, prompt: Prompt, params: SamplingParams, mailbox: Mailbox | None = None) -> Request:
-        """Tokenize, validate, compile the grammar, and queue a request; its output arrives in
-        `request.mailbox`. Raises a typed error naming the field, before anything is queued."""
+    async def submit(self, prompt: Prompt, params: SamplingParams, mailbox: Mailbox | None = None, *,
+                     beam: BeamParams | None = None) -> Request:
+        """Tokenize, validate, compile the grammar, and queue a request (a beam search with `beam`);
+        its output arrives in `request.mailbox`. Raises a typed error naming the field, before
+        anything is queued."""
         self._check_usable()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params", f"must be SamplingParams, got {type(params).__name__}")
@@ -388,10 +424,13 @@ class AsyncEngine:
         check_request(ids, params, vocab_size=self.vocab_size, max_model_len=self.config.max_model_len,
                       pool_tokens=self.config.num_kv_blocks * self.config.block_size,
                       max_num_seqs=self.config.max_num_seqs)
+        if beam is not None:
+            check_beam_search(ids, params, beam.beam_width, max_num_seqs=self.config.max_num_seqs,
+                              pool_tokens=self.config.num_kv_blocks * self.config.block_size)
         spec = GuidedSpec.from_params(params)
         compiled = await self.guided.compile(spec) if spec is not None else None
         self._check_usable()  # it may have stopped while the request was being prepared
-        req = self._core.new_request(ids, params, mailbox, self.eos_token_ids, compiled)
+        req = self._core.new_request(ids, params, mailbox, self.eos_token_ids, compiled, beam)
         self._core.add(req)
         return req
 

@@ -57,10 +57,29 @@ class OutputProcessor:
             text += detok.finish()
         req.mailbox.put(seq.index, text, tokens, logprob, seq.finish_reason)
 
+    def stop_string_hit(self, token_ids: list[int], params: SamplingParams) -> bool:
+        """Beam search: does this output's text contain one of the stop strings?"""
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
+        return any(s in text for s in params.stop)
+
+    def beams(self, req: Request) -> None:
+        """A beam search is over: its hypotheses, best first, go to the mailbox as samples 0..W-1."""
+        assert req.beam is not None
+        p = req.params
+        self.num_generated += sum(len(h.token_ids) for h in req.beam.finished)
+        for i, hyp in enumerate(req.beam.finished):
+            detok = self.detokenizer(req.prompt_token_ids, p)
+            text = "".join(detok.add(t) for t in hyp.token_ids) + detok.finish()
+            req.mailbox.put(i, text, hyp.token_ids, None, hyp.finish_reason)
+        if not req.beam.finished:
+            req.mailbox.put(0, "", [], None, "length")
+
     def report(self, req: Request) -> None:
         """The request is over (finished, aborted, failed): count it and call the hooks."""
         req.times.finished = req.times.finished or time.monotonic()
-        if all(s.finish_reason in ("stop", "length") for s in req.seqs) and len(req.seqs) == req.params.n:
+        if req.beam is not None:
+            self.num_finished += req.beam.done
+        elif all(s.finish_reason in ("stop", "length") for s in req.seqs) and len(req.seqs) == req.params.n:
             self.num_finished += 1
         if not self.hooks:
             return

@@ -79,6 +79,24 @@ class GenerateOutput(msgspec.Struct, frozen=True):
         return self.choices[0].finish_reason
 
 
+class Beam(msgspec.Struct, frozen=True):
+    """One beam of a beam search: generated tokens only (no prompt, no ending EOS)."""
+
+    token_ids: list[int]
+    text: str
+    cumulative_logprob: float  # sum of the chosen tokens' log-probabilities (EOS included when it ended one)
+    score: float  # what beams are ranked by: cumulative_logprob / length ** length_penalty
+    finish_reason: FinishReason
+
+
+class BeamSearchOutput(msgspec.Struct, frozen=True):
+    """`engine.beam_search()`'s result: `beams` best first."""
+
+    prompt_token_ids: list[int]
+    beams: list[Beam]
+    metrics: RequestMetrics
+
+
 class EngineStats(msgspec.Struct, frozen=True):
     kv_blocks_total: int
     kv_blocks_used: int  # referenced by a live sequence

@@ -22,6 +22,7 @@ from asyncpage.outputs import FinishReason, TokenLogprob
 from asyncpage.params import SamplingParams
 
 if TYPE_CHECKING:
+    from asyncpage.beam import BeamSearch
     from asyncpage.detokenizer import IncrementalDetokenizer
     from asyncpage.guided import Matcher
     from asyncpage.streams import Mailbox
@@ -58,10 +59,19 @@ class Request:
     abort_requested: bool = False  # set by abort() from anywhere; acted on by the loop only
     released: bool = False  # the loop is done with it: blocks freed, mailbox final
     released_event: Any = None  # an anyio.Event made by the first waiter (on the loop)
+    # A beam search: `seqs` are its running beams (rebuilt every step), finished ones are hypotheses there.
+    beam: BeamSearch | None = None
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
         return len(self.seqs) == self.params.n and all(s.status is SeqStatus.FINISHED for s in self.seqs)
+
+    @property
+    def width(self) -> int:
+        """Sequences this request runs at once once forked: n samples, or W beams."""
+        return self.beam.width if self.beam is not None else self.params.n
 
 
 @dataclass(eq=False)

@@ -20,7 +20,7 @@ from asyncpage.guided.backend import apply_bitmask, bitmask_width
 from asyncpage.guided.budget import ALTERNATIVES, Closer, Guards, guards_for
 from asyncpage.models import CausalLM
 from asyncpage.outputs import TokenLogprob
-from asyncpage.sampling import SampleResult, SampleSpec, needs_history, sample
+from asyncpage.sampling import SampleResult, SampleSpec, beam_candidates, needs_history, sample
 from asyncpage.scheduler import SchedulerOutput
 
 
@@ -44,6 +44,7 @@ class StepResult:
     forced: dict[int, list[int]] | None = None  # tokens the grammar forces after the sampled one
     # Sequences whose sampled token must not be emitted (no valid token, or the grammar rejected it).
     failed: dict[int, str] | None = None
+    beams: dict[int, tuple[list[int], list[float]]] | None = None  # beam search: each beam's best continuations
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -114,12 +115,14 @@ class ModelRunner:
                     p = s.params
                     hist = needs_history(p)
                     budget = None
-                    if s.matcher is not None and p.budget_close:
+                    beam = s.request.beam
+                    if s.matcher is not None and p.budget_close and beam is None:
                         budget = min(p.max_tokens - s.num_output_tokens, out.max_model_len - s.num_tokens)
                     specs.append(SampleSpec(
                         seq_id=s.seq_id, params=p, generator=s.generator,
                         prompt_ids=list(s.token_ids[: s.num_prompt_tokens]) if p.repetition_penalty != 1 else None,
-                        output_ids=list(s.output_token_ids) if hist else None, matcher=s.matcher, budget=budget))
+                        output_ids=list(s.output_token_ids) if hist else None, matcher=s.matcher, budget=budget,
+                        beam_k=beam.num_candidates if beam is not None else 0))
         # Pad the flat batch (and the rows sent to the LM head) to a few bucket sizes: the CPU matmul
         # libraries build a kernel per new shape (~0.5 ms per matmul), which cost a cold engine 30% of
         # its throughput when every step had a new token count. Padding rows attend to nothing.
@@ -163,12 +166,13 @@ class ModelRunner:
         result = sample(logits, batch.specs, bitmask)
         failed = {batch.specs[i].seq_id: "the model produced no valid next token (NaN/inf logits, or nothing "
                   "the grammar allows has a finite logit)" for i in result.invalid}
+        beams = beam_candidates(logits, batch.specs, bitmask)
         done = set()
         forced: dict[int, list[int]] = {}
         for i, m in guided:
             spec = batch.specs[i]
-            if spec.seq_id in failed:
-                continue
+            if spec.seq_id in failed or spec.beam_k:
+                continue  # a beam's matcher advances once the search has chosen its token (scheduler)
             closer = _closer(m, spec) if spec.budget is not None else None
             if closer is not None:
                 assert bitmask is not None
@@ -202,7 +206,7 @@ class ModelRunner:
                     forced[spec.seq_id] = ff
                 if m.is_terminated():
                     done.add(spec.seq_id)
-        return StepResult([s.seq_id for s in batch.specs], result, frozenset(done), forced, failed)
+        return StepResult([s.seq_id for s in batch.specs], result, frozenset(done), forced, failed, beams)
 
     @torch.inference_mode()
     def forward_logits(self, batch: StepBatch) -> torch.Tensor:

@@ -30,6 +30,7 @@ class SampleSpec:
     matcher: Matcher | None = None  # guided decoding: its mask row is applied before anything else
     # budget_close: tokens this sequence may still emit, the one sampled now included (None: not closing)
     budget: int | None = None
+    beam_k: int = 0  # a beam of a beam search: its beam_k best continuations are wanted, not a sample
 
 
 @dataclass
@@ -99,6 +100,29 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor 
             if i not in invalid:
                 out_logprobs[i] = TokenLogprob(token_list[i], float(row[token_list[i]]), top)
     return SampleResult(token_list, out_logprobs, invalid)
+
+
+def beam_candidates(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor | None = None,
+                    ) -> dict[int, tuple[list[int], list[float]]]:
+    """Each beam row's `beam_k` best (token ids, log-probabilities), keyed by seq_id. As transformers'
+    beam search scores them: log_softmax of the raw logits, then the processors (the grammar mask,
+    penalties) on the log-probabilities, without renormalizing."""
+    rows = [i for i, s in enumerate(specs) if s.beam_k]
+    if not rows:
+        return {}
+    lp = torch.log_softmax(logits[rows].float(), dim=-1)
+    out = {}
+    for j, i in enumerate(rows):
+        s = specs[i]
+        row = lp[j]
+        if s.matcher is not None and bitmask is not None:
+            apply_bitmask(row[None], bitmask[i : i + 1])
+        if needs_history(s.params):
+            _apply_penalties(row, s)
+        vals, ids = row.topk(min(s.beam_k, row.numel()))
+        keep = torch.isfinite(vals)
+        out[s.seq_id] = (ids[keep].tolist(), vals[keep].tolist())
+    return out
 
 
 def _apply_penalties(row: torch.Tensor, s: SampleSpec) -> None:

@@ -17,6 +17,22 @@ def check_token_ids(ids: Sequence[object]) -> list[int]:
     return [int(t) for t in ids]  # type: ignore[call-overload]
 
 
+def check_beam_search(ids: list[int], params: SamplingParams, beam_width: int, *, pool_tokens: int,
+                      max_num_seqs: int) -> None:
+    """What a beam search needs beyond a request's own checks."""
+    if beam_width > max_num_seqs:
+        raise InvalidRequestError("beam_width", f"{beam_width} beams exceed max_num_seqs={max_num_seqs}")
+    if params.n != 1:
+        raise InvalidRequestError("n", "a beam search returns beam_width beams: leave n at 1")
+    if params.logprobs is not None:
+        raise InvalidRequestError("logprobs", "not available with beam search (each beam has cumulative_logprob)")
+    # A preempted search is recomputed beam by beam: in the worst case nothing is shared.
+    if beam_width * (len(ids) + params.max_tokens) > pool_tokens:
+        raise PromptTooLongError("max_tokens", f"{beam_width} beams of prompt ({len(ids)}) + max_tokens "
+                                 f"({params.max_tokens}) may exceed the KV pool ({pool_tokens} tokens); lower "
+                                 "beam_width or max_tokens, or raise num_kv_blocks")
+
+
 def check_request(ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
                   pool_tokens: int, max_num_seqs: int) -> None:
     bad = [t for t in ids if not 0 <= t < vocab_size]

@@ -1,0 +1,187 @@
+"""Beam search: the beams transformers' generate(num_beams=W, do_sample=False) returns, found over
+copy-on-write block tables inside continuous batching."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asyncpage import AsyncEngine, InvalidRequestError, PromptTooLongError, SamplingParams
+from tests.conftest import DATA
+from tests.test_engine_lifecycle import PROMPTS, _idle, tiny_engine
+
+EOS = 1  # the tiny models' EOS id
+
+
+def _hf_beams(hf: Any, ids: list[int], w: int, n: int, lp: float, es: bool | str, eos: list[int]) -> list[list[int]]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), num_beams=w, num_return_sequences=w, do_sample=False,
+                          max_new_tokens=n, length_penalty=lp, early_stopping=es, eos_token_id=eos, pad_token_id=2)
+    beams = []
+    for seq in out.tolist():
+        gen = seq[len(ids):]
+        beams.append(gen[: next((j for j, t in enumerate(gen) if t in eos), len(gen))])
+    return beams
+
+
+def _peak_blocks(engine: AsyncEngine) -> list[int]:
+    """Records the pool's used blocks after every schedule() (the step's allocation included)."""
+    sched = engine._core.scheduler
+    real, peaks = sched.schedule, [0]
+
+    def schedule() -> Any:
+        out = real()
+        peaks[0] = max(peaks[0], engine._core.kv.pool.num_used)
+        return out
+
+    sched.schedule = schedule  # type: ignore[method-assign]
+    return peaks
+
+
+async def _frequent_tokens(engine: AsyncEngine, k: int) -> list[int]:
+    counts: Counter[int] = Counter()
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    for p in PROMPTS[:6]:
+        counts.update((await engine.generate(p, greedy)).token_ids)
+    return [t for t, _ in counts.most_common(k)]
+
+
+async def test_beams_equal_transformers_for_every_width_penalty_and_stopping_rule(
+        tiny_models: dict[str, tuple[Path, Any]]) -> None:
+    path, hf = tiny_models["llama"]
+    async with tiny_engine(path) as engine:
+        # The random model never says EOS: frequent tokens made stop ids end beams often, so finished
+        # hypotheses, early stopping and the length penalty all decide the result.
+        stops = await _frequent_tokens(engine, 2)
+        cases = [(w, lp, es, extra) for w in (1, 2, 4) for lp, es in ((1.0, False), (2.0, "never"), (-0.5, True))
+                 for extra in ([], stops[:1], stops)]
+        for w, lp, es, extra in cases:
+            for prompt in PROMPTS[:3]:
+                ids = engine.tokenizer(prompt).input_ids
+                expected = _hf_beams(hf, ids, w, 10, lp, es, [EOS, *extra])
+                out = await engine.beam_search(prompt, beam_width=w, max_tokens=10, length_penalty=lp,
+                                               early_stopping=es, params=SamplingParams(stop_token_ids=extra))
+                assert [b.token_ids for b in out.beams] == expected, (w, lp, es, extra, prompt)
+                scores = [b.score for b in out.beams]
+                assert scores == sorted(scores, reverse=True)
+        await _idle(engine)
+
+
+@pytest.mark.slow
+async def test_beams_equal_transformers_on_the_default_model(default_engine: AsyncEngine) -> None:
+    ref = json.loads((DATA / "gemma3_270m_beams.json").read_text())
+    # The reference stops at the tokenizer's and generation config's EOS; the engine also stops at
+    # <end_of_turn> (as llama.cpp does for this GGUF), which no beam here reaches.
+    assert set(ref["eos_token_ids"]) <= set(default_engine.eos_token_ids)
+    cases = ref["cases"]
+    # All at once: the searches batch with each other as any requests do.
+    outs = await asyncio.gather(*(default_engine.beam_search(
+        c["prompt"], beam_width=c["beam_width"], max_tokens=c["max_tokens"], length_penalty=c["length_penalty"],
+        early_stopping=c["early_stopping"]) for c in cases))
+    for case, out in zip(cases, outs, strict=True):
+        assert [b.token_ids for b in out.beams] == [b["token_ids"] for b in case["beams"]], case["prompt"]
+        for got, want in zip(out.beams, case["beams"], strict=True):
+            assert got.score == pytest.approx(want["score"], abs=1e-3)
+        assert out.beams[0].text == default_engine.tokenizer.decode(out.beams[0].token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+async def test_four_beams_over_a_long_prompt_share_its_blocks(default_engine: AsyncEngine) -> None:
+    ref = json.loads((DATA / "gemma3_270m_reference.json").read_text())
+    long_ids = next(c["prompt_token_ids"] for c in ref["cases"] if c["prompt"] is None)
+    bs = default_engine.config.block_size
+    peaks = _peak_blocks(default_engine)
+    try:
+        out = await default_engine.beam_search(long_ids, beam_width=4, max_tokens=32)
+    finally:
+        del default_engine._core.scheduler.schedule
+    assert len(out.beams) == 4
+    separate = 4 * -(-(len(long_ids) + 32) // bs)
+    print(f"\npeak KV blocks, 4 beams over {len(long_ids)} prompt tokens: {peaks[0]} shared vs {separate} "
+          f"as 4 separate copies ({peaks[0] / separate:.0%})")
+    assert peaks[0] < separate / 2
+    await _idle(default_engine)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+async def test_beam_searches_next_to_other_requests_under_preemption_equal_them_alone(
+        tiny_llama: Path, caching: bool) -> None:
+    async with tiny_engine(tiny_llama) as engine:
+        alone = [await engine.beam_search(p, beam_width=w, max_tokens=12) for p in PROMPTS[:4] for w in (2, 4)]
+    # A pool of 80 blocks of 4 tokens cannot hold everything at once: beam groups get preempted and
+    # recomputed while sampled requests come and go; the pool's invariants are checked every step.
+    async with tiny_engine(tiny_llama, num_kv_blocks=80, max_num_batched_tokens=16, debug_checks=True,
+                           enable_prefix_caching=caching) as engine:
+        jobs: list[Any] = [engine.beam_search(p, beam_width=w, max_tokens=12) for p in PROMPTS[:4] for w in (2, 4)]
+        jobs += [engine.generate(p * 2, SamplingParams(max_tokens=16, temperature=0.8, seed=i, n=2))
+                 for i, p in enumerate(PROMPTS[:6])]
+        outs = await asyncio.gather(*jobs)
+        assert engine.stats().num_preemptions > 0
+        await _idle(engine)
+    assert [[b.token_ids for b in o.beams] for o in outs[:8]] == [[b.token_ids for b in o.beams] for o in alone]
+
+
+async def test_a_cancelled_beam_search_frees_every_block(tiny_llama: Path) -> None:
+    async with tiny_engine(tiny_llama, max_num_batched_tokens=8) as engine:
+        task = asyncio.ensure_future(engine.beam_search(PROMPTS[0] * 3, beam_width=4, max_tokens=64,
+                                                        params=SamplingParams(ignore_eos=True)))
+        while engine.stats().num_running < 4:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _idle(engine)
+        assert engine.stats().kv_blocks_used == 0
+        engine._core.check_invariants()
+        # The engine goes on serving.
+        out = await engine.beam_search(PROMPTS[1], beam_width=2, max_tokens=4)
+        assert len(out.beams) == 2
+
+
+async def test_guided_beams_each_follow_the_grammar(tiny_llama: Path) -> None:
+    choices = ["red", "green", "blue", "yellow"]
+    async with tiny_engine(tiny_llama) as engine:
+        out = await engine.beam_search("Colour:", beam_width=3, max_tokens=8, params=SamplingParams(choice=choices))
+        assert len(out.beams) == 3
+        assert len({b.text for b in out.beams}) == 3 and all(b.text in choices for b in out.beams)
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+                  "additionalProperties": False}
+        out = await engine.beam_search("JSON:", beam_width=2, max_tokens=12,
+                                       params=SamplingParams(json_schema=schema, max_number_digits=3))
+        for b in out.beams:
+            if b.finish_reason == "stop":
+                assert isinstance(json.loads(b.text)["n"], int)
+        await _idle(engine)
+
+
+async def test_stop_strings_end_a_beam_and_are_cut_from_its_text(tiny_llama: Path) -> None:
+    async with tiny_engine(tiny_llama) as engine:
+        free = await engine.beam_search(PROMPTS[0], beam_width=2, max_tokens=16)
+        text = free.beams[0].text
+        pairs = Counter(text[i : i + 2] for i in range(len(text) - 1) if "\ufffd" not in text[i : i + 2])
+        stop = pairs.most_common(1)[0][0]  # what the best beam says most often
+        out = await engine.beam_search(PROMPTS[0], beam_width=2, max_tokens=16, params=SamplingParams(stop=[stop]))
+        assert all(stop not in b.text for b in out.beams)
+        assert out.beams[0].finish_reason == "stop"
+        assert len(out.beams[0].text) < len(text)
+
+
+async def test_bad_beam_search_arguments_are_refused_by_name(tiny_llama: Path) -> None:
+    async with tiny_engine(tiny_llama, max_num_seqs=4) as engine:
+        for kwargs, field in [({"beam_width": 0}, "beam_width"), ({"beam_width": 5}, "beam_width"),
+                              ({"length_penalty": float("nan")}, "length_penalty"),
+                              ({"early_stopping": "sometimes"}, "early_stopping"), ({"max_tokens": 0}, "max_tokens"),
+                              ({"params": SamplingParams(n=2)}, "n"),
+                              ({"params": SamplingParams(logprobs=2)}, "logprobs")]:
+            with pytest.raises(InvalidRequestError) as err:
+                await engine.beam_search(PROMPTS[0], **kwargs)
+            assert err.value.field == field
+        with pytest.raises(PromptTooLongError):
+            await engine.beam_search(PROMPTS[0], beam_width=4, max_tokens=300)  # 4 x 300 tokens > 1024 in the pool
+        assert (await engine.beam_search(PROMPTS[0], beam_width=2, max_tokens=4)).beams
