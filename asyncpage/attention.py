@@ -78,31 +78,67 @@ class AttentionMetadata:
         return mask
 
 
+# A quantized pool (kv_cache_dtype "int8" / "fp8") stores one byte a value and a float32 scale per
+# token and KV head: (k, v, k_scale, v_scale), scales [num_blocks, block_size, kv_heads]. Per token, not
+# per block: a block's scale would have to grow (and its tokens be requantized) as tokens arrive, and
+# copy-on-write, prefix sharing and preemption need nothing new when a slot owns all it needs.
+KV_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, KVH, D] -> (values in `dtype`, scale [T, KVH] float32), absmax per token and head."""
+    xf = x.float()
+    scale = (xf.abs().amax(-1) / KV_QMAX[dtype]).clamp(min=1e-8)
+    y = xf / scale[..., None]
+    return (y.round().clamp(-127, 127).to(dtype) if dtype == torch.int8 else y.to(dtype)), scale
+
+
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (x.to(torch.float32) * scale[..., None]).to(dtype)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    # index_copy_ has no float8 kernel on the CPU; the same bytes copied as uint8 are the same values.
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, kv_scales: tuple[torch.Tensor, ...] | None = None) -> None:
     """k_cache/v_cache: [num_blocks, block_size, kv_heads, head_dim]; k/v: [T, kv_heads, head_dim]."""
     kvh, d = k.shape[1], k.shape[2]
-    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
+    if kv_scales:
+        k, ks = quantize_kv(k, k_cache.dtype)
+        v, vs = quantize_kv(v, v_cache.dtype)
+        kv_scales[0].view(-1, kvh).index_copy_(0, slot_mapping, ks)
+        kv_scales[1].view(-1, kvh).index_copy_(0, slot_mapping, vs)
+    _bytes(k_cache).view(-1, kvh, d).index_copy_(0, slot_mapping, _bytes(k))
+    _bytes(v_cache).view(-1, kvh, d).index_copy_(0, slot_mapping, _bytes(v))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    window: int | None) -> torch.Tensor:
-    """q: [T, H, D], k/v: [T, KVH, D] for the new tokens. Writes k/v to the cache, returns [T, H, D]."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+                    window: int | None, kv_scales: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    """q: [T, H, D], k/v: [T, KVH, D] for the new tokens. Writes k/v to the cache, returns [T, H, D].
+    `kv_scales` (k_scale, v_scale): the pool is quantized (see quantize_kv)."""
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping, kv_scales)
     kvh, d = k_cache.shape[2], k_cache.shape[3]
     out = torch.empty_like(q)
     if meta.decode_rows is not None:
-        out[meta.decode_rows] = _decode_attention(q[meta.decode_rows], k_cache, v_cache, meta, scale, window)
+        out[meta.decode_rows] = _decode_attention(q[meta.decode_rows], k_cache, v_cache, meta, scale, window,
+                                                  kv_scales)
     for i, p in enumerate(meta.prefills):
         qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, Tq, D]
-        if p.num_computed == 0:
+        if p.num_computed == 0 and not kv_scales:
             # Nothing cached before this chunk: its own K/V are the whole context, no gather needed.
+            # (A quantized pool is read back instead: every path then sees the same rounded K/V, so
+            # chunking and recompute after preemption change nothing.)
             kp, vp = k[p.start : p.end], v[p.start : p.end]
         else:
             kp = k_cache.index_select(0, p.block_table).view(-1, kvh, d)[: p.context_len]
             vp = v_cache.index_select(0, p.block_table).view(-1, kvh, d)[: p.context_len]
+            if kv_scales:
+                ks, vs = (s.index_select(0, p.block_table).view(-1, kvh)[: p.context_len] for s in kv_scales)
+                kp, vp = dequantize_kv(kp, ks, q.dtype), dequantize_kv(vp, vs, q.dtype)
         kp = kp.transpose(0, 1).unsqueeze(0)  # [1, KVH, Tk, D]
         vp = vp.transpose(0, 1).unsqueeze(0)
         mask = meta.prefill_mask(i, window)
@@ -113,7 +149,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, window: int | None) -> torch.Tensor:
+                      scale: float, window: int | None,
+                      kv_scales: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """One query per sequence: plain batched matmuls over the gathered blocks. (CPU SDPA's flash path
     with a mask cost 4-5 ms a layer at batch 32 here, ten times these three matmuls.)"""
     assert meta.decode_block_tables is not None
@@ -126,8 +163,16 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     k = k_cache.index_select(0, flat).view(bd, nb * bs, kvh, d).permute(0, 2, 3, 1)  # [Bd, KVH, D, L]
     v = v_cache.index_select(0, flat).view(bd, nb * bs, kvh, d).transpose(1, 2)  # [Bd, KVH, L, D]
     qg = q.view(bd, kvh, g, d)  # query heads grouped by the KV head they share (GQA)
-    scores = torch.matmul(qg, k) * scale  # [Bd, KVH, G, L]
+    if kv_scales:
+        # Scales are per key position: applied to the scores and to the probabilities (q.(s k) =
+        # s (q.k), sum p (s v) = sum (p s) v) instead of to every element of the gathered K and V.
+        ks, vs = (sc.index_select(0, flat).view(bd, nb * bs, kvh).transpose(1, 2).unsqueeze(2) for sc in kv_scales)
+        scores = torch.matmul(qg, k.to(q.dtype)).float() * (ks * scale)  # [Bd, KVH, G, L]
+    else:
+        scores = torch.matmul(qg, k) * scale  # [Bd, KVH, G, L]
     mask = meta.decode_mask(window)  # [Bd, 1, 1, L]
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v).reshape(bd, kvh * g, d)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if kv_scales:
+        return torch.matmul((probs * vs).to(q.dtype), v.to(q.dtype)).reshape(bd, kvh * g, d)
+    return torch.matmul(probs.to(q.dtype), v).reshape(bd, kvh * g, d)

@@ -35,8 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--max-num-batched-tokens", type=int, default=512)
     b.add_argument("--num-kv-blocks", type=int, default=None)
     b.add_argument("--no-prefix-caching", action="store_true")
-    b.add_argument("--baseline", choices=["transformers"], default=None,
-                   help="also run transformers' generate() with static batches of 8 on the same weights")
+    b.add_argument("--baseline", choices=["transformers", "llama.cpp"], default=None,
+                   help="also run transformers' generate() with static batches of 8 on the same weights, or "
+                   "llama-cpp-python on the same GGUF (with --settings; an optional extra)")
+    b.add_argument("--settings", default=None, metavar="S1,S2,...",
+                   help="compare weight / KV settings side by side, the first as the base, e.g. "
+                   "float32,bfloat16,int8,int4,int4+kv=int8 (see asyncpage/bench_quant.py)")
+    b.add_argument("--speculative", default=None, metavar="ngram[:K]",
+                   help="tokens/s without and with n-gram speculation (at most K drafts a step), side by side: "
+                   "one stream each of extraction, free text and code, and the mixed workload")
     b.add_argument("--json", action="store_true", help="print machine-readable results")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--sweep", default=None, help="comma-separated concurrency levels, e.g. 1,4,16,64: one "
@@ -89,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--resume", action="store_true",
                    help="skip the input lines already answered in the output, and append")
     x.add_argument("--no-progress", action="store_true")
+    x.add_argument("--ray", action="store_true",
+                   help="run on Ray (pip install 'asyncpage[ray]'): the cluster at RAY_ADDRESS, else a local one "
+                   "started for the job; the input is read through Ray Data, one engine per actor")
+    x.add_argument("--num-actors", type=int, default=1, help="with --ray: actors, each with its own engine")
 
     so = sub.add_parser("soak", help="thousands of random requests, cancellations and dropped streams; a verdict")
     _model_args(so)
@@ -164,6 +175,12 @@ async def _generate(args: argparse.Namespace) -> int:
 
 
 async def _bench(args: argparse.Namespace) -> int:
+    if args.speculative:
+        return await _bench_speculative(args)
+    if args.settings or args.baseline == "llama.cpp":
+        from asyncpage.bench_quant import compare_settings
+
+        return await compare_settings(args)
     from asyncpage import AsyncEngine
     from asyncpage.bench import (
         format_result,
@@ -239,6 +256,20 @@ def _competing_load(n: int) -> Iterator[None]:
             p.wait()
 
 
+async def _bench_speculative(args: argparse.Namespace) -> int:
+    from asyncpage import AsyncEngine
+    from asyncpage.bench_spec import format_rows, parse, speculative_figures
+
+    config = parse(args.speculative)
+    engine = AsyncEngine.from_pretrained(
+        args.model, dtype=args.dtype, device=args.device, num_threads=args.threads, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=not args.no_prefix_caching)
+    rows = await speculative_figures(engine, config, args.num_requests, args.seed)
+    print(json.dumps(rows) if args.json else format_rows(rows, config))
+    return 0
+
+
 async def _bench_sharing(args: argparse.Namespace) -> int:
     from asyncpage import AsyncEngine
     from asyncpage.bench import sharing_figures
@@ -291,6 +322,17 @@ def _extract(args: argparse.Namespace) -> int:
 
     summary: JobSummary | None = None
 
+    def on_ray() -> JobSummary:
+        try:
+            from asyncpage.ray import run_job as run_ray_job
+        except ImportError as exc:
+            raise SystemExit(f"asyncpage extract: {exc}") from None
+        return run_ray_job(
+            Path(args.input), Path(args.output), schema, num_actors=args.num_actors, resume=args.resume,
+            progress=not args.no_progress, prompt=prompt, concurrency=args.concurrency, max_tokens=args.max_tokens,
+            id_field=args.id_field, max_prompt_tokens=args.max_prompt_tokens, copy_fields=args.copy_fields,
+            examples=examples, model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
+
     async def main() -> None:
         nonlocal summary
         engine = AsyncEngine.from_pretrained(args.model, dtype=args.dtype, device=args.device,
@@ -307,7 +349,10 @@ def _extract(args: argparse.Namespace) -> int:
     try:
         schema = load_schema(args.schema)
         examples = load_examples(Path(args.examples)) if args.examples else []
-        asyncio.run(main())
+        if args.ray:
+            summary = on_ray()
+        else:
+            asyncio.run(main())
     except AsyncPageError as exc:
         print(f"asyncpage extract: {exc}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ import torch
 
 from asyncpage.errors import InvalidRequestError
 from asyncpage.eviction import EVICTION_POLICIES
+from asyncpage.speculative import SpeculativeConfig
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -29,6 +30,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     num_threads: int
     debug_checks: bool = False  # check the KV pool's invariants after every step (tests, fuzzing)
     eviction_policy: str | None = None  # None: prefix-aware (eviction.py); "lru": plain LRU
+    kv_cache_dtype: str | None = None  # the KV pool's torch dtype name; None: `dtype`
+    quantization: str | None = None  # weight-only: None, "int8", "int4" (quant.py)
+    speculative: SpeculativeConfig | None = None  # n-gram speculative decoding (speculative.py)
 
 
 def check_options(o: dict[str, Any]) -> None:
@@ -49,8 +53,24 @@ def check_options(o: dict[str, Any]) -> None:
     if o["eviction_policy"] not in EVICTION_POLICIES:
         raise InvalidRequestError("eviction_policy", f"must be None (the default, prefix-aware) or 'lru', "
                                   f"got {o['eviction_policy']!r}")
+    if o.get("kv_cache_dtype", "auto") not in KV_CACHE_DTYPES:
+        raise InvalidRequestError("kv_cache_dtype", f"must be 'auto' (the model dtype), 'int8' or 'fp8', "
+                                  f"got {o.get('kv_cache_dtype')!r}")
     if o["attention_backend"] not in ("auto", "torch", "triton"):
         raise InvalidRequestError("attention_backend", f"must be torch, triton or auto, got {o['attention_backend']!r}")
+
+
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+
+
+def check_quantization(q: Any) -> None:
+    if q not in (None, "int8", "int4"):
+        raise InvalidRequestError("quantization", f"must be None, 'int8' or 'int4', got {q!r}")
+
+
+def resolve_kv_cache_dtype(kv: str, dtype: str) -> str:
+    """The torch dtype name the KV pool is stored in."""
+    return {"auto": dtype, "int8": "int8", "fp8": "float8_e4m3fn"}[kv]
 
 
 def resolve_device(device: str) -> str:

@@ -54,10 +54,12 @@ class EngineCore:
         self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                  config.eviction_policy)
         self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size, getattr(torch, config.dtype),
-                                  torch.device(config.device), mask_vocab_size)
+                                  torch.device(config.device), mask_vocab_size,
+                                  kv_cache_dtype=getattr(torch, config.kv_cache_dtype or config.dtype))
         self.output = OutputProcessor(tokenizer, lambda seq, reason: self.scheduler.finish(seq, reason))
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.max_model_len, self._make_generator, self.output.stop_string_hit)
+                                   config.max_model_len, self._make_generator, self.output.stop_string_hit,
+                                   config.speculative)
         # The two queues outside code may touch (deque append/popleft are atomic in CPython).
         self._adds: deque[Request] = deque()
         self._aborts: deque[Request] = deque()
@@ -186,7 +188,7 @@ class EngineCore:
         sampled = dict(zip(result.seq_ids, result.sampled.tokens, strict=True))
         logprobs = dict(zip(result.seq_ids, result.sampled.logprobs, strict=True))
         updates, failed = self.scheduler.update(out, sampled, result.grammar_done, result.forced, result.failed,
-                                                result.beams)
+                                                result.beams, result.accepted)
         for sched in out.scheduled:
             req = sched.seq.request
             if req.beam is not None and sched.samples and req.request_id in self._requests:
@@ -276,7 +278,8 @@ class EngineCore:
             kv_token_slots_allocated=pool.num_used * bs, kv_token_slots_occupied=sum(fill.values()),
             num_requests_finished=self.output.num_finished, num_generated_tokens=self.output.num_generated,
             engine_error=repr(self.dead.__cause__) if self.dead is not None else None,
-            prefix_cache_evictions=pool.num_evictions)
+            prefix_cache_evictions=pool.num_evictions, spec_proposed_tokens=sched.spec_proposed,
+            spec_accepted_tokens=sched.spec_accepted)
 
     def check_invariants(self) -> None:
         """The pool agrees with the block tables (raises AssertionError otherwise): run after every

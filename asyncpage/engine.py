@@ -31,9 +31,11 @@ from asyncpage.compute import ComputeThread
 from asyncpage.config import (
     EngineConfig,
     check_options,
+    check_quantization,
     resolve_backend,
     resolve_device,
     resolve_dtype,
+    resolve_kv_cache_dtype,
     size_pool,
 )
 from asyncpage.core import EngineCore
@@ -67,6 +69,7 @@ from asyncpage.outputs import (
 from asyncpage.params import SamplingParams
 from asyncpage.request import Request
 from asyncpage.runner import kv_bytes_per_block
+from asyncpage.speculative import SpeculativeConfig
 from asyncpage.streams import Mailbox, RequestStream
 from asyncpage.validation import check_beam_search, check_request, check_token_ids
 from asyncpage.weights import LoadedModel, load
@@ -127,6 +130,9 @@ class AsyncEngine:
         grammar_compile_timeout: float = 5.0,
         debug_checks: bool | None = None,
         eviction_policy: str | None = None,
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
+        speculative_config: dict[str, Any] | None = None,
     ) -> AsyncEngine:
         """Load a model. `model=None` is gemma-3-270m from its PyPI package; else a local HF
         directory, an HF hub id already in the local cache, or a .gguf file.
@@ -136,8 +142,15 @@ class AsyncEngine:
         "xgrammar"); a grammar that takes longer than `grammar_compile_timeout` s is refused.
         `debug_checks=True` (or ASYNCPAGE_DEBUG_CHECKS=1) checks the KV pool's invariants every step.
         `eviction_policy`: which cached prefix a full pool gives up first; None (the default) keeps
-        what many requests share and evicts the ends of prefix chains first, "lru" the oldest."""
+        what many requests share and evicts the ends of prefix chains first, "lru" the oldest.
+        `quantization` "int8" (per channel) / "int4" (groups of 32): weight-only, LM head and
+        embeddings included. `kv_cache_dtype` "int8" / "fp8": the KV pool stores one byte a value
+        (with a scale per token and head): about twice the tokens of bfloat16 in the same memory.
+        `speculative_config={"method": "ngram", "num_speculative_tokens": 4}`: a decoding sequence
+        proposes up to that many tokens from its own earlier text and the model verifies them in one
+        step (same output; asyncpage.speculative)."""
         dev = resolve_device(device)
+        check_quantization(quantization)
         dt = resolve_dtype(dtype, dev)
         if debug_checks is None:
             debug_checks = os.environ.get("ASYNCPAGE_DEBUG_CHECKS", "") not in ("", "0")
@@ -146,14 +159,15 @@ class AsyncEngine:
                        enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend,
                        max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                        guided_backend=guided_backend, grammar_compile_timeout=grammar_compile_timeout,
-                       debug_checks=bool(debug_checks), eviction_policy=eviction_policy)
+                       debug_checks=bool(debug_checks), eviction_policy=eviction_policy,
+                       kv_cache_dtype=kv_cache_dtype, speculative_config=SpeculativeConfig.parse(speculative_config))
         check_options(options)
         resolve_backend(attention_backend, dev, block_size)  # refuse before minutes of loading
         threads = num_threads or len(os.sched_getaffinity(0))
         # All torch work on one thread with one deliberately sized pool (see compute.py); with the
         # default thread count it follows the cores other processes leave free (cpu_share.py).
         compute = ComputeThread(threads, adaptive=num_threads is None)
-        loaded = compute.run(load, model, getattr(torch, dt), torch.device(dev))
+        loaded = compute.run(load, model, getattr(torch, dt), torch.device(dev), quantization)
         return compute.run(cls._build, loaded, dt, dev, compute, options)
 
     def clone(self, **overrides: Any) -> AsyncEngine:
@@ -173,7 +187,8 @@ class AsyncEngine:
         mc = loaded.config
         ctx = int(getattr(mc, "max_position_embeddings", 8192))
         max_len = min(ctx, options["max_model_len"]) if options["max_model_len"] else ctx
-        per_block = kv_bytes_per_block(loaded.model, options["block_size"], getattr(torch, dt))
+        kv_dt = resolve_kv_cache_dtype(options["kv_cache_dtype"], dt)
+        per_block = kv_bytes_per_block(loaded.model, options["block_size"], getattr(torch, kv_dt))
         config = EngineConfig(
             dtype=dt, device=dev, block_size=options["block_size"],
             num_kv_blocks=size_pool(options, per_block, max_len, dev),
@@ -181,7 +196,8 @@ class AsyncEngine:
             max_model_len=max_len, enable_prefix_caching=options["enable_prefix_caching"],
             attention_backend=resolve_backend(options["attention_backend"], dev, options["block_size"]),
             num_threads=compute.num_threads, debug_checks=options["debug_checks"],
-            eviction_policy=options["eviction_policy"])
+            eviction_policy=options["eviction_policy"], kv_cache_dtype=kv_dt,
+            quantization=loaded.quantization, speculative=SpeculativeConfig.parse(options["speculative_config"]))
         # Masks cover every id either side knows: some checkpoints' tokenizers have more entries than
         # the logits (Gemma 3 on the hub: 262,145 vs 262,144); masks are sliced to the logits at use.
         mask_vocab = max(int(mc.vocab_size), len(loaded.tokenizer))
@@ -426,7 +442,9 @@ class AsyncEngine:
                       max_num_seqs=self.config.max_num_seqs)
         if beam is not None:
             check_beam_search(ids, params, beam.beam_width, max_num_seqs=self.config.max_num_seqs,
-                              pool_tokens=self.config.num_kv_blocks * self.config.block_size)
+                              pool_tokens=self.config.num_kv_blocks * self.config.block_size,
+                              block_size=self.config.block_size,
+                              max_num_batched_tokens=self.config.max_num_batched_tokens)
         spec = GuidedSpec.from_params(params)
         compiled = await self.guided.compile(spec) if spec is not None else None
         self._check_usable()  # it may have stopped while the request was being prepared

@@ -95,10 +95,15 @@ def copy_sources(prompt: Prompt | None, record: Mapping[str, Any], id_field: str
     return [v for n in names if isinstance(v := record.get(n), str) and v]
 
 
-def closed_validly(matcher: Any, params: SamplingParams) -> bool:
+def closed_validly(matcher: Any, params: SamplingParams, token_ids: list[int]) -> bool:
     """A request that ended by length has a complete value when budget closing brought its grammar to
-    an accepting state (read once the sequence is finished: nothing else touches its matcher then)."""
-    return bool(params.budget_close and matcher is not None and matcher.is_accepting())
+    an accepting state with the tokens it emitted (read once the sequence is finished: nothing else
+    touches its matcher then). They are replayed on a fresh matcher (`replays`): the sequence's own
+    may be ahead of its output, by forced tokens max_tokens cut (`{"const": 12345678}` cut at `123`)."""
+    if not params.budget_close or matcher is None:
+        return False
+    replays = getattr(matcher, "replays", None)
+    return bool(replays(token_ids) if replays is not None else matcher.is_accepting())
 
 
 async def closed_early_error(engine: AsyncEngine, params: SamplingParams, token_ids: list[int], text: str,
@@ -265,7 +270,7 @@ def _result(rid: Any, req: Request, target: Any) -> ExtractResult:
     text = out.text if out else ""
     n_out = len(out.token_ids) if out else 0
     if out is not None and out.finish_reason == "length" and closed_validly(req.seqs[0].matcher if req.seqs else None,
-                                                                              req.params):
+                                                                              req.params, out.token_ids):
         try:
             value = decode_value(text, target)
         except msgspec.DecodeError:

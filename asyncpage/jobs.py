@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any, TextIO
 
 import msgspec
 
@@ -78,6 +78,16 @@ class DoneLines:
         byte = line >> 3
         return byte < len(self._bits) and bool(self._bits[byte] & (1 << (line & 7)))
 
+    def __len__(self) -> int:
+        return sum(b.bit_count() for b in self._bits) + len(self.legacy_ids)
+
+    def skips(self, line: int, raw: bytes, id_field: str) -> bool:
+        """Whether input line `line` (its bytes `raw`) is answered already; the bytes are parsed only
+        when the output holds legacy id-only lines."""
+        if line in self:
+            return True
+        return bool(self.legacy_ids) and _key(parse_line(line, raw, id_field)[0]) in self.legacy_ids
+
 
 def cut_torn_tail(output: Path) -> None:
     """A hard kill can leave a last line without its newline: cut it (that record is redone)."""
@@ -126,17 +136,44 @@ def _key(rid: Any) -> str:
     return json.dumps(rid, sort_keys=True)
 
 
-def _input_lines(path: Path) -> Iterator[tuple[int, str | None, str]]:
-    """(line number, text or None when not UTF-8, error) for each non-blank input line. Read as bytes:
-    one bad byte is that line's error, never the job's."""
-    with path.open("rb") as f:
-        for n, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                yield n, raw.decode("utf-8"), ""
-            except UnicodeDecodeError as exc:
-                yield n, None, f"line {n} is not valid UTF-8: {exc}"
+def input_lines(f: IO[bytes]) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes) for each non-blank line of a binary stream. Lines are split on b"\\n" only
+    and numbered with the blank ones counted: the numbers are what outputs and resumes key on."""
+    for n, raw in enumerate(f, 1):
+        if raw.strip():
+            yield n, raw
+
+
+def parse_line(n: int, raw: bytes, id_field: str) -> tuple[Any, dict[str, Any] | None, str]:
+    """Input line `n` as (id, record, "") or (id, None, why it is not a record). Read from bytes: one
+    bad byte is that line's error, never the job's. A record without `id_field` gets "line-n",
+    written into it so that its prompt and its result agree."""
+    rid = f"line-{n}"
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return rid, None, f"line {n} is not valid UTF-8: {exc}"
+    try:
+        rec = json.loads(text)
+    except ValueError as exc:
+        return rid, None, str(exc)
+    if not isinstance(rec, dict):
+        return rid, None, f"a record must be a JSON object, got {type(rec).__name__}"
+    rec.setdefault(id_field, rid)
+    return rec[id_field], rec, ""
+
+
+def job_params(max_tokens: int) -> SamplingParams:
+    """What `asyncpage extract` samples with, in-process or on Ray: greedy, so that reruns agree."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0)
+
+
+def open_output(output_path: Path, resume: bool) -> DoneLines:
+    """The lines a job must not redo: none for a fresh output (refusing to append to a full one
+    unless resuming), else those `output_path` answers."""
+    if output_path.exists() and not resume and output_path.stat().st_size:
+        raise InvalidRequestError("output", f"{output_path} exists; pass --resume to continue it")
+    return done_lines(output_path) if resume else DoneLines()
 
 
 @dataclass
@@ -165,19 +202,35 @@ class JobSummary:
         return out
 
 
-class _Writer:
+def unfinished(engine_error: ExtractResult) -> EngineDeadError:
+    """What a job raises at its end when an engine died or closed under some records: they have no
+    line, so that a resumed run does them."""
+    assert engine_error.error is not None
+    return EngineDeadError(f"some records could not be processed ({engine_error.error.message}); "
+                           "they are not in the output: run again with --resume")
+
+
+def result_line(r: ExtractResult, line_no: int) -> dict[str, Any]:
+    """The output line (JSON builtins) that answers input line `line_no`."""
+    line = {"id": r.id, "error": msgspec.to_builtins(r.error)} if r.error else {"id": r.id, "value": r.value}
+    if r.closed_early:
+        line["closed_early"] = True  # valid, but ended by --max-tokens: maybe shorter than the model's own
+    line["line"] = line_no  # the input line it answers: what --resume keys on (ids may repeat or be null)
+    return msgspec.to_builtins(line)
+
+
+class ResultWriter:
+    """Appends output lines, each whole and flushed (what makes an interrupted output resumable),
+    and counts them into a JobSummary."""
+
     def __init__(self, f: TextIO, summary: JobSummary) -> None:
         self.f = f
         self.summary = summary
 
     def write(self, r: ExtractResult, line_no: int) -> None:
-        line = {"id": r.id, "error": msgspec.to_builtins(r.error)} if r.error else {"id": r.id, "value": r.value}
-        if r.closed_early:
-            line["closed_early"] = True  # valid, but ended by --max-tokens: maybe shorter than the model's own
-            self.summary.closed_early += 1
-        line["line"] = line_no  # the input line it answers: what --resume keys on (ids may repeat or be null)
-        self.f.write(json.dumps(msgspec.to_builtins(line), ensure_ascii=False) + "\n")
+        self.f.write(json.dumps(result_line(r, line_no), ensure_ascii=False) + "\n")
         self.f.flush()
+        self.summary.closed_early += r.closed_early
         if r.error:
             self.summary.failed[r.error.reason] += 1
         else:
@@ -194,11 +247,10 @@ async def run_job(engine: AsyncEngine, schema: Any, input_path: Path, output_pat
     """Every non-blank input line gets exactly one output line across any number of interrupted
     runs: a record is written once it has its final outcome; one whose engine died or closed under
     it is not written (the job stops with the error), so `resume=True` does it again."""
-    if output_path.exists() and not resume and output_path.stat().st_size:
-        raise InvalidRequestError("output", f"{output_path} exists; pass --resume to continue it")
-    done = done_lines(output_path) if resume else DoneLines()
+    done = open_output(output_path, resume)
     summary = JobSummary()
-    total = sum(1 for _ in _input_lines(input_path))
+    with input_path.open("rb") as src:
+        total = sum(1 for _ in input_lines(src))
     bar: Any = None
     if progress:
         from tqdm import tqdm
@@ -207,7 +259,7 @@ async def run_job(engine: AsyncEngine, schema: Any, input_path: Path, output_pat
     t0 = time.perf_counter()
     line_of: dict[int, int] = {}  # position in the record stream -> input line, for records in flight
     with output_path.open("a", encoding="utf-8") as f:
-        writer = _Writer(f, summary)
+        writer = ResultWriter(f, summary)
 
         def _tick() -> None:
             if bar is not None:
@@ -218,34 +270,22 @@ async def run_job(engine: AsyncEngine, schema: Any, input_path: Path, output_pat
 
         def records() -> Iterator[dict[str, Any]]:
             position = 0
-            for n, text, error in _input_lines(input_path):
-                if n in done:
-                    summary.skipped += 1
-                    _tick()
-                    continue
-                rec: Any = None
-                if text is not None:
-                    try:
-                        rec = json.loads(text)
-                        if not isinstance(rec, dict):
-                            error = f"a record must be a JSON object, got {type(rec).__name__}"
-                    except ValueError as exc:
-                        error = str(exc)
-                rid = rec.get(id_field, f"line-{n}") if isinstance(rec, dict) else f"line-{n}"
-                if done.legacy_ids and _key(rid) in done.legacy_ids:
-                    summary.skipped += 1
-                    _tick()
-                    continue
-                if error:
-                    writer.write(ExtractResult(rid, error=ExtractError("invalid_input", error)), n)
-                    _tick()
-                    continue
-                rec.setdefault(id_field, f"line-{n}")
-                position += 1
-                line_of[position] = n
-                yield rec
+            with input_path.open("rb") as src:
+                for n, raw in input_lines(src):
+                    if done.skips(n, raw, id_field):
+                        summary.skipped += 1
+                        _tick()
+                        continue
+                    rid, rec, error = parse_line(n, raw, id_field)
+                    if rec is None:
+                        writer.write(ExtractResult(rid, error=ExtractError("invalid_input", error)), n)
+                        _tick()
+                        continue
+                    position += 1
+                    line_of[position] = n
+                    yield rec
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=0)
+        params = job_params(max_tokens)
         engine_error: ExtractResult | None = None
         try:
             async for result in engine.extract_many(records(), schema, prompt=prompt, concurrency=concurrency,
@@ -259,9 +299,7 @@ async def run_job(engine: AsyncEngine, schema: Any, input_path: Path, output_pat
                 writer.write(result, n)
                 _tick()
             if engine_error is not None:
-                assert engine_error.error is not None
-                raise EngineDeadError(f"some records could not be processed ({engine_error.error.message}); "
-                                      "they are not in the output: run again with --resume")
+                raise unfinished(engine_error)
         except BaseException:
             summary.interrupted = True
             raise

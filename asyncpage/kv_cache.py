@@ -268,6 +268,13 @@ class KVCacheManager:
             self.pool.ref(b)
         return BlockTable(list(table.blocks), list(table.digests))
 
+    def trim(self, table: BlockTable, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens (written only by rejected drafts)."""
+        keep = self.blocks_needed(num_tokens)
+        while len(table.blocks) > keep:
+            self.pool.free(table.blocks.pop())
+        del table.digests[keep:]
+
     def free(self, table: BlockTable) -> None:
         # Tail first: the tail of a prompt is the least likely part to be shared, so under "lru" it is
         # evicted first (the default policy evicts chain ends first whatever the order).

@@ -66,6 +66,10 @@ class PrometheusMetrics:
                                           value=s.prefix_cache_hit_tokens)
                 yield CounterMetricFamily(f"{p}:prefix_cache_evictions", "Cached KV blocks evicted to make room",
                                           value=s.prefix_cache_evictions)
+                yield CounterMetricFamily(f"{p}:spec_decode_num_draft_tokens", "Speculated tokens verified",
+                                          value=s.spec_proposed_tokens)
+                yield CounterMetricFamily(f"{p}:spec_decode_num_accepted_tokens", "Speculated tokens kept",
+                                          value=s.spec_accepted_tokens)
 
         self.registry.register(_Gauges())
         engine.on_request_finished(self.observe)

@@ -44,9 +44,16 @@ class OutputProcessor:
         detok = seq.detokenizer
         assert detok is not None
         text = ""
-        for token in tokens:
+        for i, token in enumerate(tokens):
             is_stop = token in seq.params.stop_token_ids or token in req.stop_token_ids
             text += detok.add(token, is_stop_token=is_stop)
+            if detok.stopped and i + 1 < len(tokens):
+                # A stop string inside a run of tokens (speculation, grammar fast-forward): nothing
+                # after the token that completed it is emitted.
+                del seq.token_ids[len(seq.token_ids) - (len(tokens) - i - 1):]
+                self.num_generated -= len(tokens) - i - 1
+                tokens = tokens[: i + 1]
+                break
         if detok.stopped:
             if seq.status is SeqStatus.RUNNING:
                 self._finish(seq, "stop")
@@ -85,10 +92,14 @@ class OutputProcessor:
             return
         reasons: list[FinishReason] = [s.finish_reason or "abort" for s in req.seqs]
         reasons += ["abort"] * (req.params.n - len(reasons))  # aborted before its samples forked
+        generated = sum(s.num_output_tokens for s in req.seqs)
+        if req.beam is not None and req.beam.done:
+            # A finished search reports its beams (what beams() posted), not the sequences it last ran.
+            reasons = [h.finish_reason for h in req.beam.finished] or ["length"]
+            generated = sum(len(h.token_ids) for h in req.beam.finished)
         done = FinishedRequest(
             request_id=req.request_id, num_prompt_tokens=len(req.prompt_token_ids),
-            num_generated_tokens=sum(s.num_output_tokens for s in req.seqs),
-            finish_reasons=reasons, metrics=request_metrics(req))
+            num_generated_tokens=generated, finish_reasons=reasons, metrics=request_metrics(req))
         for hook in self.hooks:
             try:
                 hook(done)
@@ -105,4 +116,5 @@ def request_metrics(req: Request) -> RequestMetrics:
         queue_time=first_sched - t.arrival, ttft=first - t.arrival, prefill_time=first - first_sched,
         decode_time=(t.last_token or first) - first, e2e=end - t.arrival,
         inter_token_latencies=list(t.inter_token), num_preemptions=req.num_preemptions,
-        num_cached_prompt_tokens=req.num_cached_prompt_tokens)
+        num_cached_prompt_tokens=req.num_cached_prompt_tokens, spec_proposed_tokens=req.spec_proposed_tokens,
+        spec_accepted_tokens=req.spec_accepted_tokens)

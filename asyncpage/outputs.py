@@ -47,6 +47,8 @@ class RequestMetrics(msgspec.Struct, frozen=True):
     inter_token_latencies: list[float]
     num_preemptions: int
     num_cached_prompt_tokens: int
+    spec_proposed_tokens: int = 0  # speculative decoding: drafts verified for this request...
+    spec_accepted_tokens: int = 0  # ...and kept; mean accepted run = accepted / verify steps
 
 
 class FinishedRequest(msgspec.Struct, frozen=True):
@@ -115,3 +117,5 @@ class EngineStats(msgspec.Struct, frozen=True):
     engine_error: str | None = None
     # Cached blocks given up to make room: their prefix must be computed again if asked for.
     prefix_cache_evictions: int = 0
+    spec_proposed_tokens: int = 0  # speculative decoding: drafts verified...
+    spec_accepted_tokens: int = 0  # ...and kept (each kept draft is a decode step saved)

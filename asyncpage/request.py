@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from asyncpage.beam import BeamSearch
     from asyncpage.detokenizer import IncrementalDetokenizer
     from asyncpage.guided import Matcher
+    from asyncpage.speculative import SpecState
     from asyncpage.streams import Mailbox
 
 
@@ -61,6 +62,8 @@ class Request:
     released_event: Any = None  # an anyio.Event made by the first waiter (on the loop)
     # A beam search: `seqs` are its running beams (rebuilt every step), finished ones are hypotheses there.
     beam: BeamSearch | None = None
+    spec_proposed_tokens: int = 0  # speculative decoding: drafts verified for this request
+    spec_accepted_tokens: int = 0  # ...and kept
 
     @property
     def finished(self) -> bool:
@@ -93,6 +96,7 @@ class Sequence:
     # Chained digests of this sequence's full blocks of tokens, computed once (tokens only ever
     # append): a waiting sequence blocked at the head of the queue is looked up every step.
     prefix_digests: list[bytes] = field(default_factory=list)
+    spec: SpecState | None = None  # speculative decoding: this sequence's n-gram proposer
 
     @property
     def num_tokens(self) -> int:

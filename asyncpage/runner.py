@@ -10,18 +10,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from asyncpage.attention import AttentionMetadata, PrefillChunk, paged_attention
+from asyncpage.attention import KV_QMAX, AttentionMetadata, PrefillChunk, paged_attention
 from asyncpage.guided import Matcher
 from asyncpage.guided.backend import apply_bitmask, bitmask_width
 from asyncpage.guided.budget import ALTERNATIVES, Closer, Guards, guards_for
 from asyncpage.models import CausalLM
 from asyncpage.outputs import TokenLogprob
+from asyncpage.request import Sequence
 from asyncpage.sampling import SampleResult, SampleSpec, beam_candidates, needs_history, sample
 from asyncpage.scheduler import SchedulerOutput
+from asyncpage.speculative import Verify, draft_masks, verify
 
 
 @dataclass
@@ -33,7 +35,8 @@ class StepBatch:
     spec_rows: torch.Tensor  # [N] index into logit_rows, one per sample (forks repeat a row)
     specs: list[SampleSpec]
     block_copies: list[tuple[int, int]]
-    forked: bool  # some logit rows feed several samples (an n > 1 request forking this step)
+    forked: bool  # logit rows are not one per sample (an n > 1 request forking, or drafts being verified)
+    verifies: list[Verify] = field(default_factory=list)  # speculating sequences, verified after `specs`
 
 
 @dataclass
@@ -45,17 +48,23 @@ class StepResult:
     # Sequences whose sampled token must not be emitted (no valid token, or the grammar rejected it).
     failed: dict[int, str] | None = None
     beams: dict[int, tuple[list[int], list[float]]] | None = None  # beam search: each beam's best continuations
+    accepted: dict[int, int] | None = None  # speculating sequences: how many of their drafts were kept
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block over all layers, K and V (and, for a one-byte pool, its float32 scales)."""
     elem = torch.tensor([], dtype=dtype).element_size()
-    per_token = sum(2 * layer.self_attn.num_kv_heads * layer.self_attn.head_dim for layer in model.model.layers)
-    return int(per_token * block_size * elem)
+    scale = 4 if dtype in KV_QMAX else 0
+    per_token = sum(2 * layer.self_attn.num_kv_heads * (layer.self_attn.head_dim * elem + scale)
+                    for layer in model.model.layers)
+    return int(per_token * block_size)
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, mask_vocab_size: int | None = None) -> None:
+                 device: torch.device, mask_vocab_size: int | None = None,
+                 kv_cache_dtype: torch.dtype | None = None) -> None:
+        """`kv_cache_dtype` (default `dtype`): torch.int8 or torch.float8_e4m3fn make a quantized pool."""
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -63,7 +72,7 @@ class ModelRunner:
         # The grammar engines' vocabulary (may exceed the logits width); masks are sliced at use.
         self.mask_vocab_size = mask_vocab_size or self.vocab_size
         # The pool belongs to the runner, not to the model: two engines may share one set of weights.
-        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.caches: list[tuple[torch.Tensor, ...]] = []
         # One block more than the pool hands out: padding tokens write their K/V there.
         self.pad_slot = num_blocks * block_size
         for layer in model.model.layers:
@@ -72,14 +81,19 @@ class ModelRunner:
             # Written now, not zero-mapped lazily: on the CPU, first-touch page faults inside the decode
             # gathers made a cold engine ~40% slower than a warm one. Zeros, not garbage: padded decode
             # slots are read before the mask drops them, and NaN times a zero weight is still NaN.
-            k, v = torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
-            k.zero_()
-            v.zero_()
-            self.caches.append((k, v))
+            kv_dt = kv_cache_dtype or dtype
+            layer_cache: tuple[torch.Tensor, ...] = (torch.empty(shape, dtype=kv_dt, device=device),
+                                                     torch.empty(shape, dtype=kv_dt, device=device))
+            if kv_dt in KV_QMAX:  # + a float32 scale per token and KV head for K and for V
+                layer_cache += (torch.empty(shape[:3], dtype=torch.float32, device=device),
+                                torch.empty(shape[:3], dtype=torch.float32, device=device))
+            for t in layer_cache:
+                t.view(torch.uint8).zero_()  # as bytes: float8 has no CPU fill kernel
+            self.caches.append(layer_cache)
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="asyncpage-masks")
         # The attention backend (asyncpage.kernels.use_triton_attention swaps in the Triton kernels).
         self.attention: Callable[..., torch.Tensor] = paged_attention
-        self.copy_blocks: Callable[[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[int, int]]], None] = \
+        self.copy_blocks: Callable[[list[tuple[torch.Tensor, ...]], list[tuple[int, int]]], None] = \
             _copy_blocks
 
     # ---- on the event loop -----------------------------------------------------------------
@@ -95,11 +109,12 @@ class ModelRunner:
         logit_rows: list[int] = []
         spec_rows: list[int] = []
         specs: list[SampleSpec] = []
+        verifies: list[Verify] = []
         for sched in out.scheduled:
             seq, n = sched.seq, sched.num_new_tokens
             start, nc = len(input_ids), seq.num_computed_tokens
             table = seq.table.ids
-            input_ids += seq.token_ids[nc : nc + n]
+            input_ids += seq.token_ids[nc : nc + n - len(sched.draft)] + sched.draft
             positions += range(nc, nc + n)
             slots += [table[p // bs] * bs + p % bs for p in range(nc, nc + n)]
             if n == 1:
@@ -108,21 +123,19 @@ class ModelRunner:
                 decode_lens.append(nc + 1)
             else:
                 prefills.append(PrefillChunk(start, start + n, nc, self._t(table)))
-            if sched.samples:
+            if sched.draft:
+                # Speculating: its last real token and every draft get a logit row; verified in order.
+                k = len(sched.draft)
+                rows = list(range(len(logit_rows), len(logit_rows) + k + 1))
+                logit_rows += range(start + n - k - 1, start + n)
+                s = sched.samples[0]
+                verifies.append(Verify(_sample_spec(s, out.max_model_len), sched.draft, rows,
+                                       frozenset(s.params.stop_token_ids) | s.request.stop_token_ids))
+            elif sched.samples:
                 logit_rows.append(start + n - 1)
                 for s in sched.samples:
                     spec_rows.append(len(logit_rows) - 1)
-                    p = s.params
-                    hist = needs_history(p)
-                    budget = None
-                    beam = s.request.beam
-                    if s.matcher is not None and p.budget_close and beam is None:
-                        budget = min(p.max_tokens - s.num_output_tokens, out.max_model_len - s.num_tokens)
-                    specs.append(SampleSpec(
-                        seq_id=s.seq_id, params=p, generator=s.generator,
-                        prompt_ids=list(s.token_ids[: s.num_prompt_tokens]) if p.repetition_penalty != 1 else None,
-                        output_ids=list(s.output_token_ids) if hist else None, matcher=s.matcher, budget=budget,
-                        beam_k=beam.num_candidates if beam is not None else 0))
+                    specs.append(_sample_spec(s, out.max_model_len))
         # Pad the flat batch (and the rows sent to the LM head) to a few bucket sizes: the CPU matmul
         # libraries build a kernel per new shape (~0.5 ms per matmul), which cost a cold engine 30% of
         # its throughput when every step had a new token count. Padding rows attend to nothing.
@@ -139,7 +152,8 @@ class ModelRunner:
             meta.decode_block_tables = self._t([t + [0] * (width - len(t)) for t in decode_tables])
             meta.decode_context_lens = self._t(decode_lens)
         return StepBatch(self._t(input_ids), self._t(positions), meta, self._t(logit_rows),
-                         self._t(spec_rows), specs, list(out.block_copies), forked=len(specs) != n_rows)
+                         self._t(spec_rows), specs, list(out.block_copies), forked=len(specs) != n_rows,
+                         verifies=verifies)
 
     def _t(self, xs: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.long, device=self.device)
@@ -155,12 +169,11 @@ class ModelRunner:
             bitmask = torch.full((len(batch.specs), bitmask_width(self.mask_vocab_size)), -1, dtype=torch.int32)
             masks = self._mask_pool.submit(_fill_masks, guided, bitmask)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.caches)
-        logits = self.model.compute_logits(hidden[batch.logit_rows])
+        every = self.model.compute_logits(hidden[batch.logit_rows]).cpu()
         if batch.forked:
-            logits = logits[batch.spec_rows]  # forked samples share their parent's row
+            logits = every[batch.spec_rows]  # forked samples share their parent's row; drafts have several
         else:
-            logits = logits[: len(batch.specs)]  # one row per sample: drop the padding rows
-        logits = logits.cpu()
+            logits = every[: len(batch.specs)]  # one row per sample: drop the padding rows
         if masks is not None:
             masks.result()
         result = sample(logits, batch.specs, bitmask)
@@ -173,46 +186,76 @@ class ModelRunner:
             spec = batch.specs[i]
             if spec.seq_id in failed or spec.beam_k:
                 continue  # a beam's matcher advances once the search has chosen its token (scheduler)
-            closer = _closer(m, spec) if spec.budget is not None else None
-            if closer is not None:
-                assert bitmask is not None
-                chosen = _budget_step(closer, i, spec, result, logits, bitmask)
-                if chosen is None:
-                    failed[spec.seq_id] = f"the grammar rejected sampled token {result.tokens[i]}"
-                    continue
-                ff, stopped = chosen
-                if ff:
-                    forced[spec.seq_id] = ff
-                if stopped:
-                    done.add(spec.seq_id)
-                continue
-            # A correct mask never lets the grammar reject the sampled token; if it ever does, the token is
-            # dropped and the request fails, rather than emitting text outside the grammar.
-            if not m.accept(result.tokens[i]):
+            assert bitmask is not None
+            stepped = _guided_step(m, spec, result, i, logits, bitmask)
+            if stepped is None:
                 failed[spec.seq_id] = f"the grammar rejected sampled token {result.tokens[i]}"
                 continue
-            if m.is_terminated():
+            ff, stopped = stepped
+            if ff:
+                forced[spec.seq_id] = ff
+            if stopped:
                 done.add(spec.seq_id)
+        seq_ids = [s.seq_id for s in batch.specs]
+        accepted: dict[int, int] = {}
+        for v in batch.verifies:
+            sid = v.spec.seq_id
+            out = verify(v, every, draft_masks(v, self.mask_vocab_size), _guided_step)
+            seq_ids.append(sid)
+            result.tokens.append(out.tokens[0] if out.tokens else -1)
+            result.logprobs.append(None)
+            accepted[sid] = out.accepted
+            if out.failed:
+                failed[sid] = out.failed
                 continue
-            if spec.params.logprobs is None:
-                # Fast-forward: tokens the grammar leaves no choice about ('{"name":"' in a schema)
-                # join the sequence now and are computed next step as one chunk, not one step each.
-                ff = []
-                for t in m.forced_tokens():
-                    if not m.accept(t):
-                        break
-                    ff.append(t)
-                if ff:
-                    forced[spec.seq_id] = ff
-                if m.is_terminated():
-                    done.add(spec.seq_id)
-        return StepResult([s.seq_id for s in batch.specs], result, frozenset(done), forced, failed, beams)
+            if out.tokens[1:] or out.forced:
+                forced[sid] = out.tokens[1:] + out.forced
+            if out.grammar_done:
+                done.add(sid)
+        return StepResult(seq_ids, result, frozenset(done), forced, failed, beams, accepted)
 
     @torch.inference_mode()
     def forward_logits(self, batch: StepBatch) -> torch.Tensor:
         """Logits of every row of the batch (tests compare them with transformers)."""
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.caches)
         return self.model.compute_logits(hidden)
+
+
+def _sample_spec(s: Sequence, max_model_len: int) -> SampleSpec:
+    p = s.params
+    beam = s.request.beam
+    budget = None
+    if s.matcher is not None and p.budget_close and beam is None:
+        budget = min(p.max_tokens - s.num_output_tokens, max_model_len - s.num_tokens)
+    return SampleSpec(
+        seq_id=s.seq_id, params=p, generator=s.generator,
+        prompt_ids=list(s.token_ids[: s.num_prompt_tokens]) if p.repetition_penalty != 1 else None,
+        output_ids=list(s.output_token_ids) if needs_history(p) else None, matcher=s.matcher, budget=budget,
+        beam_k=beam.num_candidates if beam is not None else 0)
+
+
+def _guided_step(m: Matcher, spec: SampleSpec, result: SampleResult, i: int, logits: torch.Tensor,
+                 bitmask: torch.Tensor) -> tuple[list[int], bool] | None:
+    """Take row i's sampled token through the sequence's grammar (budget closing may replace it in
+    `result`). Returns (tokens the grammar forces next, grammar ended); None if it refuses the token."""
+    closer = _closer(m, spec) if spec.budget is not None else None
+    if closer is not None:
+        return _budget_step(closer, i, spec, result, logits, bitmask)
+    # A correct mask never lets the grammar reject the sampled token; if it ever does, the token is
+    # dropped and the request fails, rather than emitting text outside the grammar.
+    if not m.accept(result.tokens[i]):
+        return None
+    if m.is_terminated():
+        return [], True
+    ff = []
+    if spec.params.logprobs is None:
+        # Fast-forward: tokens the grammar leaves no choice about ('{"name":"' in a schema) join the
+        # sequence now and are computed next step as one chunk, not one step each.
+        for t in m.forced_tokens():
+            if not m.accept(t):
+                break
+            ff.append(t)
+    return ff, m.is_terminated()
 
 
 def _closer(m: Matcher, spec: SampleSpec) -> Closer | None:
@@ -269,8 +312,8 @@ def _bucket(n: int) -> int:
     return -(-n // 64) * 64
 
 
-def _copy_blocks(caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
+def _copy_blocks(caches: list[tuple[torch.Tensor, ...]], pairs: list[tuple[int, int]]) -> None:
     for src, dst in pairs:
-        for k, v in caches:
-            k[dst].copy_(k[src])
-            v[dst].copy_(v[src])
+        for layer in caches:
+            for t in layer:  # K, V (and their scales in a quantized pool)
+                t[dst].copy_(t[src])

@@ -25,6 +25,7 @@ from asyncpage.kv_cache import KVCacheManager
 from asyncpage.outputs import FinishReason
 from asyncpage.params import SamplingParams
 from asyncpage.request import Request, SeqStatus, Sequence
+from asyncpage.speculative import SpecState, SpeculativeConfig
 
 
 @dataclass
@@ -34,6 +35,7 @@ class ScheduledSeq:
     # Sequences sampled from this row's logits (more than one when an n > 1 request forks).
     samples: list[Sequence] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # its copy-on-write, before the forward
+    draft: list[int] = field(default_factory=list)  # speculated tokens computed after its last one
 
 
 @dataclass
@@ -50,6 +52,11 @@ class SchedulerOutput:
         return bool(self.scheduled)
 
 
+# Speculate after a pending run of at most this many tokens (a decode has 1; grammar fast-forward
+# leaves a few): longer ones are prefill chunks, whose own cost dwarfs what drafts could save.
+FORCED_RUN = 16
+
+
 def _seats(seq: Sequence) -> int:
     """Slots of max_num_seqs a sequence takes: every sample (or beam) counts, so a request that will
     fork into n sequences holds n seats from its admission on."""
@@ -63,6 +70,12 @@ def _beams(seq: Sequence) -> list[Sequence] | None:
     return req.seqs if req.beam is not None and len(req.seqs) > 1 else None
 
 
+def _partly_running(seq: Sequence) -> bool:
+    """A waiting beam some of whose siblings are running (they wait for it to catch up)."""
+    beams = _beams(seq)
+    return beams is not None and any(b.status is SeqStatus.RUNNING for b in beams)
+
+
 def _ready(beams: list[Sequence]) -> bool:
     """Every beam is running with only its last token left: they can be stepped (together)."""
     return all(b.status is SeqStatus.RUNNING and b.num_tokens - b.num_computed_tokens == 1 for b in beams)
@@ -71,13 +84,17 @@ def _ready(beams: list[Sequence]) -> bool:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, make_generator: Callable[[Request, int], torch.Generator | None],
-                 stop_string_hit: Callable[[list[int], SamplingParams], bool] | None = None) -> None:
+                 stop_string_hit: Callable[[list[int], SamplingParams], bool] | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.make_generator = make_generator
         self.stop_string_hit = stop_string_hit  # beam search: does this output contain a stop string?
+        self.speculative = speculative
+        self.spec_proposed = 0  # drafts verified, over all sequences
+        self.spec_accepted = 0  # drafts kept
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -109,6 +126,8 @@ class Scheduler:
         seen: set[int] = set()
         self._preempted.clear()
 
+        spec = self.speculative
+        speculate = spec is not None and len(self.running) <= spec.disable_by_batch_size
         # A snapshot: children forked during this loop join `running` but have nothing to compute yet.
         for first in list(self.running):
             if budget <= 0:
@@ -116,8 +135,13 @@ class Scheduler:
             if first.status is not SeqStatus.RUNNING or first.seq_id in seen:
                 continue  # preempted a moment ago to make room for an earlier sequence, or a beam stepped
             beams = _beams(first)
+            draft: list[int] = []
             if beams is None:
-                todo = [(first, min(first.num_tokens - first.num_computed_tokens, budget))]
+                remaining = first.num_tokens - first.num_computed_tokens
+                if speculate and remaining < budget and remaining <= FORCED_RUN:
+                    # A decode, or the short run a grammar forced: drafts may follow its last token.
+                    draft = self._propose(first, budget - remaining)
+                todo = [(first, min(remaining + len(draft), budget))]
             elif _ready(beams) and budget >= len(beams):
                 todo = [(b, 1) for b in beams]  # the step that chooses among all their continuations
             else:
@@ -131,7 +155,7 @@ class Scheduler:
                 copies = self._grow(seq, num_new) if num_new > 0 else None
                 if copies is None:
                     break
-                scheduled.append(self._scheduled(seq, num_new, copies))
+                scheduled.append(self._scheduled(seq, num_new, copies, draft))
                 budget -= num_new
             if first.status is not SeqStatus.RUNNING:
                 break  # it preempted itself: everything admitted after it is gone too
@@ -149,8 +173,11 @@ class Scheduler:
             num_new = min(seq.num_tokens - start, budget)
             if _beams(seq) is not None:
                 num_new = min(num_new, seq.num_tokens - start - 1)  # the last token waits for its siblings
+            # No watermark for the rest of a beam group partly admitted: its running beams cannot
+            # move (nor free anything) until it is in, and the group fits the pool (validation).
             if not self.kv.can_allocate(seq.table, start, start + num_new, cached,
-                                        reserve=self.kv.watermark if self.running else 0):
+                                        reserve=self.kv.watermark if self.running and not _partly_running(seq)
+                                        else 0):
                 break  # FCFS: later sequences wait behind this one rather than starve it
             self.waiting.popleft()
             copies = self.kv.allocate(seq.table, start, start + num_new, cached)
@@ -181,9 +208,28 @@ class Scheduler:
                 return None
         return self.kv.allocate(seq.table, seq.num_computed_tokens, seq.num_computed_tokens + num_new)
 
-    def _scheduled(self, seq: Sequence, num_new: int, copies: list[tuple[int, int]]) -> ScheduledSeq:
-        sched = ScheduledSeq(seq, num_new, copies=copies)
-        if seq.num_computed_tokens + num_new == seq.num_tokens:
+    def _propose(self, seq: Sequence, room: int) -> list[int]:
+        """Drafts for a decoding sequence (n-gram lookup over its own tokens): at most `room`, never
+        past max_tokens or the context, cut where the grammar refuses one or at a stop token."""
+        req, p = seq.request, seq.params
+        if self.speculative is None or req.beam is not None or p.logprobs is not None:
+            return []
+        if req.width > 1 and not req.forked:
+            return []  # the step that forks its n samples: each speculates on its own from the next
+        if seq.spec is None:
+            seq.spec = SpecState(self.speculative)
+        room = min(room, p.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+        draft = seq.spec.propose(seq.token_ids, room)
+        stops = set(p.stop_token_ids) | req.stop_token_ids
+        cut = next((i for i, t in enumerate(draft) if t in stops), len(draft))
+        if seq.matcher is not None and cut:
+            cut = seq.matcher.valid_prefix(draft[:cut])
+        return draft[:cut]
+
+    def _scheduled(self, seq: Sequence, num_new: int, copies: list[tuple[int, int]],
+                   draft: list[int] | None = None) -> ScheduledSeq:
+        sched = ScheduledSeq(seq, num_new, copies=copies, draft=draft or [])
+        if seq.num_computed_tokens + num_new - len(sched.draft) == seq.num_tokens:
             sched.samples.append(seq)
             req = seq.request
             if req.params.n > 1 and not req.forked and req.beam is None:
@@ -212,13 +258,19 @@ class Scheduler:
         """Recompute later: `seq` (and, for a beam, every running beam of its search, since they only
         step together) leaves `running` for the head of the queue with its blocks freed."""
         group = [b for b in (_beams(seq) or [seq]) if b.status is SeqStatus.RUNNING]
-        for b in reversed(group):  # appendleft: the queue keeps them in beam order
+        for b in group:
             self._preempted.add(b.seq_id)
             self.running.remove(b)
             self.kv.free(b.table)
             b.num_computed_tokens = 0
             b.status = SeqStatus.WAITING
-            self.waiting.appendleft(b)
+        # Ahead of the queue, but behind the rest of a beam group partly admitted before `seq`: its
+        # running beams wait for those to step, so nothing admitted after them may go first.
+        at = 0
+        while at < len(self.waiting) and _partly_running(self.waiting[at]):
+            at += 1
+        for b in reversed(group):  # the queue keeps them in beam order
+            self.waiting.insert(at, b)
         self.num_preemptions += 1
         seq.request.num_preemptions += 1
 
@@ -226,11 +278,13 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: dict[int, int], grammar_done: frozenset[int] = frozenset(),
                forced: dict[int, list[int]] | None = None, failed: dict[int, str] | None = None,
                beams: dict[int, tuple[list[int], list[float]]] | None = None,
+               accepted: dict[int, int] | None = None,
                ) -> tuple[list[tuple[Sequence, list[int]]], list[tuple[Sequence, str]]]:
         """Advance computed counts, append sampled tokens (and the tokens a grammar forces after
         them), apply token-level stops. `sampled` maps seq_id -> token; `grammar_done` holds the
         sequences whose grammar is complete; `failed` the sequences whose sampled token is invalid
-        (no valid token, or one the grammar rejected): nothing is appended for them; `beams` each
+        (no valid token, or one the grammar rejected): nothing is appended for them; `accepted` how
+        many drafts each speculating sequence kept (its tokens are sampled + forced); `beams` each
         beam's best continuations (beam search steps here). Returns each sampled sequence with its
         new tokens (beams excepted: they report once their search is done), and the failed
         sequences with the reason."""
@@ -239,8 +293,8 @@ class Scheduler:
         searches: dict[int, Request] = {}
         for sched in out.scheduled:
             seq = sched.seq
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # aborted while the step ran
+            if seq.status is not SeqStatus.RUNNING or sched.draft:
+                continue  # aborted while the step ran; a speculating sequence is counted below
             seq.num_computed_tokens += sched.num_new_tokens
             self.kv.cache_full_blocks(seq.table, seq.token_ids, seq.num_computed_tokens,
                                       seq.params.cache_salt)
@@ -263,6 +317,9 @@ class Scheduler:
                     if reason is not None:
                         break
                 new_tokens.append((seq, added))
+                if sched.draft:
+                    self._verified(seq, sched.num_new_tokens - len(sched.draft), len(sched.draft),
+                                   (accepted or {}).get(seq.seq_id, 0))
                 if reason is None and seq.seq_id in grammar_done:
                     reason = "stop"
                 if reason == "stop" and getattr(seq.matcher, "budget_forced", False):
@@ -274,6 +331,21 @@ class Scheduler:
             if req_id not in failed_requests:
                 failures += self._step_beams(req, beams or {})
         return new_tokens, failures
+
+    def _verified(self, seq: Sequence, computed: int, proposed: int, kept: int) -> None:
+        """A speculating sequence's step is over: its `computed` tokens and `kept` drafts are in the cache
+        (the slots written for rejected drafts are garbage, overwritten when those positions are
+        computed again); only their full blocks enter the prefix cache, and blocks holding nothing
+        but rejected drafts go back to the pool."""
+        seq.num_computed_tokens = min(seq.num_computed_tokens + computed + kept, seq.num_tokens)
+        self.kv.cache_full_blocks(seq.table, seq.token_ids, seq.num_computed_tokens, seq.params.cache_salt)
+        self.kv.trim(seq.table, seq.num_tokens)
+        assert seq.spec is not None
+        seq.spec.observe(proposed, kept)
+        seq.request.spec_proposed_tokens += proposed
+        seq.request.spec_accepted_tokens += kept
+        self.spec_proposed += proposed
+        self.spec_accepted += kept
 
     def _step_beams(self, req: Request, candidates: dict[int, tuple[list[int], list[float]]],
                     ) -> list[tuple[Sequence, str]]:

@@ -24,6 +24,7 @@ import torch
 
 from asyncpage.errors import ModelLoadError
 from asyncpage.models import CausalLM, model_class
+from asyncpage.quant import Int4, int4_from_q4_k, quantize_model
 
 log = logging.getLogger("asyncpage")
 
@@ -36,6 +37,7 @@ class LoadedModel:
     eos_token_ids: frozenset[int]  # tokenizer EOS + generation config EOS (+ end-of-turn for GGUF chat models)
     source: str
     load_seconds: float
+    quantization: str | None = None
 
 
 def cache_dir() -> Path:
@@ -64,15 +66,20 @@ def resolve(model: str | os.PathLike[str] | None) -> Path:
     raise ModelLoadError(f"model {str(model)!r} not found")
 
 
-def load(model: str | os.PathLike[str] | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load(model: str | os.PathLike[str] | None, dtype: torch.dtype, device: torch.device,
+         quantization: str | None = None) -> LoadedModel:
+    """`quantization` "int8" / "int4": weight-only, LM head and embeddings included (quant.py)."""
     t0 = time.perf_counter()
     path = resolve(model)
     try:
+        exact: dict[str, Int4] = {}
         if path.suffix == ".gguf":
             config, state, tokenizer, extra_eos = _read_gguf(path)
+            if quantization == "int4":
+                exact = _gguf_q4_k(path, config.model_type)
         else:
             config, state, tokenizer, extra_eos = _read_hf_dir(path)
-        module = _build(config, state, dtype, device)
+        module = _build(config, state, dtype, device, quantization, exact)
     except ModelLoadError:
         raise
     except (OSError, KeyError, ValueError, NotImplementedError) as exc:
@@ -82,7 +89,7 @@ def load(model: str | os.PathLike[str] | None, dtype: torch.dtype, device: torch
         eos.add(int(tokenizer.eos_token_id))
     dt = time.perf_counter() - t0
     log.info("loaded %s in %.1f s", path, dt)
-    return LoadedModel(module, config, tokenizer, frozenset(eos), str(path), dt)
+    return LoadedModel(module, config, tokenizer, frozenset(eos), str(path), dt, quantization)
 
 
 def load_tokenizer(model: str | os.PathLike[str] | None) -> tuple[Any, Any, frozenset[int]]:
@@ -102,7 +109,8 @@ def load_tokenizer(model: str | os.PathLike[str] | None) -> tuple[Any, Any, froz
     return tokenizer, config, frozenset(eos)
 
 
-def _build(config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> CausalLM:
+def _build(config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+           quantization: str | None = None, exact: dict[str, Int4] | None = None) -> CausalLM:
     cls = model_class(config)
     # Built on the meta device: no time spent on random init of weights about to be overwritten.
     with torch.device("meta"):
@@ -128,15 +136,41 @@ def _build(config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype, devi
     if getattr(config, "tie_word_embeddings", False) or config.model_type == "gemma3_text":
         lm: Any = module
         lm.lm_head.weight = lm.model.embed_tokens.weight  # to_empty() breaks the tie
+    if quantization is not None:
+        # Quantized from the float32 weights, before the cast to `dtype` rounds them a second time;
+        # projections are fused first so each fused matmul is one quantized layer.
+        _fuse(module)
+        quantize_model(module, quantization, dtype, exact)
     module = module.to(dtype=dtype).eval()
     module.requires_grad_(False)
     # After the dtype cast (which would copy fused weights apart again): fuse projections, precompute
     # norm scales. Each module that can says how (a `fuse` method).
+    _fuse(module)
+    return cast(CausalLM, module)
+
+
+def _fuse(module: torch.nn.Module) -> None:
     for m in module.modules():
         fuse = getattr(m, "fuse", None)
         if callable(fuse):
             fuse()
-    return cast(CausalLM, module)
+
+
+def _gguf_q4_k(path: Path, model_type: str) -> dict[str, Int4]:
+    """The GGUF's Q4_K tensors as int4 groups of 32, exactly (see quant.int4_from_q4_k)."""
+    import gguf
+
+    _, index = _gguf_index(path)
+    out: dict[str, Int4] = {}
+    for t in index["tensors"]:
+        name = _gguf_tensor_name(t["name"], model_type)
+        if name is None or t["type"] != int(gguf.GGMLQuantizationType.Q4_K) or len(t["shape"]) != 2:
+            continue
+        if model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            continue  # rows permuted for llama.cpp's RoPE layout: requantized from the unpermuted floats
+        raw = np.memmap(path, dtype=np.uint8, mode="r", offset=t["offset"], shape=(t["n_bytes"],))
+        out[name] = int4_from_q4_k(np.asarray(raw), (t["shape"][1], t["shape"][0]))
+    return out
 
 
 # ---- HF directories ----------------------------------------------------------------------

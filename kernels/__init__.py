@@ -22,17 +22,23 @@ if TYPE_CHECKING:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    window: int | None) -> torch.Tensor:
-    """Drop-in for asyncpage.attention.paged_attention, with every step in Triton."""
+                    window: int | None, kv_scales: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    """Drop-in for asyncpage.attention.paged_attention, with every step in Triton (a quantized
+    pool's writes excepted: quantizing the new tokens is elementwise torch work)."""
     from asyncpage.kernels.attention_kernels import paged_decode, paged_prefill
     from asyncpage.kernels.cache_ops import write_kv
 
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if kv_scales:
+        from asyncpage.attention import write_kv as write_quantized
+
+        write_quantized(k_cache, v_cache, k, v, meta.slot_mapping, kv_scales)
+    else:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     if meta.decode_rows is not None:
         assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
         out[meta.decode_rows] = paged_decode(q[meta.decode_rows], k_cache, v_cache, meta.decode_block_tables,
-                                             meta.decode_context_lens, scale, window)
+                                             meta.decode_context_lens, scale, window, kv_scales)
     if meta.prefills:
         t = meta.scratch.get("triton_prefill")
         if t is None:
@@ -47,7 +53,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                 "max": max(p.end - p.start for p in meta.prefills),
             }
             meta.scratch["triton_prefill"] = t
-        paged_prefill(q, k_cache, v_cache, t["bt"], t["start"], t["len"], t["comp"], t["max"], scale, window, out)
+        paged_prefill(q, k_cache, v_cache, t["bt"], t["start"], t["len"], t["comp"], t["max"], scale, window, out,
+                      kv_scales)
     return out
 
 

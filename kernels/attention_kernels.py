@@ -13,9 +13,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, ctx_ptr,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_ob, stride_oh, stride_bt,
-                   scale, window, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
+                   stride_sb, stride_st, scale, window, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                   BS: tl.constexpr, QUANT: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     offs_g = tl.arange(0, G_PAD)
@@ -38,6 +39,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, ctx_ptr,
         kv_off = block * stride_kb + offs_t[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
         k = tl.load(k_ptr + kv_off)
         v = tl.load(v_ptr + kv_off)
+        if QUANT:  # one-byte pool: dequantized in registers with each token's scale
+            s_off = block * stride_sb + offs_t * stride_st + kvh
+            k = (k.to(tl.float32) * tl.load(ks_ptr + s_off)[:, None]).to(q.dtype)
+            v = (v.to(tl.float32) * tl.load(vs_ptr + s_off)[:, None]).to(q.dtype)
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [G_PAD, BS]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -52,9 +57,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, ctx_ptr,
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qstart_ptr, qlen_ptr, ncomp_ptr,
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qstart_ptr, qlen_ptr, ncomp_ptr, ks_ptr, vs_ptr,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_ot, stride_oh, stride_bt,
-                    scale, window, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr):
+                    stride_sb, stride_st, scale, window, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                    BM: tl.constexpr, QUANT: tl.constexpr):
     c = tl.program_id(0)
     mt = tl.program_id(1)
     h = tl.program_id(2)
@@ -84,6 +90,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qstart_ptr, qlen_ptr, 
         kv_off = block * stride_kb + offs_t[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
         k = tl.load(k_ptr + kv_off)
         v = tl.load(v_ptr + kv_off)
+        if QUANT:
+            s_off = block * stride_sb + offs_t * stride_st + kvh
+            k = (k.to(tl.float32) * tl.load(ks_ptr + s_off)[:, None]).to(q.dtype)
+            v = (v.to(tl.float32) * tl.load(vs_ptr + s_off)[:, None]).to(q.dtype)
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BM, BS]
         ok = k_pos[None, :] <= q_pos[:, None]
         if window > 0:
@@ -103,24 +113,29 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qstart_ptr, qlen_ptr, 
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
-    """q [B, H, D] -> [B, H, D]; caches [num_blocks, block_size, KVH, D]; block_tables [B, max_blocks]."""
+                 context_lens: torch.Tensor, scale: float, window: int | None,
+                 kv_scales: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    """q [B, H, D] -> [B, H, D]; caches [num_blocks, block_size, KVH, D]; block_tables [B, max_blocks].
+    `kv_scales` (k_scale, v_scale) [num_blocks, block_size, KVH]: an int8 / fp8 pool."""
     q = q.contiguous()
     b, h, d = q.shape
     _, bs, kvh, _ = k_cache.shape
     g = h // kvh
     out = torch.empty_like(q)
+    ks, vs = kv_scales if kv_scales else (context_lens, context_lens)  # unread placeholders
     _decode_kernel[(b, kvh)](
-        q, k_cache, v_cache, out, block_tables, context_lens,
+        q, k_cache, v_cache, out, block_tables, context_lens, ks, vs,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), block_tables.stride(0),
-        scale, window or 0, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, BS=bs)
+        out.stride(0), out.stride(1), block_tables.stride(0), ks.stride(0), ks.stride(1) if kv_scales else 0,
+        scale, window or 0, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, BS=bs,
+        QUANT=bool(kv_scales))
     return out
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   q_starts: torch.Tensor, q_lens: torch.Tensor, num_computed: torch.Tensor, max_q_len: int,
-                  scale: float, window: int | None, out: torch.Tensor) -> None:
+                  scale: float, window: int | None, out: torch.Tensor,
+                  kv_scales: tuple[torch.Tensor, ...] | None = None) -> None:
     """Chunks c: queries q[q_starts[c] : q_starts[c] + q_lens[c]] at positions num_computed[c] + i,
     attending over their cached context (their own K/V included). Writes into `out` [T, H, D]."""
     _, h, d = q.shape
@@ -128,8 +143,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # Query tile: wide under the interpreter (fewer, larger numpy ops), register-sized on a GPU.
     bm = 64 if os.environ.get("TRITON_INTERPRET") == "1" else (32 if d > 128 else 64)
     grid = (q_starts.shape[0], triton.cdiv(max_q_len, bm), h)
+    ks, vs = kv_scales if kv_scales else (q_lens, q_lens)  # unread placeholders
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, q_starts, q_lens, num_computed,
+        q, k_cache, v_cache, out, block_tables, q_starts, q_lens, num_computed, ks, vs,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), block_tables.stride(0),
-        scale, window or 0, G=h // kvh, D=d, BS=bs, BM=bm)
+        out.stride(0), out.stride(1), block_tables.stride(0), ks.stride(0), ks.stride(1) if kv_scales else 0,
+        scale, window or 0, G=h // kvh, D=d, BS=bs, BM=bm, QUANT=bool(kv_scales))

@@ -46,13 +46,13 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
                            N_PAD=triton.next_power_of_2(n))
 
 
-def copy_blocks(caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
+def copy_blocks(caches: list[tuple[torch.Tensor, ...]], pairs: list[tuple[int, int]]) -> None:
     """Copy whole blocks src -> dst in every layer's K and V cache."""
     if not pairs:
         return
     device = caches[0][0].device
     idx = torch.tensor(pairs, dtype=torch.int64, device=device).reshape(-1)
-    for k, v in caches:
-        n = k[0].numel()
-        for c in (k, v):
-            _copy_blocks_kernel[(len(pairs),)](c, idx, N=n, CHUNK=1024)
+    for layer in caches:
+        for c in layer:  # K, V (and their scales in a quantized pool)
+            c = c.view(torch.uint8) if c.dtype == torch.float8_e4m3fn else c  # copied as bytes
+            _copy_blocks_kernel[(len(pairs),)](c, idx, N=c[0].numel(), CHUNK=1024)

@@ -2,7 +2,7 @@
 of asyncpage: transformers loads the GGUF itself (~3 min here) and runs generate(num_beams=W,
 do_sample=False) in float32. Output: tests/data/gemma3_270m_beams.json.
 
-    .venv/bin/pip install accelerate   # transformers needs it to load a GGUF
+    .venv/bin/pip install -e ".[reference]"   # accelerate: transformers needs it to load a GGUF
     .venv/bin/python scripts/make_beam_reference.py
 """
 

@@ -2,7 +2,7 @@
 asyncpage: transformers loads the GGUF itself (dequantize + its own config mapping, ~3 min here)
 and runs generate() in float32. Output: tests/data/gemma3_270m_reference.json.
 
-    .venv/bin/pip install accelerate   # transformers needs it to load a GGUF
+    .venv/bin/pip install -e ".[reference]"   # accelerate: transformers needs it to load a GGUF
     .venv/bin/python scripts/make_reference.py
 """
 

@@ -185,3 +185,94 @@ async def test_bad_beam_search_arguments_are_refused_by_name(tiny_llama: Path) -
         with pytest.raises(PromptTooLongError):
             await engine.beam_search(PROMPTS[0], beam_width=4, max_tokens=300)  # 4 x 300 tokens > 1024 in the pool
         assert (await engine.beam_search(PROMPTS[0], beam_width=2, max_tokens=4)).beams
+
+
+def _preempt_search_at(engine: AsyncEngine, generated: int) -> list[int]:
+    """Preempts the (first) beam search once, as a later request's growth would, when its beams
+    have `generated` tokens each. Returns [times it fired]."""
+    sched, fired = engine._core.scheduler, [0]
+    real = sched.schedule
+
+    def schedule() -> Any:
+        for s in list(sched.running):
+            search, beams = s.request.beam, s.request.seqs
+            if (search is not None and search.generated == generated and not fired[0] and len(beams) > 1
+                    and all(b in sched.running for b in beams)):
+                fired[0] += 1
+                sched._preempt(s)
+                break
+        return real()
+
+    sched.schedule = schedule  # type: ignore[method-assign]
+    return fired
+
+
+async def test_a_beam_search_wider_than_a_step_is_refused_rather_than_hanging(tiny_llama: Path) -> None:
+    # Its beams step together, one token each: a step budget of 2 tokens could never move 4 of them.
+    async with tiny_engine(tiny_llama, max_num_batched_tokens=2, max_num_seqs=4) as engine:
+        with pytest.raises(InvalidRequestError) as err:
+            await asyncio.wait_for(engine.beam_search(PROMPTS[0], beam_width=4, max_tokens=4), 10)
+        assert err.value.field == "beam_width"
+        assert len((await asyncio.wait_for(engine.beam_search(PROMPTS[0], beam_width=2, max_tokens=4), 10)).beams) == 2
+
+
+async def test_a_beam_search_that_fits_the_pool_in_tokens_but_not_in_blocks_is_refused(tiny_llama: Path) -> None:
+    # 4 beams of 20 + 74 tokens are 376 tokens = the pool's 94 blocks of 4, but recomputed after a
+    # preemption each beam holds 24 whole blocks (96 > 94): the search preempted itself forever.
+    async with tiny_engine(tiny_llama, num_kv_blocks=94, max_num_batched_tokens=16,
+                           enable_prefix_caching=False) as engine:
+        ids = list(range(3, 23))
+        with pytest.raises(PromptTooLongError):
+            await engine.beam_search(ids, beam_width=4, max_tokens=74)
+        # One token less fits (4 x 23 blocks): preempted near its end, it is recomputed and finishes.
+        fired = _preempt_search_at(engine, 71)
+        out = await asyncio.wait_for(engine.beam_search(ids, beam_width=4, max_tokens=73,
+                                                        params=SamplingParams(ignore_eos=True)), 30)
+        assert fired[0] == 1 and len(out.beams) == 4
+        await _idle(engine)
+
+
+async def test_a_search_preempted_with_the_pool_exactly_full_is_readmitted_and_finishes(tiny_llama: Path) -> None:
+    # 4 beams of 8 + 9 tokens fill all 16 blocks. Recomputed in one chunk each, the last beam found
+    # exactly its 4 blocks free but was held to the watermark while its siblings waited for it.
+    ids = list(range(5, 13))
+    params = SamplingParams(ignore_eos=True)
+    async with tiny_engine(tiny_llama, num_kv_blocks=16, max_num_batched_tokens=64,
+                           enable_prefix_caching=False, debug_checks=True) as engine:
+        alone = await engine.beam_search(ids, beam_width=4, max_tokens=9, params=params)
+        fired = _preempt_search_at(engine, 7)
+        out = await asyncio.wait_for(engine.beam_search(ids, beam_width=4, max_tokens=9, params=params), 30)
+        assert fired[0] == 1
+        assert [b.token_ids for b in out.beams] == [b.token_ids for b in alone.beams]
+        await _idle(engine)
+
+
+async def test_beam_searches_crowding_a_small_pool_all_finish(tiny_llama: Path) -> None:
+    # A search partly readmitted after a preemption waits for the rest of its beams; a later search
+    # preempted meanwhile jumped ahead of them in the queue, could not fit next to the waiting beams,
+    # preempted itself, and so on forever.
+    prompts = [PROMPTS[i] for i in (0, 1, 2, 4)]
+    params = SamplingParams(ignore_eos=True)
+    async with tiny_engine(tiny_llama, num_kv_blocks=84, max_num_batched_tokens=16, max_num_seqs=16,
+                           enable_prefix_caching=False, debug_checks=True) as engine:
+        jobs: list[Any] = [engine.beam_search(p, beam_width=4, max_tokens=24, params=params) for p in prompts]
+        jobs += [engine.generate(p, SamplingParams(max_tokens=30, temperature=0.9, seed=1, n=2)) for p in PROMPTS[5:8]]
+        outs = await asyncio.wait_for(asyncio.gather(*jobs), 60)
+        assert all(len(o.beams) == 4 for o in outs[:4])
+        await _idle(engine)
+        engine._core.check_invariants()
+
+
+async def test_on_request_finished_reports_a_searchs_beams(tiny_llama: Path) -> None:
+    async with tiny_engine(tiny_llama) as engine:
+        seen: list[Any] = []
+        engine.on_request_finished(seen.append)
+        before = engine.stats()
+        out = await engine.beam_search(PROMPTS[0], beam_width=3, max_tokens=6, params=SamplingParams(ignore_eos=True))
+        await _idle(engine)
+        done = seen[-1]
+        assert done.finish_reasons == [b.finish_reason for b in out.beams] == ["length"] * 3
+        assert done.num_generated_tokens == sum(len(b.token_ids) for b in out.beams) == 18
+        after = engine.stats()
+        assert after.num_generated_tokens - before.num_generated_tokens == 18
+        assert after.num_requests_finished - before.num_requests_finished == 1

@@ -322,3 +322,98 @@ async def test_chat_tool_call_cut_by_max_tokens_is_closed_and_returned(tiny_mode
         assert [c.name for c in res.tool_calls] == ["w"], res
         assert isinstance(json.loads(res.tool_calls[0].arguments)["c"], str)
         assert res.finish_reason == "length"  # the budget closed the call: it is returned, and says so
+
+
+def _scripted(manager: GrammarManager, eos: list[int], schema: Any, wanted: str, budget: int = 200) -> str:
+    """A model that wants to write `wanted` (one byte at a time, then its end token; once the closer
+    took it elsewhere, the first token the grammar allows), through the budget closer with the
+    default guards: the text it ends up with."""
+    tok = manager.backend()._tok  # type: ignore[attr-defined]
+    compiled = manager.compile_sync(GuidedSpec("json_schema", json.dumps(schema)))
+    compiled.start_completion()  # type: ignore[attr-defined]
+    m = compiled.new_matcher()
+    closer = m.closer(lambda: guards_for(schema, 15, 8))
+    assert closer is not None
+    want, out = wanted.encode(), list[int]()
+    while len(out) < budget:
+        done = len(tok.decode_bytes([t for t in out if t not in eos]))
+        sampled = tok.tokenize_bytes(want[done : done + 1])[0] if done < len(want) else eos[0]
+        if m._m.validate_tokens([sampled]) != 1:  # type: ignore[attr-defined]
+            mask = np.unpackbits(np.frombuffer(m._m.compute_bitmask(), np.uint8), bitorder="little")  # type: ignore[attr-defined]
+            sampled = int(np.flatnonzero(mask)[0])
+        step = closer.step(sampled, budget - len(out), True, lambda: [])
+        assert step is not None
+        token, forced, stopped = step
+        out += [token, *forced]
+        if stopped or token in eos:
+            break
+    text: str = tok.decode_bytes([t for t in out if t not in eos]).decode()
+    return text
+
+
+def test_long_numbers_a_float_bound_asks_for_are_not_cut_by_the_digit_guard(
+        gemma: tuple[Any, GrammarManager, list[int]]) -> None:
+    _tok, manager, eos = gemma
+    assert guards_for({"type": "number", "minimum": 1e17}, 15, 8).max_digits == 0  # 18 digits, not `1e+17`
+    assert guards_for({"type": "number", "exclusiveMaximum": 1e-17}, 15, 8).max_digits == 0
+    assert guards_for({"type": "number", "maximum": 1e5}, 15, 8).max_digits == 15
+    number = "123456789012345678901234"
+    assert _scripted(manager, eos, {"type": "integer", "minimum": 1e17}, number) == number  # was ...345000000000
+
+
+def test_a_runaway_top_level_number_ends_at_the_digit_limit(gemma: tuple[Any, GrammarManager, list[int]]) -> None:
+    _tok, manager, eos = gemma
+    assert _scripted(manager, eos, {"type": "integer"}, "1234567890123456789012345") == "123456789012345"
+
+
+def test_repetition_guard_leaves_a_string_the_schema_keeps_open_as_written(
+        gemma: tuple[Any, GrammarManager, list[int]]) -> None:
+    """A repeating string that the schema does not let end yet is left to the model (it used to get
+    the start completion's bytes written into it: `11111111011111111011`), and ends where it may."""
+    _tok, manager, eos = gemma
+    schema = {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[0-9]{20}$"}}, "required": ["id"]}
+    value = '{"id":"' + "1" * 20 + '"}'
+    assert _scripted(manager, eos, schema, value) == value
+    assert _scripted(manager, eos, {"type": "string", "minLength": 30}, '"' + "ab" * 40 + '"') == '"' + "ab" * 15 + '"'
+    assert _scripted(manager, eos, {"type": "string"}, '"' + "ab" * 40 + '"') == '"' + "ab" * 8 + 'a"'
+
+
+async def test_extract_many_never_returns_a_forced_value_max_tokens_cut(tiny_engine: AsyncEngine) -> None:
+    """`{"const": 12345678}` under max_tokens=3: the grammar forces all 8 digits, the output keeps
+    `123`. The sequence's matcher took all of them (accepting), so extract_many used to return 123,
+    `ok` and closed early, a value the schema refuses; it is cut, as extract() says."""
+    schema = {"const": 12345678}
+    params = SamplingParams(max_tokens=3, temperature=1.0, seed=1)
+    out = await tiny_engine.generate("x", msgspec.structs.replace(params, json_schema=schema))
+    assert out.finish_reason == "length" and out.text == "123"
+    [r] = [r async for r in tiny_engine.extract_many(["a"], schema, params=params)]
+    assert not r.ok and not r.closed_early and r.error is not None and r.error.reason == "truncated"
+    with pytest.raises(ExtractionError) as e:
+        await tiny_engine.extract("x", schema, params)
+    assert e.value.reason == "truncated"
+
+
+def test_a_date_the_budget_closes_is_a_calendar_date(gemma: tuple[Any, GrammarManager, list[int]]) -> None:
+    """`format: date` used to close as `0000-09-09` (llguidance lets year 0000 and Feb 30 through;
+    zeros come first in the start search): a value jsonschema refuses. The format is narrowed to the
+    calendar's dates."""
+    import jsonschema
+
+    _tok, manager, eos = gemma
+    schema = {"type": "object", "properties": {"note": {"type": "string"}, "d": {"type": "string", "format": "date"}},
+              "required": ["note", "d"], "additionalProperties": False}
+    compiled = manager.compile_sync(GuidedSpec("json_schema", json.dumps(schema)))
+    shortest = len(compiled.start_plan.result[1]) if compiled.start_completion() else 0  # type: ignore[attr-defined]
+    text = _scripted(manager, eos, schema, '{"note":"the meeting moved to the week after","d":"2024-01-15"}',
+                     budget=shortest + 3)
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    jsonschema.Draft202012Validator(schema, format_checker=checker).validate(json.loads(text))
+    date = {"type": "string", "format": "date"}
+    m = manager.compile_sync(GuidedSpec("json_schema", json.dumps(date))).new_matcher()
+    tok = manager.backend()._tok  # type: ignore[attr-defined]
+    for value, ok in [("2024-02-29", True), ("2023-12-31", True), ("0000-09-09", False), ("2023-02-29", False),
+                      ("2023-04-31", False)]:
+        ids = tok.tokenize_str(json.dumps(value))
+        accepted = all(m.accept(t) for t in ids) and m.is_accepting()
+        m.rollback(len(ids))
+        assert accepted == ok == checker.conforms(value, "date"), value

@@ -82,6 +82,10 @@ class Matcher(Protocol):
 
     def rollback(self, num_tokens: int) -> None: ...
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar would take from here (nothing is consumed)."""
+        ...
+
     def is_accepting(self) -> bool: ...
 
     def is_terminated(self) -> bool: ...
@@ -203,6 +207,11 @@ def map_subschemas(schema: Any, fn: Any, deadline: Deadline = NO_DEADLINE) -> An
     return fn(out)
 
 
+_YEAR = r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9][0-9]|[0-9][1-9][0-9]{2}|[1-9][0-9]{3})"  # 0001-9999
+_LEAP_YEAR = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+DATE_PATTERN = (rf"^(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+                rf"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)$")
+
 # Standard formats llguidance has no matcher for, each narrowed to a format it knows or to a pattern
 # whose every match is valid in that format: the grammar may refuse some valid strings, never accept
 # an invalid one.
@@ -216,6 +225,9 @@ FORMAT_NARROWINGS: dict[str, dict[str, str]] = {
     "json-pointer": {"pattern": r"^(/[A-Za-z0-9._-]*)*$"},
     "relative-json-pointer": {"pattern": r"^(0|[1-9][0-9]{0,8})(#|(/[A-Za-z0-9._-]*)*)$"},
     "regex": {"pattern": r"^[A-Za-z0-9 _-]*$"},
+    # llguidance's own `date` lets through year 0000 and Feb 30, which validators refuse; budget
+    # closing's completions start from `0000-09-09` (zeros come first). Exactly the calendar dates:
+    "date": {"pattern": DATE_PATTERN},
 }
 
 

@@ -70,6 +70,7 @@ class Planner:
         self.usable = all(t >= 0 for t in self.byte_token)
         self._bytes: dict[int, bytes] = {}
         self.quote = lltok.tokenize_bytes(b'"')
+        self.eos: int = lltok.eos_token if lltok.eos_token is not None else -1
 
     def token_bytes(self, t: int) -> bytes:
         b = self._bytes.get(t)
@@ -236,15 +237,17 @@ class Closer:
             s.known_at = len(s.tokens)
             s.anchor = path
 
-    def _try(self, token: int, budget: int, fast_forward: bool, check: bool) -> tuple[str | None, list[int], bool]:
+    def _try(self, token: int, budget: int, fast_forward: bool, check: bool,
+             guard: bool = True) -> tuple[str | None, list[int], bool]:
         """Consume `token` (+ the tokens the grammar then forces) when it fits: returns (None, forced
         tokens, the grammar ended). Else the matcher and the state are as before and the first item
-        says why: "invalid" (the grammar refuses it), "budget", or a guard's name."""
+        says why: "invalid" (the grammar refuses it), "budget", or a guard's name. `check`: the
+        budget and (unless `guard` is False) the guards."""
         m, s, p = self.m, self.s, self.p
         if m.validate_tokens([token]) != 1:
             return "invalid", [], False
         data = p.token_bytes(token)
-        if check and (why := refusal(s.guards, s, token, data)) is not None:
+        if check and guard and (why := refusal(s.guards, s, token, data)) is not None:
             return why, [], False
         saved = s.copy()
         m.consume_token(token)
@@ -298,12 +301,20 @@ class Closer:
             return sampled, ff, stopped
         if why == "invalid":
             return None
-        fallback = list(s.tokens[:1]) if s.tokens else []
-        options: list[int] = []
         if why == "repeat":
-            fallback = self.p.quote[:1] + fallback  # end the string, where the grammar allows it
-        else:
-            options = [c for c in alternatives() if c != sampled]
+            for q in self.p.quote[:1]:  # end the string, where the grammar allows it
+                r = self._try(q, budget, fast_forward, check=False)
+                if r[0] is None:
+                    return q, r[1], r[2]
+            # The string may not end here (a pattern, minLength): the guard stands aside rather than
+            # write the completion's bytes into the value; the budget still holds.
+            why, ff, stopped = self._try(sampled, budget, fast_forward, check=True, guard=False)
+            if why is None:
+                return sampled, ff, stopped
+        # The known completion's first token; where the value is already complete, the end token
+        # (a top-level number past the digit limit ends there).
+        fallback = list(s.tokens[:1]) if s.tokens else [self.p.eos] if s.tokens == [] and self.p.eos >= 0 else []
+        options = [c for c in alternatives() if c != sampled]
         tries = [(c, True) for c in options] + [(c, False) for c in fallback]
         for c, check in tries:
             r = self._try(c, budget, fast_forward, check=check)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, Protocol
 
 
@@ -105,7 +106,9 @@ def guards_for(schema: Any, max_digits: int, max_repeats: int) -> Guards:
 
 
 def _digits(v: Any) -> int:
+    """The longest digit run of `v` written out in full: a bound of 1e17 needs 18 digits, 1e-17 a
+    fraction of 17 (repr would say `1e+17`, runs of 1 and 2)."""
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
         return 0
-    text = repr(abs(v))
-    return max((len(run) for run in text.replace("e", " ").replace(".", " ").replace("-", " ").split()), default=0)
+    text = str(abs(v)) if isinstance(v, int) else format(Decimal(repr(abs(v))), "f")
+    return max((len(run) for run in text.split(".")), default=0)

@@ -45,6 +45,10 @@ class LLGuidanceMatcher:
     def rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        # Not accept() + rollback(): a refused token leaves llguidance's matcher in its error state.
+        return int(self._m.validate_tokens(tokens))
+
     def is_accepting(self) -> bool:
         return bool(self._m.is_accepting())
 
@@ -73,6 +77,15 @@ class LLGuidanceMatcher:
     @property
     def budget_forced(self) -> bool:
         return self._close is not None and self._close.forced
+
+    def replays(self, tokens: list[int]) -> bool:
+        """Do `tokens` take a fresh matcher of this grammar to an accepting state? This one may be
+        ahead of a sequence's output: tokens the grammar forced past max_tokens are consumed, never
+        emitted."""
+        if self._grammar is None:
+            return self.is_accepting()
+        m = self._grammar.new_matcher()
+        return all(m.accept(t) for t in tokens) and m.is_accepting()
 
 
 class LLGuidanceGrammar:

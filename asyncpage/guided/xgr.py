@@ -115,6 +115,13 @@ class XGrammarMatcher:
     def rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        taken = 0  # xgrammar refuses a token without changing its state
+        while taken < len(tokens) and not self._m.is_terminated() and self._m.accept_token(tokens[taken]):
+            taken += 1
+        self._m.rollback(taken)
+        return taken
+
     def is_accepting(self) -> bool:
         return bool(self._m.is_completed())
 
@@ -141,6 +148,13 @@ class XGrammarMatcher:
     @property
     def budget_forced(self) -> bool:
         return self._close is not None and self._close.forced
+
+    def replays(self, tokens: list[int]) -> bool:
+        """As LLGuidanceMatcher.replays."""
+        if self._grammar is None:
+            return self.is_accepting()
+        m = self._grammar.new_matcher()
+        return all(m.accept(t) for t in tokens) and m.is_accepting()
 
 
 class XGrammarGrammar:

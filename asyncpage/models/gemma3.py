@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from asyncpage.attention import AttentionMetadata
@@ -37,7 +36,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, meta, kv_cache))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
@@ -72,7 +71,7 @@ class Gemma3ForCausalLM(nn.Module):
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         """input_ids/positions: [T] flat over the batch; kv_caches: one (K, V) pool per layer."""
         x = self.model.embed_tokens(input_ids)
         # transformers multiplies by the scale cast to the weights' dtype; so do we (it matters in bf16).
@@ -82,7 +81,8 @@ class Gemma3ForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.lm_head.weight).float()
+        # Through the module, not its .weight: quantization swaps in a packed layer (quant.py).
+        logits = self.lm_head(hidden).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -6,6 +6,7 @@ Module names match transformers' so a checkpoint's state dict loads as is. Each 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -136,10 +137,12 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
         self.act = act
-        self.gate_up: FusedLinear | None = None
+        # FusedLinear, or quant.QuantFused once quantized: one matmul, split per projection.
+        self.gate_up: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None = None
 
     def fuse(self) -> None:
-        self.gate_up = FusedLinear([self.gate_proj, self.up_proj])
+        if self.gate_up is None:  # fused (and maybe quantized) already: the parts are gone
+            self.gate_up = FusedLinear([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
@@ -166,13 +169,14 @@ class PagedSelfAttention(nn.Module):
         self.scale = scale
         self.window = window
         self.rotary = rotary
-        self.qkv: FusedLinear | None = None
+        self.qkv: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None = None
 
     def fuse(self) -> None:
-        self.qkv = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
+        if self.qkv is None:
+            self.qkv = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
         t = x.shape[0]
         if self.qkv is not None:
             q, k, v = self.qkv(x)
@@ -188,7 +192,10 @@ class PagedSelfAttention(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         attend = meta.attention or paged_attention
-        o = attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
+        if len(kv_cache) > 2:  # a quantized pool: (k, v, k_scale, v_scale), see attention.quantize_kv
+            o = attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, kv_scales=kv_cache[2:])
+        else:
+            o = attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 

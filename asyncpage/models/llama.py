@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from asyncpage.attention import AttentionMetadata
@@ -39,7 +38,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -71,7 +70,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         """input_ids/positions: [T] flat over the batch; kv_caches: one (K, V) pool per layer."""
         x = self.model.embed_tokens(input_ids)
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
@@ -79,4 +78,4 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight).float()
+        return self.lm_head(hidden).float()

@@ -1,0 +1,148 @@
+"""Extraction on a local Ray cluster (real worker processes, 2 CPUs, one engine per actor):
+asyncpage.ray.extract_dataset and `asyncpage extract --ray` give what the in-process job gives."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import ray
+import ray.data
+
+from asyncpage import AsyncEngine, SamplingParams
+from asyncpage.cli import main as cli
+from asyncpage.jobs import run_job
+from asyncpage.ray import extract_dataset
+
+from .conftest import CORPUS
+
+# minLength: the tiny random model must write something, and what it writes differs from record to record.
+SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "minLength": 3, "maxLength": 8}},
+          "required": ["word"], "additionalProperties": False}
+# Small pools and float32: the same engine settings in-process and in every actor.
+ENGINE = {"dtype": "float32", "block_size": 4, "num_kv_blocks": 256}
+PROMPT = "{text}\nAs JSON: "
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield
+    ray.shutdown()
+
+
+def _texts(n: int) -> list[str]:
+    words = " ".join(CORPUS).split()
+    return [" ".join(words[(7 * i) % len(words):][:3 + i % 5]) for i in range(n)]
+
+
+def _builtins(r: Any) -> Any:
+    return msgspec.to_builtins(r.error) if r.error else r.value
+
+
+async def test_dataset_results_equal_in_process_extract_many_and_bad_records_are_rows(tiny_llama: Path,
+                                                                                      cluster: None) -> None:
+    records: list[dict[str, Any]] = [{"id": f"r{i}", "text": t} for i, t in enumerate(_texts(22))]
+    records.append({"id": "no-text", "text": None})  # renders "null": still a record, not a failure
+    records.append({"id": "long", "text": "word " * 400})  # over max_prompt_tokens: prompt_too_long
+    params = SamplingParams(max_tokens=40, temperature=0)
+    opts: dict[str, Any] = dict(prompt=PROMPT, concurrency=4, params=params, max_prompt_tokens=200)
+
+    out = extract_dataset(ray.data.from_items(records), SCHEMA, num_actors=2, batch_size=5, model=str(tiny_llama),
+                          **opts, **ENGINE)
+    rows = out.take_all()
+
+    engine = AsyncEngine.from_pretrained(str(tiny_llama), **ENGINE)
+    async with engine:
+        local = {r.id: _builtins(r) async for r in engine.extract_many(records, SCHEMA, **opts)}
+    assert sorted(r["id"] for r in rows) == sorted(local)  # one row per record
+    on_ray = {r["id"]: r["error"] or json.loads(r["value"]) for r in rows}
+    assert on_ray == local
+    assert on_ray["long"]["reason"] == "prompt_too_long"
+    assert len({json.dumps(v) for v in on_ray.values()}) > 3  # the records really differ
+
+
+def _write_input(path: Path, n: int) -> None:
+    lines = [json.dumps({"id": i, "text": t}) for i, t in enumerate(_texts(n))]
+    lines[5] = "{not json"  # invalid_input, written by the job like any other row
+    lines.insert(9, "")  # blank: not a record, but counted in line numbers
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _sorted_lines(path: Path) -> list[dict[str, Any]]:
+    return sorted((json.loads(x) for x in path.read_text().splitlines()), key=lambda r: r["line"])
+
+
+def _descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(d))
+    found, todo = set(), [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            found.add(c)
+            todo.append(c)
+    return found
+
+
+def _kill_one_actor_when(output: Path, lines: int, killed: list[tuple[int, int]]) -> None:
+    """SIGKILL one extraction actor of this test's cluster once `output` holds `lines` lines."""
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if output.exists() and output.read_text().count("\n") >= lines:
+            for pid in sorted(_descendants(os.getpid())):
+                try:
+                    title = Path(f"/proc/{pid}/cmdline").read_bytes()
+                except OSError:
+                    continue
+                if b"MapBatches(_Extractor)" in title:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append((pid, output.read_text().count("\n")))
+                    return
+        time.sleep(0.02)
+
+
+async def test_cli_on_ray_writes_the_in_process_lines_after_an_actor_is_killed_and_resumes(
+        tiny_llama: Path, cluster: None, tmp_path: Path) -> None:
+    inp, schema = tmp_path / "in.jsonl", tmp_path / "schema.json"
+    n = 120
+    _write_input(inp, n)
+    schema.write_text(json.dumps(SCHEMA))
+    engine = AsyncEngine.from_pretrained(str(tiny_llama), **ENGINE)
+    async with engine:
+        await run_job(engine, SCHEMA, inp, tmp_path / "local.jsonl", prompt=PROMPT, concurrency=4, max_tokens=40,
+                      progress=False)
+    local = _sorted_lines(tmp_path / "local.jsonl")
+    assert len(local) == n
+
+    out = tmp_path / "ray.jsonl"
+    args = ["extract", "--ray", "--num-actors", "2", "--schema", str(schema), "--input", str(inp), "--prompt",
+            "{text}\\nAs JSON: ", "--concurrency", "4", "--max-tokens", "40", "--model", str(tiny_llama),
+            "--dtype", "float32", "--no-progress"]
+    killed: list[tuple[int, int]] = []
+    killer = threading.Thread(target=_kill_one_actor_when, args=(out, 8, killed))
+    killer.start()
+    assert cli([*args, "--output", str(out)]) == 0
+    killer.join()
+    assert killed and killed[0][1] < n  # killed mid-job, and Ray's retry still gave every line once
+    assert _sorted_lines(out) == local
+
+    # Resume: a job stopped after 40 lines, its last one torn, finishes with only the rest.
+    partial = out.read_text().splitlines(keepends=True)[:41]
+    out.write_text("".join(partial[:40]) + partial[40][:15])
+    assert cli([*args, "--output", str(out), "--resume"]) == 0
+    assert _sorted_lines(out) == local
