@@ -105,12 +105,3 @@ def format_rows(rows: list[dict[str, Any]], config: dict[str, Any]) -> str:
 
 def _same(identical: bool | None) -> str:
     return "-" if identical is None else "yes" if identical else "NO"
-
-
-def parse(value: str) -> dict[str, Any]:
-    """`ngram` or `ngram:K` (K drafts at most per step)."""
-    method, _, k = value.partition(":")
-    config: dict[str, Any] = {"method": method}
-    if k:
-        config["num_speculative_tokens"] = int(k)
-    return config

@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--resume", action="store_true",
                    help="skip the input lines already answered in the output, and append")
     x.add_argument("--no-progress", action="store_true")
+    x.add_argument("--speculative", default=None, metavar="ngram[:K]",
+                   help="n-gram speculative decoding (same output; values copied from the record come faster)")
     x.add_argument("--ray", action="store_true",
                    help="run on Ray (pip install 'asyncpage[ray]'): the cluster at RAY_ADDRESS, else a local one "
                    "started for the job; the input is read through Ray Data, one engine per actor")
@@ -258,9 +260,10 @@ def _competing_load(n: int) -> Iterator[None]:
 
 async def _bench_speculative(args: argparse.Namespace) -> int:
     from asyncpage import AsyncEngine
-    from asyncpage.bench_spec import format_rows, parse, speculative_figures
+    from asyncpage.bench_spec import format_rows, speculative_figures
+    from asyncpage.speculative import cli_config
 
-    config = parse(args.speculative)
+    config = cli_config(args.speculative)
     engine = AsyncEngine.from_pretrained(
         args.model, dtype=args.dtype, device=args.device, num_threads=args.threads, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
@@ -319,6 +322,7 @@ def _extract(args: argparse.Namespace) -> int:
 
     from asyncpage import AsyncEngine, AsyncPageError
     from asyncpage.jobs import JobSummary, load_examples, load_schema, run_job
+    from asyncpage.speculative import cli_config
 
     summary: JobSummary | None = None
 
@@ -331,12 +335,14 @@ def _extract(args: argparse.Namespace) -> int:
             Path(args.input), Path(args.output), schema, num_actors=args.num_actors, resume=args.resume,
             progress=not args.no_progress, prompt=prompt, concurrency=args.concurrency, max_tokens=args.max_tokens,
             id_field=args.id_field, max_prompt_tokens=args.max_prompt_tokens, copy_fields=args.copy_fields,
-            examples=examples, model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
+            examples=examples, model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
+            speculative_config=speculative)
 
     async def main() -> None:
         nonlocal summary
         engine = AsyncEngine.from_pretrained(args.model, dtype=args.dtype, device=args.device,
-                                             num_threads=args.threads, max_num_seqs=max(args.concurrency, 1))
+                                             num_threads=args.threads, max_num_seqs=max(args.concurrency, 1),
+                                             speculative_config=speculative)
         async with engine:
             summary = await run_job(
                 engine, schema, Path(args.input), Path(args.output), prompt=prompt,
@@ -347,6 +353,7 @@ def _extract(args: argparse.Namespace) -> int:
     # Shell quoting makes real newlines awkward: "\n" and "\t" in --prompt are newline and tab.
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t") if args.prompt else None
     try:
+        speculative = cli_config(args.speculative) if args.speculative else None  # refused before loading
         schema = load_schema(args.schema)
         examples = load_examples(Path(args.examples)) if args.examples else []
         if args.ray:

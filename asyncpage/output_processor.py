@@ -117,4 +117,4 @@ def request_metrics(req: Request) -> RequestMetrics:
         decode_time=(t.last_token or first) - first, e2e=end - t.arrival,
         inter_token_latencies=list(t.inter_token), num_preemptions=req.num_preemptions,
         num_cached_prompt_tokens=req.num_cached_prompt_tokens, spec_proposed_tokens=req.spec_proposed_tokens,
-        spec_accepted_tokens=req.spec_accepted_tokens)
+        spec_accepted_tokens=req.spec_accepted_tokens, spec_verify_steps=req.spec_verify_steps)

@@ -48,7 +48,8 @@ class RequestMetrics(msgspec.Struct, frozen=True):
     num_preemptions: int
     num_cached_prompt_tokens: int
     spec_proposed_tokens: int = 0  # speculative decoding: drafts verified for this request...
-    spec_accepted_tokens: int = 0  # ...and kept; mean accepted run = accepted / verify steps
+    spec_accepted_tokens: int = 0  # ...and kept
+    spec_verify_steps: int = 0  # steps that verified drafts: mean kept run = accepted / verify steps
 
 
 class FinishedRequest(msgspec.Struct, frozen=True):

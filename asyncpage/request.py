@@ -64,6 +64,7 @@ class Request:
     beam: BeamSearch | None = None
     spec_proposed_tokens: int = 0  # speculative decoding: drafts verified for this request
     spec_accepted_tokens: int = 0  # ...and kept
+    spec_verify_steps: int = 0  # steps that verified drafts: mean kept run = accepted / steps
 
     @property
     def finished(self) -> bool:

@@ -344,6 +344,7 @@ class Scheduler:
         seq.spec.observe(proposed, kept)
         seq.request.spec_proposed_tokens += proposed
         seq.request.spec_accepted_tokens += kept
+        seq.request.spec_verify_steps += 1
         self.spec_proposed += proposed
         self.spec_accepted += kept
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every figure in the README, one after the other (never two heavy runs at once on 2 cores).
-# Takes ~17 minutes here. Figures vary ~10-20% from run to run on this (shared) machine.
+# Takes ~25 minutes here. Figures vary ~10-20% from run to run on this (shared) machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 A=.venv/bin/asyncpage
@@ -14,3 +14,7 @@ $A bench-sharing --dtype bfloat16
 $A bench-eviction
 $A bench-guided --data ../shared/data --dtype bfloat16
 $A bench --workload mixed --dtype bfloat16 --sweep 1,4,16,64 --plot docs/concurrency.png
+$A bench --dtype float32 --speculative ngram:8
+$A bench --workload single --settings float32,bfloat16,int8,int4,int4+kv=int8
+.venv/bin/python -m asyncpage.quality
+.venv/bin/python -m pytest -q -s tests/test_beam_search.py -k long_prompt

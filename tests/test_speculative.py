@@ -88,6 +88,7 @@ async def test_default_model_with_speculation_matches_transformers_and_copies_fa
     # Copying the record's values: most drafts are kept, several tokens per step.
     m = fast.metrics
     assert m.spec_accepted_tokens >= len(fast.token_ids) // 3, m
+    assert m.spec_accepted_tokens / m.spec_verify_steps > 1  # the mean kept run
     assert st.spec_accepted_tokens > 0 and st.kv_blocks_used == 0
 
 
@@ -208,3 +209,43 @@ def test_bad_speculative_configs_are_refused_by_name() -> None:
         with pytest.raises(InvalidRequestError) as err:
             SpeculativeConfig.parse(bad)
         assert err.value.field == "speculative_config"
+
+
+def test_a_speculative_config_object_with_bad_fields_is_refused_not_run_as_ngram() -> None:
+    # A struct built directly skips msgspec's checks: method="draft" ran as n-gram, min 0 matched anything.
+    for bad in [SpeculativeConfig(method="draft"), SpeculativeConfig(method="ngram", prompt_lookup_min=0),
+                SpeculativeConfig(method="ngram", num_speculative_tokens="4")]:  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError) as err:
+            SpeculativeConfig.parse(bad)
+        assert err.value.field == "speculative_config"
+    good = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    assert SpeculativeConfig.parse(good) == good
+
+
+def test_bench_speculative_refuses_a_bad_setting_before_loading_the_model() -> None:
+    from asyncpage.speculative import cli_config as parse
+
+    assert parse("ngram:5") == {"method": "ngram", "num_speculative_tokens": 5}
+    for bad in ["ngram:x", "ngram:0", "medusa", "ngram:-2"]:  # "ngram:x" was a bare ValueError traceback
+        with pytest.raises(InvalidRequestError):
+            parse(bad)
+
+
+def test_extract_cli_with_speculation_writes_the_same_lines(tiny_llama: Path, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncpage.cli import main as cli
+
+    records = [{"id": i, "text": f"Ticket {i}: the printer on floor {i} jams, the printer on floor {i} jams again"}
+               for i in range(6)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "schema.json").write_text(json.dumps(TINY_SCHEMA))
+    args = ["extract", "--schema", str(tmp_path / "schema.json"), "--input", str(tmp_path / "in.jsonl"),
+            "--model", str(tiny_llama), "--dtype", "float32", "--max-tokens", "40", "--no-progress",
+            "--prompt", "{text}\\nJSON: "]
+    assert cli([*args, "--output", str(tmp_path / "plain.jsonl")]) == 0
+    assert cli([*args, "--output", str(tmp_path / "spec.jsonl"), "--speculative", "ngram:4"]) == 0
+    lines = [sorted((tmp_path / f).read_text().splitlines()) for f in ("plain.jsonl", "spec.jsonl")]
+    assert lines[0] == lines[1] and len(lines[0]) == 6
+    # A bad setting is refused by name before any model loads.
+    assert cli([*args, "--output", str(tmp_path / "x.jsonl"), "--speculative", "ngram:x"]) == 2
+    assert "speculative" in capsys.readouterr().err
