@@ -8,7 +8,7 @@ export OMP_NUM_THREADS ?= 2
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-heavy lint bench clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -25,6 +25,10 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	$(BIN)/ruff check asyncpage kernels tests examples scripts
 	$(BIN)/mypy asyncpage
+
+# The default model through the slow paths (Triton interpreted, int4 load): ~3 minutes more.
+test-heavy: $(STAMP)
+	$(BIN)/python -m pytest -q -m heavy
 
 lint: $(STAMP)
 	$(BIN)/ruff check asyncpage kernels tests examples scripts

@@ -154,6 +154,7 @@ async def test_int8_kv_outputs_survive_preemption_and_prefix_sharing(tiny_llama:
     assert [o.token_ids for o in crowded] == alone
 
 
+@pytest.mark.heavy  # ~40 s: `make test-heavy`
 async def test_default_model_int4_greedy_agrees_with_float32_reference(reference: dict[str, Any]) -> None:
     """Greedy tokens of the reference prompts with int4 weights (and then also an int8 KV pool),
     counted against transformers' float32 ones up to each prompt's first difference."""

@@ -110,6 +110,7 @@ def test_triton_bitmask_matches_torch_on_a_ragged_vocabulary() -> None:
     assert torch.equal(logits.cpu(), ref)
 
 
+@pytest.mark.heavy  # ~100 s interpreted: `make test-heavy`
 async def test_engine_with_triton_attention_matches_transformers_on_the_default_model(
         default_engine_unstarted, reference) -> None:  # type: ignore[no-untyped-def]
     """The default model through every Triton kernel (interpreted): transformers' first greedy tokens
