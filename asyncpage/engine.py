@@ -25,7 +25,6 @@ import msgspec
 import sniffio
 import torch
 
-from asyncpage import grounding
 from asyncpage.beam import BeamParams, EarlyStopping
 from asyncpage.compute import ComputeThread
 from asyncpage.config import (
@@ -43,17 +42,9 @@ from asyncpage.errors import (
     EngineDeadError,
     EngineLoopError,
     EngineNotRunningError,
-    ExtractionError,
     InvalidRequestError,
 )
-from asyncpage.extract import (
-    ExtractResult,
-    closed_early_error,
-    decode_value,
-    extract_many,
-    grounded,
-    json_params,
-)
+from asyncpage.extract import ExtractResult, extract_many, extract_one
 from asyncpage.guided import GrammarManager, GuidedSpec
 from asyncpage.output_processor import request_metrics
 from asyncpage.outputs import (
@@ -329,29 +320,8 @@ class AsyncEngine:
                 total: float
             inv = await engine.extract("Invoice INV-7, total 12.50 EUR. JSON:", Invoice)
         """
-        params, target = json_params(schema, params)
-        if copy_from is not None:
-            assert params.json_schema is not None
-            if copy_fields is None and not grounding.copied(params.json_schema):
-                copy_fields = "auto"
-            sources = [copy_from] if isinstance(copy_from, str) else list(copy_from)
-            params = grounded(params, grounding.mark(params.json_schema, copy_fields), sources)
-        if chat:
-            prompt = self.apply_chat_template(prompt)
-        try:
-            out = await self.generate(prompt, params)
-            if out.finish_reason == "length":
-                # Closed validly by the budget: raised with the value attached (see extract.closed_early_error).
-                raise await closed_early_error(self, params, out.token_ids, out.text, target) or ExtractionError(
-                    "truncated", f"output reached max_tokens={params.max_tokens} before the value was complete",
-                    out.text)
-        finally:
-            if copy_from is not None:
-                self.guided.forget(GuidedSpec.from_params(params))  # the grammar embeds this source only
-        try:
-            return decode_value(out.text, target)
-        except msgspec.DecodeError as exc:
-            raise ExtractionError("invalid", str(exc), out.text) from exc
+        return await extract_one(self, prompt, schema, params, chat=chat, copy_from=copy_from,
+                                 copy_fields=copy_fields)
 
     def extract_many(self, items: Iterable[Any] | AsyncIterable[Any], schema: Any, *,
                      prompt: str | Callable[[Mapping[str, Any]], str] | None = None, concurrency: int = 32,

@@ -133,6 +133,35 @@ def decode_value(text: str, target: Any) -> Any:
 _FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
+async def extract_one(engine: AsyncEngine, prompt: str | list[int], schema: Any, params: SamplingParams | None, *,
+                      chat: bool, copy_from: str | Sequence[str] | None,
+                      copy_fields: Sequence[str] | str | None) -> Any:
+    """See AsyncEngine.extract."""
+    params, target = json_params(schema, params)
+    if copy_from is not None:
+        assert params.json_schema is not None
+        if copy_fields is None and not grounding.copied(params.json_schema):
+            copy_fields = "auto"
+        sources = [copy_from] if isinstance(copy_from, str) else list(copy_from)
+        params = grounded(params, grounding.mark(params.json_schema, copy_fields), sources)
+    if chat:
+        prompt = engine.apply_chat_template(prompt)
+    try:
+        out = await engine.generate(prompt, params)
+        if out.finish_reason == "length":
+            # Closed validly by the budget: raised with the value attached (see closed_early_error).
+            raise await closed_early_error(engine, params, out.token_ids, out.text, target) or ExtractionError(
+                "truncated", f"output reached max_tokens={params.max_tokens} before the value was complete",
+                out.text)
+    finally:
+        if copy_from is not None:
+            engine.guided.forget(GuidedSpec.from_params(params))  # the grammar embeds this source only
+    try:
+        return decode_value(out.text, target)
+    except msgspec.DecodeError as exc:
+        raise ExtractionError("invalid", str(exc), out.text) from exc
+
+
 def render_prompt(template: Prompt, record: Mapping[str, Any]) -> str:
     """Fill `{field}` placeholders from the record. Only `{identifier}` is a placeholder, so JSON
     examples in a prompt ({"name": ...}) need no escaping."""
