@@ -81,7 +81,7 @@ class EngineCore:
         req = Request(next(self._ids), ids, params, mailbox or Mailbox(),
                       frozenset() if params.ignore_eos else stop_token_ids)
         if beam is not None:
-            req.beam = BeamSearch(beam, params.max_tokens, len(req.stop_token_ids | set(params.stop_token_ids)))
+            req.beam = BeamSearch(beam, params.max_tokens, len(req.stop_ids))
         seq = Sequence(
             seq_id=self.scheduler.new_seq_id(), index=0, request=req, token_ids=list(ids),
             generator=self._make_generator(req, 0), detokenizer=self.output.detokenizer(ids, params),

@@ -45,7 +45,7 @@ class OutputProcessor:
         assert detok is not None
         text = ""
         for i, token in enumerate(tokens):
-            is_stop = token in seq.params.stop_token_ids or token in req.stop_token_ids
+            is_stop = token in req.stop_ids
             text += detok.add(token, is_stop_token=is_stop)
             if detok.stopped and i + 1 < len(tokens):
                 # A stop string inside a run of tokens (speculation, grammar fast-forward): nothing

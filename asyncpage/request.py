@@ -11,6 +11,7 @@ Outside the loop only one field is ever written: `abort_requested` (a flag, set 
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -71,6 +72,12 @@ class Request:
         if self.beam is not None:
             return self.beam.done
         return len(self.seqs) == self.params.n and all(s.status is SeqStatus.FINISHED for s in self.seqs)
+
+    @functools.cached_property
+    def stop_ids(self) -> frozenset[int]:
+        """Token ids that end a sample: the caller's stop_token_ids, and the EOS ids unless ignore_eos."""
+        return frozenset(self.params.stop_token_ids) | (frozenset() if self.params.ignore_eos
+                                                        else self.stop_token_ids)
 
     @property
     def width(self) -> int:

@@ -130,7 +130,7 @@ class ModelRunner:
                 logit_rows += range(start + n - k - 1, start + n)
                 s = sched.samples[0]
                 verifies.append(Verify(_sample_spec(s, out.max_model_len), sched.draft, rows,
-                                       frozenset(s.params.stop_token_ids) | s.request.stop_token_ids))
+                                       s.request.stop_ids))
             elif sched.samples:
                 logit_rows.append(start + n - 1)
                 for s in sched.samples:

@@ -220,8 +220,7 @@ class Scheduler:
             seq.spec = SpecState(self.speculative)
         room = min(room, p.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
         draft = seq.spec.propose(seq.token_ids, room)
-        stops = set(p.stop_token_ids) | req.stop_token_ids
-        cut = next((i for i, t in enumerate(draft) if t in stops), len(draft))
+        cut = next((i for i, t in enumerate(draft) if t in req.stop_ids), len(draft))
         if seq.matcher is not None and cut:
             cut = seq.matcher.valid_prefix(draft[:cut])
         return draft[:cut]
@@ -360,7 +359,7 @@ class Scheduler:
         outputs = [b.output_token_ids for b in beams]
 
         def ends(parent: int, token: int) -> tuple[FinishReason, bool] | None:
-            if token in p.stop_token_ids or (not p.ignore_eos and token in req.stop_token_ids):
+            if token in req.stop_ids:
                 return "stop", False
             if p.stop and self.stop_string_hit is not None and self.stop_string_hit(outputs[parent] + [token], p):
                 return "stop", True
@@ -414,7 +413,7 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in seq.request.stop_token_ids):
+        if token in seq.request.stop_ids:
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
