@@ -41,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--settings", default=None, metavar="S1,S2,...",
                    help="compare weight / KV settings side by side, the first as the base, e.g. "
                    "float32,bfloat16,int8,int4,int4+kv=int8 (see asyncpage/bench_quant.py)")
-    b.add_argument("--speculative", default=None, metavar="ngram[:K]",
-                   help="tokens/s without and with n-gram speculation (at most K drafts a step), side by side: "
+    b.add_argument("--speculative", default=None, metavar="ngram[:K]|draft:PATH[:K]",
+                   help="tokens/s without and with speculation (n-gram, or a draft model with the target's tokenizer; "
+                   "at most K drafts a step), side by side: "
                    "one stream each of extraction, free text and code, and the mixed workload")
     b.add_argument("--json", action="store_true", help="print machine-readable results")
     b.add_argument("--seed", type=int, default=0)
@@ -96,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--resume", action="store_true",
                    help="skip the input lines already answered in the output, and append")
     x.add_argument("--no-progress", action="store_true")
-    x.add_argument("--speculative", default=None, metavar="ngram[:K]",
-                   help="n-gram speculative decoding (same output; values copied from the record come faster)")
+    x.add_argument("--speculative", default=None, metavar="ngram[:K]|draft:PATH[:K]",
+                   help="speculative decoding, n-gram or a draft model with the same tokenizer (same output; "
+                        "values copied from the record come faster)")
     x.add_argument("--ray", action="store_true",
                    help="run on Ray (pip install 'asyncpage[ray]'): the cluster at RAY_ADDRESS, else a local one "
                    "started for the job; the input is read through Ray Data, one engine per actor")

@@ -28,10 +28,12 @@ import torch
 from asyncpage.beam import BeamParams, BeamSearch
 from asyncpage.compute import ComputeThread
 from asyncpage.config import EngineConfig
+from asyncpage.draft import DraftProposer
 from asyncpage.errors import EngineDeadError, EngineNotRunningError, SamplingError
 from asyncpage.eventloop import LoopHandle
 from asyncpage.guided import CompiledGrammar
 from asyncpage.kv_cache import KVCacheManager
+from asyncpage.models import CausalLM
 from asyncpage.output_processor import OutputProcessor
 from asyncpage.outputs import EngineStats
 from asyncpage.params import SamplingParams
@@ -48,7 +50,8 @@ STATS_PERIOD_S = 0.05
 
 class EngineCore:
     def __init__(self, config: EngineConfig, model: Any, tokenizer: Any, compute: ComputeThread,
-                 mask_vocab_size: int) -> None:
+                 mask_vocab_size: int, draft_model: CausalLM | None = None) -> None:
+        """`draft_model`: the speculative "draft" method's model (its KV pool is made here)."""
         self.config = config
         self.compute = compute
         self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
@@ -56,6 +59,10 @@ class EngineCore:
         self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size, getattr(torch, config.dtype),
                                   torch.device(config.device), mask_vocab_size,
                                   kv_cache_dtype=getattr(torch, config.kv_cache_dtype or config.dtype))
+        self.draft = None if draft_model is None else DraftProposer(
+            draft_model, config.num_kv_blocks, config.block_size, getattr(torch, config.dtype),
+            torch.device(config.device), self.runner.vocab_size, config.max_num_batched_tokens,
+            config.enable_prefix_caching)
         self.output = OutputProcessor(tokenizer, lambda seq, reason: self.scheduler.finish(seq, reason))
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.max_model_len, self._make_generator, self.output.stop_string_hit,
@@ -127,12 +134,16 @@ class EngineCore:
                 if self.stopping:
                     break
                 if not self.scheduler.has_work:
+                    if self.draft is not None:
+                        self.draft.release_all()
                     self._publish_stats(force=True)
                     self._wake_event = anyio.Event()
                     if not (self._adds or self._aborts or self.stopping):
                         await self._wake_event.wait()
                     self._wake_event = None
                     continue
+                if self.draft is not None:
+                    await self._propose_drafts(self.draft)
                 out = self.scheduler.schedule()
                 if not out:
                     await anyio.sleep(0.001)  # nothing fits yet; should not happen, but never spin
@@ -150,6 +161,13 @@ class EngineCore:
             self._close_all()
             self._publish_stats(force=True)
             self.loop = None
+
+    async def _propose_drafts(self, draft: DraftProposer) -> None:
+        """The draft model's guesses for the sequences about to decode, on the compute thread."""
+        asks = self.scheduler.draft_asks()
+        if asks:
+            live = {s.seq_id for s in (*self.scheduler.running, *self.scheduler.waiting)}
+            self.scheduler.set_drafts(await self.compute.arun(draft.propose, asks, live))
 
     def _apply_aborts(self) -> None:
         while self._aborts:
@@ -286,5 +304,7 @@ class EngineCore:
         step with `debug_checks=True`, and by the tests whenever the engine is idle."""
         live = [*self.scheduler.running, *self.scheduler.waiting]
         self.kv.check_invariants([(s.table, s.request.request_id) for s in live])
+        if self.draft is not None:
+            self.draft.check_invariants()
         for s in live:
             assert s.request.request_id in self._requests, f"sequence {s.seq_id} of a released request is live"

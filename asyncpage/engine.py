@@ -38,6 +38,7 @@ from asyncpage.config import (
     size_pool,
 )
 from asyncpage.core import EngineCore
+from asyncpage.draft import load_draft
 from asyncpage.errors import (
     EngineDeadError,
     EngineLoopError,
@@ -75,13 +76,14 @@ class AsyncEngine:
     """An in-process inference engine. Construct with `from_pretrained`, run with `async with`."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, compute: ComputeThread,
-                 guided: GrammarManager) -> None:
+                 guided: GrammarManager, draft: LoadedModel | None = None) -> None:
         """Prefer `from_pretrained` (which calls this on the compute thread, where the KV pool is
         allocated). Binds to no event loop: that happens in `async with`."""
         self.config = config
         self.compute = compute
         self.guided = guided
         self._loaded = loaded
+        self._draft = draft  # the speculative "draft" method's model (shared with clones, as the target is)
         self._options: dict[str, Any] = {}
         self.model_source = loaded.source
         self.load_seconds = loaded.load_seconds
@@ -89,7 +91,8 @@ class AsyncEngine:
         self.model_config = loaded.config
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = int(loaded.config.vocab_size)  # the logits width
-        self._core = EngineCore(config, loaded.model, loaded.tokenizer, compute, guided.vocab_size)
+        self._core = EngineCore(config, loaded.model, loaded.tokenizer, compute, guided.vocab_size,
+                                draft.model if draft is not None else None)
         self._open = False
         self._loop_task: Any = None
         self._task_group: Any = None
@@ -139,7 +142,8 @@ class AsyncEngine:
         (with a scale per token and head): about twice the tokens of bfloat16 in the same memory.
         `speculative_config={"method": "ngram", "num_speculative_tokens": 4}`: a decoding sequence
         proposes up to that many tokens from its own earlier text and the model verifies them in one
-        step (same output; asyncpage.speculative)."""
+        step (same output; asyncpage.speculative); `{"method": "draft", "model": PATH}` has a second,
+        smaller model with the same tokenizer propose them (asyncpage.draft)."""
         dev = resolve_device(device)
         check_quantization(quantization)
         dt = resolve_dtype(dtype, dev)
@@ -159,7 +163,11 @@ class AsyncEngine:
         # default thread count it follows the cores other processes leave free (cpu_share.py).
         compute = ComputeThread(threads, adaptive=num_threads is None)
         loaded = compute.run(load, model, getattr(torch, dt), torch.device(dev), quantization)
-        return compute.run(cls._build, loaded, dt, dev, compute, options)
+        spec = SpeculativeConfig.parse(speculative_config)
+        draft = None
+        if spec is not None and spec.method == "draft":
+            draft = compute.run(load_draft, spec, loaded, getattr(torch, dt), torch.device(dev))
+        return compute.run(cls._build, loaded, dt, dev, compute, options, None, draft)
 
     def clone(self, **overrides: Any) -> AsyncEngine:
         """A second engine on the same weights and tokenizer, with its own KV pool and scheduler
@@ -169,12 +177,21 @@ class AsyncEngine:
             raise InvalidRequestError(sorted(bad)[0], "cannot differ between engines sharing weights")
         options = {**self._options, **overrides}
         check_options(options)
+        spec = SpeculativeConfig.parse(options["speculative_config"])
+        mine = self._options["speculative_config"]
+        draft = self._draft
+        if spec is None or spec.method != "draft":
+            draft = None
+        elif draft is None or (mine.model, mine.quantization) != (spec.model, spec.quantization):
+            draft = self.compute.run(load_draft, spec, self._loaded, getattr(torch, self.config.dtype),
+                                     torch.device(self.config.device))
         return self.compute.run(self._build, self._loaded, self.config.dtype, self.config.device, self.compute,
-                                options, self.guided)
+                                options, self.guided, draft)
 
     @classmethod
     def _build(cls, loaded: LoadedModel, dt: str, dev: str, compute: ComputeThread,
-               options: dict[str, Any], parent_guided: GrammarManager | None = None) -> AsyncEngine:
+               options: dict[str, Any], parent_guided: GrammarManager | None = None,
+               draft: LoadedModel | None = None) -> AsyncEngine:
         mc = loaded.config
         ctx = int(getattr(mc, "max_position_embeddings", 8192))
         max_len = min(ctx, options["max_model_len"]) if options["max_model_len"] else ctx
@@ -198,12 +215,14 @@ class AsyncEngine:
         # 3.8 s build for the 262k vocabulary, measured): done lazily under a running loop it stalled the
         # host's event loop (a 4.4 s lag in the soak). So it is done here, at load, and shared by clones.
         guided.prepare(parent_guided)
-        engine = cls(loaded, config, compute, guided)
+        engine = cls(loaded, config, compute, guided, draft)
         engine._options = options
         if config.attention_backend == "triton":
             from asyncpage.kernels import use_triton_attention
 
             use_triton_attention(engine._core.runner)
+            if engine._core.draft is not None:
+                use_triton_attention(engine._core.draft.runner)
         return engine
 
     # ---- lifecycle ---------------------------------------------------------------------------

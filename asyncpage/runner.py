@@ -60,6 +60,56 @@ def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> 
     return int(per_token * block_size)
 
 
+class FlatBatch:
+    """A step's tokens from many sequences back to back (no padding between them), with the slots
+    their K/V go to and what attention needs: a sequence's run of one token is a decode row, a
+    longer run a prefill chunk over its cached context. Shared by the model runner and the draft
+    model (draft.py)."""
+
+    def __init__(self, block_size: int, pad_slot: int, device: torch.device,
+                 attention: Callable[..., torch.Tensor]) -> None:
+        self.block_size, self.pad_slot, self.device, self.attention = block_size, pad_slot, device, attention
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []
+        self.slots: list[int] = []
+        self.decode_rows: list[int] = []
+        self.decode_tables: list[list[int]] = []
+        self.decode_lens: list[int] = []
+        self.prefills: list[PrefillChunk] = []
+
+    def add(self, tokens: list[int], num_computed: int, table: list[int]) -> int:
+        """Append a sequence's `tokens`, at positions from `num_computed` on; returns its first row."""
+        bs, start, n = self.block_size, len(self.input_ids), len(tokens)
+        self.input_ids += tokens
+        self.positions += range(num_computed, num_computed + n)
+        self.slots += [table[p // bs] * bs + p % bs for p in range(num_computed, num_computed + n)]
+        if n == 1:
+            self.decode_rows.append(start)
+            self.decode_tables.append(table)
+            self.decode_lens.append(num_computed + 1)
+        else:
+            self.prefills.append(PrefillChunk(start, start + n, num_computed, self._t(table)))
+        return start
+
+    def build(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input ids, positions, attention metadata). The batch is padded to a few bucket sizes: the
+        CPU matmul libraries build a kernel per new shape (~0.5 ms per matmul), which cost a cold
+        engine 30% of its throughput when every step had a new token count. Padding rows attend to
+        nothing and write their K/V to the pad slot."""
+        pad = _bucket(len(self.input_ids)) - len(self.input_ids)
+        meta = AttentionMetadata(block_size=self.block_size, slot_mapping=self._t(self.slots + [self.pad_slot] * pad),
+                                 prefills=self.prefills, attention=self.attention)
+        if self.decode_rows:
+            width = max(len(t) for t in self.decode_tables)
+            meta.decode_rows = self._t(self.decode_rows)
+            meta.decode_block_tables = self._t([t + [0] * (width - len(t)) for t in self.decode_tables])
+            meta.decode_context_lens = self._t(self.decode_lens)
+        return self._t(self.input_ids + [0] * pad), self._t(self.positions + [0] * pad), meta
+
+    def _t(self, xs: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.long, device=self.device)
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, mask_vocab_size: int | None = None,
@@ -98,31 +148,15 @@ class ModelRunner:
 
     # ---- on the event loop -----------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> StepBatch:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
+        flat = FlatBatch(self.block_size, self.pad_slot, self.device, self.attention)
         logit_rows: list[int] = []
         spec_rows: list[int] = []
         specs: list[SampleSpec] = []
         verifies: list[Verify] = []
         for sched in out.scheduled:
             seq, n = sched.seq, sched.num_new_tokens
-            start, nc = len(input_ids), seq.num_computed_tokens
-            table = seq.table.ids
-            input_ids += seq.token_ids[nc : nc + n - len(sched.draft)] + sched.draft
-            positions += range(nc, nc + n)
-            slots += [table[p // bs] * bs + p % bs for p in range(nc, nc + n)]
-            if n == 1:
-                decode_rows.append(start)
-                decode_tables.append(table)
-                decode_lens.append(nc + 1)
-            else:
-                prefills.append(PrefillChunk(start, start + n, nc, self._t(table)))
+            nc = seq.num_computed_tokens
+            start = flat.add(seq.token_ids[nc : nc + n - len(sched.draft)] + sched.draft, nc, seq.table.ids)
             if sched.draft:
                 # Speculating: its last real token and every draft get a logit row; verified in order.
                 k = len(sched.draft)
@@ -136,24 +170,10 @@ class ModelRunner:
                 for s in sched.samples:
                     spec_rows.append(len(logit_rows) - 1)
                     specs.append(_sample_spec(s, out.max_model_len))
-        # Pad the flat batch (and the rows sent to the LM head) to a few bucket sizes: the CPU matmul
-        # libraries build a kernel per new shape (~0.5 ms per matmul), which cost a cold engine 30% of
-        # its throughput when every step had a new token count. Padding rows attend to nothing.
-        pad = _bucket(len(input_ids)) - len(input_ids)
-        input_ids += [0] * pad
-        positions += [0] * pad
-        slots += [self.pad_slot] * pad
+        input_ids, positions, meta = flat.build()
         n_rows = len(logit_rows)  # not padded: the LM head is one matmul, a few new shapes cost little
-        meta = AttentionMetadata(block_size=bs, slot_mapping=self._t(slots), prefills=prefills,
-                                 attention=self.attention)
-        if decode_rows:
-            width = max(len(t) for t in decode_tables)
-            meta.decode_rows = self._t(decode_rows)
-            meta.decode_block_tables = self._t([t + [0] * (width - len(t)) for t in decode_tables])
-            meta.decode_context_lens = self._t(decode_lens)
-        return StepBatch(self._t(input_ids), self._t(positions), meta, self._t(logit_rows),
-                         self._t(spec_rows), specs, list(out.block_copies), forked=len(specs) != n_rows,
-                         verifies=verifies)
+        return StepBatch(input_ids, positions, meta, self._t(logit_rows), self._t(spec_rows), specs,
+                         list(out.block_copies), forked=len(specs) != n_rows, verifies=verifies)
 
     def _t(self, xs: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.long, device=self.device)

@@ -25,7 +25,7 @@ from asyncpage.kv_cache import KVCacheManager
 from asyncpage.outputs import FinishReason
 from asyncpage.params import SamplingParams
 from asyncpage.request import Request, SeqStatus, Sequence
-from asyncpage.speculative import SpecState, SpeculativeConfig
+from asyncpage.speculative import DraftAsk, SpecState, SpeculativeConfig
 
 
 @dataclass
@@ -209,21 +209,50 @@ class Scheduler:
         return self.kv.allocate(seq.table, seq.num_computed_tokens, seq.num_computed_tokens + num_new)
 
     def _propose(self, seq: Sequence, room: int) -> list[int]:
-        """Drafts for a decoding sequence (n-gram lookup over its own tokens): at most `room`, never
-        past max_tokens or the context, cut where the grammar refuses one or at a stop token."""
-        req, p = seq.request, seq.params
-        if self.speculative is None or req.beam is not None or p.logprobs is not None:
+        """Drafts for a decoding sequence (n-gram lookup over its own tokens, or what the draft model
+        proposed): at most `room`, never past max_tokens or the context, cut where the grammar refuses
+        one or at a stop token."""
+        room = min(room, self._spec_room(seq))
+        if room <= 0:
             return []
-        if req.width > 1 and not req.forked:
-            return []  # the step that forks its n samples: each speculates on its own from the next
-        if seq.spec is None:
-            seq.spec = SpecState(self.speculative)
-        room = min(room, p.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+        assert seq.spec is not None
         draft = seq.spec.propose(seq.token_ids, room)
-        cut = next((i for i, t in enumerate(draft) if t in req.stop_ids), len(draft))
+        cut = next((i for i, t in enumerate(draft) if t in seq.request.stop_ids), len(draft))
         if seq.matcher is not None and cut:
             cut = seq.matcher.valid_prefix(draft[:cut])
         return draft[:cut]
+
+    def _spec_room(self, seq: Sequence) -> int:
+        """How many drafts a sequence may take now (0: it does not speculate)."""
+        req, p = seq.request, seq.params
+        if self.speculative is None or req.beam is not None or p.logprobs is not None:
+            return 0
+        if req.width > 1 and not req.forked:
+            return 0  # the step that forks its n samples: each speculates on its own from the next
+        if seq.spec is None:
+            seq.spec = SpecState(self.speculative)
+        return min(seq.spec.k, p.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+
+    def draft_asks(self) -> list[DraftAsk]:
+        """The running sequences that will decode next step and may speculate, for the draft model
+        (speculative method "draft"; the loop runs it before schedule())."""
+        spec = self.speculative
+        if spec is None or spec.method != "draft" or len(self.running) > spec.disable_by_batch_size:
+            return []
+        asks = []
+        for seq in self.running:
+            pending = seq.num_tokens - seq.num_computed_tokens
+            if seq.status is not SeqStatus.RUNNING or pending <= 0 or (k := self._spec_room(seq)) <= 0:
+                continue
+            # A prompt still prefilling: the draft reads it meanwhile (k=0), so it drafts from the first decode.
+            asks.append(DraftAsk(seq.seq_id, list(seq.token_ids), k if pending <= FORCED_RUN else 0,
+                                 seq.params.cache_salt))
+        return asks
+
+    def set_drafts(self, drafts: dict[int, list[int]]) -> None:
+        for seq in self.running:
+            if seq.spec is not None:
+                seq.spec.pending = drafts.get(seq.seq_id, [])
 
     def _scheduled(self, seq: Sequence, num_new: int, copies: list[tuple[int, int]],
                    draft: list[int] | None = None) -> ScheduledSeq:

@@ -1,4 +1,5 @@
-"""Speculative decoding with n-gram prompt lookup: propose, then verify in the same flat batch.
+"""Speculative decoding (n-gram prompt lookup or a draft model): propose, then verify in the same
+flat batch.
 
 On a CPU one decode step of a sequence costs about the same for 1 token as for 5 (the weights are
 read once either way), and extraction copies long spans of its input into its output. So a
@@ -6,9 +7,10 @@ sequence's step can carry, after its last token, up to k guessed tokens (drafts)
 them all, and as many as the model itself would have produced are kept, plus the model's own next
 token after them.
 
-Proposing (engine loop, scheduler.py): the longest recent suffix of the sequence (prompt_lookup_max
-down to prompt_lookup_min tokens) found earlier in its own tokens proposes what followed it there.
-Drafts the grammar refuses are cut before verification.
+Proposing: with "ngram" (engine loop, scheduler.py) the longest recent suffix of the sequence
+(prompt_lookup_max down to prompt_lookup_min tokens) found earlier in its own tokens proposes what
+followed it there; with "draft" a second model's greedy tokens (draft.py, run on the compute thread
+just before the step is scheduled). Drafts the grammar refuses are cut before verification.
 
 Verifying (worker thread, runner.py): position i of the run is sampled exactly as a normal decode
 step would sample it (mask from the grammar state after the tokens before it, penalties over the
@@ -42,10 +44,13 @@ DISABLE_BY_BATCH_SIZE = 8
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`from_pretrained(speculative_config={"method": "ngram", "num_speculative_tokens": 4})`."""
+    """`from_pretrained(speculative_config={"method": "ngram", "num_speculative_tokens": 4})`, or
+    `{"method": "draft", "model": PATH}`: any model with the target's tokenizer, loaded like it."""
 
     method: str
     num_speculative_tokens: int = 8  # the most drafts per sequence per step (k adapts below it)
+    model: str | None = None  # "draft": what from_pretrained's `model` takes (None is not allowed)
+    quantization: str | None = None  # "draft": weight-only quantization of the draft (None, "int8", "int4")
     prompt_lookup_max: int = 4  # longest suffix looked up
     prompt_lookup_min: int = 2  # shortest suffix looked up (1 proposes after any repeated token)
     disable_by_batch_size: int = DISABLE_BY_BATCH_SIZE  # no drafts while more sequences than this run
@@ -60,9 +65,16 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             config = msgspec.convert(value, SpeculativeConfig)
         except msgspec.ValidationError as exc:
             raise InvalidRequestError("speculative_config", str(exc)) from None
-        if config.method != "ngram":
-            raise InvalidRequestError("speculative_config", f"method must be 'ngram' (a draft model is not "
-                                      f"available yet), got {config.method!r}")
+        if config.method not in ("ngram", "draft"):
+            raise InvalidRequestError("speculative_config", f"method must be 'ngram' or 'draft', got {config.method!r}")
+        if (config.model is None) != (config.method == "ngram"):
+            raise InvalidRequestError("speculative_config", "'model' (the draft model's path) is required with "
+                                      "method 'draft' and meaningless with 'ngram'")
+        if config.quantization is not None and config.method != "draft":
+            raise InvalidRequestError("speculative_config", "'quantization' applies to a draft model only")
+        if config.quantization not in (None, "int8", "int4"):
+            raise InvalidRequestError("speculative_config", f"quantization must be None, 'int8' or 'int4', "
+                                      f"got {config.quantization!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
             if getattr(config, name) < 1:
                 raise InvalidRequestError("speculative_config", f"{name} must be >= 1")
@@ -72,9 +84,16 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
 
 
 def cli_config(value: str) -> dict[str, Any]:
-    """A command line's `--speculative ngram` or `ngram:K` (K drafts at most per step), checked."""
+    """A command line's `--speculative ngram`, `ngram:K` (K drafts at most per step), `draft:PATH`
+    or `draft:PATH:K`, checked."""
     method, _, k = value.partition(":")
     config: dict[str, Any] = {"method": method}
+    if method == "draft":
+        path, sep, last = k.rpartition(":")
+        path, k = (path, last) if sep and last.isdigit() else (k, "")
+        if not path:
+            raise InvalidRequestError("speculative", "draft needs the draft model's path: draft:PATH[:K]")
+        config["model"] = path
     if k:
         if not k.isdigit():
             raise InvalidRequestError("speculative", f"K must be a whole number of drafts, got {k!r}")
@@ -91,6 +110,7 @@ class SpecState:
     config: SpeculativeConfig
     k: int = 0  # drafts to offer next step
     acceptance: float = 0.5  # moving average of the share of drafts kept
+    pending: list[int] = field(default_factory=list)  # "draft": what the draft model proposed for this step
     _ends: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
     _indexed: int = 0  # n-grams ending before this position are in _ends
 
@@ -98,8 +118,12 @@ class SpecState:
         self.k = self.config.num_speculative_tokens
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
-        """Up to min(k, limit) drafts to follow `tokens`, or [] when no suffix recurs."""
+        """Up to min(k, limit) drafts to follow `tokens`, or [] when no suffix recurs (n-gram), or the
+        draft model proposed none this step."""
         c = self.config
+        if c.method == "draft":
+            drafts, self.pending = self.pending[: min(self.k, limit)], []
+            return drafts
         end = len(tokens)
         # Index every n-gram ending before the last position: the suffix itself must not match itself.
         for e in range(max(self._indexed, 1), end):
@@ -123,6 +147,16 @@ class SpecState:
         self.acceptance = 0.7 * self.acceptance + 0.3 * accepted / proposed
         a = min(self.acceptance, 0.95)
         self.k = max(1, min(self.config.num_speculative_tokens, round(a / (1 - a)) + 1))
+
+
+@dataclass
+class DraftAsk:
+    """One sequence that may speculate this step, as the loop hands it over (copies, not its objects)."""
+
+    seq_id: int
+    tokens: list[int]  # its tokens so far: drafts follow the last
+    k: int  # the most drafts wanted (0: only read its tokens, e.g. a prompt the target is still prefilling)
+    salt: str | None = None  # its prefix-cache salt: the draft's cache is partitioned the same way
 
 
 @dataclass
