@@ -1,0 +1,15 @@
+"""Disaggregated prefill and decode: `DisaggEngine` runs a prefill worker and a decode worker in two
+processes and hands each prompt's KV blocks from the first to the second (torch.distributed, gloo).
+
+    engine = DisaggEngine.from_pretrained(dtype="float32")
+    async with engine:
+        out = await engine.generate("Hello", SamplingParams(max_tokens=16, temperature=0))
+
+Files: engine.py (the front end), stream.py (a request as the caller holds it), messages.py (the
+control messages), worker.py (a worker process), cores.py (the export and import paths of the two
+engine loops), wire.py (the KV hand-over protocol).
+"""
+
+from .engine import DisaggEngine
+
+__all__ = ["DisaggEngine"]

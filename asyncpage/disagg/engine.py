@@ -1,0 +1,297 @@
+"""DisaggEngine: the front end of a prefill process and a decode process, used like AsyncEngine.
+
+    engine = DisaggEngine.from_pretrained(dtype="float32")     # starts both workers, loads twice
+    async with engine:
+        async for chunk in engine.stream("Hello", SamplingParams(max_tokens=32)):
+            print(chunk.text, end="")
+    engine.close()                                              # stops the workers
+
+A request goes to the prefill worker, which computes the prompt and samples the first token; the
+prompt's KV blocks and that token go to the decode worker over torch.distributed (wire.py), and the
+decode worker streams every token (the first included) back here. The front end holds no model:
+tokenization and validation happen on the prefill worker, so errors arrive typed at the first
+`async for` step rather than at the call. Not offered: n > 1, guided decoding, beam search, extract
+and chat (InvalidRequestError names the field).
+This file owns the front end's state (requests in flight, the latest stats of each worker); it
+runs on the caller's event loop and talks to the workers only through their pipes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from types import TracebackType
+from typing import Any, Self
+
+from asyncpage.errors import EngineDeadError, EngineLoopError, EngineNotRunningError, InvalidRequestError
+from asyncpage.eventloop import LoopHandle
+from asyncpage.outputs import EngineStats, GenerateOutput
+from asyncpage.params import SamplingParams
+
+from .messages import decode_error
+from .stream import DisaggStream, FrontRequest
+
+ROLES = ("prefill", "decode")
+_UNSUPPORTED = ("json_schema", "regex", "choice", "grammar")
+
+
+class DisaggEngine:
+    """Prefill and decode in two processes behind one AsyncEngine-like object."""
+
+    def __init__(self, procs: dict[str, Any], conns: dict[str, Any], infos: dict[str, dict[str, Any]]) -> None:
+        """Use `from_pretrained`."""
+        self._procs = procs
+        self._conns = conns
+        self.max_model_len = min(int(i["max_model_len"]) for i in infos.values())
+        self._stats: dict[str, EngineStats] = {r: infos[r]["stats"] for r in ROLES}
+        self._xfer: dict[str, dict[str, Any]] = {r: {} for r in ROLES}
+        self._dead: dict[str, BaseException] = {}
+        self._requests: dict[int, FrontRequest] = {}
+        self._next_rid = 0
+        self._loop: LoopHandle | None = None
+        self._send_lock = threading.Lock()
+        for role in ROLES:
+            threading.Thread(target=self._read, args=(role,), name=f"asyncpage-disagg-{role}",
+                             daemon=True).start()
+        self._finalizer = weakref.finalize(self, _shutdown, procs, conns)
+
+    @classmethod
+    def from_pretrained(cls, model: str | os.PathLike[str] | None = None, *,
+                        prefill_cpus: list[int] | None = None, decode_cpus: list[int] | None = None,
+                        start_timeout: float = 900.0, **options: Any) -> DisaggEngine:
+        """Start the two workers and load the model in each (AsyncEngine.from_pretrained's options;
+        `speculative_config` applies to the decode worker only). `prefill_cpus` / `decode_cpus`
+        pin each worker to those cores (os.sched_setaffinity), as two machines would be."""
+        port = free_port()
+        prefill_options = {k: v for k, v in options.items() if k != "speculative_config"}
+        procs: dict[str, Any] = {}
+        conns: dict[str, Any] = {}
+        for role, opts, cpus in (("prefill", prefill_options, prefill_cpus), ("decode", options, decode_cpus)):
+            procs[role], conns[role] = launch_worker(role, model, opts, port, cpus)
+        infos: dict[str, dict[str, Any]] = {}
+        try:
+            deadline = time.monotonic() + start_timeout
+            for role in ROLES:
+                if not conns[role].poll(max(0.0, deadline - time.monotonic())):
+                    raise EngineDeadError(f"the {role} worker did not start within {start_timeout} s")
+                msg = conns[role].recv()
+                if msg[0] != "ready":
+                    raise decode_error(msg[1])
+                infos[role] = msg[1]
+            if infos["prefill"]["layout"] != infos["decode"]["layout"]:
+                raise EngineDeadError("the two workers' KV layouts differ")
+        except BaseException as exc:
+            _shutdown(procs, conns)
+            if isinstance(exc, EOFError):
+                raise EngineDeadError("a worker exited while loading the model") from exc
+            raise
+        return cls(procs, conns, infos)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def __aenter__(self) -> Self:
+        if self._loop is not None:
+            raise RuntimeError("this engine is already running")
+        self._loop = LoopHandle.current()
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        """Requests still in flight are aborted on both workers and fail with EngineNotRunningError."""
+        for rid, fr in list(self._requests.items()):
+            fr.mailbox.fail(EngineNotRunningError("the engine was closed"))
+            self.abort(rid)
+        self._loop = None
+
+    def close(self) -> None:
+        """Stop both workers (also done when the engine is garbage-collected or at exit)."""
+        self._finalizer()
+
+    # ---- public API --------------------------------------------------------------------------
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> DisaggStream:
+        """As AsyncEngine.stream: `async for chunk in engine.stream(prompt, params)`."""
+        return DisaggStream(self, prompt, params or SamplingParams())
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> GenerateOutput:
+        """As AsyncEngine.generate (n=1)."""
+        async with self.stream(prompt, params) as s:
+            async for _ in s:
+                pass
+            return s.output()
+
+    def stats(self) -> dict[str, EngineStats]:
+        """{"prefill": EngineStats, "decode": EngineStats}: what each worker last published (it
+        publishes within ~20 ms of a change, and before acknowledging an abort)."""
+        return dict(self._stats)
+
+    def transfer_stats(self) -> dict[str, Any]:
+        """KV hand-over figures, as the prefill worker measured them: bytes, seconds (packing and
+        sending the payloads), blocks sent, blocks skipped (already held by the decode side)."""
+        return dict(self._xfer["prefill"])
+
+    @property
+    def healthy(self) -> bool:
+        """False once a worker has died (new requests then fail with EngineDeadError)."""
+        return not self._dead
+
+    # ---- submission (DisaggStream) -----------------------------------------------------------
+    def submit(self, prompt: str | list[int], params: SamplingParams) -> FrontRequest:
+        self._check_usable()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params", f"must be SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise InvalidRequestError("n", "a disaggregated engine runs one sample per request (n=1)")
+        for name in _UNSUPPORTED:
+            if getattr(params, name) is not None:
+                raise InvalidRequestError(name, "guided decoding is not offered by the disaggregated engine")
+        if not isinstance(prompt, str | list | tuple):
+            raise InvalidRequestError("prompt", f"must be a str or a list of token ids, got {type(prompt).__name__}")
+        self._next_rid += 1
+        fr = FrontRequest(self._next_rid, params)
+        self._requests[fr.rid] = fr
+        self._send("prefill", ("submit", fr.rid, prompt if isinstance(prompt, str) else list(prompt), params))
+        return fr
+
+    def abort(self, rid: int) -> None:
+        """Release `rid` on both workers (each acknowledges; see FrontRequest.released). Only sends."""
+        fr = self._requests.get(rid)
+        if fr is None or fr.aborting:
+            return
+        fr.aborting = True
+        for role in ROLES:
+            if role in self._dead:
+                fr.released.add(role)
+            else:
+                self._send(role, ("abort", rid))
+        self._maybe_forget(fr)
+
+    def _check_usable(self) -> None:
+        if self._dead:
+            role, exc = next(iter(self._dead.items()))
+            raise EngineDeadError(f"the {role} worker died: {exc}") from exc
+        if self._loop is None:
+            raise EngineNotRunningError("use the engine inside `async with engine:`")
+        if not self._loop.is_current():
+            raise EngineLoopError("this engine runs on another thread or event loop")
+
+    def _send(self, role: str, msg: tuple[Any, ...]) -> None:
+        try:
+            with self._send_lock:
+                self._conns[role].send(msg)
+        except (OSError, ValueError) as exc:
+            self._worker_died(role, exc)
+
+    # ---- from the workers ---------------------------------------------------------------------
+    def _read(self, role: str) -> None:
+        """Pipe reader thread: stats are stored at once; everything else runs on the caller's loop."""
+        conn = self._conns[role]
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                self._post(lambda: self._worker_died(role, EngineDeadError(f"the {role} worker exited")))
+                return
+            # Stats are stored here, in the order they were sent (a later "stats" must not be
+            # overwritten by an earlier "released" applied on the loop afterwards).
+            if msg[0] == "stats":
+                self._stats[role] = msg[1]
+                self._xfer[role] = msg[2]
+                continue
+            if msg[0] == "released":
+                self._stats[role] = msg[3]
+            if msg[0] == "chunk" and msg[3] is not None:
+                self._stats[role] = msg[3]["stats"]
+            if msg[0] == "failed":
+                self._post(lambda m=msg: self._worker_died(role, decode_error(m[1])))  # type: ignore[misc]
+            else:
+                self._post(lambda m=msg: self._on_message(role, m))  # type: ignore[misc]
+
+    def _post(self, fn: Callable[[], None]) -> None:
+        loop = self._loop
+        if loop is not None:
+            loop.call_soon_threadsafe(fn)
+        else:
+            fn()  # not running: nobody waits on a mailbox, only bookkeeping is left
+
+    def _on_message(self, role: str, msg: tuple[Any, ...]) -> None:
+        kind, rid = msg[0], msg[1]
+        fr = self._requests.get(rid)
+        if fr is None:
+            return
+        if kind == "chunk":
+            chunk, final = msg[2], msg[3]
+            fr.on_chunk(chunk, final)
+            if final is not None:
+                fr.released.update(ROLES)  # the decode side released it; the prefill side long before
+                self._maybe_forget(fr)
+        elif kind == "error":
+            fr.mailbox.fail(decode_error(msg[2]))
+            if not fr.aborting:
+                self.abort(rid)  # whatever the other side holds of it goes too
+        elif kind == "released":
+            fr.released.add(role)
+            self._maybe_forget(fr)
+
+    def _maybe_forget(self, fr: FrontRequest) -> None:
+        if fr.released.issuperset(ROLES):
+            self._requests.pop(fr.rid, None)
+            if fr.released_event is not None:
+                fr.released_event.set()
+
+    def _worker_died(self, role: str, exc: BaseException) -> None:
+        if role in self._dead:
+            return
+        self._dead[role] = exc
+        # Every request in flight passes through the decode worker, and a request without output yet
+        # may still be on the prefill worker: both kinds fail; a decoding one survives the prefill's death.
+        for fr in list(self._requests.values()):
+            if role == "decode" or not fr.started:
+                fr.mailbox.fail(EngineDeadError(f"the {role} worker died: {exc}"))
+                fr.released.add(role)
+                self.abort(fr.rid)
+            else:
+                fr.released.add(role)
+                self._maybe_forget(fr)
+
+
+def launch_worker(role: str, model: str | os.PathLike[str] | None, options: dict[str, Any], port: int,
+                  cpus: list[int] | None = None) -> tuple[subprocess.Popen[bytes], Connection]:
+    """Start one worker process; returns it and its control connection (it answers "ready" or
+    "failed" once loaded and joined to the transfer group on 127.0.0.1:`port`)."""
+    # A plain subprocess on a socketpair rather than multiprocessing's spawn: spawn re-imports the
+    # caller's __main__, which breaks any script without an `if __name__ == "__main__"` guard.
+    here, there = socket.socketpair()
+    proc = subprocess.Popen([sys.executable, "-m", "asyncpage.disagg.worker", str(there.fileno())],
+                            pass_fds=[there.fileno()])
+    there.close()  # our copy: the worker's death must read as EOF here
+    conn = Connection(here.detach())
+    conn.send(("init", role, None if model is None else str(model), options, port, cpus))
+    return proc, conn
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _shutdown(procs: dict[str, Any], conns: dict[str, Any]) -> None:
+    for conn in conns.values():
+        try:
+            conn.send(("shutdown",))
+        except (OSError, ValueError):
+            pass
+    for p in procs.values():
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=5)
+    for conn in conns.values():
+        conn.close()

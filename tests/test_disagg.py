@@ -1,0 +1,213 @@
+"""Disaggregated prefill/decode (asyncpage.disagg): the pair gives one engine's output, frees its
+blocks on both sides, speaks its wire protocol to a fake peer, and fails typed when a worker dies.
+Each DisaggEngine starts two worker processes (~7 s with a tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asyncpage import AsyncEngine, SamplingParams
+from asyncpage.disagg import DisaggEngine, wire
+from asyncpage.disagg.engine import free_port, launch_worker
+from asyncpage.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
+
+pytestmark = pytest.mark.asyncio
+
+OPTS: dict[str, Any] = dict(dtype="float32", block_size=4, num_kv_blocks=256, debug_checks=True)
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+def _prompts() -> list[Any]:
+    shared = [0, *range(3, 43)]  # later prompts extend it: prefix-cache hits on the decode side
+    return [[0, 5], shared[:6], shared[:18], shared, shared + list(range(50, 130)),
+            "Paged attention keeps the KV cache", "def add(a, b):"]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_models: dict[str, tuple[Path, Any]]) -> Any:
+    engine = DisaggEngine.from_pretrained(tiny_models["gemma3"][0], **OPTS)
+    yield engine
+    engine.close()
+
+
+async def _idle(engine: DisaggEngine) -> dict[str, Any]:
+    for _ in range(100):
+        st = engine.stats()
+        if all(s.kv_blocks_used == 0 and s.num_running == 0 for s in st.values()):
+            break
+        await asyncio.sleep(0.02)
+    return engine.stats()
+
+
+async def test_disagg_greedy_matches_single_engine(pair: DisaggEngine, tiny_models: Any) -> None:
+    single = AsyncEngine.from_pretrained(tiny_models["gemma3"][0], **OPTS)
+    prompts = _prompts()
+    async with single, pair:
+        ref = await asyncio.gather(*(single.generate(p, GREEDY) for p in prompts))
+        got = await asyncio.gather(*(pair.generate(p, GREEDY) for p in prompts))
+        for r, g in zip(ref, got, strict=True):
+            assert (g.token_ids, g.text, g.finish_reason) == (r.token_ids, r.text, r.finish_reason)
+            assert g.prompt_token_ids == r.prompt_token_ids
+        # Seeded sampling, a stop string, logprobs: as one engine too.
+        for params in (SamplingParams(max_tokens=12, temperature=0.9, seed=3, ignore_eos=True),
+                       SamplingParams(max_tokens=30, temperature=0, stop=(r.text[3:6],)),
+                       SamplingParams(max_tokens=5, temperature=0, logprobs=2, ignore_eos=True)):
+            r, g = await single.generate(prompts[3], params), await pair.generate(prompts[3], params)
+            assert (g.token_ids, g.text, g.finish_reason) == (r.token_ids, r.text, r.finish_reason)
+            assert [lp.token_id for lp in g.choices[0].logprobs or []] == \
+                   [lp.token_id for lp in r.choices[0].logprobs or []]
+        xfer = pair.transfer_stats()
+        assert xfer["skipped_blocks"] > 0 and xfer["bytes"] > 0  # prefixes held by the decode side not resent
+        st = await _idle(pair)
+        assert st["prefill"].kv_blocks_used == 0 and st["decode"].kv_blocks_used == 0
+
+
+async def test_cancelled_streams_free_blocks_on_both_sides(pair: DisaggEngine) -> None:
+    async def consume(i: int) -> int:
+        prompt = [0] + [(7 * i + k) % 300 + 3 for k in range(20 + 9 * i)]
+        n = 0
+        params = SamplingParams(max_tokens=200 if i % 2 else 40, temperature=0, ignore_eos=True)
+        async with pair.stream(prompt, params) as s:
+            async for chunk in s:
+                n += len(chunk.token_ids)
+                if i % 2 and n >= 3:
+                    break  # half of them leave mid-way
+        return n
+
+    async with pair:
+        counts = await asyncio.gather(*(consume(i) for i in range(20)))
+        # Cancelled while queued or mid-transfer: tasks cancelled outright.
+        tasks = [asyncio.create_task(consume(2 * i)) for i in range(6)]
+        await asyncio.sleep(0.05)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        st = pair.stats()  # aclose() waited for both workers' acknowledgements
+        assert st["prefill"].kv_blocks_used == 0 and st["decode"].kv_blocks_used == 0, st
+        assert st["decode"].num_running == 0 and st["prefill"].num_running == 0
+    assert all(c == 40 for c in counts[0::2]) and all(3 <= c < 200 for c in counts[1::2])
+
+
+async def test_refuses_what_it_does_not_run(pair: DisaggEngine) -> None:
+    async with pair:
+        with pytest.raises(InvalidRequestError, match=r"^n:"):
+            await pair.generate("x", SamplingParams(n=2))
+        with pytest.raises(InvalidRequestError, match=r"^json_schema:"):
+            await pair.generate("x", SamplingParams(json_schema={"type": "object"}))
+        with pytest.raises(PromptTooLongError):  # refused by the prefill worker, typed across the pipe
+            await pair.generate([3 + i % 300 for i in range(600)], GREEDY)
+        with pytest.raises(InvalidRequestError, match=r"^prompt:"):
+            await pair.generate("", GREEDY)
+        assert (await pair.generate("ok", GREEDY)).finish_reason == "length"  # still serving
+
+
+async def test_wire_protocol_with_a_fake_prefill_peer(tiny_models: Any) -> None:
+    """The test process plays the prefill worker: a real decode worker must answer each header with
+    the blocks it holds, take a payload into its pool and emit the first token it was given."""
+    port = free_port()
+    proc, conn = launch_worker("decode", tiny_models["llama"][0], OPTS, port)
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2,
+                                rank=wire.PREFILL_RANK, timeout=timedelta(seconds=60))
+        loop = asyncio.get_running_loop()
+        info = await loop.run_in_executor(None, _recv_kind, conn, "ready")
+        layout, tr = info["layout"], wire.DistTransport(wire.DECODE_RANK)
+        rows = [[torch.randn(8, *shape).to(getattr(torch, dt.split(".")[1])) for shape, dt in layer]
+                for layer in layout["rows"]]  # a fake pool of 8 blocks with the decode side's layout
+        caches = [tuple(layer) for layer in rows]
+        prompt = [0, *range(3, 13)]  # 11 tokens: 3 blocks of 4
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+        def transfer(rid: int, block_bytes: int) -> int:
+            wire.send_header(tr, wire.Header(rid, prompt, 42, None, params, 3, block_bytes))
+            skip = wire.recv_reply(tr)
+            if skip != wire.DROP:
+                wire.send_blocks(tr, caches, [5, 1, 6][skip:])
+            return skip
+
+        assert await loop.run_in_executor(None, transfer, 1, layout["block_bytes"]) == 0
+        first = await loop.run_in_executor(None, _recv_kind, conn, "chunk")
+        assert first[1] == 1 and first[2].token_ids[:1] == [42]  # the token it was handed comes first
+        # The same prompt again: its two full blocks are held (prefix cache); only the last is sent.
+        assert await loop.run_in_executor(None, transfer, 2, layout["block_bytes"]) == 2
+        # A layout mismatch, and a request aborted before its KV arrived: dropped.
+        assert await loop.run_in_executor(None, transfer, 3, layout["block_bytes"] + 4) == wire.DROP
+        conn.send(("abort", 4))
+        assert (await loop.run_in_executor(None, _recv_kind, conn, "released"))[1] == 4
+        assert await loop.run_in_executor(None, transfer, 4, layout["block_bytes"]) == wire.DROP
+        # A later payload still lands where the block tables say (pack/unpack keep rows in table order).
+        mirror = [tuple(torch.zeros_like(t) for t in layer) for layer in caches]
+        wire.unpack_blocks(mirror, [2, 0], wire.pack_blocks(caches, [6, 5]))
+        assert all(torch.equal(m[2], t[6]) and torch.equal(m[0], t[5]) for lm, lt in zip(mirror, caches, strict=True)
+                   for m, t in zip(lm, lt, strict=True))
+    finally:
+        conn.send(("shutdown",))
+        proc.wait(timeout=20)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _recv_kind(conn: Any, kind: str) -> Any:
+    while True:
+        msg = conn.recv()
+        if msg[0] == kind:
+            return msg[1] if kind == "ready" else msg
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+async def test_killed_worker_fails_requests_with_a_typed_error(tiny_models: Any, role: str) -> None:
+    engine = DisaggEngine.from_pretrained(tiny_models["llama"][0], **OPTS)
+    try:
+        async with engine:
+            long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+            streams = [engine.stream([0, 3 + i, 4], long) for i in range(3)]
+            for s in streams:
+                await s.__anext__()  # decoding on the decode worker
+            os.kill(engine._procs[role].pid, signal.SIGKILL)
+            if role == "decode":
+                for s in streams:
+                    with pytest.raises(EngineDeadError):
+                        async for _ in s:
+                            pass
+            else:  # requests already decoding finish; the dead prefill side refuses new ones
+                for s in streams:
+                    async for _ in s:
+                        pass
+            for _ in range(100):
+                if not engine.healthy:
+                    break
+                await asyncio.sleep(0.05)
+            with pytest.raises(EngineDeadError, match=role):
+                await engine.generate("hello", GREEDY)
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+async def test_default_model_pair_matches_single_engine_on_nine_prompts(default_engine: AsyncEngine) -> None:
+    """The acceptance check: 9 prompts of mixed lengths, one of 709 tokens (past the 512 sliding window)."""
+    text = " ".join(f"Item {i}: the block table maps logical position {i} to a physical block." for i in range(200))
+    long = (await default_engine.tokenize(text))[:709]
+    prompts: list[Any] = ["Hello", "The capital of France is", "def fib(n):", "1, 2, 3, 4,", long[:40],
+                          long[:130], long[:300], long[:517], long]
+    assert len(long) == 709
+    params = SamplingParams(max_tokens=8, temperature=0)
+    ref = [await default_engine.generate(p, params) for p in prompts]
+    pair = DisaggEngine.from_pretrained(dtype="float32", max_num_batched_tokens=256)
+    try:
+        async with pair:
+            got = await asyncio.gather(*(pair.generate(p, params) for p in prompts))
+    finally:
+        pair.close()
+    assert [g.token_ids for g in got] == [r.token_ids for r in ref]
+    assert [g.text for g in got] == [r.text for r in ref]
