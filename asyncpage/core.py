@@ -247,6 +247,8 @@ class EngineCore:
         """The loop is ending (closed or dead): every request still here or queued hears why."""
         error: BaseException = self.dead or EngineNotRunningError("the engine was closed")
         self._apply_aborts()
+        if self.draft is not None:
+            self.draft.release_all()  # the compute thread is idle: its calls are awaited, shielded
         pending = list(self._requests.values()) + list(self._adds)
         self._adds.clear()
         for req in pending:

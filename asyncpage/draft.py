@@ -67,8 +67,12 @@ class DraftProposer:
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.runner = ModelRunner(model, num_blocks, block_size, dtype, device)
         self.vocab_size = vocab_size
+        # Its embedding rows: a sequence holding a token past them (the target's vocabulary may be
+        # wider) cannot be read by the draft, and does not speculate.
+        self.readable = int(model.config.vocab_size)
         self.max_tokens = max_tokens_per_step
         self._seqs: dict[int, _DraftSeq] = {}
+        self._unreadable: set[int] = set()  # sequences holding a token past the draft's embedding
 
     # ---- on the compute thread (the loop awaits it) -----------------------------------------------
     @torch.inference_mode()
@@ -82,10 +86,17 @@ class DraftProposer:
         going: list[tuple[DraftAsk, _DraftSeq, int]] = []  # (ask, state, its last row in the batch)
         budget = self.max_tokens
         asked = {a.seq_id for a in asks}
+        self._unreadable &= live
         for a in asks:
+            if a.seq_id in self._unreadable:
+                continue
             st = self._seqs.setdefault(a.seq_id, _DraftSeq())
             start = self._valid(st, a)
             todo = a.tokens[start:]
+            if todo and max(todo) >= self.readable:
+                self.kv.free(self._seqs.pop(a.seq_id).table)
+                self._unreadable.add(a.seq_id)
+                continue
             chunk = todo[:budget]
             caught_up = len(chunk) == len(todo)
             drafted = max(a.k - 1, 0) if caught_up else 0  # positions its drafts (but the last) are fed at

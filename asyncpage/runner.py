@@ -171,9 +171,12 @@ class ModelRunner:
                     spec_rows.append(len(logit_rows) - 1)
                     specs.append(_sample_spec(s, out.max_model_len))
         input_ids, positions, meta = flat.build()
-        n_rows = len(logit_rows)  # not padded: the LM head is one matmul, a few new shapes cost little
+        # Logit rows are not padded: the LM head is one matmul, a few new shapes cost little. Samples
+        # take rows 0..n-1 in order unless a fork shares a row or verified drafts sit between them
+        # (counting rows is not enough: a 2-row verify beside a 3-way fork balances the count).
+        forked = spec_rows != list(range(len(specs)))
         return StepBatch(input_ids, positions, meta, self._t(logit_rows), self._t(spec_rows), specs,
-                         list(out.block_copies), forked=len(specs) != n_rows, verifies=verifies)
+                         list(out.block_copies), forked=forked, verifies=verifies)
 
     def _t(self, xs: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.long, device=self.device)

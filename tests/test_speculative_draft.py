@@ -177,3 +177,51 @@ async def test_a_clone_with_a_draft_config_loads_its_draft_and_keeps_the_output(
         assert spec.stats().spec_accepted_tokens > 0
     plain = spec.clone(speculative_config=None)
     assert plain._core.draft is None
+
+
+async def test_a_fork_beside_a_short_verify_samples_each_request_from_its_own_row(tiny_llama: Path) -> None:
+    """A 2-row verify and a 3-way fork in one step have as many logit rows as samples: rows must
+    still be matched to samples by index, not by count (a seeded request once sampled a draft row)."""
+    p = PROMPTS[0]
+    jobs = [(p, SamplingParams(max_tokens=1, temperature=0)),
+            (p, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)),
+            (p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)),
+            (p, SamplingParams(max_tokens=30, temperature=0.9, top_k=40, top_p=0.9, seed=0, ignore_eos=True)),
+            (p, SamplingParams(max_tokens=30, temperature=0, repetition_penalty=1.3, ignore_eos=True)),
+            (p, SamplingParams(max_tokens=30, temperature=1.0, seed=100, n=3, ignore_eos=True))]
+    async with tiny_engine(tiny_llama) as plain:
+        expected = await _outputs(plain, jobs, together=True)
+    async with tiny_engine(tiny_llama, speculative_config=_draft(tiny_llama)) as spec:
+        assert await _outputs(spec, jobs, together=True) == expected
+
+
+async def test_a_draft_with_fewer_embedding_rows_than_the_target_skips_what_it_cannot_read(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import _tiny_tokenizer, tiny_config
+
+    narrow = tmp_path / "narrow"
+    config = tiny_config("llama")
+    config.vocab_size = 312  # the tokenizer's size; the target's logits are 320 wide
+    AutoModelForCausalLM.from_config(config).save_pretrained(narrow)
+    _tiny_tokenizer(narrow)
+    hot = SamplingParams(max_tokens=40, temperature=1.5, seed=1, ignore_eos=True)  # emits ids 312..319
+    async with tiny_engine(tiny_llama) as plain:
+        expected = await _outputs(plain, [(p, hot) for p in PROMPTS[:4]], together=True)
+    assert max(t for o in expected for c in o for t in c[0]) >= 312
+    async with tiny_engine(tiny_llama, speculative_config=_draft(narrow)) as spec:
+        assert await _outputs(spec, [(p, hot) for p in PROMPTS[:4]], together=True) == expected
+
+
+async def test_leaving_with_requests_in_flight_frees_the_draft_pool(tiny_llama: Path) -> None:
+    engine = tiny_engine(tiny_llama, speculative_config=_draft(tiny_llama))
+    assert engine._core.draft is not None
+    for _ in range(2):
+        async with engine:
+            tasks = [asyncio.create_task(engine.generate(p, SamplingParams(max_tokens=200, ignore_eos=True)))
+                     for p in PROMPTS[:6]]
+            while engine.stats().num_generated_tokens < 30:
+                await asyncio.sleep(0.01)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert engine.stats().kv_blocks_used == 0 and engine._core.draft.num_blocks_used == 0
