@@ -63,25 +63,30 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor 
         for i in penalized:
             _apply_penalties(logits[i], specs[i])
 
-    # amax propagates NaN and +inf, and is -inf only when nothing is allowed: one pass finds every bad row.
-    row_max = logits.amax(dim=-1)
+    greedy = [i for i, s in enumerate(specs) if s.params.greedy]
+    # The maximum propagates NaN and +inf, and is -inf only when nothing is allowed: one pass finds
+    # every bad row. For a greedy batch the same pass gives the tokens: max(dim)'s index is argmax's
+    # (the first maximal value, NaN counted as the maximum), and torch's CPU argmax over a 262k row cost
+    # 3x max(dim) here (340 vs 110 us at 1 row, 5.9 vs 2.0 ms at 32).
+    if len(greedy) == n:
+        row_max, tokens = logits.max(dim=-1)
+    else:
+        row_max = logits.amax(dim=-1)
     valid = torch.isfinite(row_max)
     invalid = frozenset(torch.nonzero(~valid).flatten().tolist()) if not bool(valid.all()) else frozenset()
-    if invalid:
+    if invalid and len(greedy) < n:
         logits = logits.clone()
         logits[list(invalid)] = 0.0  # sampled, then discarded: keeps NaN out of the other rows' math
         row_max = row_max.masked_fill(~valid, 0.0)
 
-    greedy = [i for i, s in enumerate(specs) if s.params.greedy]
-    if len(greedy) == n:
-        # The common case of a greedy batch: one argmax over the [N, V] logits, no row copies.
-        tokens = logits.argmax(dim=-1)
-    else:
-        tokens = torch.empty(n, dtype=torch.long)
-        if greedy:
-            tokens[greedy] = logits[greedy].argmax(dim=-1)
+    if len(greedy) < n:
         rand = [i for i, s in enumerate(specs) if not s.params.greedy]
-        tokens[rand] = _sample_random(logits[rand], row_max[rand], [specs[i] for i in rand])
+        if not greedy:  # every row sampled: no row copies (a 262k row is ~50 us to copy)
+            tokens = _sample_random(logits, row_max, specs)
+        else:
+            tokens = torch.empty(n, dtype=torch.long)
+            tokens[greedy] = logits[greedy].max(dim=-1).indices
+            tokens[rand] = _sample_random(logits[rand], row_max[rand], [specs[i] for i in rand])
 
     token_list = tokens.tolist()
     for i in invalid:
@@ -162,7 +167,7 @@ def _sample_random(logits: torch.Tensor, row_max: torch.Tensor, specs: list[Samp
     truncated = set(trunc)
     full = [i for i in range(n) if i not in truncated]
     if full:
-        p = probs[full]
+        p = probs if len(full) == n else probs[full]
         min_ps = torch.tensor([specs[i].params.min_p for i in full], dtype=p.dtype)
         if bool((min_ps > 0).any()):
             p = p.masked_fill(p < min_ps[:, None] * p.max(dim=-1, keepdim=True).values, 0.0)

@@ -28,6 +28,19 @@ def test_greedy_is_argmax() -> None:
     assert out.tokens == logits.argmax(-1).tolist()
 
 
+def test_greedy_takes_the_first_of_tied_maxima_as_argmax_does() -> None:
+    # bfloat16 logits tie often; greedy output must not depend on how the maximum is found.
+    logits = torch.randn(6, 262_144).bfloat16().float()
+    logits[1, :] = 0.5
+    logits[2, [7, 100_000, 262_143]] = 50.0
+    greedy = SamplingParams(temperature=0)
+    out = sample(logits, [SampleSpec(i, greedy, None) for i in range(6)])
+    assert out.tokens == logits.argmax(-1).tolist()
+    mixed = [SampleSpec(i, greedy if i % 2 else SamplingParams(temperature=0.7),
+                        None if i % 2 else torch.Generator().manual_seed(i)) for i in range(6)]
+    assert sample(logits, mixed).tokens[1::2] == logits[1::2].argmax(-1).tolist()
+
+
 def test_samples_follow_the_distribution() -> None:
     draws = _draw(SamplingParams(temperature=1.0), n=4000)
     freq = torch.bincount(torch.tensor(draws), minlength=4).float() / len(draws)
