@@ -3,7 +3,8 @@ settings, one engine at a time, printed side by side with float32 (the first set
 the ratios); `--baseline llama.cpp` adds llama-cpp-python on the same GGUF in the same run.
 
 A setting is a dtype (`float32`, `bfloat16`, `float16`, `auto`) or a weight quantization (`int8`,
-`int4`: dtype "auto" for the activations), optionally `+kv=int8` / `+kv=fp8` for the KV pool.
+`int4`: dtype "auto" for the activations; `int4:float32` names the dtype), optionally `+kv=int8` /
+`+kv=fp8` for the KV pool.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ DEFAULT_SETTINGS = "float32,bfloat16,int8,int4,int4+kv=int8"
 def parse_setting(s: str) -> dict[str, Any]:
     weights, _, kv = s.partition("+kv=")
     opts: dict[str, Any] = {"kv_cache_dtype": kv or "auto"}
+    weights, _, dtype = weights.partition(":")
     if weights in ("int8", "int4"):
-        opts.update(quantization=weights, dtype="auto")
+        opts.update(quantization=weights, dtype=dtype or "auto")
     else:
         opts.update(quantization=None, dtype=weights)
     return opts

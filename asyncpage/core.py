@@ -164,10 +164,10 @@ class EngineCore:
 
     async def _propose_drafts(self, draft: DraftProposer) -> None:
         """The draft model's guesses for the sequences about to decode, on the compute thread."""
-        asks = self.scheduler.draft_asks()
+        asks = self.scheduler.spec.draft_asks(self.scheduler.running)
         if asks:
             live = {s.seq_id for s in (*self.scheduler.running, *self.scheduler.waiting)}
-            self.scheduler.set_drafts(await self.compute.arun(draft.propose, asks, live))
+            self.scheduler.spec.set_drafts(self.scheduler.running, await self.compute.arun(draft.propose, asks, live))
 
     def _apply_aborts(self) -> None:
         while self._aborts:
@@ -298,8 +298,8 @@ class EngineCore:
             kv_token_slots_allocated=pool.num_used * bs, kv_token_slots_occupied=sum(fill.values()),
             num_requests_finished=self.output.num_finished, num_generated_tokens=self.output.num_generated,
             engine_error=repr(self.dead.__cause__) if self.dead is not None else None,
-            prefix_cache_evictions=pool.num_evictions, spec_proposed_tokens=sched.spec_proposed,
-            spec_accepted_tokens=sched.spec_accepted)
+            prefix_cache_evictions=pool.num_evictions, spec_proposed_tokens=sched.spec.proposed,
+            spec_accepted_tokens=sched.spec.accepted)
 
     def check_invariants(self) -> None:
         """The pool agrees with the block tables (raises AssertionError otherwise): run after every

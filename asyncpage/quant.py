@@ -11,6 +11,12 @@ row group and lose to a dense GEMM past a few rows. So each layer keeps the dequ
 (the same values, in the model dtype) for calls with more rows than its measured crossover:
 decode steps of a few sequences read 2-4x fewer bytes, prefill and big batches run as fast as
 before, and every path computes with the same quantized values.
+
+The packed kernels also run at very different speeds by activation dtype: measured here at 1 row,
+int8 LM head with float32 activations 66 ms, with bfloat16 15 ms (float32 dense: 28 ms). So a float32
+model's quantized layers hand the kernel bfloat16 activations where that measures faster on this CPU
+(`act_dtype`; on CPUs without native bf16 it will not), and the scales and the dense copy are rounded
+the same way, so every path still computes with the same weights.
 """
 
 from __future__ import annotations
@@ -94,6 +100,7 @@ class QuantLinear(nn.Module):
         self.scales = torch.empty(0)  # int8: [N]; int4: scales_and_zeros [K/GROUP, N, 2]
         self.dense: torch.Tensor | None = None
         self.max_rows = 0
+        self.act_dtype = dtype  # what the packed kernel computes in (kernel_dtype)
 
     @classmethod
     def from_float(cls, kind: str, w: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
@@ -104,16 +111,19 @@ class QuantLinear(nn.Module):
         layer = cls(kind, n, k, dtype, None if bias is None else bias.detach().to(dtype))
         if kind == "int8":
             q8, s8 = quantize_int8(w)
-            layer.packed, layer.scales = q8, s8.to(dtype)
+            layer.packed = q8
+            act = layer.act_dtype = kernel_dtype(layer, s8)
+            layer.scales = s8.to(act)
             # The dense copy from the rounded scales: both paths compute with the same values.
             deq = q8.float() * layer.scales.float()[:, None]
         else:
             q4, s4, lo = int4 if int4 is not None else quantize_int4(w)
-            s4, lo = s4.to(dtype).float(), lo.float()
-            # The kernel computes (q - 8) * s + z: z = lo + 8 s, rounded to the dtype it runs in.
-            zero = (lo + 8 * s4).to(dtype).float()
             layer.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4.to(torch.int32).contiguous(), 1)
-            layer.scales = torch.stack([s4, zero], -1).transpose(0, 1).contiguous().to(dtype)
+            act = layer.act_dtype = kernel_dtype(layer, torch.stack([s4, lo], -1).transpose(0, 1).contiguous())
+            s4, lo = s4.to(act).float(), lo.float()
+            # The kernel computes (q - 8) * s + z: z = lo + 8 s, rounded to the dtype it runs in.
+            zero = (lo + 8 * s4).to(act).float()
+            layer.scales = torch.stack([s4, zero], -1).transpose(0, 1).contiguous().to(act)
             deq = dequantize_int4(q4, s4, zero - 8 * s4)
         layer.dense = deq.to(dtype)
         layer.max_rows = crossover(layer)
@@ -123,9 +133,8 @@ class QuantLinear(nn.Module):
         return layer
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "int8":
-            return torch.ops.aten._weight_int8pack_mm(x, self.packed, self.scales)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales)
+        """The packed matmul, in and out in the model dtype (computed in `act_dtype`)."""
+        return _packed_mm(self.kind, x.to(self.act_dtype), self.packed, self.scales).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -140,11 +149,13 @@ class QuantLinear(nn.Module):
         """The float weight these kernels compute with (tests; the embedding of a tied head)."""
         if self.dense is not None:
             return self.dense
-        eye = torch.eye(self.in_features, dtype=self.dtype)
-        return self.kernel(eye).t().contiguous()
+        # In float32 (exact: the activations are 0 and 1), whatever the kernel's activation dtype.
+        eye = torch.eye(self.in_features)
+        return _packed_mm(self.kind, eye, self.packed, self.scales.float()).t().to(self.dtype).contiguous()
 
     def extra_repr(self) -> str:
-        return f"{self.kind}, in={self.in_features}, out={self.out_features}, packed up to {self.max_rows} rows"
+        return (f"{self.kind}, in={self.in_features}, out={self.out_features}, packed up to {self.max_rows} rows"
+                f" in {str(self.act_dtype).removeprefix('torch.')}")
 
 
 class QuantFused(nn.Module):
@@ -174,13 +185,35 @@ class QuantEmbedding(nn.Module):
         return F.embedding(ids, self.table)
 
 
+def _packed_mm(kind: str, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    if kind == "int8":
+        return torch.ops.aten._weight_int8pack_mm(x, packed, scales)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales)
+
+
+def kernel_dtype(layer: QuantLinear, scales: torch.Tensor) -> torch.dtype:
+    """The activation dtype the packed kernel runs fastest in at one row, for a float32 model:
+    float32 or bfloat16, measured on this machine once per kernel and shape (a 16-bit model
+    computes in its own dtype)."""
+    if layer.dtype != torch.float32 or layer.packed.device.type != "cpu":
+        return layer.dtype
+    key = ("act", layer.kind, layer.out_features, layer.in_features, torch.get_num_threads())
+    if key not in _crossovers:
+        x = torch.randn(1, layer.in_features)
+        t = {dt: _time(_packed_mm, layer.kind, x.to(dt), layer.packed, scales.to(dt))
+             for dt in (torch.float32, torch.bfloat16)}
+        # bfloat16 activations round the inputs to 8 bits of mantissa: only for a clear gain.
+        _crossovers[key] = int(t[torch.bfloat16] < 0.8 * t[torch.float32])
+    return torch.bfloat16 if _crossovers[key] else torch.float32
+
+
 def crossover(layer: QuantLinear) -> int:
     """The most rows at which the packed kernel still beats the dense matmul, measured on this
     machine once per kernel and shape (0 off the CPU: the packed kernels here are CPU ones)."""
     assert layer.dense is not None
     if layer.packed.device.type != "cpu":
         return 0
-    key = (layer.kind, layer.out_features, layer.in_features, layer.dtype, torch.get_num_threads())
+    key = (layer.kind, layer.out_features, layer.in_features, layer.dtype, layer.act_dtype, torch.get_num_threads())
     if key in _crossovers:
         return _crossovers[key]
     best = 0

@@ -25,7 +25,8 @@ from asyncpage.kv_cache import KVCacheManager
 from asyncpage.outputs import FinishReason
 from asyncpage.params import SamplingParams
 from asyncpage.request import Request, SeqStatus, Sequence
-from asyncpage.speculative import DraftAsk, SpecState, SpeculativeConfig
+from asyncpage.spec_schedule import FORCED_RUN, Speculation
+from asyncpage.speculative import SpeculativeConfig
 
 
 @dataclass
@@ -50,11 +51,6 @@ class SchedulerOutput:
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)
-
-
-# Speculate after a pending run of at most this many tokens (a decode has 1; grammar fast-forward
-# leaves a few): longer ones are prefill chunks, whose own cost dwarfs what drafts could save.
-FORCED_RUN = 16
 
 
 def _seats(seq: Sequence) -> int:
@@ -92,9 +88,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.make_generator = make_generator
         self.stop_string_hit = stop_string_hit  # beam search: does this output contain a stop string?
-        self.speculative = speculative
-        self.spec_proposed = 0  # drafts verified, over all sequences
-        self.spec_accepted = 0  # drafts kept
+        self.spec = Speculation(speculative, kv, max_model_len)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -126,8 +120,7 @@ class Scheduler:
         seen: set[int] = set()
         self._preempted.clear()
 
-        spec = self.speculative
-        speculate = spec is not None and len(self.running) <= spec.disable_by_batch_size
+        speculate = self.spec.active(len(self.running))
         # A snapshot: children forked during this loop join `running` but have nothing to compute yet.
         for first in list(self.running):
             if budget <= 0:
@@ -140,7 +133,7 @@ class Scheduler:
                 remaining = first.num_tokens - first.num_computed_tokens
                 if speculate and remaining < budget and remaining <= FORCED_RUN:
                     # A decode, or the short run a grammar forced: drafts may follow its last token.
-                    draft = self._propose(first, budget - remaining)
+                    draft = self.spec.propose(first, budget - remaining)
                 todo = [(first, min(remaining + len(draft), budget))]
             elif _ready(beams) and budget >= len(beams):
                 todo = [(b, 1) for b in beams]  # the step that chooses among all their continuations
@@ -207,52 +200,6 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 return None
         return self.kv.allocate(seq.table, seq.num_computed_tokens, seq.num_computed_tokens + num_new)
-
-    def _propose(self, seq: Sequence, room: int) -> list[int]:
-        """Drafts for a decoding sequence (n-gram lookup over its own tokens, or what the draft model
-        proposed): at most `room`, never past max_tokens or the context, cut where the grammar refuses
-        one or at a stop token."""
-        room = min(room, self._spec_room(seq))
-        if room <= 0:
-            return []
-        assert seq.spec is not None
-        draft = seq.spec.propose(seq.token_ids, room)
-        cut = next((i for i, t in enumerate(draft) if t in seq.request.stop_ids), len(draft))
-        if seq.matcher is not None and cut:
-            cut = seq.matcher.valid_prefix(draft[:cut])
-        return draft[:cut]
-
-    def _spec_room(self, seq: Sequence) -> int:
-        """How many drafts a sequence may take now (0: it does not speculate)."""
-        req, p = seq.request, seq.params
-        if self.speculative is None or req.beam is not None or p.logprobs is not None:
-            return 0
-        if req.width > 1 and not req.forked:
-            return 0  # the step that forks its n samples: each speculates on its own from the next
-        if seq.spec is None:
-            seq.spec = SpecState(self.speculative)
-        return min(seq.spec.k, p.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
-
-    def draft_asks(self) -> list[DraftAsk]:
-        """The running sequences that will decode next step and may speculate, for the draft model
-        (speculative method "draft"; the loop runs it before schedule())."""
-        spec = self.speculative
-        if spec is None or spec.method != "draft" or len(self.running) > spec.disable_by_batch_size:
-            return []
-        asks = []
-        for seq in self.running:
-            pending = seq.num_tokens - seq.num_computed_tokens
-            if seq.status is not SeqStatus.RUNNING or pending <= 0 or (k := self._spec_room(seq)) <= 0:
-                continue
-            # A prompt still prefilling: the draft reads it meanwhile (k=0), so it drafts from the first decode.
-            asks.append(DraftAsk(seq.seq_id, list(seq.token_ids), k if pending <= FORCED_RUN else 0,
-                                 seq.params.cache_salt))
-        return asks
-
-    def set_drafts(self, drafts: dict[int, list[int]]) -> None:
-        for seq in self.running:
-            if seq.spec is not None:
-                seq.spec.pending = drafts.get(seq.seq_id, [])
 
     def _scheduled(self, seq: Sequence, num_new: int, copies: list[tuple[int, int]],
                    draft: list[int] | None = None) -> ScheduledSeq:
@@ -346,7 +293,7 @@ class Scheduler:
                         break
                 new_tokens.append((seq, added))
                 if sched.draft:
-                    self._verified(seq, sched.num_new_tokens - len(sched.draft), len(sched.draft),
+                    self.spec.verified(seq, sched.num_new_tokens - len(sched.draft), len(sched.draft),
                                    (accepted or {}).get(seq.seq_id, 0))
                 if reason is None and seq.seq_id in grammar_done:
                     reason = "stop"
@@ -359,22 +306,6 @@ class Scheduler:
             if req_id not in failed_requests:
                 failures += self._step_beams(req, beams or {})
         return new_tokens, failures
-
-    def _verified(self, seq: Sequence, computed: int, proposed: int, kept: int) -> None:
-        """A speculating sequence's step is over: its `computed` tokens and `kept` drafts are in the cache
-        (the slots written for rejected drafts are garbage, overwritten when those positions are
-        computed again); only their full blocks enter the prefix cache, and blocks holding nothing
-        but rejected drafts go back to the pool."""
-        seq.num_computed_tokens = min(seq.num_computed_tokens + computed + kept, seq.num_tokens)
-        self.kv.cache_full_blocks(seq.table, seq.token_ids, seq.num_computed_tokens, seq.params.cache_salt)
-        self.kv.trim(seq.table, seq.num_tokens)
-        assert seq.spec is not None
-        seq.spec.observe(proposed, kept)
-        seq.request.spec_proposed_tokens += proposed
-        seq.request.spec_accepted_tokens += kept
-        seq.request.spec_verify_steps += 1
-        self.spec_proposed += proposed
-        self.spec_accepted += kept
 
     def _step_beams(self, req: Request, candidates: dict[int, tuple[list[int], list[float]]],
                     ) -> list[tuple[Sequence, str]]:
