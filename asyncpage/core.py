@@ -37,7 +37,7 @@ from asyncpage.models import CausalLM
 from asyncpage.output_processor import OutputProcessor
 from asyncpage.outputs import EngineStats
 from asyncpage.params import SamplingParams
-from asyncpage.request import Request, Sequence
+from asyncpage.request import Request, SeqStatus, Sequence
 from asyncpage.runner import ModelRunner, StepResult
 from asyncpage.scheduler import Scheduler, SchedulerOutput
 from asyncpage.streams import Mailbox
@@ -190,7 +190,9 @@ class EngineCore:
     def _apply_adds(self) -> None:
         while self._adds:
             req = self._adds.popleft()
-            if req.abort_requested:  # cancelled while queued: never prefilled
+            if req.abort_requested:  # cancelled while queued: never prefilled, never scheduled
+                for seq in req.seqs:
+                    seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"  # holds no block yet
                 self._tell_aborted(req)
                 self._release(req)
                 continue

@@ -75,6 +75,9 @@ _INLINE_TOKENIZE_CHARS = 2000
 class AsyncEngine:
     """An in-process inference engine. Construct with `from_pretrained`, run with `async with`."""
 
+    # The loop's class: a subclass may run another (asyncpage.disagg's prefill and decode workers).
+    core_class: type[EngineCore] = EngineCore
+
     def __init__(self, loaded: LoadedModel, config: EngineConfig, compute: ComputeThread,
                  guided: GrammarManager, draft: LoadedModel | None = None) -> None:
         """Prefer `from_pretrained` (which calls this on the compute thread, where the KV pool is
@@ -91,7 +94,7 @@ class AsyncEngine:
         self.model_config = loaded.config
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = int(loaded.config.vocab_size)  # the logits width
-        self._core = EngineCore(config, loaded.model, loaded.tokenizer, compute, guided.vocab_size,
+        self._core = self.core_class(config, loaded.model, loaded.tokenizer, compute, guided.vocab_size,
                                 draft.model if draft is not None else None)
         self._open = False
         self._loop_task: Any = None

@@ -41,6 +41,15 @@ class LoopHandle:
         """True when called on this loop's thread, from code running in this loop."""
         if threading.get_ident() != self.thread_id:
             return False
+        if self.library == "asyncio":
+            import asyncio
+
+            # Not through sniffio: a plain callback on the loop (call_soon_threadsafe) has no current
+            # task, which sniffio needs, yet runs on the loop between its steps as a task would.
+            try:
+                return asyncio.get_running_loop() is self._loop
+            except RuntimeError:
+                return False
         try:
             return LoopHandle.current()._loop is self._loop
         except (sniffio.AsyncLibraryNotFoundError, RuntimeError):

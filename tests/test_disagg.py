@@ -211,3 +211,37 @@ async def test_default_model_pair_matches_single_engine_on_nine_prompts(default_
         pair.close()
     assert [g.token_ids for g in got] == [r.token_ids for r in ref]
     assert [g.text for g in got] == [r.text for r in ref]
+
+
+async def test_a_stream_cancelled_while_the_prefill_worker_is_busy_is_released_at_once(pair: DisaggEngine) -> None:
+    """Cancelled while still queued in the prefill worker's engine: both sides acknowledge it (the
+    caller's cancellation used to wait out the 10 s release timeout)."""
+    async def victim() -> None:
+        async with pair.stream([0, 5, 6], GREEDY) as s:
+            async for _ in s:
+                pass
+
+    async with pair:
+        busy = [asyncio.create_task(pair.generate([0] + [3 + i % 300 for i in range(90)], GREEDY)) for _ in range(4)]
+        await asyncio.sleep(0.05)
+        loop = asyncio.get_running_loop()
+        for _ in range(10):
+            task = asyncio.create_task(victim())
+            await asyncio.sleep(0)  # it submits
+            t0 = loop.time()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            assert loop.time() - t0 < 2.0
+        await asyncio.gather(*busy)
+        assert not pair._requests
+
+
+async def test_both_pools_are_empty_when_generate_returns(pair: DisaggEngine) -> None:
+    """generate() returns once both workers have let go: the prefill side's pinned blocks included,
+    even when the decode side (max_tokens=1: done at admission) answers first."""
+    async with pair:
+        for i in range(10):
+            await pair.generate([0] + [3 + (i * 13 + k) % 300 for k in range(80)],
+                                SamplingParams(max_tokens=1, temperature=0))
+            st = pair.stats()
+            assert st["prefill"].kv_blocks_used == 0 and st["decode"].kv_blocks_used == 0, st

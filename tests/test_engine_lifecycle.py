@@ -226,3 +226,17 @@ def test_internal_request_ids_never_collide(tiny_llama: Path) -> None:
             return ids
 
     assert len(asyncio.run(run())) == 50
+
+
+async def test_a_request_aborted_while_still_queued_tells_its_reader(tiny_llama: Path) -> None:
+    """abort() of a request the loop has not admitted yet (it is busy with a step): whoever reads the
+    request still gets its end, as for any abort."""
+    async with tiny_engine(tiny_llama, max_num_batched_tokens=16) as engine:
+        busy = await engine.submit([0, *range(3, 90)], SamplingParams(max_tokens=5, temperature=0))
+        await asyncio.sleep(0.01)
+        req = await engine.submit([0, 5, 6], SamplingParams(max_tokens=5, temperature=0))
+        engine.abort(req)
+        await engine.wait_released(req)
+        chunks = await asyncio.wait_for(req.mailbox.get(), 2)
+        assert [c.finish_reason for c in chunks] == ["abort"]
+        await engine.wait_released(busy)

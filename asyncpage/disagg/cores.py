@@ -2,10 +2,9 @@
 (decode) path. Everything here runs on the worker's engine loop, as EngineCore itself does; the
 transfer threads (worker.py) reach it only through `call_soon_threadsafe` and `add()`.
 
-Why subclasses adopted in place (`adopt`) rather than a hook in core.py or engine.py: those files
-are being changed for speculative decoding at the same time, and the pair needs nothing from the
-loop (`run()`) itself, only its commit and admission points. Adopting the core AsyncEngine already
-built keeps the one KV pool it allocated (a second core would allocate another).
+Each worker is an AsyncEngine subclass whose `core_class` is one of these (PrefillEngine,
+DecodeEngine): the pair needs nothing from the loop (`run()`) itself, only its commit and admission
+points.
 
 Prefill: a request runs with max_tokens=1. The step that computes its prompt's last token also
 samples the first token; before that step commits (which frees the finished request's blocks),
@@ -25,11 +24,12 @@ import concurrent.futures
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from asyncpage.core import EngineCore
+from asyncpage.engine import AsyncEngine
 from asyncpage.errors import EngineNotRunningError, PromptTooLongError
 from asyncpage.kv_cache import BlockTable
 from asyncpage.outputs import TokenLogprob
@@ -43,16 +43,10 @@ OnPrefilled = Callable[[Request, int, TokenLogprob | None, BlockTable], None]
 
 
 class PrefillCore(EngineCore):
-    on_prefilled: OnPrefilled
-    _pins: dict[int, tuple[BlockTable, int]]  # id(pin) -> (pin, request id): tables no sequence owns
-
-    @classmethod
-    def adopt(cls, core: EngineCore, on_prefilled: OnPrefilled) -> PrefillCore:
-        core.__class__ = cls
-        new = cast(PrefillCore, core)
-        new.on_prefilled = on_prefilled
-        new._pins = {}
-        return new
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.on_prefilled: OnPrefilled | None = None  # set by the worker before the loop starts
+        self._pins: dict[int, tuple[BlockTable, int]] = {}  # id(pin) -> (pin, request id): tables no sequence owns
 
     def _commit(self, out: Any, result: Any, *rest: Any) -> None:
         # Pin before the commit: it finishes the request (max_tokens=1) and frees its table.
@@ -66,7 +60,7 @@ class PrefillCore(EngineCore):
         super()._commit(out, result, *rest)
         logprobs = dict(zip(result.seq_ids, result.sampled.logprobs, strict=True))
         for seq, pin in pins:
-            if seq.num_output_tokens >= 1 and seq.finish_reason != "abort":
+            if seq.num_output_tokens >= 1 and seq.finish_reason != "abort" and self.on_prefilled is not None:
                 self.on_prefilled(seq.request, seq.token_ids[seq.num_prompt_tokens], logprobs.get(seq.seq_id), pin)
             else:  # aborted while the step ran, or its token was invalid (the request failed)
                 self.release_pin(pin)
@@ -94,16 +88,10 @@ class Import:
 
 
 class DecodeCore(EngineCore):
-    _imports: dict[int, Import]  # request_id -> its import, until admitted or dropped
-    _blocked: list[Request]  # allocation waits for free blocks or a seat
-
-    @classmethod
-    def adopt(cls, core: EngineCore) -> DecodeCore:
-        core.__class__ = cls
-        new = cast(DecodeCore, core)
-        new._imports = {}
-        new._blocked = []
-        return new
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._imports: dict[int, Import] = {}  # request_id -> its import, until admitted or dropped
+        self._blocked: list[Request] = []  # allocation waits for free blocks or a seat
 
     # ---- from the worker (on the loop) ----------------------------------------------------------
     def import_request(self, header: Header, stop_token_ids: frozenset[int],
@@ -239,3 +227,11 @@ class DecodeCore(EngineCore):
         tables = [(s.table, s.request.request_id) for s in live]
         tables += [(imp.req.seqs[0].table, rid) for rid, imp in self._imports.items()]
         self.kv.check_invariants(tables)
+
+
+class PrefillEngine(AsyncEngine):
+    core_class = PrefillCore
+
+
+class DecodeEngine(AsyncEngine):
+    core_class = DecodeCore

@@ -57,6 +57,11 @@ class DisaggEngine:
         self._next_rid = 0
         self._loop: LoopHandle | None = None
         self._send_lock = threading.Lock()
+        # A request is checked once, by the prefill worker, against the smaller of the two pools:
+        # one the prefill side admits must also fit where it decodes.
+        decode = infos["decode"]["stats"]
+        self._send("prefill", ("limits", {"pool_tokens": decode.kv_blocks_total * decode.block_size,
+                                          "max_model_len": int(infos["decode"]["max_model_len"])}))
         for role in ROLES:
             threading.Thread(target=self._read, args=(role,), name=f"asyncpage-disagg-{role}",
                              daemon=True).start()
@@ -228,7 +233,9 @@ class DisaggEngine:
             chunk, final = msg[2], msg[3]
             fr.on_chunk(chunk, final)
             if final is not None:
-                fr.released.update(ROLES)  # the decode side released it; the prefill side long before
+                # The decode side released it; the prefill side says so itself once its pinned
+                # blocks are given back (its send may finish after the decode side is done).
+                fr.released.add("decode")
                 self._maybe_forget(fr)
         elif kind == "error":
             fr.mailbox.fail(decode_error(msg[2]))

@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -34,7 +34,7 @@ from asyncpage.request import Request
 from asyncpage.validation import check_request
 
 from . import wire
-from .cores import DecodeCore, PrefillCore
+from .cores import DecodeCore, DecodeEngine, PrefillCore, PrefillEngine
 from .messages import encode_error
 
 log = logging.getLogger("asyncpage.disagg")
@@ -45,7 +45,7 @@ def main(role: str, conn: Any, model: Any, options: dict[str, Any], port: int, c
     if cpus:
         os.sched_setaffinity(0, cpus)
     try:
-        engine = AsyncEngine.from_pretrained(model, **options)
+        engine = (PrefillEngine if role == "prefill" else DecodeEngine).from_pretrained(model, **options)
         import torch.distributed as dist
 
         # A group of the two workers only: the KV never passes through the front end, and keeping it
@@ -150,11 +150,13 @@ class Job:
 
 class PrefillWorker(Worker):
     def start(self) -> None:
-        self.core = PrefillCore.adopt(self.engine._core, self.on_prefilled)
+        self.core = cast(PrefillCore, self.engine._core)
+        self.core.on_prefilled = self.on_prefilled
         self.jobs: dict[int, Job] = {}
         self.by_request: dict[int, Job] = {}
         self.outbox: queue.Queue[tuple[Job, wire.Header, BlockTable]] = queue.Queue()
         self.peer_dead: BaseException | None = None
+        self.peer_limits: dict[str, int] = {"pool_tokens": 1 << 62, "max_model_len": 1 << 62}  # the decode side's
         threading.Thread(target=self._sender, name="asyncpage-disagg-send", daemon=True).start()
 
     def handle(self, msg: tuple[Any, ...]) -> None:
@@ -164,14 +166,19 @@ class PrefillWorker(Worker):
             self.spawn(self._run(job, prompt))
         elif msg[0] == "abort":
             self.spawn(self._abort(msg[1]))
+        elif msg[0] == "limits":
+            self.peer_limits = msg[1]
 
     async def _run(self, job: Job, prompt: Any) -> None:
         eng = self.engine
         try:
             ids = await eng.tokenize(prompt)
-            # The caller's max_tokens counts against context and pool (the decode side holds them).
-            check_request(ids, job.params, vocab_size=eng.vocab_size, max_model_len=eng.config.max_model_len,
-                          pool_tokens=eng.config.num_kv_blocks * eng.config.block_size,
+            # The caller's max_tokens counts against context and pool on both sides (the decode side
+            # holds them to the end).
+            own_pool = eng.config.num_kv_blocks * eng.config.block_size
+            check_request(ids, job.params, vocab_size=eng.vocab_size,
+                          max_model_len=min(eng.config.max_model_len, self.peer_limits["max_model_len"]),
+                          pool_tokens=min(own_pool, self.peer_limits["pool_tokens"]),
                           max_num_seqs=eng.config.max_num_seqs)
             if job.aborted:
                 return
@@ -238,6 +245,7 @@ class PrefillWorker(Worker):
         self.jobs.pop(job.rid, None)
         job.done.set()
         self.send(("stats", self.engine.stats(), dict(self.xfer)))  # the front end's stats() sees it now
+        self.send(("released", job.rid, "prefill", self.engine.stats()))  # its blocks (and pin) are back
 
     async def _abort(self, rid: int) -> None:
         job = self.jobs.get(rid)
@@ -254,7 +262,7 @@ class DecodeWorker(Worker):
     MAX_REMEMBERED_ABORTS = 10_000
 
     def start(self) -> None:
-        self.core = DecodeCore.adopt(self.engine._core)
+        self.core = cast(DecodeCore, self.engine._core)
         self.live: dict[int, Request] = {}
         # Aborted before their KV arrived: dropped when it does (bounded; see messages.py).
         self.aborted: OrderedDict[int, None] = OrderedDict()
