@@ -17,7 +17,7 @@ import torch
 from asyncpage import AsyncEngine, SamplingParams
 from asyncpage.disagg import DisaggEngine, wire
 from asyncpage.disagg.engine import free_port, launch_worker
-from asyncpage.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
+from asyncpage.errors import EngineDeadError, EngineNotRunningError, InvalidRequestError, PromptTooLongError
 
 pytestmark = pytest.mark.asyncio
 
@@ -245,3 +245,22 @@ async def test_both_pools_are_empty_when_generate_returns(pair: DisaggEngine) ->
                                 SamplingParams(max_tokens=1, temperature=0))
             st = pair.stats()
             assert st["prefill"].kv_blocks_used == 0 and st["decode"].kv_blocks_used == 0, st
+
+
+async def test_leaving_and_closing_fail_what_is_left_with_engine_not_running(tiny_models: Any) -> None:
+    long = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    pair = DisaggEngine.from_pretrained(tiny_models["gemma3"][0], **OPTS)
+    try:
+        async with pair:
+            held = pair.stream([0, *range(3, 30)], long)
+            await held.__anext__()
+        with pytest.raises(EngineNotRunningError):  # a stream held past `async with`, as AsyncEngine's
+            async for _ in held:
+                pass
+        async with pair:
+            assert (await pair.generate([0, 5, 6], GREEDY)).finish_reason == "length"
+            pair.close()
+            with pytest.raises(EngineNotRunningError):  # closed on purpose: not a dead worker
+                await pair.generate([0, 5], GREEDY)
+    finally:
+        pair.close()

@@ -53,6 +53,7 @@ class DisaggEngine:
         self._stats: dict[str, EngineStats] = {r: infos[r]["stats"] for r in ROLES}
         self._xfer: dict[str, dict[str, Any]] = {r: {} for r in ROLES}
         self._dead: dict[str, BaseException] = {}
+        self._closed = False  # close() was called: the workers' exits are not deaths
         self._requests: dict[int, FrontRequest] = {}
         self._next_rid = 0
         self._loop: LoopHandle | None = None
@@ -116,6 +117,7 @@ class DisaggEngine:
 
     def close(self) -> None:
         """Stop both workers (also done when the engine is garbage-collected or at exit)."""
+        self._closed = True
         self._finalizer()
 
     # ---- public API --------------------------------------------------------------------------
@@ -177,6 +179,8 @@ class DisaggEngine:
         self._maybe_forget(fr)
 
     def _check_usable(self) -> None:
+        if self._closed:
+            raise EngineNotRunningError("the engine was closed (close() stops its workers for good)")
         if self._dead:
             role, exc = next(iter(self._dead.items()))
             raise EngineDeadError(f"the {role} worker died: {exc}") from exc
@@ -259,7 +263,8 @@ class DisaggEngine:
         # may still be on the prefill worker: both kinds fail; a decoding one survives the prefill's death.
         for fr in list(self._requests.values()):
             if role == "decode" or not fr.started:
-                fr.mailbox.fail(EngineDeadError(f"the {role} worker died: {exc}"))
+                fr.mailbox.fail(EngineNotRunningError("the engine was closed") if self._closed
+                                else EngineDeadError(f"the {role} worker died: {exc}"))
                 fr.released.add(role)
                 self.abort(fr.rid)
             else:

@@ -49,6 +49,8 @@ class FrontRequest:
             self.last_token = now
         if final is not None:
             self.final = final
+        if self.mailbox.error is not None:
+            return  # it failed already (the engine closed, a worker died): nothing more reaches the reader
         self.mailbox.put(chunk.index, chunk.text, chunk.token_ids, None, chunk.finish_reason)
         if chunk.logprobs:
             pending = self.mailbox._pending[chunk.index]
