@@ -28,7 +28,7 @@ import torch
 from asyncpage.beam import BeamParams, BeamSearch
 from asyncpage.compute import ComputeThread
 from asyncpage.config import EngineConfig
-from asyncpage.draft import DraftProposer
+from asyncpage.draft import DraftGate, DraftProposer
 from asyncpage.errors import EngineDeadError, EngineNotRunningError, SamplingError
 from asyncpage.eventloop import LoopHandle
 from asyncpage.guided import CompiledGrammar
@@ -63,6 +63,8 @@ class EngineCore:
             draft_model, config.num_kv_blocks, config.block_size, getattr(torch, config.dtype),
             torch.device(config.device), self.runner.vocab_size, config.max_num_batched_tokens,
             config.enable_prefix_caching)
+        spec = config.speculative
+        self.draft_gate = DraftGate() if self.draft is not None and spec is not None and spec.auto_disable else None
         self.output = OutputProcessor(tokenizer, lambda seq, reason: self.scheduler.finish(seq, reason))
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.max_model_len, self._make_generator, self.output.stop_string_hit,
@@ -142,8 +144,8 @@ class EngineCore:
                         await self._wake_event.wait()
                     self._wake_event = None
                     continue
-                if self.draft is not None:
-                    await self._propose_drafts(self.draft)
+                t_iter = time.perf_counter()
+                gated = await self._propose_drafts(self.draft) if self.draft is not None else False
                 out = self.scheduler.schedule()
                 if not out:
                     await anyio.sleep(0.001)  # nothing fits yet; should not happen, but never spin
@@ -151,7 +153,12 @@ class EngineCore:
                 batch = self.runner.prepare(out)
                 result = await self.compute.arun(self.runner.execute, batch)
                 self._apply_aborts()  # aborts that arrived during the step land before it commits
+                spec = self.scheduler.spec
+                before = (spec.verify_steps, spec.accepted)
                 self._commit(out, result)
+                if gated and self.draft_gate is not None:
+                    self.draft_gate.record(time.perf_counter() - t_iter, spec.verify_steps - before[0],
+                                           spec.accepted - before[1])
                 if self.config.debug_checks:
                     self.check_invariants()
                 self._publish_stats()
@@ -162,12 +169,17 @@ class EngineCore:
             self._publish_stats(force=True)
             self.loop = None
 
-    async def _propose_drafts(self, draft: DraftProposer) -> None:
-        """The draft model's guesses for the sequences about to decode, on the compute thread."""
-        asks = self.scheduler.spec.draft_asks(self.scheduler.running)
-        if asks:
-            live = {s.seq_id for s in (*self.scheduler.running, *self.scheduler.waiting)}
-            self.scheduler.spec.set_drafts(self.scheduler.running, await self.compute.arun(draft.propose, asks, live))
+    async def _propose_drafts(self, draft: DraftProposer) -> bool:
+        """The draft model's guesses for the sequences about to decode, on the compute thread (unless
+        the gate has it paused). Returns whether a sequence could have used it (the gate counts the step)."""
+        spec, running = self.scheduler.spec, self.scheduler.running
+        asks = spec.draft_asks(running)
+        if not asks or (self.draft_gate is not None and not self.draft_gate.allow()):
+            spec.set_drafts(running, {})  # no proposal left over from an earlier step may be used
+            return bool(asks)
+        live = {s.seq_id for s in (*running, *self.scheduler.waiting)}
+        spec.set_drafts(running, await self.compute.arun(draft.propose, asks, live))
+        return True
 
     def _apply_aborts(self) -> None:
         while self._aborts:

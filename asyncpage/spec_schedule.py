@@ -18,6 +18,7 @@ class Speculation:
         self.config, self.kv, self.max_model_len = config, kv, max_model_len
         self.proposed = 0  # drafts verified, over all sequences
         self.accepted = 0  # drafts kept
+        self.verify_steps = 0  # sequence-steps that verified drafts
 
     def active(self, num_running: int) -> bool:
         """Drafts are off while more sequences run than `disable_by_batch_size` (speculative.py)."""
@@ -83,3 +84,4 @@ class Speculation:
         seq.request.spec_verify_steps += 1
         self.proposed += proposed
         self.accepted += kept
+        self.verify_steps += 1

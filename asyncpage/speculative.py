@@ -54,6 +54,8 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     prompt_lookup_max: int = 4  # longest suffix looked up
     prompt_lookup_min: int = 2  # shortest suffix looked up (1 proposes after any repeated token)
     disable_by_batch_size: int = DISABLE_BY_BATCH_SIZE  # no drafts while more sequences than this run
+    # "draft": keep the draft model on only while it measurably speeds decoding up (draft.DraftGate)
+    auto_disable: bool = True
 
     @staticmethod
     def parse(value: object) -> SpeculativeConfig | None:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from asyncpage import AsyncEngine, InvalidRequestError, SamplingParams
+from asyncpage.draft import DraftGate
 from asyncpage.errors import ModelLoadError
 from asyncpage.speculative import SpeculativeConfig, cli_config
 from tests.conftest import ARCHS, build_tiny
@@ -30,7 +31,8 @@ def drafts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _draft(path: Path, k: int = 4) -> dict[str, Any]:
-    return {"method": "draft", "model": str(path), "num_speculative_tokens": k}
+    # Never paused for cost here (the tiny drafts cost what their targets do): every path is exercised.
+    return {"method": "draft", "model": str(path), "num_speculative_tokens": k, "auto_disable": False}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -225,3 +227,36 @@ async def test_leaving_with_requests_in_flight_frees_the_draft_pool(tiny_llama: 
                 await asyncio.sleep(0.01)
         await asyncio.gather(*tasks, return_exceptions=True)
         assert engine.stats().kv_blocks_used == 0 and engine._core.draft.num_blocks_used == 0
+
+
+def test_the_gate_keeps_whichever_of_drafting_or_not_gave_more_tokens_per_second() -> None:
+    gate = DraftGate(window=2, hold=3)
+    for _ in range(2):  # with drafts: 3 tokens a step in 20 ms
+        assert gate.allow()
+        gate.record(0.02, verify_steps=1, accepted=2)
+    for _ in range(2):  # without: 1 token in 10 ms (slower per token): drafting stays on
+        assert not gate.allow()
+        gate.record(0.01, verify_steps=0, accepted=0)
+    assert gate.allow() and gate.num_pauses == 0
+    for _ in range(3):  # held, then measured again
+        gate.record(0.02, verify_steps=1, accepted=2)
+    for _ in range(2):  # with drafts: 1.5 tokens in 30 ms
+        assert gate.allow()
+        gate.record(0.03, verify_steps=2, accepted=1)
+    for _ in range(2):  # without: 1 token in 10 ms: faster, so the draft is paused for `hold` steps
+        gate.record(0.01, verify_steps=0, accepted=0)
+    assert not gate.allow() and gate.num_pauses == 1
+
+
+async def test_a_draft_that_does_not_pay_is_paused_and_the_output_is_unchanged(
+        tiny_llama: Path, drafts: dict[str, Path]) -> None:
+    greedy = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
+    async with tiny_engine(tiny_llama) as plain:
+        expected = (await plain.generate(PROMPTS[2], greedy)).token_ids
+    wrong = {**_draft(drafts["llama"]), "auto_disable": True}  # other weights: almost nothing kept
+    async with tiny_engine(tiny_llama, speculative_config=wrong) as spec:
+        out = await spec.generate(PROMPTS[2], greedy)
+        gate = spec._core.draft_gate
+        assert gate is not None and gate.num_pauses >= 1
+        assert out.token_ids == expected
+        assert out.metrics.spec_verify_steps < 40  # paused after its first window, not drafting every step
