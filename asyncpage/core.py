@@ -199,14 +199,18 @@ class EngineCore:
             if seq is None or seq.finish_reason == "abort":
                 req.mailbox.put(i, "", [], None, "abort")
 
+    def _drop_queued(self, req: Request) -> None:
+        """End a request the scheduler never took (it holds no block): its reader hears 'abort'."""
+        for seq in req.seqs:
+            seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
+        self._tell_aborted(req)
+        self._release(req)
+
     def _apply_adds(self) -> None:
         while self._adds:
             req = self._adds.popleft()
             if req.abort_requested:  # cancelled while queued: never prefilled, never scheduled
-                for seq in req.seqs:
-                    seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"  # holds no block yet
-                self._tell_aborted(req)
-                self._release(req)
+                self._drop_queued(req)
                 continue
             self._requests[req.request_id] = req
             self.scheduler.add(req.seqs[0])

@@ -143,8 +143,7 @@ class DecodeCore(EngineCore):
         imp = self._imports[req.request_id]
         if req.abort_requested or self.stopping:
             self._drop(req, imp)
-            self._tell_aborted(req)
-            self._release(req)
+            self._drop_queued(req)
             return
         seq, kv, sched = req.seqs[0], self.kv, self.scheduler
         n = len(seq.token_ids)  # the prompt: its KV is what arrives
@@ -178,8 +177,7 @@ class DecodeCore(EngineCore):
         del self._imports[req.request_id]
         if req.abort_requested or self.stopping:
             self._drop(req, imp)
-            self._tell_aborted(req)
-            self._release(req)
+            self._drop_queued(req)
             return
         seq, h, sched = req.seqs[0], imp.header, self.scheduler
         now = time.monotonic()
