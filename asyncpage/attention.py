@@ -154,7 +154,22 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """One query per sequence: plain batched matmuls over the gathered blocks. (CPU SDPA's flash path
     with a mask cost 4-5 ms a layer at batch 32 here, ten times these three matmuls.)"""
     assert meta.decode_block_tables is not None
-    bt = meta.decode_block_tables
+    return _attend_blocks(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_mask(window), scale, kv_scales)
+
+
+def decode_only_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                          mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """paged_attention for a batch of decode rows only (row i is sequence i, no padding rows), with
+    its tensors passed as such (the compiled decode's operator, models/compiled.py)."""
+    write_kv(k_cache, v_cache, k, v, slot_mapping)
+    return _attend_blocks(q, k_cache, v_cache, block_tables, mask, scale)
+
+
+def _attend_blocks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bt: torch.Tensor,
+                   mask: torch.Tensor, scale: float,
+                   kv_scales: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    """q [Bd, H, D] against the blocks of `bt` [Bd, blocks]; `mask` [Bd, 1, 1, L]: positions to attend."""
     bd, nb = bt.shape
     _, bs, kvh, d = k_cache.shape
     g = q.shape[1] // kvh
@@ -162,7 +177,7 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     # index_select, not k_cache[bt]: the same gather, 6x faster on the CPU here.
     k = k_cache.index_select(0, flat).view(bd, nb * bs, kvh, d).permute(0, 2, 3, 1)  # [Bd, KVH, D, L]
     v = v_cache.index_select(0, flat).view(bd, nb * bs, kvh, d).transpose(1, 2)  # [Bd, KVH, L, D]
-    qg = q.view(bd, kvh, g, d)  # query heads grouped by the KV head they share (GQA)
+    qg = q.reshape(bd, kvh, g, d)  # query heads grouped by the KV head they share (GQA)
     if kv_scales:
         # Scales are per key position: applied to the scores and to the probabilities (q.(s k) =
         # s (q.k), sum p (s v) = sum (p s) v) instead of to every element of the gathered K and V.
@@ -170,7 +185,6 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         scores = torch.matmul(qg, k.to(q.dtype)).float() * (ks * scale)  # [Bd, KVH, G, L]
     else:
         scores = torch.matmul(qg, k) * scale  # [Bd, KVH, G, L]
-    mask = meta.decode_mask(window)  # [Bd, 1, 1, L]
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
     if kv_scales:

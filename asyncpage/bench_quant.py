@@ -4,7 +4,7 @@ the ratios); `--baseline llama.cpp` adds llama-cpp-python on the same GGUF in th
 
 A setting is a dtype (`float32`, `bfloat16`, `float16`, `auto`) or a weight quantization (`int8`,
 `int4`: dtype "auto" for the activations; `int4:float32` names the dtype), optionally `+kv=int8` /
-`+kv=fp8` for the KV pool.
+`+kv=fp8` for the KV pool and `+compile` for compiled decode layers (`compile=True`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ DEFAULT_SETTINGS = "float32,bfloat16,int8,int4,int4+kv=int8"
 
 
 def parse_setting(s: str) -> dict[str, Any]:
-    weights, _, kv = s.partition("+kv=")
-    opts: dict[str, Any] = {"kv_cache_dtype": kv or "auto"}
+    opts: dict[str, Any] = {"compile": True} if "+compile" in s else {}
+    weights, _, kv = s.replace("+compile", "").partition("+kv=")
+    opts["kv_cache_dtype"] = kv or "auto"
     weights, _, dtype = weights.partition(":")
     if weights in ("int8", "int4"):
         opts.update(quantization=weights, dtype=dtype or "auto")

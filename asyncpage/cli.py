@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
                    "without enum, const or format); also \"x-copy\": true in a JSON Schema")
     x.add_argument("--examples", default=None, metavar="FILE",
                    help="JSONL of solved records ({\"text\": ..., \"value\": {...}}) shown in the default prompt")
+    x.add_argument("--beam-width", type=int, default=None, metavar="W",
+                   help="each value the best of W beams under the grammar, about W times the compute (default: 4 "
+                        "with --copy-fields, where beams copy the right span more often; else 1, greedy)")
     _model_args(x)
     x.add_argument("--max-tokens", type=int, default=512)
     x.add_argument("--max-prompt-tokens", type=int, default=None, help="refuse longer records (prompt_too_long)")
@@ -323,6 +326,7 @@ def _extract(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from asyncpage import AsyncEngine, AsyncPageError
+    from asyncpage.extract import COPY_BEAMS, beam_params
     from asyncpage.jobs import JobSummary, load_examples, load_schema, run_job
     from asyncpage.speculative import cli_config
 
@@ -337,25 +341,27 @@ def _extract(args: argparse.Namespace) -> int:
             Path(args.input), Path(args.output), schema, num_actors=args.num_actors, resume=args.resume,
             progress=not args.no_progress, prompt=prompt, concurrency=args.concurrency, max_tokens=args.max_tokens,
             id_field=args.id_field, max_prompt_tokens=args.max_prompt_tokens, copy_fields=args.copy_fields,
-            examples=examples, model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
-            speculative_config=speculative)
+            examples=examples, beam_width=args.beam_width, model=args.model, dtype=args.dtype, device=args.device,
+            num_threads=args.threads, speculative_config=speculative)
 
     async def main() -> None:
         nonlocal summary
         engine = AsyncEngine.from_pretrained(args.model, dtype=args.dtype, device=args.device,
-                                             num_threads=args.threads, max_num_seqs=max(args.concurrency, 1),
+                                             num_threads=args.threads,
+                                             max_num_seqs=max(args.concurrency * (args.beam_width or COPY_BEAMS), 1),
                                              speculative_config=speculative)
         async with engine:
             summary = await run_job(
                 engine, schema, Path(args.input), Path(args.output), prompt=prompt,
                 concurrency=args.concurrency, max_tokens=args.max_tokens, resume=args.resume, id_field=args.id_field,
                 max_prompt_tokens=args.max_prompt_tokens, progress=not args.no_progress,
-                copy_fields=args.copy_fields, examples=examples)
+                copy_fields=args.copy_fields, examples=examples, beam_width=args.beam_width)
 
     # Shell quoting makes real newlines awkward: "\n" and "\t" in --prompt are newline and tab.
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t") if args.prompt else None
     try:
         speculative = cli_config(args.speculative) if args.speculative else None  # refused before loading
+        beam_params(args.beam_width, copying=False)  # a bad width is refused before loading
         schema = load_schema(args.schema)
         examples = load_examples(Path(args.examples)) if args.examples else []
         if args.ray:

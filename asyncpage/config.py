@@ -33,6 +33,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_dtype: str | None = None  # the KV pool's torch dtype name; None: `dtype`
     quantization: str | None = None  # weight-only: None, "int8", "int4" (quant.py)
     speculative: SpeculativeConfig | None = None  # n-gram speculative decoding (speculative.py)
+    compiled: bool = False  # small decode steps run torch.compile'd layers (models/compiled.py)
 
 
 def check_options(o: dict[str, Any]) -> None:

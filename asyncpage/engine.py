@@ -47,6 +47,7 @@ from asyncpage.errors import (
 )
 from asyncpage.extract import ExtractResult, extract_many, extract_one
 from asyncpage.guided import GrammarManager, GuidedSpec
+from asyncpage.models.compiled import enable as compile_decode
 from asyncpage.output_processor import request_metrics
 from asyncpage.outputs import (
     Beam,
@@ -130,6 +131,7 @@ class AsyncEngine:
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
         speculative_config: dict[str, Any] | None = None,
+        compile: bool | None = None,
     ) -> AsyncEngine:
         """Load a model. `model=None` is gemma-3-270m from its PyPI package; else a local HF
         directory, an HF hub id already in the local cache, or a .gguf file.
@@ -146,7 +148,9 @@ class AsyncEngine:
         `speculative_config={"method": "ngram", "num_speculative_tokens": 4}`: a decoding sequence
         proposes up to that many tokens from its own earlier text and the model verifies them in one
         step (same output; asyncpage.speculative); `{"method": "draft", "model": PATH}` has a second,
-        smaller model with the same tokenizer propose them (asyncpage.draft)."""
+        smaller model with the same tokenizer propose them (asyncpage.draft).
+        `compile=True` (or ASYNCPAGE_COMPILE=1): decode steps of up to 8 sequences run the layers
+        compiled by torch.compile (CPU, torch attention; asyncpage.models.compiled), compiled at load."""
         dev = resolve_device(device)
         check_quantization(quantization)
         dt = resolve_dtype(dtype, dev)
@@ -166,6 +170,13 @@ class AsyncEngine:
         # default thread count it follows the cores other processes leave free (cpu_share.py).
         compute = ComputeThread(threads, adaptive=num_threads is None)
         loaded = compute.run(load, model, getattr(torch, dt), torch.device(dev), quantization)
+        if compile is None:
+            compile = os.environ.get("ASYNCPAGE_COMPILE", "") not in ("", "0")
+        if compile and dev == "cpu" and resolve_backend(attention_backend, dev, block_size) == "torch":
+            # Every thread count the compute thread may pick (it follows free cores; cpu_share.py),
+            # up to 4: on bigger machines only its full count is compiled, the others run eager.
+            counts = range(1, threads + 1) if num_threads is None and threads <= 4 else [threads]
+            compute.run(compile_decode, loaded.model, getattr(torch, dt), counts)
         spec = SpeculativeConfig.parse(speculative_config)
         draft = None
         if spec is not None and spec.method == "draft":
@@ -208,7 +219,8 @@ class AsyncEngine:
             attention_backend=resolve_backend(options["attention_backend"], dev, options["block_size"]),
             num_threads=compute.num_threads, debug_checks=options["debug_checks"],
             eviction_policy=options["eviction_policy"], kv_cache_dtype=kv_dt,
-            quantization=loaded.quantization, speculative=SpeculativeConfig.parse(options["speculative_config"]))
+            quantization=loaded.quantization, speculative=SpeculativeConfig.parse(options["speculative_config"]),
+            compiled=getattr(loaded.model, "compiled", None) is not None)
         # Masks cover every id either side knows: some checkpoints' tokenizers have more entries than
         # the logits (Gemma 3 on the hub: 262,145 vs 262,144); masks are sliced to the logits at use.
         mask_vocab = max(int(mc.vocab_size), len(loaded.tokenizer))
@@ -323,7 +335,7 @@ class AsyncEngine:
 
     async def extract(self, prompt: Prompt, schema: Any, params: SamplingParams | None = None, *,
                       chat: bool = False, copy_from: str | Sequence[str] | None = None,
-                      copy_fields: Sequence[str] | str | None = None) -> Any:
+                      copy_fields: Sequence[str] | str | None = None, beam_width: int | None = None) -> Any:
         """Generate one JSON value constrained to `schema` and return it typed.
 
         `schema` is a msgspec.Struct type (or any type msgspec can describe: its JSON Schema is used and
@@ -336,6 +348,8 @@ class AsyncEngine:
         `copy_from`: the source text (or texts); string fields marked `"x-copy": true` in the schema,
         or named by `copy_fields` (a list, or "auto": every string without enum, const or format;
         the default when nothing is marked) must then be spans copied from it (grounded extraction).
+        `beam_width`: the value is the best of that many beams (the likeliest whole value, not token by
+        token); by default 4 with `copy_from`, else 1 (greedy).
 
             class Invoice(msgspec.Struct):
                 number: str
@@ -343,13 +357,14 @@ class AsyncEngine:
             inv = await engine.extract("Invoice INV-7, total 12.50 EUR. JSON:", Invoice)
         """
         return await extract_one(self, prompt, schema, params, chat=chat, copy_from=copy_from,
-                                 copy_fields=copy_fields)
+                                 copy_fields=copy_fields, beam_width=beam_width)
 
     def extract_many(self, items: Iterable[Any] | AsyncIterable[Any], schema: Any, *,
                      prompt: str | Callable[[Mapping[str, Any]], str] | None = None, concurrency: int = 32,
                      params: SamplingParams | None = None, id_field: str = "id",
                      max_prompt_tokens: int | None = None, copy_fields: Sequence[str] | str | None = None,
-                     examples: Sequence[Mapping[str, Any]] = ()) -> AsyncIterator[ExtractResult]:
+                     examples: Sequence[Mapping[str, Any]] = (),
+                     beam_width: int | None = None) -> AsyncIterator[ExtractResult]:
         """Extract a typed value from each record, at most `concurrency` in flight.
 
         `items`: records (dicts, or plain strings as {"text": ...}), sync or async iterable, read
@@ -357,16 +372,18 @@ class AsyncEngine:
         default one written from the schema (each field, its description and allowed values) over
         the record's "text", with `examples` (records with their labeled "value") as solved cases.
         `copy_fields` (names, or "auto") or `"x-copy": true` in the schema: those string fields are
-        copied from the record (the fields its prompt shows), never invented. Yields ExtractResult in
-        completion order, each with the record's `id_field` (or its 1-based position), its value or
-        its own error.
+        copied from the record (the fields its prompt shows), never invented. `beam_width`: each value
+        is the best of that many beams (up to concurrency x beam_width sequences run at once); by
+        default 4 when a field is copied (4x the time, more values right: see beam_params), else 1.
+        Yields ExtractResult in completion order, each with the record's `id_field` (or its 1-based
+        position), its value or its own error.
 
             async for r in engine.extract_many(docs, Invoice, concurrency=16):
                 print(r.id, r.value if r.ok else r.error)
         """
         return extract_many(self, items, schema, prompt=prompt, concurrency=concurrency, params=params,
                             id_field=id_field, max_prompt_tokens=max_prompt_tokens, copy_fields=copy_fields,
-                            examples=examples)
+                            examples=examples, beam_width=beam_width)
 
     async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                    tool_choice: Any = "auto", parallel_tool_calls: bool = True,

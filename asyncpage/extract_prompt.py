@@ -2,9 +2,11 @@
 
 A small model given only "The information above as JSON:" guesses what each key wants. Each
 record is followed by its field list (name, description, allowed values, when it may be null,
-whether it is copied as written) and "JSON:". Two solved records of an unrelated schema come first
+whether it is copied as written) and "JSON:". Four solved records of an unrelated schema come first
 (DEMOS): measured on the default model, they teach the pattern (copy a span, null when absent)
-better than instructions; the caller's own labeled examples follow them in the same shape.
+better than instructions; the caller's own labeled examples follow them in the same shape. The last
+two (a chat log with an id and a version number, a title and a refusal of a refund) raised fields
+right on examples/grounded with 4 beams from 66% to 71%.
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ DEMOS = [
     ("From: Tom Reyes\nThe export button in the Lumen Desk app is greyed out since Monday. No need to refund "
      "anything, just fix it.",
      {"sender": "Tom Reyes", "city": None, "order": None, "wants_money_back": False}),
+    ("[09:12] Support (Kim): Hello, how can I help?\n[09:13] Customer (Lena Marquardt): My Aurora Desk Lamp from "
+     "order LX-55210 flickers since the 2.4 firmware. Please refund it, I paid 89.90 EUR.",
+     {"sender": "Lena Marquardt", "city": None, "order": "LX-55210", "wants_money_back": True}),
+    ("Subject: Sync stopped\n\nSince version 7.1 the Fernleaf Calendar app on my phone stops syncing at 50%. I "
+     "restarted it 3 times. I don't want my money back, I want it to work.\n\nDr. Kofi Boateng, Accra",
+     {"sender": "Kofi Boateng", "city": "Accra", "order": None, "wants_money_back": False}),
 ]
 
 

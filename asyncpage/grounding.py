@@ -29,6 +29,9 @@ _JSON_CHAR = r'(?:[^"\\\x00-\x1f]|\\(?:["\\\/bfnrt]|u[0-9a-fA-F]{4}))'
 _SOLID = r'(?:[^"\\\x00-\x20]|\\(?:["\\\/bf]|u[0-9a-fA-F]{4}))'
 _TRIMMED = f"{_SOLID}(?:{_JSON_CHAR}*{_SOLID})?"
 _NOTHING = r"/[^\s\S]/"  # a regex no text matches
+# A span holds a letter or a digit: asked one field at a time, the default model answered ":" or ","
+# (a lone punctuation mark is a whole span unit) for most names; no value is only punctuation.
+_MEANINGFUL = r"/(?s:.*)[\p{L}\p{N}](?s:.*)/"
 _SLASH = re.compile(r"(\\.)|/")  # an unescaped "/" ends a Lark regex literal: escape only those
 # json.dumps' separators: the JSON most often seen in a model's training text. Compact JSON
 # ({"a":"x"}) made the default model answer "1" for every copied field; spaced JSON did not.
@@ -80,8 +83,9 @@ def grammar(schema: dict[str, Any], sources: Sequence[str]) -> str:
     """Lark text for `schema` where every `x-copy` string is a span of one of `sources`."""
     b = _Builder(schema, sources)
     start = b.value(schema)
-    if b.must_copy and not any(sources):
-        raise InvalidRequestError("copy_from", "the record has no text to copy a non-nullable field from")
+    if b.must_copy and not any(ch.isalnum() for s in sources for ch in s):
+        raise InvalidRequestError("copy_from", "the record has no text (no letter or digit) to copy a non-nullable "
+                                               "field from")
     return "%llguidance {}\n" + "\n".join([f"start: {start}", *b.rules]) + "\n"
 
 
@@ -187,7 +191,7 @@ class _Builder:
         if hi is not None and int(hi) < lo:
             raise InvalidRequestError("schema", f"x-copy needs maxLength >= 1 (got {hi})")
         # No whitespace at either end (a span of the text, not of its spacing), length in characters.
-        parts = ["SOURCE_SPAN", f"/{_TRIMMED}/", f"/{_JSON_CHAR}{{{lo},{'' if hi is None else int(hi)}}}/"]
+        parts = ["SOURCE_SPAN", f"/{_TRIMMED}/", _MEANINGFUL, f"/{_JSON_CHAR}{{{lo},{'' if hi is None else int(hi)}}}/"]
         pattern = branch.get("pattern")
         if isinstance(pattern, str):
             # The pattern is matched against the JSON text of the span, which equals the value only

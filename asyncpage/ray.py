@@ -28,7 +28,7 @@ import msgspec
 
 from asyncpage.engine import AsyncEngine
 from asyncpage.errors import InvalidRequestError
-from asyncpage.extract import ExtractError, ExtractResult, Prompt, extract_many
+from asyncpage.extract import COPY_BEAMS, ExtractError, ExtractResult, Prompt, extract_many
 from asyncpage.jobs import (
     DoneLines,
     JobSummary,
@@ -67,6 +67,7 @@ class _Job:
     max_prompt_tokens: int | None
     copy_fields: Sequence[str] | str | None
     examples: Sequence[Mapping[str, Any]]
+    beam_width: int | None
     jsonl: bool  # rows are (line, raw) input lines of a JSONL file, not records
 
 
@@ -104,7 +105,7 @@ class _Extractor:
         async for r in extract_many(self.engine, records, job.schema, prompt=job.prompt,
                                     concurrency=job.concurrency, params=job.params, id_field=job.id_field,
                                     max_prompt_tokens=job.max_prompt_tokens, copy_fields=job.copy_fields,
-                                    examples=job.examples):
+                                    examples=job.examples, beam_width=job.beam_width):
             results[slots[r.position - 1]] = r
         done = [r for r in results if r is not None]
         assert len(done) == len(rows)  # extract_many answers every record it is given
@@ -129,7 +130,8 @@ def extract_dataset(ds: ray.data.Dataset, schema: Any, *, num_actors: int = 1, n
                     batch_size: int | None = None, prompt: Prompt | None = None, concurrency: int = 16,
                     params: SamplingParams | None = None, id_field: str = "id", max_prompt_tokens: int | None = None,
                     copy_fields: Sequence[str] | str | None = None, examples: Sequence[Mapping[str, Any]] = (),
-                    model: str | os.PathLike[str] | None = None, **engine_options: Any) -> ray.data.Dataset:
+                    beam_width: int | None = None, model: str | os.PathLike[str] | None = None,
+                    **engine_options: Any) -> ray.data.Dataset:
     """Extract `schema` from every row of `ds` on `num_actors` actors, one engine each (the model and
     `engine_options` as AsyncEngine.from_pretrained takes them; `num_threads` defaults to the actor's
     CPUs). The other arguments are extract_many's. Rows are records: their fields fill the prompt and
@@ -141,7 +143,7 @@ def extract_dataset(ds: ray.data.Dataset, schema: Any, *, num_actors: int = 1, n
     `output_tokens`. Lazy, like every Dataset: nothing runs until it is consumed or written.
     """
     return _map(ds, _Job(schema, params, prompt, concurrency, id_field, max_prompt_tokens, copy_fields,
-                         tuple(examples), jsonl=False),
+                         tuple(examples), beam_width, jsonl=False),
                 num_actors=num_actors, num_cpus_per_actor=num_cpus_per_actor, batch_size=batch_size,
                 engine_options={"model": model, **engine_options})
 
@@ -206,7 +208,7 @@ def run_job(input_path: Path, output_path: Path, schema: Any, *, num_actors: int
             progress: bool = True, prompt: Prompt | None = None, concurrency: int = 16, max_tokens: int = 512,
             id_field: str = "id", max_prompt_tokens: int | None = None,
             copy_fields: Sequence[str] | str | None = None, examples: Sequence[Mapping[str, Any]] = (),
-            **engine_options: Any) -> JobSummary:
+            beam_width: int | None = None, **engine_options: Any) -> JobSummary:
     """`asyncpage extract --ray`: asyncpage.jobs.run_job's contract (one output line per non-blank
     input line across interrupted runs, `resume` skipping the lines already answered) with the records
     read by Ray Data and extracted by `num_actors` actors. The output is written here, by the driver,
@@ -223,9 +225,10 @@ def run_job(input_path: Path, output_path: Path, schema: Any, *, num_actors: int
         reader = _JsonLines(str(input_path.resolve()), done, id_field)
         ds = ray.data.read_datasource(reader, num_cpus=0)
         job = _Job(schema, job_params(max_tokens), prompt, concurrency, id_field, max_prompt_tokens, copy_fields,
-                   tuple(examples), jsonl=True)
+                   tuple(examples), beam_width, jsonl=True)
         out = _map(ds, job, num_actors=num_actors, num_cpus_per_actor=1, batch_size=None,
-                   engine_options={"max_num_seqs": max(concurrency, 1), **engine_options})
+                   engine_options={"max_num_seqs": max(concurrency * (beam_width or COPY_BEAMS), 1),
+                                   **engine_options})
         return _write(out, output_path, JobSummary(skipped=len(done)))
     finally:
         if started:

@@ -193,7 +193,7 @@ async def test_killed_worker_fails_requests_with_a_typed_error(tiny_models: Any,
         engine.close()
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # ~60 s: two default-model workers and a single engine; `make test-heavy`
 async def test_default_model_pair_matches_single_engine_on_nine_prompts(default_engine: AsyncEngine) -> None:
     """The acceptance check: 9 prompts of mixed lengths, one of 709 tokens (past the 512 sliding window)."""
     text = " ".join(f"Item {i}: the block table maps logical position {i} to a physical block." for i in range(200))

@@ -214,3 +214,56 @@ def test_what_a_copied_object_cannot_honour_is_refused_clearly() -> None:
     with pytest.raises(InvalidRequestError, match="format"):
         grounding.grammar({"type": "object", "properties": {"a": {"type": "string", "format": "email",
                                                                   "x-copy": True}}}, [SOURCE])
+
+
+def test_a_copied_value_is_never_only_punctuation(accepts: Any) -> None:
+    g = grounding.grammar(grounding.mark(SCHEMA, ["customer"]), [SOURCE])
+    fine = dict(product="x", order_id=None, refund=True)
+    for bad in (":", '\\"', "(", "."):
+        assert not accepts(g, _obj(customer=bad, **fine)), bad
+    assert accepts(g, _obj(customer="(order ORD-48213)", **fine))
+    with pytest.raises(InvalidRequestError, match="no letter or digit"):
+        grounding.grammar(grounding.mark(SCHEMA, ["customer"]), ["!!! ?"])
+
+
+async def test_copied_values_are_the_best_of_four_beams_by_default(tiny_llama: Path) -> None:
+    text = "Invoice from Anna Berg for the Lumen lamp, order 77-A."
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "order": {"type": ["string", "null"], "maxLength": 8}},
+              "required": ["name", "order"], "additionalProperties": False}
+    prompt = f"{text}\nJSON: "
+    engine = AsyncEngine.from_pretrained(str(tiny_llama), dtype="float32", num_kv_blocks=128)
+    async with engine:
+        params = SamplingParams(max_tokens=40, temperature=0)
+        grammar = grounding.grammar(grounding.mark(schema, "auto"), [text])
+        beams = await engine.beam_search(prompt, 4, 40, params=msgspec.structs.replace(params, grammar=grammar))
+        greedy = await engine.generate(prompt, msgspec.structs.replace(params, grammar=grammar))
+        assert await engine.extract(prompt, schema, params, copy_from=text) == json.loads(beams.beams[0].text)
+        assert await engine.extract(prompt, schema, params, copy_from=text, beam_width=1) == json.loads(greedy.text)
+        [many] = [r async for r in engine.extract_many([{"id": 1, "text": text}], schema, copy_fields="auto",
+                                                      prompt="{text}\nJSON: ", params=params)]
+        assert many.value == json.loads(beams.beams[0].text)
+        [plain] = [r async for r in engine.extract_many([{"id": 1, "text": text}], schema, prompt=prompt,
+                                                       params=params)]  # nothing copied: greedy
+        plain_greedy = await engine.generate(prompt, msgspec.structs.replace(params, json_schema=schema))
+        assert plain.value == json.loads(plain_greedy.text)
+        with pytest.raises(InvalidRequestError) as e:
+            await engine.extract(prompt, schema, params, copy_from=text, beam_width=0)
+        assert e.value.field == "beam_width"
+        with pytest.raises(InvalidRequestError):
+            [r async for r in engine.extract_many([text], schema, beam_width=0)]
+
+
+async def test_without_room_for_four_beams_copied_values_are_greedy_not_refused(tiny_llama: Path) -> None:
+    text = "Invoice from Anna Berg for the Lumen lamp, order 77-A."
+    schema = {"type": "object", "properties": {"name": {"type": ["string", "null"], "maxLength": 12}},
+              "required": ["name"]}
+    engine = AsyncEngine.from_pretrained(str(tiny_llama), dtype="float32", num_kv_blocks=64, max_num_seqs=2)
+    async with engine:
+        params = SamplingParams(max_tokens=20, temperature=0)
+        grammar = grounding.grammar(grounding.mark(schema, "auto"), [text])
+        greedy = await engine.generate(text, msgspec.structs.replace(params, grammar=grammar))
+        assert await engine.extract(text, schema, params, copy_from=text) == json.loads(greedy.text)
+        with pytest.raises(InvalidRequestError) as e:  # asked for by name: refused, naming it
+            await engine.extract(text, schema, params, copy_from=text, beam_width=4)
+        assert e.value.field == "beam_width"

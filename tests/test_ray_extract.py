@@ -117,6 +117,7 @@ def _kill_one_actor_when(output: Path, lines: int, killed: list[tuple[int, int]]
         time.sleep(0.02)
 
 
+@pytest.mark.heavy  # ~110 s: a Ray cluster, two CLI runs and a killed actor; `make test-heavy`
 async def test_cli_on_ray_writes_the_in_process_lines_after_an_actor_is_killed_and_resumes(
         tiny_llama: Path, cluster: None, tmp_path: Path) -> None:
     inp, schema = tmp_path / "in.jsonl", tmp_path / "schema.json"

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from asyncpage.attention import AttentionMetadata
+from asyncpage.models.compiled import CompiledDecode
 from asyncpage.models.layers import (
+    Attend,
     GatedMLP,
     GemmaRMSNorm,
     PagedSelfAttention,
@@ -38,6 +40,11 @@ class Gemma3DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, meta, kv_cache))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+    def decode_layer(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """forward() with cos/sin precomputed and attention as `attend(q, k, v, scale)` (compiled.py)."""
+        x = x + self.post_attention_layernorm(self.self_attn.decode(self.input_layernorm(x), cos, sin, attend))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
@@ -69,6 +76,7 @@ class Gemma3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.lm_head.weight = self.model.embed_tokens.weight  # tied
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
+        self.compiled: CompiledDecode | None = None  # compiled.enable(): small decode steps
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
@@ -76,6 +84,8 @@ class Gemma3ForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         # transformers multiplies by the scale cast to the weights' dtype; so do we (it matters in bf16).
         x = x * torch.tensor(self.model.embed_scale, dtype=x.dtype)
+        if self.compiled is not None and self.compiled.applies(meta, x.shape[0], kv_caches):
+            return self.model.norm(self.compiled.forward(x, positions, meta, kv_caches))
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, positions, meta, kv)
         return self.model.norm(x)

@@ -15,6 +15,9 @@ from torch import nn
 
 from asyncpage.attention import AttentionMetadata, paged_attention
 
+# Attention as compiled.py hands it to a layer: (q, k, v, scale) -> o, the KV pool bound inside.
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
 
 class RMSNorm(nn.Module):
     """Llama-style: normalize in float32, cast back, then scale by w."""
@@ -177,6 +180,18 @@ class PagedSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        cos, sin = self.rotary.cos_sin(positions, x.dtype, meta.scratch)
+        q, k, v = self.project(x, cos, sin)
+        attend = meta.attention or paged_attention
+        if len(kv_cache) > 2:  # a quantized pool: (k, v, k_scale, v_scale), see attention.quantize_kv
+            o = attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, kv_scales=kv_cache[2:])
+        else:
+            o = attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
+        return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, KVH, D]: projected, QK-normed, q and k rotated."""
         t = x.shape[0]
         if self.qkv is not None:
             q, k, v = self.qkv(x)
@@ -188,15 +203,13 @@ class PagedSelfAttention(nn.Module):
         if self.has_qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        cos, sin = self.rotary.cos_sin(positions, q.dtype, meta.scratch)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        attend = meta.attention or paged_attention
-        if len(kv_cache) > 2:  # a quantized pool: (k, v, k_scale, v_scale), see attention.quantize_kv
-            o = attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, kv_scales=kv_cache[2:])
-        else:
-            o = attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               attend: Attend) -> torch.Tensor:
+        """forward() with attention given as `attend(q, k, v, scale)` (compiled.py's opaque operator)."""
+        q, k, v = self.project(x, cos, sin)
+        return self.o_proj(attend(q, k, v, self.scale).reshape(x.shape[0], self.num_heads * self.head_dim))
 
 
 def layer_windows(config: Any) -> list[int | None]:

@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from asyncpage.attention import AttentionMetadata
+from asyncpage.models.compiled import CompiledDecode
 from asyncpage.models.layers import (
+    Attend,
     GatedMLP,
     PagedSelfAttention,
     RMSNorm,
@@ -42,6 +44,11 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def decode_layer(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """forward() with cos/sin precomputed and attention as `attend(q, k, v, scale)` (compiled.py)."""
+        x = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config: Any) -> None:
@@ -68,11 +75,14 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.compiled: CompiledDecode | None = None  # compiled.enable(): small decode steps
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         """input_ids/positions: [T] flat over the batch; kv_caches: one (K, V) pool per layer."""
         x = self.model.embed_tokens(input_ids)
+        if self.compiled is not None and self.compiled.applies(meta, x.shape[0], kv_caches):
+            return self.model.norm(self.compiled.forward(x, positions, meta, kv_caches))
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, positions, meta, kv)
         return self.model.norm(x)

@@ -1,0 +1,164 @@
+"""Compiled decode layers (`compile=True`): each decoder layer's small ops fused by torch.compile.
+
+At a few rows a layer's matmuls are small, and the ~40 other ops around them (norms, rotary, QK-norm,
+residual adds, gating, reshapes, the casts of the quantized kernels) each pay torch's dispatch, which
+dominated a one-stream decode step. Inductor fuses them into a few C++ loops around the matmuls (the
+packed int8 / int4 kernels stay torch's own). Attention stays an opaque operator
+(`asyncpage::decode_attention`, a shape-only fake for tracing): the layer's pool, slots, block tables
+and mask reach it through `_current`, set per layer, so they are not graph inputs at all.
+
+Used only for steps that are all decode rows (no prefill chunk, no padding rows), with at most
+`MAX_ROWS` of them, on the CPU, with the torch attention backend and an unquantized KV pool: one
+stream and small batches, where the dispatch cost matters. Everything else runs the eager forward,
+which computes the same ops (the compiled graph's float results can differ in the last bits).
+
+One compiled function serves every layer (its weights are graph inputs, not constants): compiled
+for 1 row, for 2.. rows (a dynamic size) up to each quantized projection's packed / dense threshold,
+and per layer variant (an int8 projection among int4 ones), all at load (`warm_up`); afterwards a
+step that would need a new graph runs eager instead of compiling mid-request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from asyncpage.attention import AttentionMetadata, decode_only_attention
+
+log = logging.getLogger("asyncpage")
+
+MAX_ROWS = 8  # the runner's exact buckets: decode steps of up to 8 sequences have no padding rows
+
+# The layer being computed: its K/V pool, and the step's slots, block tables and mask for its window.
+# Set by CompiledDecode.forward before each compiled call and read by the operator, so the pool and
+# the per-step shapes (blocks per sequence) never enter the graph: one graph serves every layer and
+# every context length, and nothing recompiles as sequences grow.
+class _Current(threading.local):
+    kv: tuple[torch.Tensor, ...] = ()
+    slots: torch.Tensor
+    tables: torch.Tensor
+    mask: torch.Tensor
+
+
+_current = _Current()
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    c = _current
+    return decode_only_attention(q, k, v, c.kv[0], c.kv[1], c.slots, c.tables, c.mask, scale)
+
+
+_lib = torch.library.Library("asyncpage", "DEF")
+# A Library op, not torch.library.custom_op: that one's Python wrapper cost ~16 us a call here,
+# this ~2 us; there are 18 calls a step.
+_lib.define("decode_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor")
+_lib.impl("decode_attention", _decode_attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("asyncpage::decode_attention")
+def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+def _layer(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """One decoder layer (the model's own `decode_layer`), attention through the opaque operator."""
+    out: torch.Tensor = layer.decode_layer(x, cos, sin, torch.ops.asyncpage.decode_attention)
+    return out
+
+
+class CompiledDecode:
+    """The decode forward of one model with its layers compiled; `applies(meta, rows)` says when."""
+
+    def __init__(self, model: Any) -> None:
+        import torch._dynamo
+
+        self.model = model
+        # Each layer variant x row interval is a cache entry of the one compiled function (default 8).
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self.layer: Callable[..., torch.Tensor] = torch.compile(_layer, dynamic=None, fullgraph=True)
+        self.compile_s = 0.0
+        self.steps = 0  # decode steps run through here (tests)
+        self.stance = "default"  # "eager_on_recompile" once warmed up
+
+    @staticmethod
+    def applies(meta: AttentionMetadata, rows: int, kv_caches: list[tuple[torch.Tensor, ...]]) -> bool:
+        return (meta.decode_rows is not None and not meta.prefills and rows <= MAX_ROWS
+                and int(meta.decode_rows.shape[0]) == rows and len(kv_caches[0]) == 2
+                and meta.attention in (None, _torch_attention()) and meta.slot_mapping.device.type == "cpu")
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        """x: the embedded input [T, hidden]; returns the last layer's output (before the final norm)."""
+        assert meta.decode_block_tables is not None
+        c = _current
+        c.slots, c.tables = meta.slot_mapping, meta.decode_block_tables
+        self.steps += 1
+        try:
+            # Everything was compiled at warm-up: a step whose guards fail runs eager, never compiles
+            # (seconds) in the middle of a request.
+            with torch.compiler.set_stance(self.stance):
+                for layer, kv in zip(self.model.model.layers, kv_caches, strict=True):
+                    attn = layer.self_attn
+                    cos, sin = attn.rotary.cos_sin(positions, x.dtype, meta.scratch)
+                    c.kv, c.mask = kv, meta.decode_mask(attn.window)
+                    x = self.layer(layer, x, cos, sin)
+        finally:
+            c.kv = ()  # the pool is not kept alive by this thread
+        return x
+
+    def warm_up(self, dtype: torch.dtype, block_size: int, threads: Sequence[int] = ()) -> float:
+        """Compile every variant now (1 row, 2..MAX_ROWS rows, each layer kind), on a scratch pool, for
+        each thread count in `threads` (default: the current one). Dynamo's guards include torch's
+        thread count (inductor's loops are built for one), and the compute thread lowers it while
+        other processes hold cores (cpu_share.py): a count not compiled here would run eager."""
+        t0 = time.perf_counter()
+        current = torch.get_num_threads()
+        try:
+            for n in threads or (current,):
+                torch.set_num_threads(n)
+                self._run_variants(dtype, block_size)
+        finally:
+            torch.set_num_threads(current)
+        self.compile_s = time.perf_counter() - t0
+        self.stance, self.steps = "eager_on_recompile", 0
+        log.info("compiled the decode layers in %.1f s", self.compile_s)
+        return self.compile_s
+
+    def _run_variants(self, dtype: torch.dtype, block_size: int) -> None:
+        from asyncpage.runner import FlatBatch
+
+        blocks = MAX_ROWS + 1
+        caches = [tuple(torch.zeros(blocks, block_size, layer.self_attn.num_kv_heads, layer.self_attn.head_dim,
+                                    dtype=dtype) for _ in range(2)) for layer in self.model.model.layers]
+        with torch.inference_mode():
+            # A projection's kernel (packed or dense) depends on the rows against a threshold measured
+            # at load (quant.crossover: 1, 2, 4, 8, ...): one graph per interval, each compiled here.
+            for rows in (1, 2, 3, 5, MAX_ROWS):
+                flat = FlatBatch(block_size, (blocks - 1) * block_size, torch.device("cpu"), _torch_attention())
+                for r in range(rows):
+                    flat.add([0], r % block_size, [r])
+                self.model(*flat.build(), caches)
+
+
+def enable(model: Any, dtype: torch.dtype, threads: Sequence[int] = (), block_size: int = 16) -> float:
+    """Give `model` (a family with `decode_layer`) a compiled decode path and compile it now for each
+    thread count in `threads` (default: the current one); returns the seconds that took (0 if the
+    model family has no compiled path)."""
+    if not hasattr(model, "compiled"):  # a model family without a compiled path
+        return 0.0
+    if model.compiled is not None:  # already (another engine on the same weights)
+        return 0.0
+    compiled = CompiledDecode(model)
+    model.compiled = compiled
+    return compiled.warm_up(dtype, block_size, threads)
+
+
+def _torch_attention() -> Callable[..., torch.Tensor]:
+    from asyncpage.attention import paged_attention
+
+    return paged_attention

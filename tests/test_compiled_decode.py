@@ -1,0 +1,98 @@
+"""compile=True (asyncpage.models.compiled): decode steps of up to 8 sequences run torch.compile'd
+layers. Same greedy tokens and (within float rounding) the same logits as the eager forward, on
+tiny models of the families that have the compiled path; every variant compiled at load, none later."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asyncpage import AsyncEngine, SamplingParams
+from asyncpage.attention import paged_attention
+from asyncpage.runner import FlatBatch
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+async def _greedy(engine: AsyncEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    async with engine:
+        outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+    return [list(o.token_ids) for o in outs]
+
+
+def _decode_logits(engine: AsyncEngine, rows: int, context: int) -> torch.Tensor:
+    """One decode step of `rows` sequences, each `context` tokens in, straight through the runner."""
+    runner = engine._core.runner
+    bs = engine.config.block_size
+    per = -(-(context + 1) // bs)
+    flat = FlatBatch(bs, runner.pad_slot, runner.device, paged_attention)
+    for r in range(rows):
+        flat.add([3 + r], context, list(range(r * per, (r + 1) * per)))
+    ids, pos, meta = flat.build()
+    with torch.inference_mode():
+        hidden = runner.model(ids, pos, meta, runner.caches)
+        return runner.model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2"])
+def test_compiled_decode_gives_the_eager_tokens_and_logits(tiny_models: dict[str, tuple[Path, Any]],
+                                                           arch: str) -> None:
+    path = tiny_models[arch][0]
+    eager = AsyncEngine.from_pretrained(path, dtype="float32", num_kv_blocks=64, compile=False)
+    compiled = AsyncEngine.from_pretrained(path, dtype="float32", num_kv_blocks=64, compile=True)
+    assert not eager.config.compiled and compiled.config.compiled
+    model = compiled.model
+    assert model.compiled is not None and model.compiled.compile_s > 0
+    # 1 stream, then 5 at once (batched decode steps of 5 rows, then fewer as they finish).
+    prompts = [[0, 5 + i, 17, 40 + 3 * i, 9][: 2 + i] for i in range(5)]
+    model.compiled.stance = "fail_on_recompile"  # everything was compiled at load: no step compiles
+    for batch in (prompts[:1], prompts):
+        assert asyncio.run(_greedy(compiled, batch, 24)) == asyncio.run(_greedy(eager, batch, 24))
+    assert model.compiled.steps > 0  # the compiled path ran
+    for rows, context in ((1, 3), (2, 17), (8, 40)):
+        a = _decode_logits(eager, rows, context)
+        b = _decode_logits(compiled, rows, context)
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (rows, context, (a - b).abs().max())
+
+
+def test_compiled_decode_with_quantized_weights(tiny_models: dict[str, tuple[Path, Any]]) -> None:
+    """The packed int8 / int4 kernels inside the compiled layers compute what they do eagerly."""
+    path = tiny_models["gemma3"][0]
+    for kind in ("int8", "int4"):
+        eager = AsyncEngine.from_pretrained(path, dtype="float32", num_kv_blocks=64, quantization=kind)
+        compiled = AsyncEngine.from_pretrained(path, dtype="float32", num_kv_blocks=64, quantization=kind,
+                                               compile=True)
+        for rows, context in ((1, 5), (3, 20)):
+            a = _decode_logits(eager, rows, context)
+            b = _decode_logits(compiled, rows, context)
+            # The kernels take bfloat16 activations here (quant.kernel_dtype): a norm summed in
+            # another order can round one of them to the next bfloat16 value.
+            assert (a - b).abs().max() <= 1e-2 * a.abs().max(), (kind, rows, (a - b).abs().max())
+        assert compiled.model.compiled.steps == 2
+
+
+@pytest.mark.heavy  # ~40 s (a second load of the default model, compiled): `make test-heavy`
+def test_default_model_compiled_matches_transformers_greedy(reference: dict[str, Any]) -> None:
+    """The real default model, float32, compile=True: transformers' greedy tokens for one stream
+    (1-row steps) and for eight at once (8-row steps), as the eager path gives them (test_default_model)."""
+    engine = AsyncEngine.from_pretrained(dtype="float32", max_num_batched_tokens=256, compile=True)
+    assert engine.model.compiled is not None
+    print(f"\ncompiled in {engine.model.compiled.compile_s:.1f} s")
+    cases = reference["cases"]
+    params = SamplingParams(max_tokens=reference["new_tokens"], temperature=0, ignore_eos=True)
+
+    async def run() -> None:
+        async with engine:
+            for group in (cases[:1], cases[1:]):
+                prompts = [c["prompt"] if c["prompt"] is not None else c["prompt_token_ids"] for c in group]
+                outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+                for case, out in zip(group, outs, strict=True):
+                    assert out.token_ids == case["greedy_token_ids"], case["prompt"]
+
+    asyncio.run(run())
+    assert engine.model.compiled.steps >= 2 * (reference["new_tokens"] - 1)
