@@ -6,11 +6,12 @@
         async for chunk in engine.stream("Hello", SamplingParams(max_tokens=32)):
             print(chunk.text, end="")
 
-This file is the facade (vLLM V1's AsyncLLM): configuration, lifecycle, tokenization and validation
-at submission, and the public calls. It never touches the scheduler, the pool or a request's state:
-`submit()` and `abort()` hand requests to the EngineCore (core.py), whose loop applies them at its
-safe points. Nothing binds to an event loop before `async with`, so an engine can be reopened under a
-new loop or under trio (anyio throughout); while open it belongs to that one loop and thread.
+This file is the facade (vLLM V1's AsyncLLM): lifecycle, tokenization and validation at submission,
+and the public calls (loading.py makes an engine from a model and options). It never touches the
+scheduler, the pool or a request's state: `submit()` and `abort()` hand requests to the EngineCore
+(core.py), whose loop applies them at its safe points. Nothing binds to an event loop before
+`async with`, so an engine can be reopened under a new loop or under trio (anyio throughout); while
+open it belongs to that one loop and thread.
 """
 
 from __future__ import annotations
@@ -23,31 +24,15 @@ from typing import Any, Self
 import anyio
 import msgspec
 import sniffio
-import torch
 
+from asyncpage import loading
 from asyncpage.beam import BeamParams, EarlyStopping
 from asyncpage.compute import ComputeThread
-from asyncpage.config import (
-    EngineConfig,
-    check_options,
-    check_quantization,
-    resolve_backend,
-    resolve_device,
-    resolve_dtype,
-    resolve_kv_cache_dtype,
-    size_pool,
-)
+from asyncpage.config import EngineConfig
 from asyncpage.core import EngineCore
-from asyncpage.draft import load_draft
-from asyncpage.errors import (
-    EngineDeadError,
-    EngineLoopError,
-    EngineNotRunningError,
-    InvalidRequestError,
-)
+from asyncpage.errors import EngineDeadError, EngineLoopError, EngineNotRunningError, InvalidRequestError
 from asyncpage.extract import ExtractResult, extract_many, extract_one
 from asyncpage.guided import GrammarManager, GuidedSpec
-from asyncpage.models.compiled import enable as compile_decode
 from asyncpage.output_processor import request_metrics
 from asyncpage.outputs import (
     Beam,
@@ -61,11 +46,9 @@ from asyncpage.outputs import (
 )
 from asyncpage.params import SamplingParams
 from asyncpage.request import Request
-from asyncpage.runner import kv_bytes_per_block
-from asyncpage.speculative import SpeculativeConfig
 from asyncpage.streams import Mailbox, RequestStream
 from asyncpage.validation import check_beam_search, check_request, check_token_ids
-from asyncpage.weights import LoadedModel, load
+from asyncpage.weights import LoadedModel
 
 Prompt = str | list[int]
 
@@ -80,15 +63,17 @@ class AsyncEngine:
     core_class: type[EngineCore] = EngineCore
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, compute: ComputeThread,
-                 guided: GrammarManager, draft: LoadedModel | None = None) -> None:
+                 guided: GrammarManager, draft: LoadedModel | None = None,
+                 options: dict[str, Any] | None = None) -> None:
         """Prefer `from_pretrained` (which calls this on the compute thread, where the KV pool is
-        allocated). Binds to no event loop: that happens in `async with`."""
+        allocated; asyncpage.loading). `options`: the pool and scheduling options it was built with,
+        what `clone` may override. Binds to no event loop: that happens in `async with`."""
         self.config = config
         self.compute = compute
         self.guided = guided
         self._loaded = loaded
         self._draft = draft  # the speculative "draft" method's model (shared with clones, as the target is)
-        self._options: dict[str, Any] = {}
+        self._options: dict[str, Any] = options if options is not None else {}
         self.model_source = loaded.source
         self.load_seconds = loaded.load_seconds
         self.tokenizer = loaded.tokenizer
@@ -101,6 +86,12 @@ class AsyncEngine:
         self._loop_task: Any = None
         self._task_group: Any = None
         self._limiter: anyio.CapacityLimiter | None = None
+        if config.attention_backend == "triton":
+            from asyncpage.kernels import use_triton_attention
+
+            use_triton_attention(self._core.runner)
+            if self._core.draft is not None:
+                use_triton_attention(self._core.draft.runner)
 
     @property
     def model(self) -> Any:
@@ -151,94 +142,20 @@ class AsyncEngine:
         smaller model with the same tokenizer propose them (asyncpage.draft).
         `compile=True` (or ASYNCPAGE_COMPILE=1): decode steps of up to 8 sequences run the layers
         compiled by torch.compile (CPU, torch attention; asyncpage.models.compiled), compiled at load."""
-        dev = resolve_device(device)
-        check_quantization(quantization)
-        dt = resolve_dtype(dtype, dev)
-        if debug_checks is None:
-            debug_checks = os.environ.get("ASYNCPAGE_DEBUG_CHECKS", "") not in ("", "0")
-        options = dict(block_size=block_size, num_kv_blocks=num_kv_blocks,
-                       max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                       enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend,
-                       max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
-                       guided_backend=guided_backend, grammar_compile_timeout=grammar_compile_timeout,
-                       debug_checks=bool(debug_checks), eviction_policy=eviction_policy,
-                       kv_cache_dtype=kv_cache_dtype, speculative_config=SpeculativeConfig.parse(speculative_config))
-        check_options(options)
-        resolve_backend(attention_backend, dev, block_size)  # refuse before minutes of loading
-        threads = num_threads or len(os.sched_getaffinity(0))
-        # All torch work on one thread with one deliberately sized pool (see compute.py); with the
-        # default thread count it follows the cores other processes leave free (cpu_share.py).
-        compute = ComputeThread(threads, adaptive=num_threads is None)
-        loaded = compute.run(load, model, getattr(torch, dt), torch.device(dev), quantization)
-        if compile is None:
-            compile = os.environ.get("ASYNCPAGE_COMPILE", "") not in ("", "0")
-        if compile and dev == "cpu" and resolve_backend(attention_backend, dev, block_size) == "torch":
-            # Every thread count the compute thread may pick (it follows free cores; cpu_share.py),
-            # up to 4: on bigger machines only its full count is compiled, the others run eager.
-            counts = range(1, threads + 1) if num_threads is None and threads <= 4 else [threads]
-            compute.run(compile_decode, loaded.model, getattr(torch, dt), counts)
-        spec = SpeculativeConfig.parse(speculative_config)
-        draft = None
-        if spec is not None and spec.method == "draft":
-            draft = compute.run(load_draft, spec, loaded, getattr(torch, dt), torch.device(dev))
-        return compute.run(cls._build, loaded, dt, dev, compute, options, None, draft)
+        return loading.from_pretrained(
+            cls, model, dtype=dtype, device=device, num_threads=num_threads, quantization=quantization,
+            debug_checks=debug_checks, speculative_config=speculative_config, compile=compile,
+            block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching,
+            attention_backend=attention_backend, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
+            guided_backend=guided_backend, grammar_compile_timeout=grammar_compile_timeout,
+            eviction_policy=eviction_policy, kv_cache_dtype=kv_cache_dtype)
 
     def clone(self, **overrides: Any) -> AsyncEngine:
         """A second engine on the same weights and tokenizer, with its own KV pool and scheduler
         (any of from_pretrained's pool and scheduling options may differ)."""
-        bad = set(overrides) - set(self._options)
-        if bad:
-            raise InvalidRequestError(sorted(bad)[0], "cannot differ between engines sharing weights")
-        options = {**self._options, **overrides}
-        check_options(options)
-        spec = SpeculativeConfig.parse(options["speculative_config"])
-        mine = self._options["speculative_config"]
-        draft = self._draft
-        if spec is None or spec.method != "draft":
-            draft = None
-        elif draft is None or (mine.model, mine.quantization) != (spec.model, spec.quantization):
-            draft = self.compute.run(load_draft, spec, self._loaded, getattr(torch, self.config.dtype),
-                                     torch.device(self.config.device))
-        return self.compute.run(self._build, self._loaded, self.config.dtype, self.config.device, self.compute,
-                                options, self.guided, draft)
-
-    @classmethod
-    def _build(cls, loaded: LoadedModel, dt: str, dev: str, compute: ComputeThread,
-               options: dict[str, Any], parent_guided: GrammarManager | None = None,
-               draft: LoadedModel | None = None) -> AsyncEngine:
-        mc = loaded.config
-        ctx = int(getattr(mc, "max_position_embeddings", 8192))
-        max_len = min(ctx, options["max_model_len"]) if options["max_model_len"] else ctx
-        kv_dt = resolve_kv_cache_dtype(options["kv_cache_dtype"], dt)
-        per_block = kv_bytes_per_block(loaded.model, options["block_size"], getattr(torch, kv_dt))
-        config = EngineConfig(
-            dtype=dt, device=dev, block_size=options["block_size"],
-            num_kv_blocks=size_pool(options, per_block, max_len, dev),
-            max_num_batched_tokens=options["max_num_batched_tokens"], max_num_seqs=options["max_num_seqs"],
-            max_model_len=max_len, enable_prefix_caching=options["enable_prefix_caching"],
-            attention_backend=resolve_backend(options["attention_backend"], dev, options["block_size"]),
-            num_threads=compute.num_threads, debug_checks=options["debug_checks"],
-            eviction_policy=options["eviction_policy"], kv_cache_dtype=kv_dt,
-            quantization=loaded.quantization, speculative=SpeculativeConfig.parse(options["speculative_config"]),
-            compiled=getattr(loaded.model, "compiled", None) is not None)
-        # Masks cover every id either side knows: some checkpoints' tokenizers have more entries than
-        # the logits (Gemma 3 on the hub: 262,145 vs 262,144); masks are sliced to the logits at use.
-        mask_vocab = max(int(mc.vocab_size), len(loaded.tokenizer))
-        guided = GrammarManager(loaded.tokenizer, mask_vocab, sorted(loaded.eos_token_ids),
-                                options["guided_backend"], options["grammar_compile_timeout"])
-        # Adapting a tokenizer for the grammar engine holds the GIL for seconds at a time (2.1 s of a
-        # 3.8 s build for the 262k vocabulary, measured): done lazily under a running loop it stalled the
-        # host's event loop (a 4.4 s lag in the soak). So it is done here, at load, and shared by clones.
-        guided.prepare(parent_guided)
-        engine = cls(loaded, config, compute, guided, draft)
-        engine._options = options
-        if config.attention_backend == "triton":
-            from asyncpage.kernels import use_triton_attention
-
-            use_triton_attention(engine._core.runner)
-            if engine._core.draft is not None:
-                use_triton_attention(engine._core.draft.runner)
-        return engine
+        return loading.clone(type(self), self._loaded, self.config, self.compute, self.guided, self._options,
+                             self._draft, overrides)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> Self:
