@@ -221,6 +221,7 @@ def format_result(r: BenchResult) -> str:
     if r.ttft_p50_ms is not None:
         lines.append(f"  TTFT p50/p99 {f(r.ttft_p50_ms)}/{f(r.ttft_p99_ms)} ms, ITL p50/p99 {f(r.itl_p50_ms)}/"
                      f"{f(r.itl_p99_ms)} ms, event-loop lag p50/p99 {f(r.loop_lag_p50_ms)}/{f(r.loop_lag_p99_ms)} ms")
+    if r.kv_blocks_total is not None:  # asyncpage's own figures (not a baseline's)
         hit = "-" if r.prefix_cache_hit_rate is None else f"{100 * r.prefix_cache_hit_rate:.0f}%"
         lines.append(f"  KV blocks peak {r.peak_kv_blocks_used}/{r.kv_blocks_total}, preemptions "
                      f"{r.num_preemptions}, prefix-cache hit rate {hit}")

@@ -1,6 +1,7 @@
 """`asyncpage bench --settings float32,int8,int4,...`: the same workload under several weight / KV
 settings, one engine at a time, printed side by side with float32 (the first setting is the base of
-the ratios); `--baseline llama.cpp` adds llama-cpp-python on the same GGUF in the same run.
+the ratios); `--baseline llama.cpp` adds llama-cpp-python on the same GGUF in the same run,
+`--baseline llama-server` llama.cpp's C++ server with one slot per request (bench_llama_server.py).
 
 A setting is a dtype (`float32`, `bfloat16`, `float16`, `auto`) or a weight quantization (`int8`,
 `int4`: dtype "auto" for the activations; `int4:float32` names the dtype), optionally `+kv=int8` /
@@ -35,6 +36,15 @@ async def compare_settings(args: Any) -> int:
     from asyncpage import AsyncEngine
 
     settings = [s.strip() for s in (args.settings or DEFAULT_SETTINGS).split(",") if s.strip()]
+    server_bin = None
+    if args.baseline == "llama-server":
+        from asyncpage.bench_llama_server import LlamaServerError, find_llama_server
+
+        try:
+            server_bin = find_llama_server(getattr(args, "llama_server", None))
+        except LlamaServerError as exc:
+            print(f"asyncpage bench: {exc}", file=sys.stderr)
+            return 2
     rows: list[tuple[str, BenchResult, float]] = []
     items: list[Item] | None = None
     source = None
@@ -66,15 +76,26 @@ async def compare_settings(args: Any) -> int:
         if lc is not None:
             print(format_result(lc), flush=True)
             extra.append(("llama.cpp", lc))
+    if server_bin is not None:
+        from asyncpage.bench_llama_server import LlamaServerError, run_llama_server
+
+        try:
+            ls = await run_llama_server(server_bin, source, items, args.threads)
+            ls.workload = args.workload
+            print(format_result(ls), flush=True)
+            extra.append(("llama-server", ls))
+        except LlamaServerError as exc:
+            print(f"# --baseline llama-server: {exc}", file=sys.stderr)
+    name = extra[0][0] if extra else ""
     print(f"\n{args.workload} workload, {len(items)} requests; ratios against {settings[0]}"
-          + (" and llama.cpp" if extra else ""))
+          + (f" and {name}" if extra else ""))
     print(f"{'setting':<22} {'tok/s':>8} {'ratio':>7} {'ITL p50':>9} {'TTFT p50':>9} {'load s':>7}"
-          + (f" {'vs llama.cpp':>13}" if extra else ""))
+          + (f" {'vs ' + name:>16}" if extra else ""))
     for s, r, load_s in rows + [(n, r, float("nan")) for n, r in extra]:
         line = (f"{s:<22} {r.throughput_tok_s:8.1f} {r.throughput_tok_s / base:6.2f}x "
                 f"{_ms(r.itl_p50_ms):>9} {_ms(r.ttft_p50_ms):>9} {load_s:7.1f}")
         if extra:
-            line += f" {r.throughput_tok_s / extra[0][1].throughput_tok_s:12.2f}x"
+            line += f" {r.throughput_tok_s / extra[0][1].throughput_tok_s:15.2f}x"
         print(line)
     return 0
 

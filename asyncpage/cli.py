@@ -35,9 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--max-num-batched-tokens", type=int, default=512)
     b.add_argument("--num-kv-blocks", type=int, default=None)
     b.add_argument("--no-prefix-caching", action="store_true")
-    b.add_argument("--baseline", choices=["transformers", "llama.cpp"], default=None,
-                   help="also run transformers' generate() with static batches of 8 on the same weights, or "
-                   "llama-cpp-python on the same GGUF (with --settings; an optional extra)")
+    b.add_argument("--baseline", choices=["transformers", "llama.cpp", "llama-server"], default=None,
+                   help="also run transformers' generate() with static batches of 8 on the same weights, "
+                   "llama-cpp-python on the same GGUF (with --settings; an optional extra), or llama.cpp's "
+                   "llama-server binary with one slot per request on the same GGUF")
+    b.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="the llama-server binary for --baseline llama-server (default: $LLAMA_SERVER, else PATH)")
     b.add_argument("--settings", default=None, metavar="S1,S2,...",
                    help="compare weight / KV settings side by side, the first as the base, e.g. "
                    "float32,bfloat16,int8,int4,int4+kv=int8 (see asyncpage/bench_quant.py)")
@@ -184,7 +187,7 @@ async def _generate(args: argparse.Namespace) -> int:
 async def _bench(args: argparse.Namespace) -> int:
     if args.speculative:
         return await _bench_speculative(args)
-    if args.settings or args.baseline == "llama.cpp":
+    if args.settings or args.baseline in ("llama.cpp", "llama-server"):
         from asyncpage.bench_quant import compare_settings
 
         return await compare_settings(args)
