@@ -70,8 +70,9 @@ class Choice:
     cumulative_logprob: float
 
 
-# Ends a continuation of beam `parent` by `token`: (reason, whether `token` stays in the output), or None.
-EndCheck = Callable[[int, int], tuple[FinishReason, bool] | None]
+# Ends a continuation of beam `parent` by `token`: (reason, whether `token` stays in the output), or None
+# (it goes on); a None reason is a dead end (half of a grammar's value): dropped, not a hypothesis.
+EndCheck = Callable[[int, int], tuple[FinishReason | None, bool] | None]
 
 
 @dataclass
@@ -119,8 +120,10 @@ class BeamSearch:
                 if len(running) < self.width:
                     running.append(Choice(parent, tok, cum))
                 continue
+            reason, keep = end
+            if reason is None:
+                continue  # a dead end (a grammar's half value): neither running nor a hypothesis
             if rank < self.width and self.improvable and not beams_full_before:
-                reason, keep = end
                 tokens = beams[parent] + [tok] if keep else list(beams[parent])
                 new.append(Hypothesis(tokens, cum, cum / length ** p.length_penalty, reason))
         # Stable: an earlier hypothesis wins a tie against a new one, as in transformers' merge.
@@ -130,10 +133,12 @@ class BeamSearch:
         self._check_done(all_ended=not running)
         return running
 
-    def retire(self, beam: int, tokens: list[int], reason: FinishReason) -> None:
-        """A running beam that cannot go on (its grammar is complete) ends here, with its tokens."""
+    def retire(self, beam: int, tokens: list[int], reason: FinishReason, *, valid: bool = True) -> None:
+        """A running beam that cannot go on (its grammar is complete) ends here, with its tokens;
+        `valid=False`: its grammar stopped where the value is incomplete (a dead end: no token can
+        follow), so it leaves the search without becoming a hypothesis."""
         cum = self.scores.pop(beam)
-        if self.improvable:
+        if self.improvable and valid:
             score = cum / max(1, self.generated) ** self.params.length_penalty
             self.finished = sorted([*self.finished, Hypothesis(tokens, cum, score, reason)],
                                    key=lambda h: -h.score)[: self.width]

@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="JSONL of solved records ({\"text\": ..., \"value\": {...}}) shown in the default prompt")
     x.add_argument("--beam-width", type=int, default=None, metavar="W",
                    help="each value the best of W beams under the grammar, about W times the compute (default: 4 "
-                        "with --copy-fields, where beams copy the right span more often; else 1, greedy)")
+                        "when a field is copied, --copy-fields or x-copy, where beams copy the right span more "
+                        "often; else 1, greedy)")
     _model_args(x)
     x.add_argument("--max-tokens", type=int, default=512)
     x.add_argument("--max-prompt-tokens", type=int, default=None, help="refuse longer records (prompt_too_long)")

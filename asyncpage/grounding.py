@@ -31,7 +31,7 @@ _TRIMMED = f"{_SOLID}(?:{_JSON_CHAR}*{_SOLID})?"
 _NOTHING = r"/[^\s\S]/"  # a regex no text matches
 # A span holds a letter or a digit: asked one field at a time, the default model answered ":" or ","
 # (a lone punctuation mark is a whole span unit) for most names; no value is only punctuation.
-_MEANINGFUL = r"/(?s:.*)[\p{L}\p{N}](?s:.*)/"
+_MEANINGFUL = rf"/{_JSON_CHAR}*[\p{{L}}\p{{N}}]{_JSON_CHAR}*/"  # a bare one: "\u0007" and "\b" hold none
 _SLASH = re.compile(r"(\\.)|/")  # an unescaped "/" ends a Lark regex literal: escape only those
 # json.dumps' separators: the JSON most often seen in a model's training text. Compact JSON
 # ({"a":"x"}) made the default model answer "1" for every copied field; spaced JSON did not.
@@ -83,7 +83,7 @@ def grammar(schema: dict[str, Any], sources: Sequence[str]) -> str:
     """Lark text for `schema` where every `x-copy` string is a span of one of `sources`."""
     b = _Builder(schema, sources)
     start = b.value(schema)
-    if b.must_copy and not any(ch.isalnum() for s in sources for ch in s):
+    if b.must_copy and not b.copyable:
         raise InvalidRequestError("copy_from", "the record has no text (no letter or digit) to copy a non-nullable "
                                                "field from")
     return "%llguidance {}\n" + "\n".join([f"start: {start}", *b.rules]) + "\n"
@@ -157,6 +157,9 @@ class _Builder:
         self.rules.append("SOURCE_SPAN: " + (spans or _NOTHING))
         self.n = 0
         self.must_copy = False  # a copied field that cannot be null
+        # No letter or digit anywhere: no span can be copied, so a nullable copied field is just null
+        # (an opening quote there would be a dead end: a beam search ranked such halves of values).
+        self.copyable = any(ch.isalnum() for s in sources for ch in s)
 
     def _name(self, base: str) -> str:
         self.n += 1
@@ -201,7 +204,7 @@ class _Builder:
         self.rules.append(f"{name}: " + " & ".join(parts))
         rule = f'"\\"" {name} "\\""'
         if _nullable(self.root, s):
-            return f"({rule} | \"null\")"
+            return f"({rule} | \"null\")" if self.copyable else '"null"'
         self.must_copy = True
         return rule
 

@@ -28,7 +28,7 @@ import msgspec
 
 from asyncpage.engine import AsyncEngine
 from asyncpage.errors import InvalidRequestError
-from asyncpage.extract import COPY_BEAMS, ExtractError, ExtractResult, Prompt, extract_many
+from asyncpage.extract import COPY_BEAMS, ExtractError, ExtractResult, Prompt, beam_params, extract_many
 from asyncpage.jobs import (
     DoneLines,
     JobSummary,
@@ -142,6 +142,7 @@ def extract_dataset(ds: ray.data.Dataset, schema: Any, *, num_actors: int = 1, n
     record's own failure is its row, never the job's), `closed_early`, `prompt_tokens`,
     `output_tokens`. Lazy, like every Dataset: nothing runs until it is consumed or written.
     """
+    beam_params(beam_width, copying=False)  # a bad width is refused here, not in every actor
     return _map(ds, _Job(schema, params, prompt, concurrency, id_field, max_prompt_tokens, copy_fields,
                          tuple(examples), beam_width, jsonl=False),
                 num_actors=num_actors, num_cpus_per_actor=num_cpus_per_actor, batch_size=batch_size,
@@ -214,6 +215,7 @@ def run_job(input_path: Path, output_path: Path, schema: Any, *, num_actors: int
     read by Ray Data and extracted by `num_actors` actors. The output is written here, by the driver,
     as results arrive: one file, flushed line by line, as resumable as the in-process one. Connects
     to the cluster at RAY_ADDRESS, else starts a local one for the job (and stops it after)."""
+    beam_params(beam_width, copying=False)  # a bad width is refused before a cluster starts
     done = open_output(output_path, resume)
     started = not ray.is_initialized()
     if started:
@@ -226,9 +228,9 @@ def run_job(input_path: Path, output_path: Path, schema: Any, *, num_actors: int
         ds = ray.data.read_datasource(reader, num_cpus=0)
         job = _Job(schema, job_params(max_tokens), prompt, concurrency, id_field, max_prompt_tokens, copy_fields,
                    tuple(examples), beam_width, jsonl=True)
+        width = COPY_BEAMS if beam_width is None else beam_width
         out = _map(ds, job, num_actors=num_actors, num_cpus_per_actor=1, batch_size=None,
-                   engine_options={"max_num_seqs": max(concurrency * (beam_width or COPY_BEAMS), 1),
-                                   **engine_options})
+                   engine_options={"max_num_seqs": max(concurrency * width, 1), **engine_options})
         return _write(out, output_path, JobSummary(skipped=len(done)))
     finally:
         if started:

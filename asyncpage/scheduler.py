@@ -318,9 +318,12 @@ class Scheduler:
         p = req.params
         outputs = [b.output_token_ids for b in beams]
 
-        def ends(parent: int, token: int) -> tuple[FinishReason, bool] | None:
+        def ends(parent: int, token: int) -> tuple[FinishReason | None, bool] | None:
             if token in req.stop_ids:
-                return "stop", False
+                m = beams[parent].matcher
+                # EOS where the grammar is not complete: a copied field's opening quote where no span
+                # fits leaves only EOS. That is half a value, not a hypothesis: dropped.
+                return (None if m is not None and not m.is_accepting() else "stop"), False
             if p.stop and self.stop_string_hit is not None and self.stop_string_hit(outputs[parent] + [token], p):
                 return "stop", True
             if beams[parent].num_tokens + 1 >= self.max_model_len:
@@ -335,7 +338,10 @@ class Scheduler:
             if b.matcher is not None and not b.matcher.accept(b.token_ids[-1]):
                 failures.append((b, f"the grammar rejected token {b.token_ids[-1]} a beam search chose"))
             elif b.matcher is not None and b.matcher.is_terminated():
-                search.retire(i, b.output_token_ids, "stop")  # its grammar is complete: the beam ends
+                # Its grammar is complete (the beam ends), or at a dead end: a copied field's opening
+                # quote where no span of the record fits, and no token can follow. That beam is not a
+                # value: it is dropped, never ranked against the complete ones.
+                search.retire(i, b.output_token_ids, "stop", valid=b.matcher.is_accepting())
                 nxt.pop(i)
                 self.finish(b, "stop")
         req.seqs = nxt

@@ -67,6 +67,10 @@ class Mailbox:
         if self._notify is not None:
             self._notify()
 
+    def peek(self, index: int = 0) -> _Pending | None:
+        """What sample `index` has pending, left in place."""
+        return self._pending.get(index)
+
     def drain(self) -> dict[int, _Pending]:
         """Everything pending, without waiting (for a reader that only looks once the request is done)."""
         out, self._pending = self._pending, {}

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import msgspec
 import pytest
 
-from asyncpage import AsyncEngine, InvalidRequestError, SamplingParams, grounding
+from asyncpage import AsyncEngine, ExtractionError, InvalidRequestError, SamplingParams, grounding
 from asyncpage.extract_prompt import schema_prompt
 from asyncpage.guided.backend import closed_objects
 
@@ -267,3 +267,51 @@ async def test_without_room_for_four_beams_copied_values_are_greedy_not_refused(
         with pytest.raises(InvalidRequestError) as e:  # asked for by name: refused, naming it
             await engine.extract(text, schema, params, copy_from=text, beam_width=4)
         assert e.value.field == "beam_width"
+
+
+def test_a_control_character_alone_is_not_a_value(accepts: Any) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": ["string", "null"], "x-copy": True}}, "required": ["a"]}
+    g = grounding.grammar(schema, ["\x1b[31m red \x07 \b"])
+    for bad in ("\x1b", "\x07", "\b"):
+        assert not accepts(g, _obj(a=bad)), repr(bad)
+    assert accepts(g, _obj(a="\x1b[31m red")) and accepts(g, _obj(a=None))
+
+
+async def test_default_beams_never_return_half_a_value_and_fall_back_where_beams_cannot_help(
+        tiny_llama: Path) -> None:
+    nullable = {"type": "object", "properties": {"name": {"type": ["string", "null"]},
+                                                 "order": {"type": ["string", "null"], "pattern": "^ORD-[0-9]+$"}},
+                "required": ["name", "order"]}
+    engine = AsyncEngine.from_pretrained(str(tiny_llama), dtype="float32", num_kv_blocks=128)
+    async with engine:
+        params = SamplingParams(max_tokens=60, temperature=0)
+        # No letter or digit to copy: null, not an opening quote with nothing after it.
+        [r] = [r async for r in engine.extract_many(["!!! ?? -- ..."], nullable, copy_fields="auto", params=params)]
+        assert r.ok and r.value == {"name": None, "order": None}, r
+        # A pattern nothing in the text matches: every beam returned is a whole value.
+        text = "Anna Berg wrote about the Lumen lamp."
+        grammar = grounding.grammar(grounding.mark(nullable, "auto"), [text])
+        out = await engine.beam_search(text, 4, 60, params=msgspec.structs.replace(params, grammar=grammar))
+        assert out.beams and all(json.loads(b.text)["order"] is None for b in out.beams)
+        # Cut by max_tokens: beams have no budget closing, so the record is decoded greedy, as before beams.
+        short = msgspec.structs.replace(params, max_tokens=12)
+        outcomes = []
+        for width in (None, 1):
+            try:
+                outcomes.append(await engine.extract(text, nullable, short, copy_from=text, beam_width=width))
+            except ExtractionError as exc:
+                outcomes.append((exc.reason, exc.value))
+        assert outcomes[0] == outcomes[1]
+        # Sampling params: the default samples (beams would ignore temperature and seed).
+        hot = SamplingParams(max_tokens=60, temperature=1.0, seed=7)
+        sampled = await engine.generate(text, msgspec.structs.replace(hot, grammar=grammar))
+        try:
+            value = await engine.extract(text, nullable, hot, copy_from=text)
+        except ExtractionError as exc:  # a random model may run to max_tokens: closed by the budget
+            value = exc.value
+        assert value == json.loads(sampled.text)
+        for bad in (True, 1.0, 0):
+            with pytest.raises(InvalidRequestError) as e:
+                await engine.extract(text, nullable, params, copy_from="!!!", beam_width=bad)  # type: ignore[arg-type]
+            assert e.value.field == "beam_width"
+        assert engine.stats().kv_blocks_used == 0
