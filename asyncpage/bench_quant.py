@@ -16,14 +16,22 @@ import time
 from typing import Any
 
 from asyncpage.bench import BenchResult, Item, format_result, make_workload, run_engine
+from asyncpage.errors import InvalidRequestError
 
 DEFAULT_SETTINGS = "float32,bfloat16,int8,int4,int4+kv=int8"
 
 
 def parse_setting(s: str) -> dict[str, Any]:
-    opts: dict[str, Any] = {"compile": True} if "+compile" in s else {}
-    weights, _, kv = s.replace("+compile", "").partition("+kv=")
-    opts["kv_cache_dtype"] = kv or "auto"
+    """from_pretrained's options for one setting; a suffix other than +compile / +kv=X is refused."""
+    weights, *extras = s.split("+")
+    opts: dict[str, Any] = {"kv_cache_dtype": "auto"}
+    for extra in extras:
+        if extra == "compile":
+            opts["compile"] = True
+        elif extra.startswith("kv=") and extra[3:]:
+            opts["kv_cache_dtype"] = extra[3:]
+        else:
+            raise InvalidRequestError("settings", f"{s!r}: unknown suffix +{extra} (+compile, +kv=int8 or +kv=fp8)")
     weights, _, dtype = weights.partition(":")
     if weights in ("int8", "int4"):
         opts.update(quantization=weights, dtype=dtype or "auto")
@@ -36,6 +44,11 @@ async def compare_settings(args: Any) -> int:
     from asyncpage import AsyncEngine
 
     settings = [s.strip() for s in (args.settings or DEFAULT_SETTINGS).split(",") if s.strip()]
+    try:
+        parsed = {s: parse_setting(s) for s in settings}  # a bad one is refused before any model loads
+    except InvalidRequestError as exc:
+        print(f"asyncpage bench: {exc}", file=sys.stderr)
+        return 2
     server_bin = None
     if args.baseline == "llama-server":
         from asyncpage.bench_llama_server import LlamaServerError, find_llama_server
@@ -49,7 +62,7 @@ async def compare_settings(args: Any) -> int:
     items: list[Item] | None = None
     source = None
     for s in settings:
-        opts = parse_setting(s)
+        opts = parsed[s]
         t0 = time.perf_counter()
         engine = AsyncEngine.from_pretrained(
             args.model, device=args.device, num_threads=args.threads, max_num_seqs=args.max_num_seqs,

@@ -39,6 +39,15 @@ if TYPE_CHECKING:
 E = TypeVar("E", bound="AsyncEngine")
 
 
+def env_flag(name: str) -> bool:
+    """An on/off environment switch: unset, "", "0", "false", "no" and "off" are off."""
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def config_backend_is_torch(options: dict[str, Any], dev: str) -> bool:
+    return dev == "cpu" and resolve_backend(options["attention_backend"], dev, options["block_size"]) == "torch"
+
+
 def from_pretrained(cls: type[E], model: str | os.PathLike[str] | None, *, dtype: str, device: str,
                     num_threads: int | None, quantization: str | None, debug_checks: bool | None,
                     speculative_config: dict[str, Any] | None, compile: bool | None,
@@ -49,7 +58,7 @@ def from_pretrained(cls: type[E], model: str | os.PathLike[str] | None, *, dtype
     check_quantization(quantization)
     dt = resolve_dtype(dtype, dev)
     if debug_checks is None:
-        debug_checks = os.environ.get("ASYNCPAGE_DEBUG_CHECKS", "") not in ("", "0")
+        debug_checks = env_flag("ASYNCPAGE_DEBUG_CHECKS")
     options = dict(pool_options, debug_checks=bool(debug_checks),
                    speculative_config=SpeculativeConfig.parse(speculative_config))
     check_options(options)
@@ -61,8 +70,11 @@ def from_pretrained(cls: type[E], model: str | os.PathLike[str] | None, *, dtype
     compute = ComputeThread(threads, adaptive=num_threads is None)
     loaded = compute.run(load, model, getattr(torch, dt), torch.device(dev), quantization)
     if compile is None:
-        compile = os.environ.get("ASYNCPAGE_COMPILE", "") not in ("", "0")
-    if compile and dev == "cpu" and resolve_backend(attention_backend, dev, block_size) == "torch":
+        compile = env_flag("ASYNCPAGE_COMPILE")
+    # Only where compiled steps can run (compiled.CompiledDecode.applies): CPU, torch attention, a
+    # pool of the model's dtype. Elsewhere it would cost the compile and never be used.
+    if (compile and dev == "cpu" and resolve_backend(attention_backend, dev, block_size) == "torch"
+            and resolve_kv_cache_dtype(options["kv_cache_dtype"], dt) == dt):
         # Every thread count the compute thread may pick (it follows free cores; cpu_share.py),
         # up to 4: on bigger machines only its full count is compiled, the others run eager.
         counts = range(1, threads + 1) if num_threads is None and threads <= 4 else [threads]
@@ -111,7 +123,8 @@ def build(cls: type[E], loaded: LoadedModel, dt: str, dev: str, compute: Compute
         num_threads=compute.num_threads, debug_checks=options["debug_checks"],
         eviction_policy=options["eviction_policy"], kv_cache_dtype=kv_dt,
         quantization=loaded.quantization, speculative=SpeculativeConfig.parse(options["speculative_config"]),
-        compiled=getattr(loaded.model, "compiled", None) is not None)
+        compiled=getattr(loaded.model, "compiled", None) is not None and kv_dt == dt
+        and config_backend_is_torch(options, dev))
     # Masks cover every id either side knows: some checkpoints' tokenizers have more entries than
     # the logits (Gemma 3 on the hub: 262,145 vs 262,144); masks are sliced to the logits at use.
     mask_vocab = max(int(mc.vocab_size), len(loaded.tokenizer))

@@ -1,6 +1,7 @@
 """compile=True (asyncpage.models.compiled): decode steps of up to 8 sequences run torch.compile'd
-layers. Same greedy tokens and (within float rounding) the same logits as the eager forward, on
-tiny models of the families that have the compiled path; every variant compiled at load, none later."""
+layers. In float32, the same greedy tokens and (within float rounding) the same logits as the eager
+forward, on tiny models of the families that have the compiled path; every variant compiled at load,
+none later. (In bfloat16 the fused loops round differently, so greedy tokens may part after a while.)"""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from asyncpage import AsyncEngine, SamplingParams
 from asyncpage.attention import paged_attention
+from asyncpage.loading import env_flag
 from asyncpage.runner import FlatBatch
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -43,17 +45,21 @@ def _decode_logits(engine: AsyncEngine, rows: int, context: int) -> torch.Tensor
 def test_compiled_decode_gives_the_eager_tokens_and_logits(tiny_models: dict[str, tuple[Path, Any]],
                                                            arch: str) -> None:
     path = tiny_models[arch][0]
+    torch._dynamo.reset()  # graphs an earlier test compiled for the same shapes would be reused, not counted
     eager = AsyncEngine.from_pretrained(path, dtype="float32", num_kv_blocks=64, compile=False)
     compiled = AsyncEngine.from_pretrained(path, dtype="float32", num_kv_blocks=64, compile=True)
     assert not eager.config.compiled and compiled.config.compiled
     model = compiled.model
-    assert model.compiled is not None and model.compiled.compile_s > 0
+    assert model.compiled is not None and model.compiled.graphs > 0
     # 1 stream, then 5 at once (batched decode steps of 5 rows, then fewer as they finish).
     prompts = [[0, 5 + i, 17, 40 + 3 * i, 9][: 2 + i] for i in range(5)]
-    model.compiled.stance = "fail_on_recompile"  # everything was compiled at load: no step compiles
+    from torch._dynamo.utils import counters  # not at import: torch._dynamo imports triton (see kernels/)
+
+    graphs = counters["stats"]["unique_graphs"]
     for batch in (prompts[:1], prompts):
         assert asyncio.run(_greedy(compiled, batch, 24)) == asyncio.run(_greedy(eager, batch, 24))
     assert model.compiled.steps > 0  # the compiled path ran
+    assert counters["stats"]["unique_graphs"] == graphs  # everything was compiled at load: no step compiled
     for rows, context in ((1, 3), (2, 17), (8, 40)):
         a = _decode_logits(eager, rows, context)
         b = _decode_logits(compiled, rows, context)
@@ -64,6 +70,7 @@ def test_compiled_decode_with_quantized_weights(tiny_models: dict[str, tuple[Pat
     """The packed int8 / int4 kernels inside the compiled layers compute what they do eagerly."""
     path = tiny_models["gemma3"][0]
     for kind in ("int8", "int4"):
+        torch._dynamo.reset()  # as above: so that `graphs` counts this engine's
         eager = AsyncEngine.from_pretrained(path, dtype="float32", num_kv_blocks=64, quantization=kind)
         compiled = AsyncEngine.from_pretrained(path, dtype="float32", num_kv_blocks=64, quantization=kind,
                                                compile=True)
@@ -73,7 +80,7 @@ def test_compiled_decode_with_quantized_weights(tiny_models: dict[str, tuple[Pat
             # The kernels take bfloat16 activations here (quant.kernel_dtype): a norm summed in
             # another order can round one of them to the next bfloat16 value.
             assert (a - b).abs().max() <= 1e-2 * a.abs().max(), (kind, rows, (a - b).abs().max())
-        assert compiled.model.compiled.steps == 2
+        assert compiled.model.compiled.steps == 2 and compiled.model.compiled.graphs > 0
 
 
 @pytest.mark.heavy  # ~40 s (a second load of the default model, compiled): `make test-heavy`
@@ -96,3 +103,33 @@ def test_default_model_compiled_matches_transformers_greedy(reference: dict[str,
 
     asyncio.run(run())
     assert engine.model.compiled.steps >= 2 * (reference["new_tokens"] - 1)
+
+
+def test_a_failed_compile_leaves_a_working_eager_engine(tiny_models: dict[str, tuple[Path, Any]],
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    from asyncpage.models import compiled as compiled_module
+
+    def no_compiler(*args: Any, **kwargs: Any) -> float:
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+
+    monkeypatch.setattr(compiled_module.CompiledDecode, "warm_up", no_compiler)
+    path = tiny_models["llama"][0]
+    engine = AsyncEngine.from_pretrained(path, dtype="float32", num_kv_blocks=64, compile=True)
+    assert engine.model.compiled is None and not engine.config.compiled
+    assert "compiling the decode layers failed" in caplog.text
+    eager = AsyncEngine.from_pretrained(path, dtype="float32", num_kv_blocks=64)
+    assert asyncio.run(_greedy(engine, [[0, 5, 17]], 8)) == asyncio.run(_greedy(eager, [[0, 5, 17]], 8))
+
+
+def test_compile_is_not_done_where_no_step_could_use_it(tiny_models: dict[str, tuple[Path, Any]],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tiny_models["llama"][0]
+    engine = AsyncEngine.from_pretrained(path, dtype="float32", num_kv_blocks=64, compile=True,
+                                         kv_cache_dtype="int8")  # compiled steps need the model's dtype
+    assert engine.model.compiled is None and not engine.config.compiled
+    for off in ("0", "false", "No", "off", ""):
+        monkeypatch.setenv("ASYNCPAGE_COMPILE", off)
+        assert not env_flag("ASYNCPAGE_COMPILE"), off
+    monkeypatch.setenv("ASYNCPAGE_COMPILE", "1")
+    assert env_flag("ASYNCPAGE_COMPILE")

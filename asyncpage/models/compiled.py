@@ -82,8 +82,8 @@ class CompiledDecode:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.layer: Callable[..., torch.Tensor] = torch.compile(_layer, dynamic=None, fullgraph=True)
         self.compile_s = 0.0
-        self.steps = 0  # decode steps run through here (tests)
-        self.stance = "default"  # "eager_on_recompile" once warmed up
+        self.steps = 0  # decode steps routed here (tests; a thread count not compiled runs them eager)
+        self.graphs = 0  # graphs the warm-up compiled
 
     @staticmethod
     def applies(meta: AttentionMetadata, rows: int, kv_caches: list[tuple[torch.Tensor, ...]]) -> bool:
@@ -99,14 +99,11 @@ class CompiledDecode:
         c.slots, c.tables = meta.slot_mapping, meta.decode_block_tables
         self.steps += 1
         try:
-            # Everything was compiled at warm-up: a step whose guards fail runs eager, never compiles
-            # (seconds) in the middle of a request.
-            with torch.compiler.set_stance(self.stance):
-                for layer, kv in zip(self.model.model.layers, kv_caches, strict=True):
-                    attn = layer.self_attn
-                    cos, sin = attn.rotary.cos_sin(positions, x.dtype, meta.scratch)
-                    c.kv, c.mask = kv, meta.decode_mask(attn.window)
-                    x = self.layer(layer, x, cos, sin)
+            for layer, kv in zip(self.model.model.layers, kv_caches, strict=True):
+                attn = layer.self_attn
+                cos, sin = attn.rotary.cos_sin(positions, x.dtype, meta.scratch)
+                c.kv, c.mask = kv, meta.decode_mask(attn.window)
+                x = self.layer(layer, x, cos, sin)
         finally:
             c.kv = ()  # the pool is not kept alive by this thread
         return x
@@ -116,7 +113,11 @@ class CompiledDecode:
         each thread count in `threads` (default: the current one). Dynamo's guards include torch's
         thread count (inductor's loops are built for one), and the compute thread lowers it while
         other processes hold cores (cpu_share.py): a count not compiled here would run eager."""
+        # Imported here: torch._dynamo imports triton, which must first see TRITON_INTERPRET (kernels/).
+        from torch._dynamo.utils import counters
+
         t0 = time.perf_counter()
+        graphs = counters["stats"]["unique_graphs"]
         current = torch.get_num_threads()
         try:
             for n in threads or (current,):
@@ -125,7 +126,13 @@ class CompiledDecode:
         finally:
             torch.set_num_threads(current)
         self.compile_s = time.perf_counter() - t0
-        self.stance, self.steps = "eager_on_recompile", 0
+        self.graphs = counters["stats"]["unique_graphs"] - graphs  # what this warm-up compiled
+        # Everything was compiled above: from now on a step whose guards fail (a thread count not
+        # compiled) runs eager, never compiles (seconds) in the middle of a request. dynamo.run
+        # runs cached graphs only; set_stance would do the same but is process-wide (every
+        # thread's torch.compile, the host's own included).
+        self.layer = torch._dynamo.run(self.layer)
+        self.steps = 0
         log.info("compiled the decode layers in %.1f s", self.compile_s)
         return self.compile_s
 
@@ -153,9 +160,15 @@ def enable(model: Any, dtype: torch.dtype, threads: Sequence[int] = (), block_si
         return 0.0
     if model.compiled is not None:  # already (another engine on the same weights)
         return 0.0
-    compiled = CompiledDecode(model)
-    model.compiled = compiled
-    return compiled.warm_up(dtype, block_size, threads)
+    model.compiled = CompiledDecode(model)  # warm-up compiles by running the model's forward through it
+    try:
+        return model.compiled.warm_up(dtype, block_size, threads)
+    except Exception as exc:  # no C++ compiler, dynamo's recompile limit, an op inductor refuses
+        # The model runs as without compile=True: slower, never wrong; the log says why.
+        model.compiled = None
+        log.warning("compile=True: compiling the decode layers failed (%s: %s); running eager",
+                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return 0.0
 
 
 def _torch_attention() -> Callable[..., torch.Tensor]:
