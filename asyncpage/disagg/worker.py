@@ -11,6 +11,7 @@ decode). A worker whose engine loop dies exits, so the front end sees it as a de
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures
 import logging
@@ -65,7 +66,7 @@ def main(role: str, conn: Any, model: Any, options: dict[str, Any], port: int, c
         os._exit(0)  # the transfer thread may sit in a gloo recv: do not wait for it
 
 
-class Worker:
+class Worker(abc.ABC):
     def __init__(self, engine: AsyncEngine, conn: Any) -> None:
         self.engine = engine
         self.conn = conn
@@ -99,11 +100,13 @@ class Worker:
             self.spawn(self._push_stats())
             await self._done.wait()
 
+    @abc.abstractmethod
     def start(self) -> None:
-        raise NotImplementedError
+        """Called once the engine is open, before any message is read."""
 
+    @abc.abstractmethod
     def handle(self, msg: tuple[Any, ...]) -> None:
-        raise NotImplementedError
+        """One message from the front end (or the peer), on the worker's loop."""
 
     def _read(self) -> None:
         assert self.loop is not None
