@@ -323,6 +323,10 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
                         again = await engine.submit(list(req.prompt_token_ids), req.params, Mailbox(notify))
                     except (PromptTooLongError, GrammarTimeoutError, InvalidRequestError):
                         pass  # the beams' own outcome stands
+                    except BaseException:  # cancelled or the engine died: the grammar leaves with the record
+                        if copying:
+                            engine.guided.forget(GuidedSpec.from_params(req.params))
+                        raise
                     else:
                         pending[again.request_id] = (rid, position, again)
                         continue
