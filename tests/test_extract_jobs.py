@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jsonschema
 import msgspec
+import pytest
 
 from asyncpage import AsyncEngine
 
@@ -62,6 +63,7 @@ def _write_input(path: Path, n_people: int) -> list[str]:
     return [f"p{i}" for i in range(n_people)] + ["line-3", "long"]
 
 
+@pytest.mark.heavy  # ~110 s: the default model in two CLI processes, one killed; `make test-heavy`
 def test_cli_writes_one_line_per_record_and_resumes_after_a_kill(tmp_path: Path) -> None:
     schema = tmp_path / "person.schema.json"
     schema.write_text(json.dumps(SCHEMA))
