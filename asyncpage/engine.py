@@ -266,7 +266,7 @@ class AsyncEngine:
         or named by `copy_fields` (a list, or "auto": every string without enum, const or format;
         the default when nothing is marked) must then be spans copied from it (grounded extraction).
         `beam_width`: the value is the best of that many beams (the likeliest whole value, not token by
-        token); by default 4 with `copy_from`, else 1 (greedy).
+        token); by default 4 when `copy_from` has a field copied, else 1 (greedy).
 
             class Invoice(msgspec.Struct):
                 number: str

@@ -107,7 +107,7 @@ def beam_for(engine: AsyncEngine, ids: list[int], params: SamplingParams, beam_w
         return chosen
     c = engine.config
     try:
-        if params.n != 1 or params.logprobs is not None or params.temperature > 0:
+        if params.n != 1 or params.logprobs is not None or not params.greedy:
             return None
         check_beam_search(ids, params, chosen.beam_width, pool_tokens=c.num_kv_blocks * c.block_size,
                           max_num_seqs=c.max_num_seqs, block_size=c.block_size,
@@ -176,26 +176,33 @@ async def extract_one(engine: AsyncEngine, prompt: str | list[int], schema: Any,
                       chat: bool, copy_from: str | Sequence[str] | None,
                       copy_fields: Sequence[str] | str | None, beam_width: int | None = None) -> Any:
     """See AsyncEngine.extract."""
-    beam_params(beam_width, copy_from is not None)  # a bad width fails first, before any grammar is made
+    beam_params(beam_width, copying=False)  # a bad width fails first, before any grammar is made
     params, target = json_params(schema, params)
+    copying = False  # a field is copied: the default is beams (beam_params)
     if copy_from is not None:
         assert params.json_schema is not None
         if copy_fields is None and not grounding.copied(params.json_schema):
             copy_fields = "auto"
         sources = [copy_from] if isinstance(copy_from, str) else list(copy_from)
-        params = grounded(params, grounding.mark(params.json_schema, copy_fields), sources)
+        marked = grounding.mark(params.json_schema, copy_fields)
+        copying = grounding.copied(marked)
+        params = grounded(params, marked, sources)
     if chat:
         prompt = engine.apply_chat_template(prompt)
     try:
         out: GenerateOutput | Beam
         ids = await engine.tokenize(prompt)
-        beam = beam_for(engine, ids, params, beam_width, copy_from is not None)
+        beam = beam_for(engine, ids, params, beam_width, copying)
         if beam is None:
             out = await engine.generate(ids, params)
         else:
-            out = (await engine.beam_search(ids, beam.beam_width, params.max_tokens, params=params)).beams[0]
-            if out.finish_reason != "stop" and beam_width is None:
+            beams = (await engine.beam_search(ids, beam.beam_width, params.max_tokens, params=params)).beams
+            if beams and (beams[0].finish_reason == "stop" or beam_width is not None):
+                out = beams[0]
+            elif beam_width is None:
                 out = await engine.generate(ids, params)  # see _greedy_retry
+            else:
+                raise ExtractionError("invalid", _NO_BEAM.format(beam.beam_width), "")
         if out.finish_reason == "length":
             # Closed validly by the budget: raised with the value attached (see closed_early_error).
             raise await closed_early_error(engine, params, out.token_ids, out.text, target) or ExtractionError(
@@ -203,7 +210,7 @@ async def extract_one(engine: AsyncEngine, prompt: str | list[int], schema: Any,
                 out.text)
     finally:
         if copy_from is not None:
-            engine.guided.forget(GuidedSpec.from_params(params))  # the grammar embeds this source only
+            _forget(engine, params)  # the grammar embeds this source only
     try:
         return decode_value(out.text, target)
     except msgspec.DecodeError as exc:
@@ -308,12 +315,12 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
                     req = await engine.submit(ids, own, Mailbox(notify), beam=beam)
                 except (PromptTooLongError, GrammarTimeoutError, InvalidRequestError) as exc:
                     if own is not params:
-                        engine.guided.forget(GuidedSpec.from_params(own))  # a refusal is cached too
+                        _forget(engine, own)  # a refusal is cached too
                     ready.append(ExtractResult(rid, error=_submit_error(exc), position=index))
                     continue
                 except BaseException:  # cancelled while compiling: the record's grammar leaves with it
                     if own is not params:
-                        engine.guided.forget(GuidedSpec.from_params(own))
+                        _forget(engine, own)
                     raise
                 pending[req.request_id] = (rid, index, req)
             for key in [k for k, (_, _, r) in pending.items() if r.finished or r.mailbox.error is not None]:
@@ -325,14 +332,14 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
                         pass  # the beams' own outcome stands
                     except BaseException:  # cancelled or the engine died: the grammar leaves with the record
                         if copying:
-                            engine.guided.forget(GuidedSpec.from_params(req.params))
+                            _forget(engine, req.params)
                         raise
                     else:
                         pending[again.request_id] = (rid, position, again)
                         continue
                 ready.append(msgspec.structs.replace(_result(rid, req, target), position=position))
                 if copying:
-                    engine.guided.forget(GuidedSpec.from_params(req.params))  # this record's grammar ends with it
+                    _forget(engine, req.params)  # this record's grammar ends with it
             if ready:
                 yield ready.pop(0)
                 continue
@@ -345,7 +352,12 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
         for _, _, req in pending.values():
             engine.abort(req)
             if copying:
-                engine.guided.forget(GuidedSpec.from_params(req.params))
+                _forget(engine, req.params)
+
+
+def _forget(engine: AsyncEngine, params: SamplingParams) -> None:
+    """Drop a record's own grammar (its copied spans) from the engine's cache: it ends with the record."""
+    engine.guided.forget(GuidedSpec.from_params(params))
 
 
 def _greedy_retry(req: Request) -> bool:
@@ -356,6 +368,10 @@ def _greedy_retry(req: Request) -> bool:
         return False
     best = req.mailbox.peek(0)
     return best is None or best.finish_reason != "stop"
+
+
+# Every beam stopped at a dead end (a copied field's opening quote where no span of the text fits).
+_NO_BEAM = "none of the {} beams completed a value the grammar accepts"
 
 
 def _submit_error(exc: Exception) -> ExtractError:
@@ -372,6 +388,9 @@ def _result(rid: Any, req: Request, target: Any) -> ExtractResult:
         return ExtractResult(rid, error=ExtractError("invalid_output", str(req.mailbox.error)), prompt_tokens=n_prompt)
     if req.mailbox.error is not None:  # the engine's failure, not the record's: a job retries these
         return ExtractResult(rid, error=ExtractError("engine_error", str(req.mailbox.error)), prompt_tokens=n_prompt)
+    if req.beam is not None and req.beam.done and not req.beam.finished:
+        return ExtractResult(rid, error=ExtractError("invalid_output", _NO_BEAM.format(req.beam.width)),
+                             prompt_tokens=n_prompt)
     out = req.mailbox.drain().get(0)
     text = out.text if out else ""
     n_out = len(out.token_ids) if out else 0

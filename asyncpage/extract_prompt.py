@@ -86,7 +86,7 @@ def schema_prompt(schema: dict[str, Any], *, examples: Sequence[Mapping[str, Any
                   text_field: str = TEXT_FIELD) -> Callable[[Mapping[str, Any]], str]:
     """The prompt (a function of the record) for extracting `schema` from `record[text_field]`.
     `examples`: records with their labeled `value`, shown as solved cases after the built-in DEMOS
-    (`demos=False` leaves those out: about 400 tokens a short-context model cannot spare)."""
+    (`demos=False` leaves those out: about 700 tokens a short-context model cannot spare)."""
     fields = "\n".join(field_lines(schema, copied))
     shots = [_case(text, "\n".join(_DEMO_FIELDS), value) for text, value in DEMOS] if demos else []
     for i, ex in enumerate(examples):

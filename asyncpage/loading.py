@@ -44,8 +44,11 @@ def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def config_backend_is_torch(options: dict[str, Any], dev: str) -> bool:
-    return dev == "cpu" and resolve_backend(options["attention_backend"], dev, options["block_size"]) == "torch"
+def compiled_steps_can_run(options: dict[str, Any], dev: str, dt: str) -> bool:
+    """Where compiled decode steps can run (compiled.CompiledDecode.applies): the CPU, torch attention,
+    a pool of the model's dtype. Elsewhere compiling would cost its time and never be used."""
+    return (dev == "cpu" and resolve_backend(options["attention_backend"], dev, options["block_size"]) == "torch"
+            and resolve_kv_cache_dtype(options["kv_cache_dtype"], dt) == dt)
 
 
 def from_pretrained(cls: type[E], model: str | os.PathLike[str] | None, *, dtype: str, device: str,
@@ -62,8 +65,7 @@ def from_pretrained(cls: type[E], model: str | os.PathLike[str] | None, *, dtype
     options = dict(pool_options, debug_checks=bool(debug_checks),
                    speculative_config=SpeculativeConfig.parse(speculative_config))
     check_options(options)
-    block_size, attention_backend = options["block_size"], options["attention_backend"]
-    resolve_backend(attention_backend, dev, block_size)  # refuse before minutes of loading
+    resolve_backend(options["attention_backend"], dev, options["block_size"])  # refuse before minutes of loading
     threads = num_threads or len(os.sched_getaffinity(0))
     # All torch work on one thread with one deliberately sized pool (see compute.py); with the
     # default thread count it follows the cores other processes leave free (cpu_share.py).
@@ -71,10 +73,7 @@ def from_pretrained(cls: type[E], model: str | os.PathLike[str] | None, *, dtype
     loaded = compute.run(load, model, getattr(torch, dt), torch.device(dev), quantization)
     if compile is None:
         compile = env_flag("ASYNCPAGE_COMPILE")
-    # Only where compiled steps can run (compiled.CompiledDecode.applies): CPU, torch attention, a
-    # pool of the model's dtype. Elsewhere it would cost the compile and never be used.
-    if (compile and dev == "cpu" and resolve_backend(attention_backend, dev, block_size) == "torch"
-            and resolve_kv_cache_dtype(options["kv_cache_dtype"], dt) == dt):
+    if compile and compiled_steps_can_run(options, dev, dt):
         # Every thread count the compute thread may pick (it follows free cores; cpu_share.py),
         # up to 4: on bigger machines only its full count is compiled, the others run eager.
         counts = range(1, threads + 1) if num_threads is None and threads <= 4 else [threads]
@@ -123,8 +122,7 @@ def build(cls: type[E], loaded: LoadedModel, dt: str, dev: str, compute: Compute
         num_threads=compute.num_threads, debug_checks=options["debug_checks"],
         eviction_policy=options["eviction_policy"], kv_cache_dtype=kv_dt,
         quantization=loaded.quantization, speculative=SpeculativeConfig.parse(options["speculative_config"]),
-        compiled=getattr(loaded.model, "compiled", None) is not None and kv_dt == dt
-        and config_backend_is_torch(options, dev))
+        compiled=getattr(loaded.model, "compiled", None) is not None and compiled_steps_can_run(options, dev, dt))
     # Masks cover every id either side knows: some checkpoints' tokenizers have more entries than
     # the logits (Gemma 3 on the hub: 262,145 vs 262,144); masks are sliced to the logits at use.
     mask_vocab = max(int(mc.vocab_size), len(loaded.tokenizer))

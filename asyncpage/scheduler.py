@@ -322,8 +322,10 @@ class Scheduler:
             if token in req.stop_ids:
                 m = beams[parent].matcher
                 # EOS where the grammar is not complete: a copied field's opening quote where no span
-                # fits leaves only EOS. That is half a value, not a hypothesis: dropped.
-                return (None if m is not None and not m.is_accepting() else "stop"), False
+                # fits leaves only EOS. That is half a value, not a hypothesis: dropped. A caller's own
+                # stop id ends the beam as it ends a greedy sample.
+                dead_end = (m is not None and not m.is_accepting() and token not in req.params.stop_token_ids)
+                return (None if dead_end else "stop"), False
             if p.stop and self.stop_string_hit is not None and self.stop_string_hit(outputs[parent] + [token], p):
                 return "stop", True
             if beams[parent].num_tokens + 1 >= self.max_model_len:

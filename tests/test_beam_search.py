@@ -160,6 +160,22 @@ async def test_guided_beams_each_follow_the_grammar(tiny_llama: Path) -> None:
         await _idle(engine)
 
 
+async def test_a_callers_stop_id_ends_a_guided_beam_as_it_ends_a_greedy_sample(tiny_llama: Path) -> None:
+    # Only EOS at an unfinished value is a dead end (dropped); a stop id the caller asked for ends
+    # the beam where it ends greedy decoding, grammar complete or not.
+    async with tiny_engine(tiny_llama) as engine:
+        guided = SamplingParams(regex="[a-z ]{10,40}", max_tokens=24, temperature=0)
+        free = await engine.generate(PROMPTS[0], guided)
+        stop = free.token_ids[3]
+        params = SamplingParams(regex="[a-z ]{10,40}", max_tokens=24, temperature=0, stop_token_ids=[stop])
+        greedy = await engine.generate(PROMPTS[0], params)
+        assert greedy.finish_reason == "stop" and len(greedy.token_ids) <= 4
+        out = await engine.beam_search(PROMPTS[0], beam_width=1, max_tokens=24, params=params)
+        assert out.beams[0].finish_reason == "stop"
+        assert [*out.beams[0].token_ids, stop] == greedy.token_ids  # a beam's ids leave out its stop id
+        await _idle(engine)
+
+
 async def test_stop_strings_end_a_beam_and_are_cut_from_its_text(tiny_llama: Path) -> None:
     async with tiny_engine(tiny_llama) as engine:
         free = await engine.beam_search(PROMPTS[0], beam_width=2, max_tokens=16)

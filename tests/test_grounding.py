@@ -315,3 +315,45 @@ async def test_default_beams_never_return_half_a_value_and_fall_back_where_beams
                 await engine.extract(text, nullable, params, copy_from="!!!", beam_width=bad)  # type: ignore[arg-type]
             assert e.value.field == "beam_width"
         assert engine.stats().kv_blocks_used == 0
+
+
+async def test_when_no_beam_can_copy_a_required_value_extract_raises_invalid_not_index_error(
+        tiny_llama: Path) -> None:
+    text = "Anna Berg wrote about the Lumen lamp."
+    # Required, and no span of the text fits the pattern: every beam stops at the opening quote.
+    schema = {"type": "object", "properties": {"order": {"type": "string", "pattern": "^ORD-[0-9]+$"}},
+              "required": ["order"]}
+    engine = AsyncEngine.from_pretrained(str(tiny_llama), dtype="float32", num_kv_blocks=128)
+    async with engine:
+        params = SamplingParams(max_tokens=30, temperature=0)
+        with pytest.raises(ExtractionError) as e:
+            await engine.extract(text, schema, params, copy_from=text, beam_width=4)
+        assert e.value.reason == "invalid" and "none of the 4 beams" in str(e.value)
+        with pytest.raises(ExtractionError) as e:  # the default's beams: decoded greedy instead, as with beam_width=1
+            await engine.extract(text, schema, params, copy_from=text)
+        assert e.value.reason == "invalid"
+        [r] = [r async for r in engine.extract_many([text], schema, copy_fields="auto", params=params, beam_width=4)]
+        assert r.error is not None and r.error.reason == "invalid_output" and "none of the 4 beams" in r.error.message
+        assert engine.stats().kv_blocks_used == 0
+
+
+async def test_extract_with_copy_from_but_no_field_copied_is_greedy_not_four_beams(tiny_llama: Path) -> None:
+    text = "Invoice 77 from Anna Berg."
+    numbers = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    engine = AsyncEngine.from_pretrained(str(tiny_llama), dtype="float32", num_kv_blocks=128)
+    searches = []
+    real = engine.beam_search
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        searches.append(args)
+        return await real(*args, **kwargs)
+
+    engine.beam_search = counted  # type: ignore[method-assign]
+    async with engine:
+        params = SamplingParams(max_tokens=60, temperature=0)
+        for schema, fields in ((numbers, None), (SCHEMA, [])):  # no string field; nothing named
+            try:
+                await engine.extract(text, schema, params, copy_from=text, copy_fields=fields)
+            except ExtractionError:
+                pass  # a random model's value: only how it was decoded matters here
+        assert searches == []

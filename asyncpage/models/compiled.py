@@ -5,21 +5,22 @@ residual adds, gating, reshapes, the casts of the quantized kernels) each pay to
 dominated a one-stream decode step. Inductor fuses them into a few C++ loops around the matmuls (the
 packed int8 / int4 kernels stay torch's own). Attention stays an opaque operator
 (`asyncpage::decode_attention`, a shape-only fake for tracing): the layer's pool, slots, block tables
-and mask reach it through `_current`, set per layer, so they are not graph inputs at all.
+and masks reach it through `_current` (by layer index), set per step, so they are not graph inputs.
 
 Used only for steps that are all decode rows (no prefill chunk, no padding rows), with at most
 `MAX_ROWS` of them, on the CPU, with the torch attention backend and an unquantized KV pool: one
 stream and small batches, where the dispatch cost matters. Everything else runs the eager forward,
 which computes the same ops (the compiled graph's float results can differ in the last bits).
 
-One compiled function serves every layer (its weights are graph inputs, not constants): compiled
-for 1 row, for 2.. rows (a dynamic size) up to each quantized projection's packed / dense threshold,
-and per layer variant (an int8 projection among int4 ones), all at load (`warm_up`); afterwards a
-step that would need a new graph runs eager instead of compiling mid-request.
+The whole stack of layers is one graph (the weights are graph inputs, not constants), compiled for
+1 row and for 2.. rows (a dynamic size) up to each quantized projection's packed / dense threshold,
+all at load (`warm_up`); afterwards a step that would need a new graph runs eager instead of
+compiling mid-request.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -34,41 +35,47 @@ log = logging.getLogger("asyncpage")
 
 MAX_ROWS = 8  # the runner's exact buckets: decode steps of up to 8 sequences have no padding rows
 
-# The layer being computed: its K/V pool, and the step's slots, block tables and mask for its window.
-# Set by CompiledDecode.forward before each compiled call and read by the operator, so the pool and
-# the per-step shapes (blocks per sequence) never enter the graph: one graph serves every layer and
-# every context length, and nothing recompiles as sequences grow.
+# The step's K/V pools (one per layer), slots, block tables and each layer's mask for its window.
+# Set by CompiledDecode.forward before the compiled call and read by the operator (by layer index),
+# so the pools and the per-step shapes (blocks per sequence) never enter the graph: nothing
+# recompiles as sequences grow.
 class _Current(threading.local):
-    kv: tuple[torch.Tensor, ...] = ()
+    kv: Sequence[tuple[torch.Tensor, ...]] = ()
     slots: torch.Tensor
     tables: torch.Tensor
-    mask: torch.Tensor
+    masks: Sequence[torch.Tensor] = ()
 
 
 _current = _Current()
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, layer: int) -> torch.Tensor:
     c = _current
-    return decode_only_attention(q, k, v, c.kv[0], c.kv[1], c.slots, c.tables, c.mask, scale)
+    kv = c.kv[layer]
+    return decode_only_attention(q, k, v, kv[0], kv[1], c.slots, c.tables, c.masks[layer], scale)
 
 
 _lib = torch.library.Library("asyncpage", "DEF")
 # A Library op, not torch.library.custom_op: that one's Python wrapper cost ~16 us a call here,
 # this ~2 us; there are 18 calls a step.
-_lib.define("decode_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor")
+_lib.define("decode_attention(Tensor q, Tensor k, Tensor v, float scale, int layer) -> Tensor")
 _lib.impl("decode_attention", _decode_attention, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("asyncpage::decode_attention")
-def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, layer: int) -> torch.Tensor:
     return torch.empty_like(q)
 
 
-def _layer(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """One decoder layer (the model's own `decode_layer`), attention through the opaque operator."""
-    out: torch.Tensor = layer.decode_layer(x, cos, sin, torch.ops.asyncpage.decode_attention)
-    return out
+def _layers(layers: Any, x: torch.Tensor, rotary: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Every decoder layer (the model's own `decode_layer`), attention through the opaque operator.
+    One graph for the whole stack: per-layer graphs paid dynamo's guards and call wrappers 18 times a
+    step (~2.8 ms of a 23 ms int4 forward here), and a layer's tail could not fuse with the next
+    layer's norm."""
+    for i, layer in enumerate(layers):
+        cos, sin = rotary[i]
+        x = layer.decode_layer(x, cos, sin, functools.partial(torch.ops.asyncpage.decode_attention, layer=i))
+    return x
 
 
 class CompiledDecode:
@@ -78,9 +85,9 @@ class CompiledDecode:
         import torch._dynamo
 
         self.model = model
-        # Each layer variant x row interval is a cache entry of the one compiled function (default 8).
+        # Each row interval (and thread count) is a cache entry of the one compiled function (default 8).
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self.layer: Callable[..., torch.Tensor] = torch.compile(_layer, dynamic=None, fullgraph=True)
+        self.layers: Callable[..., torch.Tensor] = torch.compile(_layers, dynamic=None, fullgraph=True)
         self.compile_s = 0.0
         self.steps = 0  # decode steps routed here (tests; a thread count not compiled runs them eager)
         self.graphs = 0  # graphs the warm-up compiled
@@ -96,17 +103,15 @@ class CompiledDecode:
         """x: the embedded input [T, hidden]; returns the last layer's output (before the final norm)."""
         assert meta.decode_block_tables is not None
         c = _current
-        c.slots, c.tables = meta.slot_mapping, meta.decode_block_tables
+        layers = self.model.model.layers
+        c.slots, c.tables, c.kv = meta.slot_mapping, meta.decode_block_tables, kv_caches
+        c.masks = [meta.decode_mask(layer.self_attn.window) for layer in layers]
+        rotary = [layer.self_attn.rotary.cos_sin(positions, x.dtype, meta.scratch) for layer in layers]
         self.steps += 1
         try:
-            for layer, kv in zip(self.model.model.layers, kv_caches, strict=True):
-                attn = layer.self_attn
-                cos, sin = attn.rotary.cos_sin(positions, x.dtype, meta.scratch)
-                c.kv, c.mask = kv, meta.decode_mask(attn.window)
-                x = self.layer(layer, x, cos, sin)
+            return self.layers(layers, x, rotary)
         finally:
-            c.kv = ()  # the pool is not kept alive by this thread
-        return x
+            c.kv = c.masks = ()  # the pools are not kept alive by this thread
 
     def warm_up(self, dtype: torch.dtype, block_size: int, threads: Sequence[int] = ()) -> float:
         """Compile every variant now (1 row, 2..MAX_ROWS rows, each layer kind), on a scratch pool, for
@@ -131,7 +136,7 @@ class CompiledDecode:
         # compiled) runs eager, never compiles (seconds) in the middle of a request. dynamo.run
         # runs cached graphs only; set_stance would do the same but is process-wide (every
         # thread's torch.compile, the host's own included).
-        self.layer = torch._dynamo.run(self.layer)
+        self.layers = torch._dynamo.run(self.layers)
         self.steps = 0
         log.info("compiled the decode layers in %.1f s", self.compile_s)
         return self.compile_s
