@@ -323,8 +323,10 @@ class Scheduler:
                 m = beams[parent].matcher
                 # EOS where the grammar is not complete: a copied field's opening quote where no span
                 # fits leaves only EOS. That is half a value, not a hypothesis: dropped. A caller's own
-                # stop id ends the beam as it ends a greedy sample.
-                dead_end = (m is not None and not m.is_accepting() and token not in req.params.stop_token_ids)
+                # stop id ends the beam as it ends a greedy sample; EOS stays a dead end when the
+                # caller also lists it among its stop ids (req.stop_token_ids: the EOS ids).
+                eos = not p.ignore_eos and token in req.stop_token_ids
+                dead_end = m is not None and not m.is_accepting() and eos
                 return (None if dead_end else "stop"), False
             if p.stop and self.stop_string_hit is not None and self.stop_string_hit(outputs[parent] + [token], p):
                 return "stop", True

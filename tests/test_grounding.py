@@ -337,6 +337,26 @@ async def test_when_no_beam_can_copy_a_required_value_extract_raises_invalid_not
         assert engine.stats().kv_blocks_used == 0
 
 
+async def test_listing_eos_among_stop_token_ids_does_not_make_a_half_value_a_beam(tiny_llama: Path) -> None:
+    # EOS at an unfinished value is a dead end whether or not the caller also lists it as a stop id:
+    # no beam comes back as the half value '{"order": "' (it would be ranked against whole values).
+    text = "Anna Berg wrote about the Lumen lamp."
+    schema = {"type": "object", "properties": {"order": {"type": "string", "pattern": "^ORD-[0-9]+$"}},
+              "required": ["order"]}
+    engine = AsyncEngine.from_pretrained(str(tiny_llama), dtype="float32", num_kv_blocks=128)
+    async with engine:
+        grammar = grounding.grammar(grounding.mark(schema, "auto"), [text])
+        for stop_ids in ((), tuple(sorted(engine.eos_token_ids))):
+            params = SamplingParams(max_tokens=30, temperature=0, grammar=grammar, stop_token_ids=stop_ids)
+            out = await engine.beam_search(text, 4, 30, params=params)
+            assert out.beams == [], (stop_ids, [b.text for b in out.beams])
+            plain = SamplingParams(max_tokens=30, temperature=0, stop_token_ids=stop_ids)
+            with pytest.raises(ExtractionError) as e:
+                await engine.extract(text, schema, plain, copy_from=text, beam_width=4)
+            assert e.value.reason == "invalid" and "none of the 4 beams" in str(e.value), stop_ids
+        assert engine.stats().kv_blocks_used == 0
+
+
 async def test_extract_with_copy_from_but_no_field_copied_is_greedy_not_four_beams(tiny_llama: Path) -> None:
     text = "Invoice 77 from Anna Berg."
     numbers = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}

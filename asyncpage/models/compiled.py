@@ -1,4 +1,4 @@
-"""Compiled decode layers (`compile=True`): each decoder layer's small ops fused by torch.compile.
+"""Compiled decode layers (`compile=True`): the decoder layers' small ops fused by torch.compile.
 
 At a few rows a layer's matmuls are small, and the ~40 other ops around them (norms, rotary, QK-norm,
 residual adds, gating, reshapes, the casts of the quantized kernels) each pay torch's dispatch, which
@@ -114,7 +114,7 @@ class CompiledDecode:
             c.kv = c.masks = ()  # the pools are not kept alive by this thread
 
     def warm_up(self, dtype: torch.dtype, block_size: int, threads: Sequence[int] = ()) -> float:
-        """Compile every variant now (1 row, 2..MAX_ROWS rows, each layer kind), on a scratch pool, for
+        """Compile every variant now (1 row, 2..MAX_ROWS rows), on a scratch pool, for
         each thread count in `threads` (default: the current one). Dynamo's guards include torch's
         thread count (inductor's loops are built for one), and the compute thread lowers it while
         other processes hold cores (cpu_share.py): a count not compiled here would run eager."""
