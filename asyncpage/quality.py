@@ -6,7 +6,8 @@ float32 reference, per setting (the settings of `asyncpage bench --settings`).
 
 Perplexity: the text below (written for this, ~900 tokens), teacher-forced in 256-token chunks that
 continue their cached context (so a quantized KV pool is read as in serving). Agreement: greedy tokens
-of the reference prompts (transformers, float32), counted up to each prompt's first difference.
+of the reference prompts (transformers, float32), one prompt at a time, counted up to each prompt's
+first difference.
 """
 
 from __future__ import annotations
@@ -100,7 +101,9 @@ async def _greedy(engine: Any, reference: dict[str, Any]) -> tuple[int, int, int
     prompts = [c["prompt"] if c["prompt"] is not None else c["prompt_token_ids"] for c in cases]
     params = SamplingParams(max_tokens=reference["new_tokens"], temperature=0, ignore_eos=True)
     async with engine:
-        outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        # One prompt at a time: one-row decode steps, the kernels a one-stream app runs (a quantized
+        # LM head's one-row path included: quant.w8a8_for), not those of a 9-row batch.
+        outs = [await engine.generate(p, params) for p in prompts]
     agree = whole = 0
     for o, c in zip(outs, cases, strict=True):
         n = 0

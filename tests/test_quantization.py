@@ -16,7 +16,7 @@ import torch
 
 from asyncpage import AsyncEngine, SamplingParams
 from asyncpage.attention import AttentionMetadata, PrefillChunk, dequantize_kv, paged_attention, quantize_kv
-from asyncpage.quant import QuantLinear, dequantize_int4, int4_from_q4_k, quantize_int4
+from asyncpage.quant import QuantLinear, dequantize_int4, int4_from_q4_k, prepack_w8a8, quantize_int4, w8a8_for
 from asyncpage.runner import kv_bytes_per_block
 from asyncpage.weights import load
 from tests.test_triton_kernels import _batch  # also sets TRITON_INTERPRET=1 off CUDA
@@ -42,6 +42,39 @@ def test_quantized_linear_computes_its_dequantized_weights_at_any_row_count(kind
             ref = x.float() @ deq.t() + b.to(dtype).float()
             got = layer(x).float()
             assert ((got - ref).abs().max() / ref.abs().max()) < tol, (rows, max_rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int8_layers_one_row_dynamic_int8_path_computes_its_dequantized_weights(dtype: torch.dtype) -> None:
+    # The LM head's one-row path (w8a8: activations quantized per call) against the same int8 weights.
+    torch.manual_seed(0)
+    w = torch.randn(512, 128)
+    layer = QuantLinear.from_float("int8", w, dtype)
+    layer.one_row = prepack_w8a8(layer)
+    assert layer.one_row is not None
+    layer.max_rows = 8
+    deq = layer.dequantized().float()
+    for _ in range(5):
+        x = torch.randn(1, 128).to(dtype)
+        ref = x.float() @ deq.t()
+        got = layer(x)
+        assert got.dtype == dtype and got.shape == (1, 512)
+        assert (got.float() - ref).norm() / ref.norm() < 0.03
+    # Two rows take the weight-only kernel: each row's result is the same kind of close either way.
+    x = torch.randn(2, 128).to(dtype)
+    assert (layer(x).float() - x.float() @ deq.t()).norm() / (x.float() @ deq.t()).norm() < 0.03
+
+
+def test_without_torchs_dynamic_int8_linear_the_head_keeps_the_weight_only_kernel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def missing(*args: Any) -> Any:
+        raise RuntimeError("quantized::linear_prepack is not available for this backend")
+
+    monkeypatch.setattr(torch.ops.quantized, "linear_prepack", missing)
+    layer = QuantLinear.from_float("int8", torch.randn(64, 32), torch.float32)
+    assert prepack_w8a8(layer) is None and w8a8_for(layer) is None
+    x = torch.randn(1, 32)
+    assert torch.allclose(layer(x), x @ layer.dequantized().t(), rtol=0.03, atol=0.03)
 
 
 def test_a_gguf_q4_k_tensor_is_taken_over_exactly() -> None:
