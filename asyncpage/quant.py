@@ -147,9 +147,11 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.dense is not None and x2.shape[0] > self.max_rows:
             return F.linear(x, self.dense, self.bias)
-        if self.one_row is not None and x2.shape[0] == 1:
+        if self.one_row is not None and x2.shape[0] == 1 and bool(torch.isfinite(x2).all()):
             # One row only: the activation's int8 scale is that row's own, so a sequence's logits
-            # never depend on what else is in the batch.
+            # never depend on what else is in the batch. A NaN in the row would be quantized to a
+            # finite value (finite logits the sampler cannot tell from real ones): that row takes the
+            # weight-only kernel, which carries the NaN through to the sampler's check.
             y = torch.ops.quantized.linear_dynamic(x2.float().contiguous(), self.one_row).to(self.dtype)
         else:
             y = self.kernel(x2.contiguous())

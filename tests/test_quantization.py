@@ -65,6 +65,17 @@ def test_an_int8_layers_one_row_dynamic_int8_path_computes_its_dequantized_weigh
     assert (layer(x).float() - x.float() @ deq.t()).norm() / (x.float() @ deq.t()).norm() < 0.03
 
 
+def test_a_nan_hidden_state_still_gives_nan_logits_through_the_one_row_int8_head() -> None:
+    # The sampler reports NaN/inf logits as a failed sequence; 8-bit activation quantization would
+    # turn the NaN into ordinary-looking logits.
+    layer = QuantLinear.from_float("int8", torch.randn(256, 64), torch.float32)
+    layer.one_row, layer.max_rows = prepack_w8a8(layer), 8
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(1, 64)
+        x[0, 5] = bad
+        assert not torch.isfinite(layer(x)).all()
+
+
 def test_without_torchs_dynamic_int8_linear_the_head_keeps_the_weight_only_kernel(
         monkeypatch: pytest.MonkeyPatch) -> None:
     def missing(*args: Any) -> Any:
