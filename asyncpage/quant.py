@@ -18,9 +18,10 @@ model's quantized layers hand the kernel bfloat16 activations where that measure
 (`act_dtype`; on CPUs without native bf16 it will not), and the scales and the dense copy are rounded
 the same way, so every path still computes with the same weights.
 
-One call differs: a one-row call of the int8 LM head (one stream's decode step) runs torch's dynamic
-int8 linear (fbgemm / oneDNN: the row quantized to 8 bits, int8 dot products) where that measures
-faster, 2x here for the head (`w8a8_for`); same int8 weights, the activation rounded to 8 bits.
+One layer differs: the int8 LM head's calls of a few rows (decode steps of one stream or a few) run
+torch's dynamic int8 linear row by row (fbgemm / oneDNN: each row rounded to 8 bits, int8 dot
+products) where that measures faster at one row, 2x here (`w8a8_for`): the same int8 weights, the
+activation rounded to 8 bits.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class QuantLinear(nn.Module):
         self.dense: torch.Tensor | None = None
         self.max_rows = 0
         self.act_dtype = dtype  # what the packed kernel computes in (kernel_dtype)
-        self.one_row: Any = None  # fbgemm / oneDNN prepacked int8 weight for one-row calls (w8a8_for)
+        self.one_row: Any = None  # fbgemm / oneDNN prepacked int8 weight, used row by row (w8a8_for)
 
     @classmethod
     def from_float(cls, kind: str, w: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
@@ -147,17 +148,25 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.dense is not None and x2.shape[0] > self.max_rows:
             return F.linear(x, self.dense, self.bias)
-        if self.one_row is not None and x2.shape[0] == 1 and bool(torch.isfinite(x2).all()):
-            # One row only: the activation's int8 scale is that row's own, so a sequence's logits
-            # never depend on what else is in the batch. A NaN in the row would be quantized to a
-            # finite value (finite logits the sampler cannot tell from real ones): that row takes the
-            # weight-only kernel, which carries the NaN through to the sampler's check.
-            y = torch.ops.quantized.linear_dynamic(x2.float().contiguous(), self.one_row).to(self.dtype)
-        else:
-            y = self.kernel(x2.contiguous())
+        y = self.rowwise(x2) if self.one_row is not None else self.kernel(x2.contiguous())
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    def rowwise(self, x2: torch.Tensor) -> torch.Tensor:
+        """Each row on its own through torch's dynamic int8 linear (w8a8_for). One call per row, not
+        one for the batch: the call rounds its input to 8 bits with one scale, so a batched call
+        would make a row's logits depend on the other rows (a stream alone, beside others, or with
+        its speculative drafts would decode differently). A row holding a NaN or inf takes the
+        weight-only kernel: 8-bit rounding would turn it into finite logits the sampler cannot tell
+        from real ones."""
+        out = []
+        for row in x2.float().split(1):
+            if bool(torch.isfinite(row).all()):
+                out.append(torch.ops.quantized.linear_dynamic(row.contiguous(), self.one_row))
+            else:
+                out.append(self.kernel(row.to(self.dtype)).float())
+        return torch.cat(out).to(self.dtype)
 
     def dequantized(self) -> torch.Tensor:
         """The float weight these kernels compute with (tests; the embedding of a tied head)."""
@@ -168,7 +177,7 @@ class QuantLinear(nn.Module):
         return _packed_mm(self.kind, eye, self.packed, self.scales.float()).t().to(self.dtype).contiguous()
 
     def extra_repr(self) -> str:
-        one = ", w8a8 at 1 row" if self.one_row is not None else ""
+        one = ", w8a8 row by row" if self.one_row is not None else ""
         return (f"{self.kind}, in={self.in_features}, out={self.out_features}, packed up to {self.max_rows} rows"
                 f" in {str(self.act_dtype).removeprefix('torch.')}{one}")
 
@@ -232,10 +241,12 @@ def w8a8_for(layer: QuantLinear) -> Any:
     kernel widens each weight to bf16 first. Quality, default model: perplexity 22.997 -> 23.067
     (+0.3%). Used for the LM head only: it runs outside the compiled decode graph, whose tracing
     cannot take the prepacked weight object."""
+    if layer.dense is not None and layer.max_rows < 1:
+        return None  # forward() serves one row from the dense copy: a prepacked copy would go unused
     prepacked = prepack_w8a8(layer)
     if prepacked is None:
         return None
-    key = ("w8a8", layer.out_features, layer.in_features, torch.get_num_threads())
+    key = ("w8a8", layer.out_features, layer.in_features, layer.act_dtype, torch.get_num_threads())
     if key not in _crossovers:
         x = torch.randn(1, layer.in_features)
         t_w8a8 = _time(torch.ops.quantized.linear_dynamic, x, prepacked)
@@ -270,7 +281,9 @@ def crossover(layer: QuantLinear) -> int:
     assert layer.dense is not None
     if layer.packed.device.type != "cpu":
         return 0
-    key = (layer.kind, layer.out_features, layer.in_features, layer.dtype, layer.act_dtype, torch.get_num_threads())
+    rowwise = layer.one_row is not None
+    key = (layer.kind, layer.out_features, layer.in_features, layer.dtype, layer.act_dtype, rowwise,
+           torch.get_num_threads())
     if key in _crossovers:
         return _crossovers[key]
     best = 0
@@ -280,7 +293,8 @@ def crossover(layer: QuantLinear) -> int:
         # The kernel alone, its input already in act_dtype: the casts around it are dispatch cost
         # that compile=True fuses away (eager, they cost ~30 us a call here, more than the bytes
         # saved on a small weight at one row: both paths then run about even).
-        t_q = _time(_packed_mm, layer.kind, x.to(layer.act_dtype), layer.packed, layer.scales)
+        t_q = (_time(layer.rowwise, x) if rowwise
+               else _time(_packed_mm, layer.kind, x.to(layer.act_dtype), layer.packed, layer.scales))
         t_d = _time(F.linear, x, dense)
         if t_q >= t_d:
             break
@@ -341,7 +355,13 @@ def quantize_model(model: nn.Module, kind: str, dtype: torch.dtype,
     # bits: at 16 levels a group, the head alone raised the default model's perplexity by ~24%.
     edge = "int8" if kind == "int4" else kind
     head = QuantLinear.from_float(edge, lm.lm_head.weight, dtype, None)
-    head.one_row = w8a8_for(head)
+    # Only beside a dense copy: rows go one call each, which many-row calls must not pay.
+    head.one_row = w8a8_for(head) if head.dense is not None else None
+    if head.one_row is not None:
+        # Rows go one call each: the threshold against the dense copy is that path's own.
+        packed_rows, head.max_rows = head.max_rows, crossover(head)
+        if head.max_rows < 1:
+            head.one_row, head.max_rows = None, packed_rows
     lm.lm_head = head
     if tied:
         lm.model.embed_tokens = QuantEmbedding(head, dtype)

@@ -45,7 +45,7 @@ def test_quantized_linear_computes_its_dequantized_weights_at_any_row_count(kind
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_an_int8_layers_one_row_dynamic_int8_path_computes_its_dequantized_weights(dtype: torch.dtype) -> None:
+def test_an_int8_heads_rows_through_dynamic_int8_compute_its_dequantized_weights_each_alone(dtype: torch.dtype) -> None:
     # The LM head's one-row path (w8a8: activations quantized per call) against the same int8 weights.
     torch.manual_seed(0)
     w = torch.randn(512, 128)
@@ -60,9 +60,13 @@ def test_an_int8_layers_one_row_dynamic_int8_path_computes_its_dequantized_weigh
         got = layer(x)
         assert got.dtype == dtype and got.shape == (1, 512)
         assert (got.float() - ref).norm() / ref.norm() < 0.03
-    # Two rows take the weight-only kernel: each row's result is the same kind of close either way.
-    x = torch.randn(2, 128).to(dtype)
-    assert (layer(x).float() - x.float() @ deq.t()).norm() / (x.float() @ deq.t()).norm() < 0.03
+    # A row's result does not depend on the rows beside it (a stream alone, beside others, or with its
+    # speculative drafts decodes the same): each row is its own call with its own 8-bit scale.
+    x = torch.randn(4, 128).to(dtype)
+    x[2] *= 50  # an outlier row: one scale for the batch would coarsen every other row
+    together = layer(x)
+    for i in range(4):
+        assert torch.equal(together[i : i + 1], layer(x[i : i + 1]))
 
 
 def test_a_nan_hidden_state_still_gives_nan_logits_through_the_one_row_int8_head() -> None:
@@ -74,6 +78,50 @@ def test_a_nan_hidden_state_still_gives_nan_logits_through_the_one_row_int8_head
         x = torch.randn(1, 64)
         x[0, 5] = bad
         assert not torch.isfinite(layer(x)).all()
+
+
+def test_a_head_whose_dense_copy_serves_one_row_holds_no_unused_int8_prepacked_copy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # forward() sends one row to the dense copy when the packed kernel lost to it even at one row
+    # (max_rows 0): a prepacked w8a8 copy would never run, yet hold another int8 copy of the head.
+    from asyncpage import quant
+
+    layer = QuantLinear.from_float("int8", torch.randn(256, 72), torch.float32)
+    # Timings where the dynamic int8 linear wins by far (as for the default model's head here).
+    monkeypatch.setattr(quant, "_time", lambda fn, *a: 1.0 if fn is torch.ops.quantized.linear_dynamic else 10.0)
+    layer.dense, layer.max_rows = layer.dequantized(), 0
+    assert w8a8_for(layer) is None
+    layer.max_rows = 1  # the packed kernel serves one row: there the w8a8 copy is taken
+    assert w8a8_for(layer) is not None
+
+
+async def test_with_the_dynamic_int8_head_a_stream_decodes_the_same_alone_beside_others_and_speculating(
+        tiny_llama: Path) -> None:
+    from tests.test_engine_lifecycle import PROMPTS, tiny_engine
+
+    engine = tiny_engine(tiny_llama, quantization="int8")
+    model = engine._core.runner.model
+
+    def head_rowwise() -> None:
+        # As on the default model: the head's small calls go through the dynamic int8 path. The
+        # other layers stay on their dense copies, so only the head's rows could part.
+        for m in model.modules():
+            if isinstance(m, QuantLinear) and m.dense is not None:
+                m.max_rows = 0
+        model.lm_head.max_rows = 64
+        model.lm_head.one_row = prepack_w8a8(model.lm_head)
+
+    engine.compute.run(head_rowwise)
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] + [
+        SamplingParams(max_tokens=24, temperature=0.8, seed=i, ignore_eos=True) for i in range(5)]
+    async with engine:
+        alone = [(await engine.generate(p, sp)).token_ids for p, sp in zip(PROMPTS, params, strict=False)]
+        together = await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(PROMPTS, params, strict=False)))
+    assert [o.token_ids for o in together] == alone
+    spec = engine.clone(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    async with spec:
+        drafted = [(await spec.generate(p, sp)).token_ids for p, sp in zip(PROMPTS, params, strict=False)]
+    assert drafted == alone
 
 
 def test_without_torchs_dynamic_int8_linear_the_head_keeps_the_weight_only_kernel(
