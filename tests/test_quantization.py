@@ -67,6 +67,8 @@ def test_an_int8_heads_rows_through_dynamic_int8_compute_its_dequantized_weights
     together = layer(x)
     for i in range(4):
         assert torch.equal(together[i : i + 1], layer(x[i : i + 1]))
+    # A step whose only rows are a prompt's middle chunk asks the head for no rows at all.
+    assert layer(torch.randn(0, 128).to(dtype)).shape == (0, 512)
 
 
 def test_a_nan_hidden_state_still_gives_nan_logits_through_the_one_row_int8_head() -> None:
