@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from asyncpage.bench import BenchResult, Item, format_result, make_workload, run_engine
+from asyncpage.config import KV_CACHE_DTYPES, resolve_dtype
 from asyncpage.errors import InvalidRequestError
 
 DEFAULT_SETTINGS = "float32,bfloat16,int8,int4,int4+kv=int8"
@@ -32,11 +33,18 @@ def parse_setting(s: str) -> dict[str, Any]:
             opts["kv_cache_dtype"] = extra[3:]
         else:
             raise InvalidRequestError("settings", f"{s!r}: unknown suffix +{extra} (+compile, +kv=int8 or +kv=fp8)")
-    weights, _, dtype = weights.partition(":")
+    weights, colon, dtype = weights.partition(":")
     if weights in ("int8", "int4"):
         opts.update(quantization=weights, dtype=dtype or "auto")
+    elif colon:  # "float32:int8" would otherwise run unquantized float32 under that label
+        raise InvalidRequestError("settings", f"{s!r}: QUANT:DTYPE takes int8 or int4 before the colon")
     else:
         opts.update(quantization=None, dtype=weights)
+    # Checked here, with from_pretrained's own rules, so a bad one is refused before any model loads.
+    if opts["dtype"] != "auto":
+        resolve_dtype(opts["dtype"], "cpu")
+    if opts["kv_cache_dtype"] not in KV_CACHE_DTYPES:
+        raise InvalidRequestError("settings", f"{s!r}: +kv= takes {', '.join(KV_CACHE_DTYPES[1:])}")
     return opts
 
 

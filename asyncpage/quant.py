@@ -165,7 +165,8 @@ class QuantLinear(nn.Module):
             if bool(torch.isfinite(row).all()):
                 out.append(torch.ops.quantized.linear_dynamic(row.contiguous(), self.one_row))
             else:
-                out.append(self.kernel(row.to(self.dtype)).float())
+                # contiguous: the packed kernel takes no strided rows (a column slice, a transpose)
+                out.append(self.kernel(row.to(self.dtype).contiguous()).float())
         return torch.cat(out).to(self.dtype)
 
     def dequantized(self) -> torch.Tensor:

@@ -82,6 +82,21 @@ def test_a_nan_hidden_state_still_gives_nan_logits_through_the_one_row_int8_head
         assert not torch.isfinite(layer(x)).all()
 
 
+def test_a_non_finite_row_of_a_strided_input_gives_non_finite_logits_from_the_row_by_row_int8_head_not_an_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The weight-only kernel takes only rows contiguous in memory; with float32 activations (a CPU
+    # without native bf16) nothing copied a strided row before it, and the call raised.
+    from asyncpage import quant
+
+    monkeypatch.setattr(quant, "kernel_dtype", lambda layer, scales: torch.float32)
+    layer = QuantLinear.from_float("int8", torch.randn(256, 64), torch.float32)
+    layer.one_row, layer.max_rows = prepack_w8a8(layer), 8
+    for x in (torch.randn(64, 3).t(), torch.randn(3, 128)[:, ::2]):
+        x[1, 5] = float("nan")
+        y = layer(x)
+        assert y.shape == (3, 256) and not torch.isfinite(y[1]).all() and torch.isfinite(y[[0, 2]]).all()
+
+
 def test_a_head_whose_dense_copy_serves_one_row_holds_no_unused_int8_prepacked_copy(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # forward() sends one row to the dense copy when the packed kernel lost to it even at one row
