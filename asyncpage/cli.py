@@ -330,7 +330,7 @@ def _extract(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from asyncpage import AsyncEngine, AsyncPageError
-    from asyncpage.extract import COPY_BEAMS, beam_params
+    from asyncpage.extract import beams_per_record
     from asyncpage.jobs import JobSummary, load_examples, load_schema, run_job
     from asyncpage.speculative import cli_config
 
@@ -352,7 +352,7 @@ def _extract(args: argparse.Namespace) -> int:
         nonlocal summary
         engine = AsyncEngine.from_pretrained(args.model, dtype=args.dtype, device=args.device,
                                              num_threads=args.threads,
-                                             max_num_seqs=max(args.concurrency * (args.beam_width or COPY_BEAMS), 1),
+                                             max_num_seqs=max(args.concurrency * width, 1),
                                              speculative_config=speculative)
         async with engine:
             summary = await run_job(
@@ -365,8 +365,8 @@ def _extract(args: argparse.Namespace) -> int:
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t") if args.prompt else None
     try:
         speculative = cli_config(args.speculative) if args.speculative else None  # refused before loading
-        beam_params(args.beam_width, copying=False)  # a bad width is refused before loading
         schema = load_schema(args.schema)
+        width = beams_per_record(schema, args.copy_fields, args.beam_width)  # refused before loading if bad
         examples = load_examples(Path(args.examples)) if args.examples else []
         if args.ray:
             summary = on_ray()

@@ -96,6 +96,16 @@ def beam_params(beam_width: int | None, copying: bool) -> BeamParams | None:
     return beam
 
 
+def beams_per_record(schema: Any, copy_fields: Sequence[str] | str | None, beam_width: int | None) -> int:
+    """The sequences each record of an extraction job runs at once (what a job sizes max_num_seqs by):
+    its beams, or 1 when it decodes greedy (nothing copied and no width asked). A bad width or an
+    unknown copied field is refused here, before anything loads."""
+    json_schema = json_params(schema, None)[0].json_schema
+    assert json_schema is not None
+    beam = beam_params(beam_width, grounding.copied(grounding.mark(json_schema, copy_fields)))
+    return 1 if beam is None else beam.beam_width
+
+
 def beam_for(engine: AsyncEngine, ids: list[int], params: SamplingParams, beam_width: int | None,
              copying: bool) -> BeamParams | None:
     """The beams for one record's value. A width the caller chose is used as asked (what it cannot

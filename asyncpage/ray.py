@@ -28,7 +28,7 @@ import msgspec
 
 from asyncpage.engine import AsyncEngine
 from asyncpage.errors import InvalidRequestError
-from asyncpage.extract import COPY_BEAMS, ExtractError, ExtractResult, Prompt, beam_params, extract_many
+from asyncpage.extract import ExtractError, ExtractResult, Prompt, beam_params, beams_per_record, extract_many
 from asyncpage.jobs import (
     DoneLines,
     JobSummary,
@@ -215,7 +215,7 @@ def run_job(input_path: Path, output_path: Path, schema: Any, *, num_actors: int
     read by Ray Data and extracted by `num_actors` actors. The output is written here, by the driver,
     as results arrive: one file, flushed line by line, as resumable as the in-process one. Connects
     to the cluster at RAY_ADDRESS, else starts a local one for the job (and stops it after)."""
-    beam_params(beam_width, copying=False)  # a bad width is refused before a cluster starts
+    width = beams_per_record(schema, copy_fields, beam_width)  # a bad width is refused before a cluster starts
     done = open_output(output_path, resume)
     started = not ray.is_initialized()
     if started:
@@ -228,7 +228,6 @@ def run_job(input_path: Path, output_path: Path, schema: Any, *, num_actors: int
         ds = ray.data.read_datasource(reader, num_cpus=0)
         job = _Job(schema, job_params(max_tokens), prompt, concurrency, id_field, max_prompt_tokens, copy_fields,
                    tuple(examples), beam_width, jsonl=True)
-        width = COPY_BEAMS if beam_width is None else beam_width
         out = _map(ds, job, num_actors=num_actors, num_cpus_per_actor=1, batch_size=None,
                    engine_options={"max_num_seqs": max(concurrency * width, 1), **engine_options})
         return _write(out, output_path, JobSummary(skipped=len(done)))

@@ -377,3 +377,23 @@ async def test_extract_with_copy_from_but_no_field_copied_is_greedy_not_four_bea
             except ExtractionError:
                 pass  # a random model's value: only how it was decoded matters here
         assert searches == []
+
+
+def test_a_job_runs_four_beams_a_record_only_when_a_field_is_copied_and_sizes_its_batch_by_that() -> None:
+    from asyncpage.extract import beams_per_record
+
+    schema = {"type": "object", "properties": {"customer": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["customer", "n"]}
+    assert beams_per_record(schema, None, None) == 1  # nothing copied: greedy, no 4x max_num_seqs
+    assert beams_per_record(schema, "auto", None) == 4
+    assert beams_per_record(schema, "customer", 2) == 2
+    assert beams_per_record(schema, None, 3) == 3  # a width asked for is used as asked
+
+    class Ticket(msgspec.Struct):
+        customer: Annotated[str, msgspec.Meta(extra_json_schema={"x-copy": True})]
+
+    assert beams_per_record(Ticket, None, None) == 4
+    with pytest.raises(InvalidRequestError):
+        beams_per_record(schema, "nobody", None)  # refused before a model loads
+    with pytest.raises(InvalidRequestError):
+        beams_per_record(schema, "auto", 0)
