@@ -104,6 +104,7 @@ class FlatBatch:
             meta.decode_rows = self._t(self.decode_rows)
             meta.decode_block_tables = self._t([t + [0] * (width - len(t)) for t in self.decode_tables])
             meta.decode_context_lens = self._t(self.decode_lens)
+            meta.decode_tables_host, meta.decode_lens_host = self.decode_tables, self.decode_lens
         return self._t(self.input_ids + [0] * pad), self._t(self.positions + [0] * pad), meta
 
     def _t(self, xs: list[int] | list[list[int]]) -> torch.Tensor:

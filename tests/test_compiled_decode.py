@@ -15,6 +15,7 @@ import torch
 from asyncpage import AsyncEngine, SamplingParams
 from asyncpage.attention import paged_attention
 from asyncpage.loading import env_flag
+from asyncpage.models import compiled as compiled_module
 from asyncpage.runner import FlatBatch
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -27,14 +28,15 @@ async def _greedy(engine: AsyncEngine, prompts: list[list[int]], max_tokens: int
     return [list(o.token_ids) for o in outs]
 
 
-def _decode_logits(engine: AsyncEngine, rows: int, context: int) -> torch.Tensor:
-    """One decode step of `rows` sequences, each `context` tokens in, straight through the runner."""
+def _decode_logits(engine: AsyncEngine, rows: int, context: int, table: list[int] | None = None) -> torch.Tensor:
+    """One decode step of `rows` sequences, each `context` tokens in, straight through the runner
+    (on consecutive blocks, or on `table` for one row)."""
     runner = engine._core.runner
     bs = engine.config.block_size
     per = -(-(context + 1) // bs)
     flat = FlatBatch(bs, runner.pad_slot, runner.device, paged_attention)
     for r in range(rows):
-        flat.add([3 + r], context, list(range(r * per, (r + 1) * per)))
+        flat.add([3 + r], context, table or list(range(r * per, (r + 1) * per)))
     ids, pos, meta = flat.build()
     with torch.inference_mode():
         hidden = runner.model(ids, pos, meta, runner.caches)
@@ -64,6 +66,57 @@ def test_compiled_decode_gives_the_eager_tokens_and_logits(tiny_models: dict[str
         a = _decode_logits(eager, rows, context)
         b = _decode_logits(compiled, rows, context)
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (rows, context, (a - b).abs().max())
+
+
+def test_one_stream_reads_its_context_as_one_slice_of_the_pool_where_its_blocks_are_consecutive(
+        tiny_models: dict[str, tuple[Path, Any]]) -> None:
+    """A single decode row on consecutive blocks attends to a slice of the pool (no gather, no mask;
+    the local layers to their last 8 positions); on scattered blocks it takes the gathering path.
+    Both give the eager logits, before and past the window and at a block's last slot."""
+    path = tiny_models["gemma3"][0]
+    eager = AsyncEngine.from_pretrained(path, dtype="float32", num_kv_blocks=64, compile=False)
+    compiled = AsyncEngine.from_pretrained(path, dtype="float32", num_kv_blocks=64, compile=True)
+    bs = compiled.config.block_size
+    spans: list[tuple[int, int] | None] = []
+    real = compiled_module.contiguous_span
+    compiled_module.contiguous_span = lambda meta: spans.append(real(meta)) or spans[-1]  # type: ignore[assignment]
+    try:
+        for context in (0, 5, bs - 1, 3 * bs + 2):
+            blocks = -(-(context + 1) // bs)
+            for table in ([*range(7, 7 + blocks), 2], [40 - 3 * i for i in range(blocks)]):
+                a = _decode_logits(eager, 1, context, table)
+                b = _decode_logits(compiled, 1, context, table)
+                assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (context, table, (a - b).abs().max())
+    finally:
+        compiled_module.contiguous_span = real  # type: ignore[assignment]
+    # Consecutive (a spare block after them does not matter): the slice from block 7's first slot.
+    assert spans[0::2] == [(7 * bs, c + 1) for c in (0, 5, bs - 1, 3 * bs + 2)]
+    # Scattered blocks: the gathering path; a context within one block is a slice by itself.
+    assert spans[1::2] == [(40 * bs, 1), (40 * bs, 6), (40 * bs, bs), None]
+
+
+def test_two_models_of_the_same_shapes_compiled_in_one_process_each_run_their_own_graphs(
+        tiny_models: dict[str, tuple[Path, Any]]) -> None:
+    """Each compiled model has graphs of its own (they skip the guards on its modules, so a graph
+    holds its model's plain attributes as constants): a second model of the same shapes but another
+    norm epsilon, compiled after the first, never runs the first one's graph, nor the reverse."""
+    path = tiny_models["gemma3"][0]
+    first = AsyncEngine.from_pretrained(path, dtype="float32", num_kv_blocks=64, compile=True)
+    second = AsyncEngine.from_pretrained(path, dtype="float32", num_kv_blocks=64, compile=False)
+    for layer in second.model.model.layers:
+        layer.input_layernorm.eps = 4.0  # a float the graph bakes in, not a tensor it reads per call
+    rows_cases = (1, 3)
+    want_second = [_decode_logits(second, rows, 9) for rows in rows_cases]  # eager: nothing compiled yet
+    compiled_module.enable(second.model, torch.float32)
+    assert second.model.compiled is not None and first.model.compiled is not None
+    eager_first = AsyncEngine.from_pretrained(path, dtype="float32", num_kv_blocks=64, compile=False)
+    for rows, expected in zip(rows_cases, want_second, strict=True):
+        for engine, want in ((second, expected), (first, _decode_logits(eager_first, rows, 9))):
+            before = engine.model.compiled.steps
+            got = _decode_logits(engine, rows, 9)
+            assert engine.model.compiled.steps == before + 1  # the compiled path served it
+            assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (rows, (got - want).abs().max())
+        assert not torch.allclose(expected, _decode_logits(eager_first, rows, 9), atol=1e-2)
 
 
 def test_compiled_decode_with_quantized_weights(tiny_models: dict[str, tuple[Path, Any]]) -> None:

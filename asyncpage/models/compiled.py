@@ -24,12 +24,13 @@ import functools
 import logging
 import threading
 import time
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from asyncpage.attention import AttentionMetadata, decode_only_attention
+from asyncpage.attention import AttentionMetadata, attend_span, contiguous_span, decode_only_attention
 
 log = logging.getLogger("asyncpage")
 
@@ -38,12 +39,15 @@ MAX_ROWS = 8  # the runner's exact buckets: decode steps of up to 8 sequences ha
 # The step's K/V pools (one per layer), slots, block tables and each layer's mask for its window.
 # Set by CompiledDecode.forward before the compiled call and read by the operator (by layer index),
 # so the pools and the per-step shapes (blocks per sequence) never enter the graph: nothing
-# recompiles as sequences grow.
+# recompiles as sequences grow. `span`: one row whose context is one slice of the pool
+# (attention.contiguous_span), attended without gathering or masking; `windows`: each layer's.
 class _Current(threading.local):
     kv: Sequence[tuple[torch.Tensor, ...]] = ()
     slots: torch.Tensor
     tables: torch.Tensor
     masks: Sequence[torch.Tensor] = ()
+    span: tuple[int, int] | None = None
+    windows: Sequence[int | None] = ()
 
 
 _current = _Current()
@@ -52,6 +56,8 @@ _current = _Current()
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, layer: int) -> torch.Tensor:
     c = _current
     kv = c.kv[layer]
+    if c.span is not None:
+        return attend_span(q, k, v, kv[0], kv[1], c.span, c.windows[layer], scale)
     return decode_only_attention(q, k, v, kv[0], kv[1], c.slots, c.tables, c.masks[layer], scale)
 
 
@@ -87,7 +93,16 @@ class CompiledDecode:
         self.model = model
         # Each row interval (and thread count) is a cache entry of the one compiled function (default 8).
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self.layers: Callable[..., torch.Tensor] = torch.compile(_layers, dynamic=None, fullgraph=True)
+        # A code object of its own: dynamo keeps graphs per code object, and these skip the guards on
+        # the modules (below), so another model's call must never find them.
+        own = types.FunctionType(_layers.__code__.replace(), _layers.__globals__, "_layers")
+        # Guards on the modules re-checked ~18 layers' attributes every step (~0.7 ms of a ~22 ms
+        # one-stream step here, A/B in one process). They cannot fail: this model's modules are fixed
+        # once loaded (their tensors are still read from them at every call). The input shapes and
+        # the thread count stay guarded. (An older torch without the filter keeps every guard.)
+        skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
+        options = {"guard_filter_fn": skip} if skip is not None else {}
+        self.layers: Callable[..., torch.Tensor] = torch.compile(own, dynamic=None, fullgraph=True, options=options)
         self.compile_s = 0.0
         self.steps = 0  # decode steps routed here (tests; a thread count not compiled runs them eager)
         self.graphs = 0  # graphs the warm-up compiled
@@ -105,7 +120,9 @@ class CompiledDecode:
         c = _current
         layers = self.model.model.layers
         c.slots, c.tables, c.kv = meta.slot_mapping, meta.decode_block_tables, kv_caches
-        c.masks = [meta.decode_mask(layer.self_attn.window) for layer in layers]
+        c.windows = [layer.self_attn.window for layer in layers]
+        c.span = contiguous_span(meta)
+        c.masks = [] if c.span is not None else [meta.decode_mask(w) for w in c.windows]
         rotary = [layer.self_attn.rotary.cos_sin(positions, x.dtype, meta.scratch) for layer in layers]
         self.steps += 1
         try:
