@@ -193,11 +193,12 @@ async def main(argv: list[str] | None = None) -> int:
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
     results = [await profile_setting(s, args) for s in settings]
     print(f"\nms per decode step, one stream, {args.tokens} tokens, temperature {args.temperature}")
-    print(f"{'part':<36}" + "".join(f"{s:>12}" for s in settings))
+    w = max(12, *(len(s) + 2 for s in settings))  # a column as wide as its setting's name
+    print(f"{'part':<36}" + "".join(f"{s:>{w}}" for s in settings))
     for i, (name, _) in enumerate(results[0][0]):
-        print(f"{name:<36}" + "".join(f"{rows[i][1]:12.3f}" for rows, _, _ in results))
-    print(f"{'tok/s, profiled':<36}" + "".join(f"{t:12.1f}" for _, t, _ in results))
-    print(f"{'tok/s, no wrappers':<36}" + "".join(f"{t:12.1f}" for _, _, t in results))
+        print(f"{name:<36}" + "".join(f"{rows[i][1]:{w}.3f}" for rows, _, _ in results))
+    print(f"{'tok/s, profiled':<36}" + "".join(f"{t:{w}.1f}" for _, t, _ in results))
+    print(f"{'tok/s, no wrappers':<36}" + "".join(f"{t:{w}.1f}" for _, _, t in results))
     return 0
 
 
