@@ -20,6 +20,21 @@ def check_token_ids(ids: Sequence[object]) -> list[int]:
 def check_beam_search(ids: list[int], params: SamplingParams, beam_width: int, *, pool_tokens: int,
                       max_num_seqs: int, block_size: int = 1, max_num_batched_tokens: int | None = None) -> None:
     """What a beam search needs beyond a request's own checks."""
+    check_beam_engine(params, beam_width, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    # A preempted search is recomputed beam by beam: in the worst case nothing is shared, and each
+    # beam holds whole blocks (its last step has prompt + max_tokens - 1 tokens in the cache).
+    per_beam = -(-(len(ids) + params.max_tokens - 1) // block_size)
+    if beam_width * per_beam > pool_tokens // block_size:
+        raise PromptTooLongError("max_tokens", f"{beam_width} beams of prompt ({len(ids)}) + max_tokens "
+                                 f"({params.max_tokens}), {per_beam} blocks each, may exceed the KV pool "
+                                 f"({pool_tokens // block_size} blocks of {block_size} tokens); lower "
+                                 "beam_width or max_tokens, or raise num_kv_blocks")
+
+
+def check_beam_engine(params: SamplingParams, beam_width: int, *, max_num_seqs: int,
+                      max_num_batched_tokens: int | None = None) -> None:
+    """The part of check_beam_search that does not depend on the prompt: a job whose every record
+    would fail it is refused once, before its first record (extract_many)."""
     if beam_width > max_num_seqs:
         raise InvalidRequestError("beam_width", f"{beam_width} beams exceed max_num_seqs={max_num_seqs}")
     if max_num_batched_tokens is not None and beam_width > max_num_batched_tokens:
@@ -30,14 +45,6 @@ def check_beam_search(ids: list[int], params: SamplingParams, beam_width: int, *
         raise InvalidRequestError("n", "a beam search returns beam_width beams: leave n at 1")
     if params.logprobs is not None:
         raise InvalidRequestError("logprobs", "not available with beam search (each beam has cumulative_logprob)")
-    # A preempted search is recomputed beam by beam: in the worst case nothing is shared, and each
-    # beam holds whole blocks (its last step has prompt + max_tokens - 1 tokens in the cache).
-    per_beam = -(-(len(ids) + params.max_tokens - 1) // block_size)
-    if beam_width * per_beam > pool_tokens // block_size:
-        raise PromptTooLongError("max_tokens", f"{beam_width} beams of prompt ({len(ids)}) + max_tokens "
-                                 f"({params.max_tokens}), {per_beam} blocks each, may exceed the KV pool "
-                                 f"({pool_tokens // block_size} blocks of {block_size} tokens); lower "
-                                 "beam_width or max_tokens, or raise num_kv_blocks")
 
 
 def check_request(ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,

@@ -267,6 +267,15 @@ async def test_without_room_for_four_beams_copied_values_are_greedy_not_refused(
         with pytest.raises(InvalidRequestError) as e:  # asked for by name: refused, naming it
             await engine.extract(text, schema, params, copy_from=text, beam_width=4)
         assert e.value.field == "beam_width"
+        # A job: refused once, before its first record, not an invalid_input for every record.
+        records = [{"text": text}] * 3
+        for width, own, field in ((4, params, "beam_width"), (2, msgspec.structs.replace(params, n=2), "n"),
+                                  (2, msgspec.structs.replace(params, logprobs=1), "logprobs")):
+            with pytest.raises(InvalidRequestError) as e:
+                [r async for r in engine.extract_many(records, schema, copy_fields="auto", params=own,
+                                                      beam_width=width)]
+            assert e.value.field == field, (width, field)
+        assert engine.stats().kv_blocks_used == 0
 
 
 def test_a_control_character_alone_is_not_a_value(accepts: Any) -> None:
