@@ -291,7 +291,7 @@ class AsyncEngine:
         `copy_fields` (names, or "auto") or `"x-copy": true` in the schema: those string fields are
         copied from the record (the fields its prompt shows), never invented. `beam_width`: each value
         is the best of that many beams (up to concurrency x beam_width sequences run at once); by
-        default 4 when a field is copied (4x the time, more values right: see beam_params), else 1.
+        default 4 when a field is copied (4x the time, more values right: see extract_beams.beam_params), else 1.
         Yields ExtractResult in completion order, each with the record's `id_field` (or its 1-based
         position), its value or its own error.
 

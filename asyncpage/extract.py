@@ -17,7 +17,6 @@ import anyio
 import msgspec
 
 from asyncpage import grounding
-from asyncpage.beam import BeamParams
 from asyncpage.errors import (
     ExtractionError,
     GrammarTimeoutError,
@@ -25,13 +24,14 @@ from asyncpage.errors import (
     PromptTooLongError,
     SamplingError,
 )
+from asyncpage.extract_beams import beam_for, beam_params
 from asyncpage.extract_prompt import schema_prompt
 from asyncpage.guided import GuidedSpec
 from asyncpage.guided.backend import closed_objects
 from asyncpage.outputs import Beam, GenerateOutput
 from asyncpage.params import SamplingParams
 from asyncpage.streams import Mailbox
-from asyncpage.validation import check_beam_engine, check_beam_search
+from asyncpage.validation import check_beam_engine
 
 if TYPE_CHECKING:
     from asyncpage.engine import AsyncEngine
@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 
 Prompt = str | Callable[[Mapping[str, Any]], str]
 DEMOS_MIN_CONTEXT = 2048  # below this context the default prompt's built-in solved records are left out
-COPY_BEAMS = 4  # beams per value by default when a field is copied (see beam_params)
 
 
 class ExtractError(msgspec.Struct, frozen=True):
@@ -82,20 +81,6 @@ def json_params(schema: Any, params: SamplingParams | None) -> tuple[SamplingPar
     return msgspec.structs.replace(base, json_schema=json_schema, regex=None, choice=None, grammar=None), target
 
 
-def beam_params(beam_width: int | None, copying: bool) -> BeamParams | None:
-    """Beam search for the value when `beam_width` > 1: the likeliest whole value under the grammar,
-    not the likeliest next token. Greedy commits to a copied field's first token: the default model
-    starts an order id with the digit it likes best and copies "129.00" where "ORD-48213" is likelier
-    as a whole. None (the default): COPY_BEAMS beams when a field is copied, else greedy. Measured on
-    examples/grounded (40 tickets, default prompt): 61% of fields right greedy, 71% with 4 beams (order
-    ids 30% -> 68%), at 4x the time; plain JSON fields were not measured to gain from beams. Beams
-    rank; they do not sample: temperature, top-p/k and seed play no part in them."""
-    beam = BeamParams(beam_width=COPY_BEAMS if beam_width is None else beam_width)  # a typed error if bad
-    if beam.beam_width == 1 or (beam_width is None and not copying):
-        return None
-    return beam
-
-
 def beams_per_record(schema: Any, copy_fields: Sequence[str] | str | None, beam_width: int | None) -> int:
     """The sequences each record of an extraction job runs at once (what a job sizes max_num_seqs by):
     its beams, or 1 when it decodes greedy (nothing copied and no width asked). A bad width or an
@@ -104,27 +89,6 @@ def beams_per_record(schema: Any, copy_fields: Sequence[str] | str | None, beam_
     assert json_schema is not None
     beam = beam_params(beam_width, grounding.copied(grounding.mark(json_schema, copy_fields)))
     return 1 if beam is None else beam.beam_width
-
-
-def beam_for(engine: AsyncEngine, ids: list[int], params: SamplingParams, beam_width: int | None,
-             copying: bool) -> BeamParams | None:
-    """The beams for one record's value. A width the caller chose is used as asked (what it cannot
-    have is that record's typed error); the default's beams are only taken where the request can
-    have them (greedy params: n=1, no logprobs, temperature 0; room in max_num_seqs and in the
-    pool), else the value is decoded as the params say."""
-    chosen = beam_params(beam_width, copying)
-    if chosen is None or beam_width is not None:
-        return chosen
-    c = engine.config
-    try:
-        if params.n != 1 or params.logprobs is not None or not params.greedy:
-            return None
-        check_beam_search(ids, params, chosen.beam_width, pool_tokens=c.num_kv_blocks * c.block_size,
-                          max_num_seqs=c.max_num_seqs, block_size=c.block_size,
-                          max_num_batched_tokens=c.max_num_batched_tokens)
-    except (InvalidRequestError, PromptTooLongError):
-        return None
-    return chosen
 
 
 def grounded(params: SamplingParams, schema: dict[str, Any], sources: list[str]) -> SamplingParams:

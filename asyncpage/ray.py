@@ -28,7 +28,8 @@ import msgspec
 
 from asyncpage.engine import AsyncEngine
 from asyncpage.errors import InvalidRequestError
-from asyncpage.extract import ExtractError, ExtractResult, Prompt, beam_params, beams_per_record, extract_many
+from asyncpage.extract import ExtractError, ExtractResult, Prompt, beams_per_record, extract_many
+from asyncpage.extract_beams import beam_params
 from asyncpage.jobs import (
     DoneLines,
     JobSummary,
