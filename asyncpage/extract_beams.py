@@ -34,7 +34,6 @@ def beam_params(beam_width: int | None, copying: bool) -> BeamParams | None:
     return beam
 
 
-
 def beam_for(engine: AsyncEngine, ids: list[int], params: SamplingParams, beam_width: int | None,
              copying: bool) -> BeamParams | None:
     """The beams for one record's value. A width the caller chose is used as asked (what it cannot

@@ -15,6 +15,7 @@ own versions. Needs the optional extra: `pip install 'asyncpage[ray]'`.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import io
 import json
 import os
@@ -41,6 +42,7 @@ from asyncpage.jobs import (
     unfinished,
 )
 from asyncpage.params import SamplingParams
+from asyncpage.validation import check_beam_engine
 
 try:
     import pyarrow as pa
@@ -143,11 +145,25 @@ def extract_dataset(ds: ray.data.Dataset, schema: Any, *, num_actors: int = 1, n
     record's own failure is its row, never the job's), `closed_early`, `prompt_tokens`,
     `output_tokens`. Lazy, like every Dataset: nothing runs until it is consumed or written.
     """
-    beam_params(beam_width, copying=False)  # a bad width is refused here, not in every actor
-    return _map(ds, _Job(schema, params, prompt, concurrency, id_field, max_prompt_tokens, copy_fields,
-                         tuple(examples), beam_width, jsonl=False),
-                num_actors=num_actors, num_cpus_per_actor=num_cpus_per_actor, batch_size=batch_size,
-                engine_options={"model": model, **engine_options})
+    job = _Job(schema, params, prompt, concurrency, id_field, max_prompt_tokens, copy_fields, tuple(examples),
+               beam_width, jsonl=False)
+    options = {"model": model, **engine_options}
+    _refuse_beams(job, options)  # here, not in every actor (a Ray task error, after the model loaded)
+    return _map(ds, job, num_actors=num_actors, num_cpus_per_actor=num_cpus_per_actor, batch_size=batch_size,
+                engine_options=options)
+
+
+def _refuse_beams(job: _Job, engine_options: Mapping[str, Any]) -> None:
+    """A width every record's beams would be refused for (extract_many refuses it up front, inside
+    the actors) is refused on the driver, with the engine limits the actors will have."""
+    beam = beam_params(job.beam_width, copying=False)  # a typed error if the width is bad
+    if beam is None or job.beam_width is None:
+        return  # greedy, or the default's beams, which fall back to greedy where they do not fit
+    defaults = inspect.signature(AsyncEngine.from_pretrained).parameters
+    check_beam_engine(job.params or SamplingParams(), beam.beam_width,
+                      max_num_seqs=engine_options.get("max_num_seqs", defaults["max_num_seqs"].default),
+                      max_num_batched_tokens=engine_options.get("max_num_batched_tokens",
+                                                                defaults["max_num_batched_tokens"].default))
 
 
 def _map(ds: ray.data.Dataset, job: _Job, *, num_actors: int, num_cpus_per_actor: float, batch_size: int | None,
@@ -217,6 +233,10 @@ def run_job(input_path: Path, output_path: Path, schema: Any, *, num_actors: int
     as results arrive: one file, flushed line by line, as resumable as the in-process one. Connects
     to the cluster at RAY_ADDRESS, else starts a local one for the job (and stops it after)."""
     width = beams_per_record(schema, copy_fields, beam_width)  # a bad width is refused before a cluster starts
+    job = _Job(schema, job_params(max_tokens), prompt, concurrency, id_field, max_prompt_tokens, copy_fields,
+               tuple(examples), beam_width, jsonl=True)
+    options = {"max_num_seqs": max(concurrency * width, 1), **engine_options}
+    _refuse_beams(job, options)
     done = open_output(output_path, resume)
     started = not ray.is_initialized()
     if started:
@@ -227,10 +247,7 @@ def run_job(input_path: Path, output_path: Path, schema: Any, *, num_actors: int
         ray.data.DataContext.get_current().enable_progress_bars = progress
         reader = _JsonLines(str(input_path.resolve()), done, id_field)
         ds = ray.data.read_datasource(reader, num_cpus=0)
-        job = _Job(schema, job_params(max_tokens), prompt, concurrency, id_field, max_prompt_tokens, copy_fields,
-                   tuple(examples), beam_width, jsonl=True)
-        out = _map(ds, job, num_actors=num_actors, num_cpus_per_actor=1, batch_size=None,
-                   engine_options={"max_num_seqs": max(concurrency * width, 1), **engine_options})
+        out = _map(ds, job, num_actors=num_actors, num_cpus_per_actor=1, batch_size=None, engine_options=options)
         return _write(out, output_path, JobSummary(skipped=len(done)))
     finally:
         if started:

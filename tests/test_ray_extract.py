@@ -19,6 +19,7 @@ import ray.data
 
 from asyncpage import AsyncEngine, SamplingParams
 from asyncpage.cli import main as cli
+from asyncpage.errors import InvalidRequestError
 from asyncpage.jobs import run_job
 from asyncpage.ray import extract_dataset
 
@@ -115,6 +116,30 @@ def _kill_one_actor_when(output: Path, lines: int, killed: list[tuple[int, int]]
                     killed.append((pid, output.read_text().count("\n") if output.exists() else 0))
                     return
         time.sleep(0.02)
+
+
+def test_a_beam_width_every_record_would_be_refused_for_is_refused_on_the_driver(
+        tiny_llama: Path, cluster: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Not a Ray task error from inside every actor after the model loaded: the typed error, here."""
+    ds = ray.data.from_items([{"id": "a", "text": "Anna Berg"}])
+    model = str(tiny_llama)
+    cases: list[tuple[int, dict[str, Any], str]] = [
+        (4, {"max_num_seqs": 2}, "beam_width"), (2, {"max_num_batched_tokens": 1}, "beam_width"),
+        (2, {"params": SamplingParams(n=2, max_tokens=8)}, "n")]
+    for width, extra, field in cases:
+        with pytest.raises(InvalidRequestError) as e:
+            extract_dataset(ds, SCHEMA, copy_fields="auto", beam_width=width, model=model, **ENGINE, **extra)
+        assert e.value.field == field, (width, extra)
+    # Greedy (width 1), or the default's beams, which fall back to greedy where they do not fit: not refused.
+    for width in (1, None):
+        extract_dataset(ds, SCHEMA, copy_fields="auto", beam_width=width, model=model, max_num_seqs=1,
+                        params=SamplingParams(n=2, max_tokens=8), **ENGINE)
+    inp, schema, out = tmp_path / "in.jsonl", tmp_path / "schema.json", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"id": 1, "text": "Anna Berg"}) + "\n")
+    schema.write_text(json.dumps(SCHEMA))
+    assert cli(["extract", "--ray", "--schema", str(schema), "--input", str(inp), "--output", str(out),
+                "--model", model, "--copy-fields", "auto", "--beam-width", "600", "--no-progress"]) == 2
+    assert "600 beams exceed max_num_batched_tokens=512" in capsys.readouterr().err
 
 
 @pytest.mark.heavy  # ~110 s: a Ray cluster, two CLI runs and a killed actor; `make test-heavy`
