@@ -103,6 +103,7 @@ class CompiledDecode:
         skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
         options = {"guard_filter_fn": skip} if skip is not None else {}
         self.layers: Callable[..., torch.Tensor] = torch.compile(own, dynamic=None, fullgraph=True, options=options)
+        self.windows = [layer.self_attn.window for layer in model.model.layers]  # fixed once loaded
         self.compile_s = 0.0
         self.steps = 0  # decode steps routed here (tests; a thread count not compiled runs them eager)
         self.graphs = 0  # graphs the warm-up compiled
@@ -120,7 +121,7 @@ class CompiledDecode:
         c = _current
         layers = self.model.model.layers
         c.slots, c.tables, c.kv = meta.slot_mapping, meta.decode_block_tables, kv_caches
-        c.windows = [layer.self_attn.window for layer in layers]
+        c.windows = self.windows
         c.span = contiguous_span(meta)
         c.masks = [] if c.span is not None else [meta.decode_mask(w) for w in c.windows]
         rotary = [layer.self_attn.rotary.cos_sin(positions, x.dtype, meta.scratch) for layer in layers]
