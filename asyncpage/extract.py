@@ -24,14 +24,13 @@ from asyncpage.errors import (
     PromptTooLongError,
     SamplingError,
 )
-from asyncpage.extract_beams import beam_for, beam_params
+from asyncpage.extract_beams import beam_for, beam_params, refuse_asked_beams
 from asyncpage.extract_prompt import schema_prompt
 from asyncpage.guided import GuidedSpec
 from asyncpage.guided.backend import closed_objects
 from asyncpage.outputs import Beam, GenerateOutput
 from asyncpage.params import SamplingParams
 from asyncpage.streams import Mailbox
-from asyncpage.validation import check_beam_engine
 
 if TYPE_CHECKING:
     from asyncpage.engine import AsyncEngine
@@ -237,13 +236,8 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
     await engine.guided.compile(spec)  # an unsupported schema fails the call here, before any record
     marked = grounding.mark(params.json_schema, copy_fields)
     copying = grounding.copied(marked)
-    explicit = beam_params(beam_width, copying)  # a bad width fails the call, not each record
-    if explicit is not None and beam_width is not None:
-        # What every record's beams would be refused for (the engine's limits, n, logprobs) fails the
-        # call once; what depends on a record (its length against the pool) stays that record's error.
-        c = engine.config
-        check_beam_engine(params, explicit.beam_width, max_num_seqs=c.max_num_seqs,
-                          max_num_batched_tokens=c.max_num_batched_tokens)
+    c = engine.config
+    refuse_asked_beams(params, beam_width, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens)
     if copying:
         # An x-copy the grammar cannot express (or a pattern llguidance refuses) fails the call here,
         # not every record: compile the grammar once over a stand-in text.

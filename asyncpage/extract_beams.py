@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from asyncpage.beam import BeamParams
 from asyncpage.errors import InvalidRequestError, PromptTooLongError
 from asyncpage.params import SamplingParams
-from asyncpage.validation import check_beam_search
+from asyncpage.validation import check_beam_engine, check_beam_search
 
 if TYPE_CHECKING:
     from asyncpage.engine import AsyncEngine
@@ -53,3 +53,15 @@ def beam_for(engine: AsyncEngine, ids: list[int], params: SamplingParams, beam_w
     except (InvalidRequestError, PromptTooLongError):
         return None
     return chosen
+
+
+def refuse_asked_beams(params: SamplingParams, beam_width: int | None, *, max_num_seqs: int,
+                       max_num_batched_tokens: int) -> None:
+    """A width the caller asked for (a bad one included) that every record's beams would be refused
+    for (the engine's limits, n, logprobs) raises here, once for a job, not as each record's error.
+    What depends on a record (its length against the pool) stays that record's. The default's beams
+    are never refused: they fall back to greedy where they do not fit (beam_for)."""
+    beam = beam_params(beam_width, copying=True)  # an asked width runs beams whether or not a field is copied
+    if beam is not None and beam_width is not None:
+        check_beam_engine(params, beam.beam_width, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens)

@@ -30,7 +30,7 @@ import msgspec
 from asyncpage.engine import AsyncEngine
 from asyncpage.errors import InvalidRequestError
 from asyncpage.extract import ExtractError, ExtractResult, Prompt, beams_per_record, extract_many
-from asyncpage.extract_beams import beam_params
+from asyncpage.extract_beams import refuse_asked_beams
 from asyncpage.jobs import (
     DoneLines,
     JobSummary,
@@ -42,7 +42,6 @@ from asyncpage.jobs import (
     unfinished,
 )
 from asyncpage.params import SamplingParams
-from asyncpage.validation import check_beam_engine
 
 try:
     import pyarrow as pa
@@ -154,16 +153,13 @@ def extract_dataset(ds: ray.data.Dataset, schema: Any, *, num_actors: int = 1, n
 
 
 def _refuse_beams(job: _Job, engine_options: Mapping[str, Any]) -> None:
-    """A width every record's beams would be refused for (extract_many refuses it up front, inside
-    the actors) is refused on the driver, with the engine limits the actors will have."""
-    beam = beam_params(job.beam_width, copying=False)  # a typed error if the width is bad
-    if beam is None or job.beam_width is None:
-        return  # greedy, or the default's beams, which fall back to greedy where they do not fit
+    """What extract_many refuses up front, inside the actors (extract_beams.refuse_asked_beams), is
+    refused on the driver, with the engine limits the actors will have."""
     defaults = inspect.signature(AsyncEngine.from_pretrained).parameters
-    check_beam_engine(job.params or SamplingParams(), beam.beam_width,
-                      max_num_seqs=engine_options.get("max_num_seqs", defaults["max_num_seqs"].default),
-                      max_num_batched_tokens=engine_options.get("max_num_batched_tokens",
-                                                                defaults["max_num_batched_tokens"].default))
+    refuse_asked_beams(job.params or SamplingParams(), job.beam_width,
+                       max_num_seqs=engine_options.get("max_num_seqs", defaults["max_num_seqs"].default),
+                       max_num_batched_tokens=engine_options.get("max_num_batched_tokens",
+                                                                 defaults["max_num_batched_tokens"].default))
 
 
 def _map(ds: ray.data.Dataset, job: _Job, *, num_actors: int, num_cpus_per_actor: float, batch_size: int | None,
