@@ -267,11 +267,17 @@ class EngineCore:
         self._apply_aborts()
         if self.draft is not None:
             self.draft.release_all()  # the compute thread is idle: its calls are awaited, shielded
-        pending = list(self._requests.values()) + list(self._adds)
-        self._adds.clear()
-        for req in pending:
+        for req in list(self._requests.values()):
             for seq in req.seqs:
                 self.scheduler.finish(seq, "abort")
+            req.mailbox.fail(error)
+            self._release(req)
+        # Submitted during the last step (a step that failed, say): the scheduler never took them,
+        # so they are ended here, not through it.
+        while self._adds:
+            req = self._adds.popleft()
+            for seq in req.seqs:
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
             req.mailbox.fail(error)
             self._release(req)
 

@@ -74,6 +74,33 @@ async def test_a_forward_that_raises_fails_every_caller_calls_their_hooks_and_re
     assert "injected device failure" in caplog.text
 
 
+async def test_a_request_submitted_during_the_step_that_kills_the_engine_fails_too(tiny_llama: Path) -> None:
+    """Queued while the failing step runs (the scheduler never took it): its caller gets the
+    EngineDeadError like the running ones, and the engine closes cleanly."""
+    engine = tiny_engine(tiny_llama)
+    real = engine._core.runner.execute
+    in_step, calls = threading.Event(), 0
+
+    def slow_then_fail(batch: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            in_step.set()
+            time.sleep(0.3)  # the compute thread: the host loop keeps taking submissions meanwhile
+            raise RuntimeError("injected device failure")
+        return real(batch)
+
+    engine._core.runner.execute = slow_then_fail
+    async with engine:
+        running = [asyncio.create_task(engine.generate(p, GREEDY)) for p in PROMPTS[:3]]
+        await anyio.to_thread.run_sync(in_step.wait)
+        late = asyncio.create_task(engine.generate(PROMPTS[5], GREEDY))
+        with anyio.fail_after(5):
+            results = await asyncio.gather(*running, late, return_exceptions=True)
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert engine.stats().kv_blocks_used == 0
+
+
 # ---- the tokenizer -----------------------------------------------------------------------------
 async def test_a_prompt_the_tokenizer_refuses_fails_alone_with_invalid_request(tiny_llama: Path) -> None:
     engine = tiny_engine(tiny_llama)
