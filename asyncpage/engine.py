@@ -370,7 +370,8 @@ class AsyncEngine:
             check_beam_search(ids, params, beam.beam_width, max_num_seqs=self.config.max_num_seqs,
                               pool_tokens=self.config.num_kv_blocks * self.config.block_size,
                               block_size=self.config.block_size,
-                              max_num_batched_tokens=self.config.max_num_batched_tokens)
+                              max_num_batched_tokens=self.config.max_num_batched_tokens,
+                              max_model_len=self.config.max_model_len)
         spec = GuidedSpec.from_params(params)
         compiled = await self.guided.compile(spec) if spec is not None else None
         self._check_usable()  # it may have stopped while the request was being prepared

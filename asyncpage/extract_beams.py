@@ -49,7 +49,7 @@ def beam_for(engine: AsyncEngine, ids: list[int], params: SamplingParams, beam_w
             return None
         check_beam_search(ids, params, chosen.beam_width, pool_tokens=c.num_kv_blocks * c.block_size,
                           max_num_seqs=c.max_num_seqs, block_size=c.block_size,
-                          max_num_batched_tokens=c.max_num_batched_tokens)
+                          max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len)
     except (InvalidRequestError, PromptTooLongError):
         return None
     return chosen

@@ -18,12 +18,17 @@ def check_token_ids(ids: Sequence[object]) -> list[int]:
 
 
 def check_beam_search(ids: list[int], params: SamplingParams, beam_width: int, *, pool_tokens: int,
-                      max_num_seqs: int, block_size: int = 1, max_num_batched_tokens: int | None = None) -> None:
+                      max_num_seqs: int, block_size: int = 1, max_num_batched_tokens: int | None = None,
+                      max_model_len: int | None = None) -> None:
     """What a beam search needs beyond a request's own checks."""
     check_beam_engine(params, beam_width, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     # A preempted search is recomputed beam by beam: in the worst case nothing is shared, and each
-    # beam holds whole blocks (its last step has prompt + max_tokens - 1 tokens in the cache).
-    per_beam = -(-(len(ids) + params.max_tokens - 1) // block_size)
+    # beam holds whole blocks (its last step has prompt + max_tokens - 1 tokens in the cache, and
+    # never more than the context holds: a beam stops at max_model_len).
+    tokens = len(ids) + params.max_tokens - 1
+    if max_model_len is not None:
+        tokens = min(tokens, max_model_len)
+    per_beam = -(-tokens // block_size)
     if beam_width * per_beam > pool_tokens // block_size:
         raise PromptTooLongError("max_tokens", f"{beam_width} beams of prompt ({len(ids)}) + max_tokens "
                                  f"({params.max_tokens}), {per_beam} blocks each, may exceed the KV pool "

@@ -248,6 +248,20 @@ async def test_a_beam_search_that_fits_the_pool_in_tokens_but_not_in_blocks_is_r
         await _idle(engine)
 
 
+async def test_a_beam_search_whose_max_tokens_runs_past_the_context_is_sized_by_the_context(
+        tiny_llama: Path) -> None:
+    # Each beam stops at max_model_len (64 tokens, 16 blocks of 4): 2 beams need 32 of the 40 blocks,
+    # however large max_tokens is, as a request with n=2 does.
+    async with tiny_engine(tiny_llama, num_kv_blocks=40, max_model_len=64, debug_checks=True) as engine:
+        ids = list(range(5, 65))
+        out = await asyncio.wait_for(engine.beam_search(ids, beam_width=2, max_tokens=100,
+                                                        params=SamplingParams(ignore_eos=True)), 30)
+        assert [(len(ids) + len(b.token_ids), b.finish_reason) for b in out.beams] == [(64, "length")] * 2
+        with pytest.raises(PromptTooLongError):  # 3 beams of 16 blocks do not fit 40
+            await engine.beam_search(ids, beam_width=3, max_tokens=100)
+        await _idle(engine)
+
+
 async def test_a_search_preempted_with_the_pool_exactly_full_is_readmitted_and_finishes(tiny_llama: Path) -> None:
     # 4 beams of 8 + 9 tokens fill all 16 blocks. Recomputed in one chunk each, the last beam found
     # exactly its 4 blocks free but was held to the watermark while its siblings waited for it.
