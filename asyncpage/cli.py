@@ -185,7 +185,7 @@ def _extract(args: argparse.Namespace) -> int:
 
     from asyncpage import AsyncEngine, AsyncPageError
     from asyncpage.extract import beams_per_record
-    from asyncpage.jobs import JobSummary, load_examples, load_schema, run_job
+    from asyncpage.jobs import JobSummary, check_paths, load_examples, load_schema, run_job
     from asyncpage.speculative import cli_config
 
     summary: JobSummary | None = None
@@ -222,6 +222,7 @@ def _extract(args: argparse.Namespace) -> int:
         schema = load_schema(args.schema)
         width = beams_per_record(schema, args.copy_fields, args.beam_width)  # refused before loading if bad
         examples = load_examples(Path(args.examples)) if args.examples else []
+        check_paths(Path(args.input), Path(args.output))
         if args.ray:
             summary = on_ray()
         else:

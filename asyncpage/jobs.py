@@ -9,6 +9,7 @@ already in the output are skipped, and a torn last line from a hard kill is cut 
 
 from __future__ import annotations
 
+import codecs
 import importlib
 import json
 import os
@@ -49,7 +50,8 @@ def load_schema(spec: str) -> Any:
 def load_examples(path: Path) -> list[dict[str, Any]]:
     """Solved records for the default prompt: JSONL lines {"text": ..., "value": {...}}."""
     try:
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        # utf-8-sig: files saved by Windows tools often start with a byte-order mark.
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
     except (OSError, ValueError) as exc:
         raise InvalidRequestError("examples", f"cannot read {path}: {exc}") from exc
     if not all(isinstance(r, dict) and isinstance(r.get("text"), str) and "value" in r for r in rows):
@@ -57,7 +59,8 @@ def load_examples(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-MAX_LINE = 1 << 36  # a line number past this is not one of ours (and would cost a huge bitmap)
+MAX_LINE = 1 << 36  # a line number past this is not one of ours
+_BITMAP_LINES = 1 << 27  # a 16 MB bitmap at most: line numbers past it (a corrupt or foreign line) go in a set
 
 
 class DoneLines:
@@ -66,20 +69,26 @@ class DoneLines:
 
     def __init__(self) -> None:
         self._bits = bytearray()
+        self._far: set[int] = set()  # one stray huge line number must not cost a bitmap up to it
         self.legacy_ids: set[str] = set()  # outputs written before lines were recorded carry ids only
 
     def add(self, line: int) -> None:
+        if line >= _BITMAP_LINES:
+            self._far.add(line)
+            return
         byte = line >> 3
         if byte >= len(self._bits):
             self._bits.extend(bytes(byte + 1 - len(self._bits)))
         self._bits[byte] |= 1 << (line & 7)
 
     def __contains__(self, line: int) -> bool:
+        if line >= _BITMAP_LINES:
+            return line in self._far
         byte = line >> 3
         return byte < len(self._bits) and bool(self._bits[byte] & (1 << (line & 7)))
 
     def __len__(self) -> int:
-        return sum(b.bit_count() for b in self._bits) + len(self.legacy_ids)
+        return sum(b.bit_count() for b in self._bits) + len(self._far) + len(self.legacy_ids)
 
     def skips(self, line: int, raw: bytes, id_field: str) -> bool:
         """Whether input line `line` (its bytes `raw`) is answered already; the bytes are parsed only
@@ -140,6 +149,8 @@ def input_lines(f: IO[bytes]) -> Iterator[tuple[int, bytes]]:
     """(line number, bytes) for each non-blank line of a binary stream. Lines are split on b"\\n" only
     and numbered with the blank ones counted: the numbers are what outputs and resumes key on."""
     for n, raw in enumerate(f, 1):
+        if n == 1:
+            raw = raw.removeprefix(codecs.BOM_UTF8)  # a byte-order mark (Windows tools) is not the record's
         if raw.strip():
             yield n, raw
 
@@ -166,6 +177,23 @@ def parse_line(n: int, raw: bytes, id_field: str) -> tuple[Any, dict[str, Any] |
 def job_params(max_tokens: int) -> SamplingParams:
     """What `asyncpage extract` samples with, in-process or on Ray: greedy, so that reruns agree."""
     return SamplingParams(max_tokens=max_tokens, temperature=0)
+
+
+def check_paths(input_path: Path, output_path: Path) -> None:
+    """A job's files, checked before any model loads: the input a readable file, the output's
+    folder there (and the output, if it exists, a file)."""
+    if not input_path.is_file():
+        why = "is a directory" if input_path.is_dir() else "does not exist"
+        raise InvalidRequestError("input", f"{input_path} {why}")
+    if not os.access(input_path, os.R_OK):
+        raise InvalidRequestError("input", f"{input_path} is not readable")
+    if output_path.exists() and not output_path.is_file():
+        raise InvalidRequestError("output", f"{output_path} is not a file")
+    folder = output_path.parent
+    if not folder.is_dir():
+        raise InvalidRequestError("output", f"the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (output_path.exists() and not os.access(output_path, os.W_OK)):
+        raise InvalidRequestError("output", f"{output_path} is not writable")
 
 
 def open_output(output_path: Path, resume: bool) -> DoneLines:
@@ -228,7 +256,15 @@ class ResultWriter:
         self.summary = summary
 
     def write(self, r: ExtractResult, line_no: int) -> None:
-        self.f.write(json.dumps(result_line(r, line_no), ensure_ascii=False) + "\n")
+        line = result_line(r, line_no)
+        text = json.dumps(line, ensure_ascii=False)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            # A lone surrogate (json.loads accepts "\\ud800" in an id): written as its escape, valid
+            # JSON that reads back the same; unescaped it would kill the job on every resume.
+            text = json.dumps(line)
+        self.f.write(text + "\n")
         self.f.flush()
         self.summary.closed_early += r.closed_early
         if r.error:
@@ -247,6 +283,7 @@ async def run_job(engine: AsyncEngine, schema: Any, input_path: Path, output_pat
     """Every non-blank input line gets exactly one output line across any number of interrupted
     runs: a record is written once it has its final outcome; one whose engine died or closed under
     it is not written (the job stops with the error), so `resume=True` does it again."""
+    check_paths(input_path, output_path)
     done = open_output(output_path, resume)
     summary = JobSummary()
     with input_path.open("rb") as src:

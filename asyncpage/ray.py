@@ -35,6 +35,7 @@ from asyncpage.jobs import (
     DoneLines,
     JobSummary,
     ResultWriter,
+    check_paths,
     input_lines,
     job_params,
     open_output,
@@ -228,7 +229,13 @@ def run_job(input_path: Path, output_path: Path, schema: Any, *, num_actors: int
     read by Ray Data and extracted by `num_actors` actors. The output is written here, by the driver,
     as results arrive: one file, flushed line by line, as resumable as the in-process one. Connects
     to the cluster at RAY_ADDRESS, else starts a local one for the job (and stops it after)."""
-    width = beams_per_record(schema, copy_fields, beam_width)  # a bad width is refused before a cluster starts
+    # Refused before a cluster starts: a bad width or concurrency, missing files.
+    if concurrency < 1:
+        raise InvalidRequestError("concurrency", "must be >= 1")
+    if num_actors < 1:
+        raise InvalidRequestError("num_actors", "must be >= 1")
+    width = beams_per_record(schema, copy_fields, beam_width)
+    check_paths(input_path, output_path)
     job = _Job(schema, job_params(max_tokens), prompt, concurrency, id_field, max_prompt_tokens, copy_fields,
                tuple(examples), beam_width, jsonl=True)
     options = {"max_num_seqs": max(concurrency * width, 1), **engine_options}

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from asyncpage import AsyncEngine, EngineDeadError
+from asyncpage import AsyncEngine, EngineDeadError, InvalidRequestError
+from asyncpage.cli import main as cli
 from asyncpage.jobs import done_lines, run_job
 
 from .conftest import fail_at_step
@@ -98,3 +99,47 @@ def test_resume_redoes_engine_errors_and_ignores_lines_that_are_not_ours(tmp_pat
     done = done_lines(out)
     assert done.legacy_ids == {'"a"'}  # b was never final
     assert [n for n in range(1, 8) if n in done] == [4]
+
+
+async def test_an_id_with_a_lone_surrogate_and_a_byte_order_mark_are_answered_like_any_record(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    """json.loads takes "\\ud800" (scraped data has them), and Windows tools start files with a BOM:
+    neither may kill the job (a surrogate written raw did, and again on every resume)."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_bytes(b'\xef\xbb\xbf{"id": "first", "text": "a"}\n{"id": "x\\ud800", "text": "b"}\n'
+                    + '{"id": "Jos\u00e9", "text": "c"}\n'.encode())
+    engine = AsyncEngine.from_pretrained(str(tiny_llama), dtype="float32", block_size=4, num_kv_blocks=256)
+    async with engine:
+        summary = await run_job(engine, SCHEMA, inp, out, max_tokens=8, progress=False)
+        assert summary.failed.get("invalid_input", 0) == 0
+        lines = _lines(out)
+        assert [(r["id"], r["line"]) for r in lines] == [("first", 1), ("x\ud800", 2), ("Jos\u00e9", 3)]
+        assert "Jos\u00e9" in out.read_text(encoding="utf-8")  # other text stays readable, unescaped
+        again = await run_job(engine, SCHEMA, inp, out, max_tokens=8, progress=False, resume=True)
+        assert again.skipped == 3 and len(_lines(out)) == 3
+
+
+def test_a_stray_huge_line_number_in_the_output_costs_no_bitmap(tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    out.write_text("".join(json.dumps({"id": i, "value": {}, "line": n}) + "\n" for i, n in ((1, 2**36), (2, 3))))
+    done = done_lines(out)
+    assert 2**36 in done and 3 in done and 2 not in done and len(done) == 2
+    assert len(done._bits) < 16
+
+
+def test_missing_or_wrong_files_are_refused_before_the_model_loads(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    schema, inp = tmp_path / "schema.json", tmp_path / "in.jsonl"
+    schema.write_text(json.dumps(SCHEMA))
+    inp.write_text(json.dumps({"id": 1, "text": "a"}) + "\n")
+    cases = [(tmp_path / "nope.jsonl", tmp_path / "out.jsonl", "does not exist"),
+             (tmp_path, tmp_path / "out.jsonl", "is a directory"),
+             (inp, tmp_path / "no-folder" / "out.jsonl", "does not exist")]
+    for src, dst, why in cases:
+        # A model path that does not exist: had the files not been refused first, loading would fail.
+        assert cli(["extract", "--schema", str(schema), "--input", str(src), "--output", str(dst),
+                    "--model", str(tmp_path / "no-model"), "--no-progress"]) == 2
+        assert why in capsys.readouterr().err
+    with pytest.raises(InvalidRequestError):
+        from asyncpage.jobs import check_paths
+        check_paths(inp, tmp_path)

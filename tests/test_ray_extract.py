@@ -142,6 +142,23 @@ def test_a_beam_width_every_record_would_be_refused_for_is_refused_on_the_driver
     assert "600 beams exceed max_num_batched_tokens=512" in capsys.readouterr().err
 
 
+def test_bad_job_options_and_files_are_refused_before_a_cluster_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncpage.ray import run_job as run_ray_job
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: pytest.fail("the job reached the cluster"))
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"id": 1, "text": "Anna Berg"}) + "\n")
+    cases: list[tuple[Path, dict[str, Any], str]] = [
+        (inp, {"concurrency": 0}, "concurrency"), (inp, {"num_actors": 0}, "num_actors"),
+        (tmp_path / "nope.jsonl", {}, "input")]
+    for src, options, field in cases:
+        with pytest.raises(InvalidRequestError) as e:
+            run_ray_job(src, tmp_path / "out.jsonl", SCHEMA, **options)
+        assert e.value.field == field
+
+
 @pytest.mark.heavy  # ~110 s: a Ray cluster, two CLI runs and a killed actor; `make test-heavy`
 async def test_cli_on_ray_writes_the_in_process_lines_after_an_actor_is_killed_and_resumes(
         tiny_llama: Path, cluster: None, tmp_path: Path) -> None:
