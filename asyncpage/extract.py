@@ -31,6 +31,7 @@ from asyncpage.guided.backend import closed_objects
 from asyncpage.outputs import Beam, GenerateOutput
 from asyncpage.params import SamplingParams
 from asyncpage.streams import Mailbox
+from asyncpage.validation import check_context
 
 if TYPE_CHECKING:
     from asyncpage.engine import AsyncEngine
@@ -284,6 +285,9 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
                     ids = await engine.tokenize(text)
                     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
                         raise PromptTooLongError("prompt", f"{len(ids)} tokens > max_prompt_tokens={max_prompt_tokens}")
+                    # Before its grammar: a record too long for the context is refused at once, not
+                    # after seconds spent building the spans of megabytes of text.
+                    check_context(ids, engine.config.max_model_len)
                     own = grounded(params, marked, copy_sources(prompt, record, id_field)) if copying else params
                     beam = beam_for(engine, ids, own, beam_width, copying)
                     req = await engine.submit(ids, own, Mailbox(notify), beam=beam)

@@ -124,8 +124,33 @@ def _string_branch(root: dict[str, Any], s: dict[str, Any]) -> dict[str, Any] | 
                 return None  # a boolean schema among the alternatives: not a plain string
             strings = [a for a in resolved if a.get("type") != "null"]
             if len(strings) == 1 and len(alts) - len(strings) <= 1:
-                return _string_branch(root, strings[0])
+                inner = _string_branch(root, strings[0])
+                return None if inner is None else _with_outer(s, inner)
     return None
+
+
+def _with_outer(outer: dict[str, Any], inner: dict[str, Any]) -> dict[str, Any]:
+    """The string branch with the string keywords written beside its anyOf / oneOf, which hold as
+    well: {"anyOf": [{"type": "string"}, {"type": "null"}], "maxLength": 3} caps the string at 3."""
+    merged = dict(inner)
+    if "minLength" in outer:
+        merged["minLength"] = max(int(outer["minLength"]), int(inner.get("minLength", 0)))
+    if "maxLength" in outer:
+        merged["maxLength"] = min(int(outer["maxLength"]), int(inner.get("maxLength", outer["maxLength"])))
+    merged[_PATTERNS] = (*_patterns(outer), *_patterns(inner))
+    for key in ("enum", "const", "format"):  # they make the field not a free string: seen, to be refused
+        if key in outer:
+            merged.setdefault(key, outer[key])
+    return merged
+
+
+_PATTERNS = "x-asyncpage-patterns"  # every pattern a string branch must match (its own and its parents')
+
+
+def _patterns(s: dict[str, Any]) -> tuple[str, ...]:
+    if _PATTERNS in s:
+        return tuple(s[_PATTERNS])
+    return (s["pattern"],) if isinstance(s.get("pattern"), str) else ()
 
 
 def _nullable(root: dict[str, Any], s: dict[str, Any]) -> bool:
@@ -195,11 +220,12 @@ class _Builder:
             raise InvalidRequestError("schema", f"x-copy needs maxLength >= 1 (got {hi})")
         # No whitespace at either end (a span of the text, not of its spacing), length in characters.
         parts = ["SOURCE_SPAN", f"/{_TRIMMED}/", _MEANINGFUL, f"/{_JSON_CHAR}{{{lo},{'' if hi is None else int(hi)}}}/"]
-        pattern = branch.get("pattern")
-        if isinstance(pattern, str):
-            # The pattern is matched against the JSON text of the span, which equals the value only
+        patterns = _patterns(branch)
+        if patterns:
+            # A pattern is matched against the JSON text of the span, which equals the value only
             # when it has no escapes: with a pattern, spans needing escapes are left out.
             parts.append("/[^\\\\]*/")
+        for pattern in patterns:
             parts.append("/" + _SLASH.sub(lambda m: m.group(1) or "\\/", _unanchored(pattern)) + "/")
         self.rules.append(f"{name}: " + " & ".join(parts))
         rule = f'"\\"" {name} "\\""'
@@ -249,8 +275,43 @@ class _Builder:
 
 
 def _unanchored(pattern: str) -> str:
-    """A JSON Schema pattern (a search: unanchored unless it says ^ or $) as a whole-match regex."""
-    start = pattern.startswith("^")
-    end = pattern.endswith("$") and not pattern.endswith("\\$")
-    core = pattern[1 if start else 0 : len(pattern) - 1 if end else len(pattern)]
+    """A JSON Schema pattern (a search: unanchored unless it says ^ or $) as a whole-match regex.
+    Each top-level alternative anchors on its own: "^A|B$" is "starts with A, or ends with B"."""
+    return "(?:" + "|".join(_whole(alt) for alt in _alternatives(pattern)) + ")"
+
+
+def _whole(alt: str) -> str:
+    start = alt.startswith("^")
+    # A final $ is an anchor unless escaped: an odd run of backslashes before it ("x\\\\$" ends in
+    # a backslash, then the anchor).
+    end = alt.endswith("$") and len(alt) > int(start) and (len(alt) - 1 - len(alt[:-1].rstrip("\\"))) % 2 == 0
+    core = alt[int(start) : len(alt) - int(end)]
     return ("" if start else ".*") + f"(?:{core})" + ("" if end else ".*")
+
+
+def _alternatives(pattern: str) -> list[str]:
+    """`pattern` split at its top-level |: outside groups and character classes, not escaped."""
+    alts: list[str] = []
+    depth, begin, escaped = 0, 0, False
+    class_from = -1  # where the body of the character class being read starts; -1 outside one
+    for i, ch in enumerate(pattern):
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif class_from >= 0:
+            if ch == "^" and i == class_from:
+                class_from += 1  # [^...]: the class body starts after the ^
+            elif ch == "]" and i > class_from:  # a ] first in the body is a literal
+                class_from = -1
+        elif ch == "[":
+            class_from = i + 1
+        elif ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        elif ch == "|" and depth == 0:
+            alts.append(pattern[begin:i])
+            begin = i + 1
+    alts.append(pattern[begin:])
+    return alts

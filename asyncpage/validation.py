@@ -52,6 +52,11 @@ def check_beam_engine(params: SamplingParams, beam_width: int, *, max_num_seqs: 
         raise InvalidRequestError("logprobs", "not available with beam search (each beam has cumulative_logprob)")
 
 
+def check_context(ids: Sequence[int], max_model_len: int) -> None:
+    if len(ids) >= max_model_len:
+        raise PromptTooLongError("prompt", f"{len(ids)} tokens; the context holds {max_model_len} (prompt + output)")
+
+
 def check_request(ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
                   pool_tokens: int, max_num_seqs: int) -> None:
     bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -63,8 +68,7 @@ def check_request(ids: list[int], params: SamplingParams, *, vocab_size: int, ma
     if params.n > max_num_seqs:
         # Every sample is a sequence and counts against max_num_seqs: this one could never be admitted.
         raise InvalidRequestError("n", f"{params.n} samples exceed max_num_seqs={max_num_seqs}")
-    if len(ids) >= max_model_len:
-        raise PromptTooLongError("prompt", f"{len(ids)} tokens; the context holds {max_model_len} (prompt + output)")
+    check_context(ids, max_model_len)
     if len(ids) >= pool_tokens:
         raise PromptTooLongError("prompt", f"{len(ids)} tokens can never fit the KV pool ({pool_tokens} tokens)")
     need = min(len(ids) + params.max_tokens, max_model_len)

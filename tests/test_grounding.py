@@ -163,6 +163,23 @@ async def test_extract_many_copies_every_value_from_its_own_record(tiny_llama: P
         assert all(v is None or v in "Anna Berg, order 77-A" for v in one.values())
 
 
+async def test_a_record_too_long_for_the_context_is_refused_before_its_spans_are_built(
+        tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    built: list[int] = []
+    real = grounding.grammar
+    monkeypatch.setattr(grounding, "grammar", lambda s, sources: built.append(len(sources[0])) or real(s, sources))
+    engine = AsyncEngine.from_pretrained(str(tiny_llama), dtype="float32", num_kv_blocks=64, max_model_len=200)
+    async with engine:
+        results = [r async for r in engine.extract_many(
+            [{"id": 1, "text": "Anna Berg wrote. " * 200}, {"id": 2, "text": "Bob"}], schema, copy_fields="auto",
+            params=SamplingParams(max_tokens=8))]
+    by_id = {r.id: r for r in results}
+    assert by_id[1].error is not None and by_id[1].error.reason == "prompt_too_long"
+    assert by_id[2].error is None or by_id[2].error.reason != "prompt_too_long"
+    assert 3 in built and max(built) < 100  # the short record's grammar was built, the long one's never
+
+
 class Addr(msgspec.Struct):
     city: str
 
@@ -195,6 +212,38 @@ def test_patterns_hold_on_the_decoded_value_and_may_contain_slashes(accepts: Any
     g = grounding.grammar(schema, ["Fatima Khan\nsee https://example.com/x now"])
     assert accepts(g, _obj(line="Fatima Khan", url="https://example.com/x"))
     assert not accepts(g, _obj(line="Khan\nsee", url=None))  # the pattern forbids a newline in the value
+
+
+def test_a_pattern_with_alternatives_or_a_final_backslash_keeps_its_json_schema_meaning(accepts: Any) -> None:
+    """JSON Schema patterns search: "^A|B$" is "starts with A, or ends with B", each alternative
+    anchored on its own; "x\\\\$" ends with a backslash."""
+    schema = {"type": "object", "properties": {"f": {"type": "string", "pattern": "^A|B$", "x-copy": True}},
+              "required": ["f"]}
+    g = grounding.grammar(schema, ["Axyz and qqB and A"])
+    for value in ("Axyz", "qqB", "A", "Axyz and qqB"):
+        assert accepts(g, _obj(f=value)), value
+    assert not accepts(g, _obj(f="xyz and"))
+    schema["properties"]["f"]["pattern"] = "[|]x|^y"  # a | inside a class does not split
+    g = grounding.grammar(schema, ["a|x y and"])
+    assert accepts(g, _obj(f="y and")) and not accepts(g, _obj(f="and"))
+    schema["properties"]["f"]["pattern"] = "n\\\\$"
+    g = grounding.grammar(schema, ["C:\\win dir\\ and"])  # compiles; escapes are out of patterned spans
+    assert not accepts(g, _obj(f="and"))
+
+
+def test_length_and_pattern_beside_a_string_or_null_any_of_hold_on_the_copied_value(accepts: Any) -> None:
+    nullable = [{"type": "string"}, {"type": "null"}]
+    for extra, good, bad in (({"maxLength": 3}, "123", "Paris"), ({"pattern": "^[0-9]+$"}, "123", "Paris"),
+                             ({"minLength": 4}, "Paris", "123")):
+        schema = {"type": "object", "properties": {"f": {"anyOf": nullable, **extra, "x-copy": True}},
+                  "required": ["f"]}
+        g = grounding.grammar(schema, ["Paris 123"])
+        assert accepts(g, _obj(f=good)) and not accepts(g, _obj(f=bad)), extra
+    with pytest.raises(InvalidRequestError):  # a format beside it: not a free string, refused as x-copy
+        grounding.grammar({"type": "object", "properties": {"f": {"anyOf": nullable, "format": "email",
+                                                                  "x-copy": True}}}, ["a@b.c"])
+    marked = grounding.mark({"type": "object", "properties": {"f": {"anyOf": nullable, "format": "email"}}}, "auto")
+    assert not grounding.copied(marked)
 
 
 def test_a_record_with_no_text_gives_null_for_nullable_copied_fields(accepts: Any) -> None:
