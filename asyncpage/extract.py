@@ -96,6 +96,16 @@ def grounded(params: SamplingParams, schema: dict[str, Any], sources: list[str])
     return msgspec.structs.replace(params, json_schema=None, grammar=grounding.grammar(schema, sources))
 
 
+def check_job(prompt: Prompt | None, examples: Sequence[Mapping[str, Any]], concurrency: int) -> None:
+    """A job's options that do not depend on the engine (the Ray driver checks them too, before a
+    cluster starts)."""
+    if concurrency < 1:
+        raise InvalidRequestError("concurrency", "must be >= 1")
+    if examples and prompt is not None:
+        raise InvalidRequestError("examples", "examples go into the default prompt; a prompt of your own "
+                                              "carries its examples itself")
+
+
 def copy_sources(prompt: Prompt | None, record: Mapping[str, Any], id_field: str) -> list[str]:
     """What a record's copied fields may copy from: the fields its prompt template shows, else its
     text field, else every string field but its id."""
@@ -229,8 +239,7 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
                        examples: Sequence[Mapping[str, Any]] = (),
                        beam_width: int | None = None) -> AsyncIterator[ExtractResult]:
     """See AsyncEngine.extract_many."""
-    if concurrency < 1:
-        raise InvalidRequestError("concurrency", "must be >= 1")
+    check_job(prompt, examples, concurrency)
     params, target = json_params(schema, params)
     spec = GuidedSpec.from_params(params)
     assert spec is not None and params.json_schema is not None
@@ -250,9 +259,6 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
     if prompt is None:
         prompt = schema_prompt(marked, examples=examples, copied=grounding.copied_names(marked),
                                demos=engine.config.max_model_len >= DEMOS_MIN_CONTEXT)
-    elif examples:
-        raise InvalidRequestError("examples", "examples go into the default prompt; a prompt of your own "
-                                              "carries its examples itself")
 
     wake = anyio.Event()
 

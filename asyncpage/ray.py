@@ -29,7 +29,7 @@ import msgspec
 
 from asyncpage.engine import AsyncEngine
 from asyncpage.errors import InvalidRequestError
-from asyncpage.extract import ExtractError, ExtractResult, Prompt, beams_per_record, extract_many
+from asyncpage.extract import ExtractError, ExtractResult, Prompt, beams_per_record, check_job, extract_many
 from asyncpage.extract_beams import refuse_asked_beams
 from asyncpage.jobs import (
     DoneLines,
@@ -148,14 +148,15 @@ def extract_dataset(ds: ray.data.Dataset, schema: Any, *, num_actors: int = 1, n
     job = _Job(schema, params, prompt, concurrency, id_field, max_prompt_tokens, copy_fields, tuple(examples),
                beam_width, jsonl=False)
     options = {"model": model, **engine_options}
-    _refuse_beams(job, options)  # here, not in every actor (a Ray task error, after the model loaded)
+    _refuse(job, options)  # here, not in every actor (a Ray task error, after the model loaded)
     return _map(ds, job, num_actors=num_actors, num_cpus_per_actor=num_cpus_per_actor, batch_size=batch_size,
                 engine_options=options)
 
 
-def _refuse_beams(job: _Job, engine_options: Mapping[str, Any]) -> None:
-    """What extract_many refuses up front, inside the actors (extract_beams.refuse_asked_beams), is
-    refused on the driver, with the engine limits the actors will have."""
+def _refuse(job: _Job, engine_options: Mapping[str, Any]) -> None:
+    """What extract_many refuses up front, inside the actors (its options, extract_beams.refuse_asked_beams),
+    is refused on the driver, with the engine limits the actors will have."""
+    check_job(job.prompt, job.examples, job.concurrency)
     defaults = inspect.signature(AsyncEngine.from_pretrained).parameters
     refuse_asked_beams(job.params or SamplingParams(), job.beam_width,
                        max_num_seqs=engine_options.get("max_num_seqs", defaults["max_num_seqs"].default),
@@ -229,9 +230,7 @@ def run_job(input_path: Path, output_path: Path, schema: Any, *, num_actors: int
     read by Ray Data and extracted by `num_actors` actors. The output is written here, by the driver,
     as results arrive: one file, flushed line by line, as resumable as the in-process one. Connects
     to the cluster at RAY_ADDRESS, else starts a local one for the job (and stops it after)."""
-    # Refused before a cluster starts: a bad width or concurrency, missing files.
-    if concurrency < 1:
-        raise InvalidRequestError("concurrency", "must be >= 1")
+    # Refused before a cluster starts: bad options, missing files.
     if num_actors < 1:
         raise InvalidRequestError("num_actors", "must be >= 1")
     width = beams_per_record(schema, copy_fields, beam_width)
@@ -239,7 +238,7 @@ def run_job(input_path: Path, output_path: Path, schema: Any, *, num_actors: int
     job = _Job(schema, job_params(max_tokens), prompt, concurrency, id_field, max_prompt_tokens, copy_fields,
                tuple(examples), beam_width, jsonl=True)
     options = {"max_num_seqs": max(concurrency * width, 1), **engine_options}
-    _refuse_beams(job, options)
+    _refuse(job, options)
     done = open_output(output_path, resume)
     started = not ray.is_initialized()
     if started:

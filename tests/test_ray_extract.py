@@ -152,6 +152,7 @@ def test_bad_job_options_and_files_are_refused_before_a_cluster_starts(
     inp.write_text(json.dumps({"id": 1, "text": "Anna Berg"}) + "\n")
     cases: list[tuple[Path, dict[str, Any], str]] = [
         (inp, {"concurrency": 0}, "concurrency"), (inp, {"num_actors": 0}, "num_actors"),
+        (inp, {"prompt": PROMPT, "examples": [{"text": "Anna", "value": {"word": "Anna"}}]}, "examples"),
         (tmp_path / "nope.jsonl", {}, "input")]
     for src, options, field in cases:
         with pytest.raises(InvalidRequestError) as e:
