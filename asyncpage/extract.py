@@ -207,6 +207,8 @@ def render_prompt(template: Prompt, record: Mapping[str, Any]) -> str:
     if callable(template):
         try:
             text = template(record)
+        except InvalidRequestError:
+            raise  # already says what is wrong with the record (the default prompt's own refusals)
         except Exception as exc:  # a user's function: its failure is this record's, never the job's
             raise InvalidRequestError("prompt", f"the prompt function raised {exc!r}") from exc
         if not isinstance(text, str):

@@ -81,6 +81,18 @@ def field_lines(schema: dict[str, Any], copied: Collection[str] = ()) -> list[st
     return lines
 
 
+def _check_example(schema: dict[str, Any], value: Any, number: int) -> None:
+    """A solved case whose values the schema refuses would teach the model a wrong value: refused, by
+    its number. Fields left out are allowed (a partial label still shows the rest right)."""
+    import jsonschema
+
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    error = jsonschema.exceptions.best_match(e for e in validator.iter_errors(value) if e.validator != "required")
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "the value"
+        raise InvalidRequestError("examples", f"example {number}: {where}: {error.message}")
+
+
 def schema_prompt(schema: dict[str, Any], *, examples: Sequence[Mapping[str, Any]] = (),
                   copied: Collection[str] = (), demos: bool = True,
                   text_field: str = TEXT_FIELD) -> Callable[[Mapping[str, Any]], str]:
@@ -92,6 +104,7 @@ def schema_prompt(schema: dict[str, Any], *, examples: Sequence[Mapping[str, Any
     for i, ex in enumerate(examples):
         if not isinstance(ex, Mapping) or not isinstance(ex.get(text_field), str) or "value" not in ex:
             raise InvalidRequestError("examples", f"example {i + 1} needs a {text_field!r} string and a 'value'")
+        _check_example(schema, ex["value"], i + 1)
         shots.append(_case(ex[text_field], fields, ex["value"]))
     preamble = "".join(shots)
 

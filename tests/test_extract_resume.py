@@ -89,6 +89,14 @@ async def test_a_prompt_function_that_raises_fails_only_its_record(tiny_llama: P
     assert sorted(r.position for r in results) == [1, 2, 3, 4]
 
 
+async def test_a_record_without_text_for_the_default_prompt_is_told_so_plainly(tiny_llama: Path) -> None:
+    engine = AsyncEngine.from_pretrained(str(tiny_llama), dtype="float32", block_size=4, num_kv_blocks=256)
+    async with engine:
+        [r] = [r async for r in engine.extract_many([{"id": 1, "body": "hello"}], SCHEMA)]
+    assert r.error is not None and r.error.reason == "invalid_input"
+    assert r.error.message.startswith("prompt: the record has no 'text' string"), r.error.message
+
+
 def test_resume_redoes_engine_errors_and_ignores_lines_that_are_not_ours(tmp_path: Path) -> None:
     out = tmp_path / "out.jsonl"
     rows = [{"id": "a", "value": {}}, {"id": "b", "error": {"reason": "engine_error", "message": "died"}},

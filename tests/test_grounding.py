@@ -139,6 +139,10 @@ def test_the_default_prompt_names_each_field_its_meaning_and_values() -> None:
     assert 'Record:\nFrom: Al Bo\n\nFields:\n- customer: who wrote it' in prompt
     assert 'JSON: {"customer": "Al Bo"}\n\nRecord:\nHi {x}\n\nFields:\n' in prompt
     assert prompt.endswith("JSON: ")  # and the braces in a record are text, not placeholders
+    for value, where in (({"customer": 7}, "customer"), ({"customer": "Al", "channel": "fax"}, "channel"), ([], "")):
+        with pytest.raises(InvalidRequestError, match=f"example 1: {where}") as err:  # a label the schema refuses
+            schema_prompt(marked, examples=[{"text": "From: Al Bo", "value": value}])
+        assert err.value.field == "examples"
 
 
 async def test_extract_many_copies_every_value_from_its_own_record(tiny_llama: Path) -> None:
