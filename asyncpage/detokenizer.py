@@ -28,6 +28,10 @@ class IncrementalDetokenizer:
         self._context = context
         self._skip_special = skip_special_tokens
         self._stream = DecodeStream(ids=self._context, skip_special_tokens=skip_special_tokens)
+        # What the DecodeStream may still hold back: the ids fed since it last returned text, after
+        # the ids that text ended with (the context they decode in). finish() flushes them.
+        self._last: list[int] = list(self._context)
+        self._pending: list[int] = []
         self._stop = stop
         self._max_stop = max((len(s) for s in stop), default=0)
         self.text = ""  # all text decoded so far (may run past a stop string until truncated)
@@ -39,6 +43,7 @@ class IncrementalDetokenizer:
         assert not self.text, "fork after output"
         clone = copy.copy(self)
         clone._stream = DecodeStream(ids=self._context, skip_special_tokens=self._skip_special)
+        clone._last, clone._pending = list(self._context), []  # its own lists: add() appends in place
         return clone
 
     def add(self, token_id: int, is_stop_token: bool = False) -> str:
@@ -50,18 +55,34 @@ class IncrementalDetokenizer:
             piece = self._stream.step(self._backend, token_id)
             if piece:
                 self.text += piece
-        if self._stop:
-            # Only the new tail can complete a stop string: search from where one could start.
-            start = max(0, self.emitted - self._max_stop)
-            hits = [i for s in self._stop if (i := self.text.find(s, start)) >= 0]
-            if hits:
-                self.text = self.text[: min(hits)]
-                self.stopped = True
+                self._last, self._pending = [token_id], []
+            else:
+                self._pending.append(token_id)
+        self._check_stop()
         return self._release(final=self.stopped)
 
     def finish(self) -> str:
-        """The sequence ended: release what was held back."""
+        """The sequence ended: release what was held back, the DecodeStream's incomplete bytes too
+        (a character cut by max_tokens), spelled as the tokenizer's decode() spells them: U+FFFD."""
+        if not self.stopped and self._pending:
+            skip = self._skip_special
+            whole = self._backend.decode(self._last + self._pending, skip_special_tokens=skip)
+            before = self._backend.decode(self._last, skip_special_tokens=skip)
+            self._pending = []
+            if whole.startswith(before):
+                self.text += whole[len(before):]
+                self._check_stop()  # the flushed tail may complete a stop string
         return self._release(final=True)
+
+    def _check_stop(self) -> None:
+        if not self._stop:
+            return
+        # Only the new tail can complete a stop string: search from where one could start.
+        start = max(0, self.emitted - self._max_stop)
+        hits = [i for s in self._stop if (i := self.text.find(s, start)) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
 
     def _release(self, final: bool) -> str:
         end = len(self.text)

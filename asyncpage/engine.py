@@ -359,7 +359,7 @@ class AsyncEngine:
         """Tokenize, validate, compile the grammar, and queue a request (a beam search with `beam`);
         its output arrives in `request.mailbox`. Raises a typed error naming the field, before
         anything is queued."""
-        self._check_usable()
+        self.check_usable()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params", f"must be SamplingParams, got {type(params).__name__}")
         ids = await self.tokenize(prompt)
@@ -374,7 +374,7 @@ class AsyncEngine:
                               max_model_len=self.config.max_model_len)
         spec = GuidedSpec.from_params(params)
         compiled = await self.guided.compile(spec) if spec is not None else None
-        self._check_usable()  # it may have stopped while the request was being prepared
+        self.check_usable()  # it may have stopped while the request was being prepared
         req = self._core.new_request(ids, params, mailbox, self.eos_token_ids, compiled, beam)
         self._core.add(req)
         return req
@@ -411,7 +411,9 @@ class AsyncEngine:
             return check_token_ids(prompt)
         raise InvalidRequestError("prompt", f"must be a str or a list of token ids, got {type(prompt).__name__}")
 
-    def _check_usable(self) -> None:
+    def check_usable(self) -> None:
+        """Raises the typed error a call would get now (dead, not running, another loop); returns
+        when the engine can serve."""
         core = self._core
         if core.dead is not None:
             raise EngineDeadError(f"the engine died earlier: {core.dead.__cause__!r}") from core.dead

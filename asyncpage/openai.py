@@ -23,7 +23,8 @@ import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse as _StarletteJSON
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from asyncpage.chat import ChatDelta, chat, chat_stream
@@ -65,13 +66,23 @@ class RequestTooLargeError(InvalidRequestError):
     """The request body is over the app's `max_request_bytes`."""
 
 
-def _error(exc: BaseException) -> JSONResponse:
+class JSONResponse(_StarletteJSON):
+    """JSON as ASCII: a lone surrogate (valid JSON, echoed back in `model` or an error message)
+    cannot be encoded as UTF-8, and would turn a finished response into a crash."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+def _error(exc: BaseException, prompt_field: str = "prompt") -> JSONResponse:
+    """`prompt_field`: what the route calls the prompt (the chat route's is `messages`)."""
     if isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        return _error(exc.exceptions[0])  # one failed prompt of a batch: report it as itself
+        return _error(exc.exceptions[0], prompt_field)  # one failed prompt of a batch: report it as itself
     if isinstance(exc, RequestTooLargeError):
         return JSONResponse(error_body(exc.message, exc.field, code="request_too_large"), 413)
     if isinstance(exc, PromptTooLongError):
-        return JSONResponse(error_body(str(exc), exc.field, code="context_length_exceeded"), 400)
+        field = prompt_field if exc.field == "prompt" else exc.field
+        return JSONResponse(error_body(exc.message, field, code="context_length_exceeded"), 400)
     if isinstance(exc, InvalidRequestError):
         return JSONResponse(error_body(exc.message, exc.field), 400)
     if isinstance(exc, EngineNotRunningError | EngineDeadError):
@@ -128,6 +139,14 @@ async def _json_body(request: Request, limit: int) -> dict[str, Any]:
     return body
 
 
+def _model(body: dict[str, Any], served: str) -> str:
+    """The model name to echo back: the request's (one engine serves any name), else the served one."""
+    name = body.get("model")
+    if name is not None and not isinstance(name, str):
+        raise InvalidRequestError("model", f"must be a string, got {type(name).__name__}")
+    return name or served
+
+
 def _require(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
     value = body.get(name)
     if value is None:
@@ -179,9 +198,15 @@ def _chat_args(body: dict[str, Any]) -> dict[str, Any]:
                 response_format=body.get("response_format"))
 
 
-async def _first(stream: AsyncIterator[ChatDelta]) -> ChatDelta:
-    """The first delta, so that request errors become an error response, not a broken stream."""
-    return await stream.__anext__()
+async def _first(request: Request, stream: Any) -> Any:
+    """The first delta (or chunk), so that request errors become an error response, not a broken
+    stream. No response has started yet, so nothing else would notice a client that leaves while
+    the request waits in the queue or prefills: watch for it, and close the stream (aborting the
+    request) if it goes. Returns the 499 Response then."""
+    first = await _until_disconnect(request, stream.__anext__)
+    if isinstance(first, Response):
+        await stream.aclose()
+    return first
 
 
 def _prompts(value: Any) -> list[str | list[int]]:
@@ -203,8 +228,11 @@ def app(engine: AsyncEngine, *, max_request_bytes: int = MAX_REQUEST_BYTES) -> S
     served = model_id(engine)
 
     async def models(request: Request) -> Response:
-        if not engine.healthy:
-            return _error(EngineDeadError("the engine loop has stopped; see the server log"))
+        try:
+            # Dead, or not running (outside `async with`): no route can serve, so this one says so too.
+            engine.check_usable()
+        except Exception as exc:
+            return _error(exc)
         return JSONResponse({"object": "list", "data": [
             {"id": served, "object": "model", "created": 0, "owned_by": "asyncpage"}]})
 
@@ -214,10 +242,12 @@ def app(engine: AsyncEngine, *, max_request_bytes: int = MAX_REQUEST_BYTES) -> S
             msgs = _require(body, "messages", list)
             params = _params(body, DEFAULT_MAX_TOKENS)
             args = _chat_args(body)
-            cid, created, model = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time()), body.get("model") or served
+            cid, created, model = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time()), _model(body, served)
             if body.get("stream"):
                 stream = chat_stream(engine, msgs, params=params, **args)
-                first = await _first(stream)
+                first = await _first(request, stream)
+                if isinstance(first, Response):
+                    return first
                 opts = body.get("stream_options") or {}
                 usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
                 return StreamingResponse(_chat_sse(stream, first, cid, created, model, usage),
@@ -226,7 +256,7 @@ def app(engine: AsyncEngine, *, max_request_bytes: int = MAX_REQUEST_BYTES) -> S
             if isinstance(res, Response):
                 return res
         except Exception as exc:
-            return _error(exc)
+            return _error(exc, "messages")
         message: dict[str, Any] = {"role": "assistant", "content": res.content}
         if res.reasoning is not None:
             message["reasoning_content"] = res.reasoning
@@ -243,12 +273,14 @@ def app(engine: AsyncEngine, *, max_request_bytes: int = MAX_REQUEST_BYTES) -> S
             body = await _json_body(request, max_request_bytes)
             prompts = _prompts(_require(body, "prompt", (str, list)))
             params = _params(body, 16)  # OpenAI's default for /v1/completions
-            cid, created, model = "cmpl-" + uuid.uuid4().hex[:24], int(time.time()), body.get("model") or served
+            cid, created, model = "cmpl-" + uuid.uuid4().hex[:24], int(time.time()), _model(body, served)
             if body.get("stream"):
                 if len(prompts) > 1:
                     raise InvalidRequestError("prompt", "a streamed completion takes one prompt")
                 stream = engine.stream(prompts[0], params)
-                first = await stream.__anext__()
+                first = await _first(request, stream)
+                if isinstance(first, Response):
+                    return first
                 opts = body.get("stream_options") or {}
                 usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
                 return StreamingResponse(_completion_sse(stream, first, cid, created, model, usage),

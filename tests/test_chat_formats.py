@@ -181,3 +181,48 @@ def test_a_call_cut_before_its_name_is_not_returned_as_content(fmt: Any) -> None
     for cut in (fmt.begin + '{"', fmt.begin + '{"na', fmt.head + "get_wea"):
         p = parse(lead + cut, fmt, calls_allowed=True, reasoning=False, in_reasoning=False, final=True)
         assert p.content == lead and p.calls == [], (cut, p)
+
+
+async def _stream_vs_chat(engine: AsyncEngine, msgs: list[dict[str, Any]], **kw: Any) -> tuple[Any, list[Any]]:
+    return await engine.chat(msgs, **kw), [d async for d in engine.chat_stream(msgs, **kw)]
+
+
+async def test_a_forced_call_cut_by_max_tokens_is_never_returned_as_content(family_dirs: dict[str, Path]) -> None:
+    engine = AsyncEngine.from_pretrained(family_dirs["qwen2"], dtype="float32", num_kv_blocks=64)
+    msgs = [{"role": "user", "content": "Weather?"}]
+    async with engine:
+        for choice in ("required", {"type": "function", "function": {"name": "t"}}):
+            for k in (1, 2, 3, 5):  # cut inside the "<tool_call>" marker (spelled almost by the character)
+                res, deltas = await _stream_vs_chat(engine, msgs, tools=TINY_TOOLS, tool_choice=choice,
+                                                    params=SamplingParams(max_tokens=k, seed=0))
+                assert not res.content and not res.tool_calls and res.finish_reason == "length", (k, res)
+                assert not any(d.content or d.tool_call for d in deltas), (k, deltas)
+
+
+async def test_a_streamed_call_cut_by_max_tokens_is_dropped_as_chat_drops_it(family_dirs: dict[str, Path]) -> None:
+    engine = AsyncEngine.from_pretrained(family_dirs["llama"], dtype="float32", num_kv_blocks=64)
+    msgs = [{"role": "user", "content": "Weather?"}]
+    async with engine:
+        for k in (16, 20, 24):  # past the call's name, inside its arguments
+            params = SamplingParams(max_tokens=k, seed=0, budget_close=False)
+            res, deltas = await _stream_vs_chat(engine, msgs, tools=TINY_TOOLS, tool_choice="required", params=params)
+            assert not res.tool_calls and res.finish_reason == "length", (k, res)
+            assert [d.tool_call for d in deltas if d.tool_call] == [] and deltas[-1].finish_reason == "length"
+        # A call that closes goes out whole, the same call chat() returns.
+        params = SamplingParams(max_tokens=90, seed=0)
+        res, deltas = await _stream_vs_chat(engine, msgs, tools=TINY_TOOLS, tool_choice="required", params=params,
+                                            parallel_tool_calls=False)
+        streamed = [d.tool_call for d in deltas if d.tool_call]
+        assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in res.tool_calls]
+        assert deltas[-1].finish_reason == res.finish_reason == "tool_calls"
+
+
+async def test_a_whitespace_answer_without_tools_streams_as_it_is_generated(family_dirs: dict[str, Path]) -> None:
+    engine = AsyncEngine.from_pretrained(family_dirs["qwen2"], dtype="float32", num_kv_blocks=64)
+    msgs = [{"role": "user", "content": "Say nothing."}]
+    async with engine:
+        params = SamplingParams(max_tokens=24, seed=0, regex=r"[ \n]+")
+        res, deltas = await _stream_vs_chat(engine, msgs, params=params)
+    content = [d.content for d in deltas if d.content]
+    assert res.content and not res.content.strip() and "".join(content) == res.content
+    assert len(content) > 1, content  # not all held back to the end

@@ -62,3 +62,28 @@ async def test_engine_stop_string_ends_the_request_with_stop(default_engine: Asy
     assert text == full[: full.index(stop)]
     assert chunks[-1].finish_reason == "stop"
     assert default_engine.stats().kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("stop", [(), ("🎉x",)])
+def test_a_character_cut_by_the_last_token_ends_the_text_as_decode_spells_it(gemma_tok: Any,
+                                                                            stop: tuple[str, ...]) -> None:
+    # max_tokens met two bytes into "漢": its bytes end the text as decode() spells them (U+FFFD), not lost.
+    ids = [gemma_tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in "🎉漢".encode()][:6]
+    pieces, d = _stream(gemma_tok, ids, stop=stop)
+    expected = "🎉" + gemma_tok.decode(ids[4:])
+    assert expected[1:] and set(expected[1:]) == {"\ufffd"}
+    assert "".join(pieces) == d.text == expected and not d.stopped
+    pieces, d = _stream(gemma_tok, ids, stop=(expected[1:],))  # a stop string the flushed tail completes
+    assert "".join(pieces) == d.text == "🎉" and d.stopped
+
+
+def test_a_character_cut_by_the_last_token_streams_as_decode_spells_it_byte_level(tiny_llama: Any) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)  # ByteLevel: one token per byte of an unseen character
+    ids = tok("ok 漢字", add_special_tokens=False).input_ids
+    cuts = [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")]
+    assert cuts
+    for k in cuts:
+        pieces, d = _stream(tok, ids[:k])
+        assert "".join(pieces) == d.text == tok.decode(ids[:k])

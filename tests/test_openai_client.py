@@ -224,3 +224,104 @@ async def test_completions_endpoint_streams_text(client: openai.AsyncOpenAI) -> 
     parts = [c.choices[0].text async for c in await client.completions.create(
         model="m", prompt="The capital of France is", max_tokens=4, temperature=0, stream=True) if c.choices]
     assert "".join(parts) == r.choices[0].text
+
+
+# ---- on a tiny model: what the HTTP surface answers at its edges ------------------------------------------
+
+@pytest.fixture(scope="module")
+async def tiny(tiny_llama: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    import shutil
+
+    from tests import chat_templates
+
+    path = tmp_path_factory.mktemp("openai") / "llama"
+    shutil.copytree(tiny_llama, path)
+    (path / "chat_template.jinja").write_text(chat_templates.LLAMA3)
+    engine = AsyncEngine.from_pretrained(path, dtype="float32", num_kv_blocks=64, max_num_seqs=1)
+    async with engine:
+        yield engine
+
+
+async def _post_and_leave(app: Any, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """POST `body` straight to the ASGI app from a client that is gone as soon as it has sent it
+    (a socket closed by the client: the app's next receive() says so, nothing cancels the app)."""
+    sent: list[dict[str, Any]] = []
+    messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "headers": [(b"content-type", b"application/json")], "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "server": ("x", 80),
+             "client": ("127.0.0.1", 1), "root_path": ""}
+    await app(scope, receive, send)
+    return sent
+
+
+async def test_a_stream_whose_client_left_before_its_first_token_generates_nothing(tiny: AsyncEngine) -> None:
+    import asyncio
+
+    from asyncpage.openai import app
+
+    finished: list[Any] = []
+    tiny.on_request_finished(finished.append)
+    for path, body in [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/completions", {"prompt": "hi"})]:
+        await _post_and_leave(app(tiny), path, {**body, "stream": True, "max_tokens": 64, "ignore_eos": True})
+        for _ in range(100):
+            st = tiny.stats()
+            if st.num_running == 0 and st.num_waiting == 0 and st.kv_blocks_used == 0:
+                break
+            await asyncio.sleep(0.02)
+    assert all(f.num_generated_tokens == 0 for f in finished), finished
+    assert tiny.stats().kv_blocks_used == 0
+
+
+async def test_models_route_answers_503_while_the_engine_is_not_running(tiny_llama: Any) -> None:
+    from asyncpage.openai import http_client
+
+    engine = AsyncEngine.from_pretrained(tiny_llama, dtype="float32", num_kv_blocks=16)
+    async with http_client(engine) as hc:  # never started: no `async with engine`
+        r = await hc.get("/models")
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+
+
+async def test_a_lone_surrogate_in_a_message_is_a_400_naming_messages(tiny: AsyncEngine) -> None:
+    from asyncpage import InvalidRequestError
+    from asyncpage.openai import http_client
+
+    raw = '{"messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 2%s}'  # valid JSON
+    async with http_client(tiny) as hc:
+        for stream in ("", ', "stream": true'):
+            r = await hc.post("/chat/completions", content=raw % stream, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    with pytest.raises(InvalidRequestError) as e:
+        await tiny.chat([{"role": "user", "content": "hi \ud800"}])
+    assert e.value.field == "messages"
+
+
+async def test_the_model_name_must_be_a_string_and_any_string_is_echoed_back(tiny: AsyncEngine) -> None:
+    from asyncpage.openai import http_client
+
+    async with http_client(tiny) as hc:
+        for path, body in [("/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/completions", {"prompt": "hi"})]:
+            raw = json.dumps({**body, "max_tokens": 2})[:-1] + ', "model": "m\\ud800"}'  # valid JSON
+            r = await hc.post(path, content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 200 and r.json()["model"] == "m\ud800", r.text
+            r = await hc.post(path, json={**body, "model": {"a": 1}, "max_tokens": 2})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+
+
+async def test_a_conversation_over_the_context_is_refused_naming_messages(tiny: AsyncEngine) -> None:
+    from asyncpage.openai import http_client
+
+    async with http_client(tiny) as hc:
+        r = await hc.post("/chat/completions", json={"messages": [{"role": "user", "content": "a b " * 600}]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text
+    assert err["param"] == "messages" and not err["message"].startswith("prompt:")

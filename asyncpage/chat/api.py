@@ -40,7 +40,7 @@ class Turn:
     def parse(self, text: str, final: bool) -> Parsed:
         s = self.spec
         return parse(text, s.fmt, calls_allowed=s.calls_allowed, reasoning=s.reasoning,
-                     in_reasoning=s.in_reasoning, final=final)
+                     in_reasoning=s.in_reasoning, final=final, forced=s.calls_allowed and s.mode != "auto")
 
 
 def _model_type(engine: AsyncEngine) -> str:
@@ -86,7 +86,10 @@ def _prepare_sync(engine: AsyncEngine, msgs: Any, tools: Any, tool_choice: Any, 
     if any(m in special for m in markers):
         # The parser reads the markers from the text: special tokens must not be skipped.
         params = msgspec.structs.replace(params, skip_special_tokens=False)
-    ids = list(tok(text, add_special_tokens=False)["input_ids"])
+    try:
+        ids = list(tok(text, add_special_tokens=False)["input_ids"])
+    except Exception as exc:  # a lone surrogate and the like (valid JSON): the caller's text, not our fault
+        raise InvalidRequestError("messages", f"the tokenizer refused the rendered conversation: {exc}") from exc
     return Turn(ids, params, spec, stops)
 
 
@@ -182,33 +185,31 @@ async def chat_stream(engine: AsyncEngine, msgs: list[dict[str, Any]], *, tools:
                       tool_choice: Any = "auto", parallel_tool_calls: bool = True,
                       response_format: dict[str, Any] | None = None, params: SamplingParams | None = None,
                       tool_format: str | None = None) -> AsyncIterator[ChatDelta]:
-    """chat() as deltas: content, reasoning, tool-call fragments (index, then id and name on the
-    first fragment, then arguments text), and last one with finish_reason and usage. Leaving the
+    """chat() as deltas: content, reasoning, tool calls (index, id, name and arguments, each call
+    whole once its arguments close), and last one with finish_reason and usage. Leaving the
     loop early aborts the request and frees its blocks."""
     turn = await prepare(engine, msgs, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
                          response_format=response_format, params=params, tool_format=tool_format)
     reason: str | None = None
     n_tokens = 0
     sent_reasoning = sent_content = 0
-    sent_args: list[int] = []  # per call: argument characters already sent
-    complete_calls = False  # finish_reason "tool_calls" only for calls that closed, as chat() returns them
+    sent_calls = 0
     async for item in _parsed(engine, turn):
         p, reason, n_tokens = item
-        complete_calls = any(c.complete for c in p.calls)
         if len(p.reasoning) > sent_reasoning:
             yield ChatDelta(reasoning=p.reasoning[sent_reasoning:])
             sent_reasoning = len(p.reasoning)
-        # Whitespace alone before a call is no content (chat() returns None): hold it until text follows.
-        if len(p.content) > sent_content and (p.content.strip() or (reason is not None and not p.calls)):
+        # Whitespace alone before a call is no content (chat() returns None): where a call may follow,
+        # hold it until text follows. Without tools nothing can follow, so it goes out as it comes.
+        if len(p.content) > sent_content and (p.content.strip() or not turn.spec.calls_allowed
+                                              or (reason is not None and not p.calls)):
             yield ChatDelta(content=p.content[sent_content:])
             sent_content = len(p.content)
-        for i, c in enumerate(p.calls):
-            if i == len(sent_args):
-                if not c.arguments:
-                    break  # the header goes out with the first arguments text: a call cut at its name is dropped
-                sent_args.append(len(c.arguments))
-                yield ChatDelta(tool_call=ToolCallDelta(i, _call_id(turn.spec.fmt), c.name, c.arguments))
-            elif len(c.arguments) > sent_args[i]:
-                yield ChatDelta(tool_call=ToolCallDelta(i, arguments=c.arguments[sent_args[i]:]))
-                sent_args[i] = len(c.arguments)
-    yield ChatDelta(finish_reason=_finish(reason or "stop", complete_calls), usage=Usage(len(turn.prompt), n_tokens))
+        # A call goes out whole, once its arguments close: one cut by max_tokens (when budget closing is
+        # off, or the budget cannot even hold it) is dropped, as chat() drops it. Streamed piece by piece,
+        # its first pieces could not be taken back, and a client would run a call with broken JSON.
+        while sent_calls < len(p.calls) and p.calls[sent_calls].complete:
+            c = p.calls[sent_calls]
+            yield ChatDelta(tool_call=ToolCallDelta(sent_calls, _call_id(turn.spec.fmt), c.name, c.arguments))
+            sent_calls += 1
+    yield ChatDelta(finish_reason=_finish(reason or "stop", sent_calls > 0), usage=Usage(len(turn.prompt), n_tokens))

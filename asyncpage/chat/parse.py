@@ -71,7 +71,8 @@ def json_end(s: str, i: int) -> int | None:
 
 
 def parse(text: str, fmt: ToolFormat, *, calls_allowed: bool, reasoning: bool, in_reasoning: bool,
-          final: bool) -> Parsed:
+          final: bool, forced: bool = False) -> Parsed:
+    """`forced`: tool_choice "required" or a named tool, where the grammar writes nothing but calls."""
     out = Parsed()
     body = text
     if in_reasoning or (reasoning and text.lstrip().startswith(THINK_OPEN)):
@@ -90,6 +91,8 @@ def parse(text: str, fmt: ToolFormat, *, calls_allowed: bool, reasoning: bool, i
         out.content = body
         return out
     head = fmt.head
+    if forced and not body.startswith(head):
+        return out  # every character is forced markup: a call cut before its name (by max_tokens) is no content
     if fmt.at_start:
         if not body.startswith(head):
             if body and head.startswith(body):

@@ -43,7 +43,8 @@ class ChatResult(msgspec.Struct, frozen=True):
 
 class ToolCallDelta(msgspec.Struct, frozen=True):
     """A fragment of tool call number `index`: `id` and `name` on its first fragment only, then
-    pieces of `arguments` text that concatenate to the full JSON."""
+    pieces of `arguments` text that concatenate to the full JSON. chat_stream() sends each call as
+    one fragment, once its arguments are whole (a call cut by max_tokens is never sent)."""
 
     index: int
     id: str | None = None

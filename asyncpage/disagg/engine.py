@@ -149,7 +149,7 @@ class DisaggEngine:
 
     # ---- submission (DisaggStream) -----------------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams) -> FrontRequest:
-        self._check_usable()
+        self.check_usable()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params", f"must be SamplingParams, got {type(params).__name__}")
         if params.n != 1:
@@ -178,7 +178,9 @@ class DisaggEngine:
                 self._send(role, ("abort", rid))
         self._maybe_forget(fr)
 
-    def _check_usable(self) -> None:
+    def check_usable(self) -> None:
+        """Raises the typed error a call would get now (dead, not running, another loop); returns
+        when the engine can serve."""
         if self._closed:
             raise EngineNotRunningError("the engine was closed (close() stops its workers for good)")
         if self._dead:
