@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from asyncpage import native
 from asyncpage.attention import AttentionMetadata, attend_span, contiguous_span, decode_only_attention
 
 log = logging.getLogger("asyncpage")
@@ -40,7 +41,8 @@ MAX_ROWS = 8  # the runner's exact buckets: decode steps of up to 8 sequences ha
 # Set by CompiledDecode.forward before the compiled call and read by the operator (by layer index),
 # so the pools and the per-step shapes (blocks per sequence) never enter the graph: nothing
 # recompiles as sequences grow. `span`: one row whose context is one slice of the pool
-# (attention.contiguous_span), attended without gathering or masking; `windows`: each layer's.
+# (attention.contiguous_span), attended without gathering or masking; `windows`: each layer's;
+# `span_attention`: what attends such a row (the native kernel where it takes the pool).
 class _Current(threading.local):
     kv: Sequence[tuple[torch.Tensor, ...]] = ()
     slots: torch.Tensor
@@ -48,6 +50,7 @@ class _Current(threading.local):
     masks: Sequence[torch.Tensor] = ()
     span: tuple[int, int] | None = None
     windows: Sequence[int | None] = ()
+    span_attention: Callable[..., torch.Tensor] = staticmethod(attend_span)
 
 
 _current = _Current()
@@ -57,7 +60,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     c = _current
     kv = c.kv[layer]
     if c.span is not None:
-        return attend_span(q, k, v, kv[0], kv[1], c.span, c.windows[layer], scale)
+        return c.span_attention(q, k, v, kv[0], kv[1], c.span, c.windows[layer], scale)
     return decode_only_attention(q, k, v, kv[0], kv[1], c.slots, c.tables, c.masks[layer], scale)
 
 
@@ -123,6 +126,10 @@ class CompiledDecode:
         c.slots, c.tables, c.kv = meta.slot_mapping, meta.decode_block_tables, kv_caches
         c.windows = self.windows
         c.span = contiguous_span(meta)
+        kernels = native.load()
+        pool = kv_caches[0]
+        c.span_attention = (kernels.attend_span if kernels is not None and c.span is not None
+                            and native.takes(x, *pool) else attend_span)
         c.masks = [] if c.span is not None else [meta.decode_mask(w) for w in c.windows]
         rotary = [layer.self_attn.rotary.cos_sin(positions, x.dtype, meta.scratch) for layer in layers]
         self.steps += 1

@@ -1,0 +1,103 @@
+"""Native CPU kernels for one stream's decode step (kernels/cpu_decode.c; why they are hand-written
+is said there), built with the system C compiler at first use and cached per source, compiler and
+CPU. `load()` is None where they cannot be built or loaded (no compiler, another OS): the torch ops
+serve then, with the same results up to float rounding. `ASYNCPAGE_NATIVE=0` turns them off."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("asyncpage")
+
+SOURCE = "cpu_decode.c"
+# -march=native: the kernels are built on the machine that runs them (the cache key names its CPU).
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC")
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+
+
+class NativeKernels:
+    """The loaded library, with typed entry points that take tensors."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._attend = lib.attend_span_f32
+        self._attend.argtypes = [_P, _P, _P, _P, _P, _L, _L, _L, _I, _I, _I, _F, _P]
+        self._attend.restype = _I
+
+    def attend_span(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, span: tuple[int, int], window: int | None, scale: float) -> torch.Tensor:
+        """attention.attend_span for float32 tensors on the CPU (the caller checks): one call."""
+        start, ctx = span
+        _, _, kv_heads, dim = k_cache.shape
+        heads = q.numel() // dim
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out = torch.empty(1, heads, dim)
+        first = 0 if window is None else max(0, ctx - window)
+        if self._attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                        start, ctx, first, heads, kv_heads, dim, scale, out.data_ptr()):
+            raise MemoryError("attend_span_f32: no memory for its scores")
+        return out
+
+
+def takes(*tensors: torch.Tensor) -> bool:
+    """Whether the native kernels take these tensors: float32, on the CPU, the pools contiguous."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors) and all(
+        t.is_contiguous() for t in tensors[-2:])
+
+
+@functools.cache
+def load() -> NativeKernels | None:
+    """The kernels, built on first use (about a second) and cached; None where that fails."""
+    if os.environ.get("ASYNCPAGE_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        return NativeKernels(ctypes.CDLL(str(_build())))
+    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+        log.info("no native CPU kernels (%s): torch ops serve the one-stream decode step", exc)
+        return None
+
+
+def _build() -> Path:
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler (cc) on PATH")
+    spec = importlib.util.find_spec("asyncpage.kernels")
+    assert spec is not None and spec.submodule_search_locations
+    source = Path(next(iter(spec.submodule_search_locations))) / SOURCE
+    text = source.read_bytes()
+    key = hashlib.sha256(b"\0".join([text, compiler.encode(), " ".join(FLAGS).encode(), _cpu().encode()]))
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "asyncpage" / "native"
+    target = cache / f"cpu_decode-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed into place: a process loading it never sees half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(source), "-o", tmp, "-lm"], check=True, capture_output=True,
+                       timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _cpu() -> str:
+    """The CPU's model and feature flags (what -march=native builds for)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "".join(sorted({line for line in f if line.startswith(("model name", "flags"))}))
+    except OSError:
+        return os.uname().machine
