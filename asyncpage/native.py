@@ -30,29 +30,32 @@ class NativeKernels:
     """The loaded library, with typed entry points that take tensors."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._attend = lib.attend_span_f32
-        self._attend.argtypes = [_P, _P, _P, _P, _P, _L, _L, _L, _I, _I, _I, _F, _P]
+        self._attend = lib.attend_rows_f32
+        self._attend.argtypes = [_P, _P, _P, _P, _P, _P, _L, _P, _P, _L, _I, _I, _I, _I, _I, _F, _P]
         self._attend.restype = _I
 
-    def attend_span(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, span: tuple[int, int], window: int | None, scale: float) -> torch.Tensor:
-        """attention.attend_span for float32 tensors on the CPU (the caller checks): one call."""
-        start, ctx = span
-        _, _, kv_heads, dim = k_cache.shape
-        heads = q.numel() // dim
+    def attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor,
+                    window: int | None, scale: float) -> torch.Tensor:
+        """Decode rows' attention over their block tables, in place (see attend_rows_f32). q [R, H, D],
+        k / v [R, KVH, D] float32; tables [R, W], lens [R], slots [R] int64 (the caller checks: `takes`)."""
+        rows, heads, dim = q.shape
+        _, block, kv_heads, _ = k_cache.shape
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out = torch.empty(1, heads, dim)
-        first = 0 if window is None else max(0, ctx - window)
+        out = torch.empty(rows, heads, dim)
         if self._attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                        start, ctx, first, heads, kv_heads, dim, scale, out.data_ptr()):
-            raise MemoryError("attend_span_f32: no memory for its scores")
+                        tables.data_ptr(), tables.shape[1], lens.data_ptr(), slots.data_ptr(), window or 0,
+                        rows, heads, kv_heads, dim, block, scale, out.data_ptr()):
+            raise MemoryError("attend_rows_f32: no memory for its scratch")
         return out
 
 
-def takes(*tensors: torch.Tensor) -> bool:
-    """Whether the native kernels take these tensors: float32, on the CPU, the pools contiguous."""
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors) and all(
-        t.is_contiguous() for t in tensors[-2:])
+def takes(x: torch.Tensor, pool: tuple[torch.Tensor, ...], *index: torch.Tensor) -> bool:
+    """Whether attend_rows takes a step of these: float32 activations and a (K, V) pool of float32 on
+    the CPU, contiguous; its block tables, lengths and slots contiguous int64."""
+    return (len(pool) == 2 and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+                                   for t in (x, *pool))
+            and all(t.dtype == torch.long and t.device.type == "cpu" and t.is_contiguous() for t in index))
 
 
 @functools.cache

@@ -68,47 +68,63 @@ def test_compiled_decode_gives_the_eager_tokens_and_logits(tiny_models: dict[str
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (rows, context, (a - b).abs().max())
 
 
-@pytest.mark.parametrize("kernel", ["native", "torch"])
 def test_one_stream_reads_its_context_as_one_slice_of_the_pool_where_its_blocks_are_consecutive(
-        tiny_models: dict[str, tuple[Path, Any]], kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A single decode row on consecutive blocks attends to a slice of the pool (no gather, no mask;
-    the local layers to their last 8 positions), with the native kernel (asyncpage.native) or
-    torch's ops; on scattered blocks it takes the gathering path. All give the eager logits, before
-    and past the window and at a block's last slot."""
-    kernels = native.load()
-    if kernel == "native":
-        assert kernels is not None  # a C compiler is part of this project's setup (torch.compile needs one)
-        calls: list[int] = []
-        real_attend = kernels.attend_span
-        monkeypatch.setattr(kernels, "attend_span", lambda *a: calls.append(1) or real_attend(*a))
-        monkeypatch.setattr(native, "load", lambda: kernels)
-    else:
-        monkeypatch.setattr(native, "load", lambda: None)
+        tiny_models: dict[str, tuple[Path, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With torch's ops (no native kernels): a single decode row on consecutive blocks attends to a
+    slice of the pool (no gather, no mask; the local layers to their last 8 positions); on scattered
+    blocks it takes the gathering path. Both give the eager logits, before and past the window and
+    at a block's last slot."""
+    monkeypatch.setattr(native, "load", lambda: None)
     path = tiny_models["gemma3"][0]
     eager = AsyncEngine.from_pretrained(path, dtype="float32", num_kv_blocks=64, compile=False)
     compiled = AsyncEngine.from_pretrained(path, dtype="float32", num_kv_blocks=64, compile=True)
     bs = compiled.config.block_size
-    if kernel == "native":
-        calls.clear()  # the warm-up's steps
     spans: list[tuple[int, int] | None] = []
     real = compiled_module.contiguous_span
-    compiled_module.contiguous_span = lambda meta: spans.append(real(meta)) or spans[-1]  # type: ignore[assignment]
-    try:
-        for context in (0, 5, bs - 1, 3 * bs + 2):
-            blocks = -(-(context + 1) // bs)
-            for table in ([*range(7, 7 + blocks), 2], [40 - 3 * i for i in range(blocks)]):
-                a = _decode_logits(eager, 1, context, table)
-                b = _decode_logits(compiled, 1, context, table)
-                assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (context, table, (a - b).abs().max())
-    finally:
-        compiled_module.contiguous_span = real  # type: ignore[assignment]
+    monkeypatch.setattr(compiled_module, "contiguous_span", lambda meta: spans.append(real(meta)) or spans[-1])
+    for context in (0, 5, bs - 1, 3 * bs + 2):
+        blocks = -(-(context + 1) // bs)
+        for table in ([*range(7, 7 + blocks), 2], [40 - 3 * i for i in range(blocks)]):
+            a = _decode_logits(eager, 1, context, table)
+            b = _decode_logits(compiled, 1, context, table)
+            assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (context, table, (a - b).abs().max())
     # Consecutive (a spare block after them does not matter): the slice from block 7's first slot.
     assert spans[0::2] == [(7 * bs, c + 1) for c in (0, 5, bs - 1, 3 * bs + 2)]
     # Scattered blocks: the gathering path; a context within one block is a slice by itself.
     assert spans[1::2] == [(40 * bs, 1), (40 * bs, 6), (40 * bs, bs), None]
-    if kernel == "native":
-        layers = len(compiled.model.model.layers)
-        assert len(calls) == layers * sum(s is not None for s in spans)  # every slice step went native
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2"])
+def test_with_the_native_kernel_every_compiled_step_attends_in_one_call_and_gives_the_eager_logits(
+        tiny_models: dict[str, tuple[Path, Any]], arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One row on consecutive or scattered blocks (a shared prefix block first), and steps of
+    several rows: each layer's attention is one native call (asyncpage.native), and the logits are
+    the eager forward's."""
+    kernels = native.load()
+    assert kernels is not None  # a C compiler is part of this project's setup (torch.compile needs one)
+    calls: list[int] = []
+    real_attend = kernels.attend_rows
+    monkeypatch.setattr(kernels, "attend_rows", lambda *a: calls.append(1) or real_attend(*a))
+    monkeypatch.setattr(native, "load", lambda: kernels)
+    path = tiny_models[arch][0]
+    eager = AsyncEngine.from_pretrained(path, dtype="float32", num_kv_blocks=64, compile=False)
+    compiled = AsyncEngine.from_pretrained(path, dtype="float32", num_kv_blocks=64, compile=True)
+    bs = compiled.config.block_size
+    calls.clear()  # the warm-up's steps
+    steps = 0
+    for context in (0, 5, bs - 1, 3 * bs + 2):
+        blocks = -(-(context + 1) // bs)
+        for table in ([*range(7, 7 + blocks), 2], [2, *(40 - 3 * i for i in range(blocks - 1))]):
+            a = _decode_logits(eager, 1, context, table)
+            b = _decode_logits(compiled, 1, context, table)
+            assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (context, table, (a - b).abs().max())
+            steps += 1
+    for rows in (2, 5, 8):
+        a = _decode_logits(eager, rows, 9)
+        b = _decode_logits(compiled, rows, 9)
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (rows, (a - b).abs().max())
+        steps += 1
+    assert len(calls) == len(compiled.model.model.layers) * steps  # every step, every layer: one call
 
 
 def test_two_models_of_the_same_shapes_compiled_in_one_process_each_run_their_own_graphs(

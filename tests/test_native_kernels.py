@@ -9,29 +9,42 @@ import pytest
 import torch
 
 from asyncpage import native
-from asyncpage.attention import attend_span
+from asyncpage.attention import AttentionMetadata, decode_only_attention
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block", "start_block", "ctx", "window"), [
-    (4, 1, 256, 16, 3, 80, None),  # the default model's shape: 4 query heads on one KV head
-    (4, 1, 256, 16, 3, 80, 16),  # a sliding window inside the context
-    (8, 2, 64, 4, 0, 1, None),  # the first token: a context of one
-    (4, 4, 32, 1, 7, 513, 512),  # no grouping, blocks of one slot, the window one short of the context
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block", "window"), [
+    (4, 1, 256, 16, None),  # the default model's shape: 4 query heads on one KV head
+    (4, 1, 256, 16, 16),  # a sliding window inside the context
+    (8, 2, 64, 4, None),
+    (4, 4, 32, 1, 7),  # no grouping, blocks of one slot
 ])
-def test_one_row_attention_over_a_pool_slice_equals_torchs(heads: int, kv_heads: int, dim: int, block: int,
-                                                          start_block: int, ctx: int, window: int | None) -> None:
+def test_decode_rows_attend_over_any_block_tables_as_torchs_gather_and_mask(
+        heads: int, kv_heads: int, dim: int, block: int, window: int | None) -> None:
+    """Rows of several lengths (1, one block exactly, a shared first block, scattered blocks)
+    against the torch path that gathers each row's blocks and masks them."""
     kernels = native.load()
     assert kernels is not None
     gen = torch.Generator().manual_seed(0)
-    k_cache, v_cache = (torch.randn(600, block, kv_heads, dim, generator=gen) for _ in range(2))
-    q = torch.randn(1, heads, dim, generator=gen)
-    k, v = (torch.randn(1, kv_heads, dim, generator=gen) for _ in range(2))
+    k_cache, v_cache = (torch.randn(64, block, kv_heads, dim, generator=gen) for _ in range(2))
+    lens = [1, block, 3 * block + 2, 2 * block + 1]
+    need = [-(-n // block) for n in lens]
+    free = iter([40, 41, 7, 30, 3, 44, 45, 46, 47, 48, 49, 50, 51])  # not in order: scattered blocks
+    tables = [[5], [9]] + [[2] + [next(free) for _ in range(b - 1)] for b in need[2:]]  # rows 3, 4 share block 2
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(block_size=block, slot_mapping=torch.tensor(
+        [t[(n - 1) // block] * block + (n - 1) % block for t, n in zip(tables, lens, strict=True)]))
+    meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    meta.decode_context_lens = torch.tensor(lens)
+    rows = len(lens)
+    q = torch.randn(rows, heads, dim, generator=gen)
+    k, v = (torch.randn(rows, kv_heads, dim, generator=gen) for _ in range(2))
     pools = (k_cache.clone(), v_cache.clone())
-    span = (start_block * block, ctx)
-    want = attend_span(q, k, v, k_cache, v_cache, span, window, dim ** -0.5)
-    got = kernels.attend_span(q, k, v, *pools, span, window, dim ** -0.5)
+    want = decode_only_attention(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables,
+                                 meta.decode_mask(window), dim ** -0.5)
+    got = kernels.attend_rows(q, k, v, *pools, meta.decode_block_tables, meta.decode_context_lens,
+                              meta.slot_mapping, window, dim ** -0.5)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
-    assert torch.equal(pools[0], k_cache) and torch.equal(pools[1], v_cache)  # the new K/V, at the same slot
+    assert torch.equal(pools[0], k_cache) and torch.equal(pools[1], v_cache)  # the new K/V, at the same slots
 
 
 def test_without_a_c_compiler_the_torch_ops_serve(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -55,7 +68,9 @@ def test_asyncpage_native_0_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_only_float32_cpu_tensors_and_contiguous_pools_are_taken() -> None:
-    pool = torch.zeros(4, 2, 1, 8)
-    assert native.takes(torch.zeros(1, 8), pool, pool)
-    assert not native.takes(torch.zeros(1, 8, dtype=torch.bfloat16), pool, pool)
-    assert not native.takes(torch.zeros(1, 8), pool, pool.transpose(0, 1))
+    pool, table = torch.zeros(4, 2, 1, 8), torch.zeros(1, 2, dtype=torch.long)
+    assert native.takes(torch.zeros(1, 8), (pool, pool), table)
+    assert not native.takes(torch.zeros(1, 8, dtype=torch.bfloat16), (pool, pool), table)
+    assert not native.takes(torch.zeros(1, 8), (pool, pool.transpose(0, 1)), table)
+    assert not native.takes(torch.zeros(1, 8), (pool, pool, torch.zeros(4)), table)  # a quantized pool's scales
+    assert not native.takes(torch.zeros(1, 8), (pool, pool), table.int())

@@ -40,17 +40,15 @@ MAX_ROWS = 8  # the runner's exact buckets: decode steps of up to 8 sequences ha
 # The step's K/V pools (one per layer), slots, block tables and each layer's mask for its window.
 # Set by CompiledDecode.forward before the compiled call and read by the operator (by layer index),
 # so the pools and the per-step shapes (blocks per sequence) never enter the graph: nothing
-# recompiles as sequences grow. `span`: one row whose context is one slice of the pool
-# (attention.contiguous_span), attended without gathering or masking; `windows`: each layer's;
-# `span_attention`: what attends such a row (the native kernel where it takes the pool).
+# recompiles as sequences grow. `attend`: how this step's rows attend (CompiledDecode.forward
+# picks it); `windows`: each layer's.
 class _Current(threading.local):
     kv: Sequence[tuple[torch.Tensor, ...]] = ()
-    slots: torch.Tensor
-    tables: torch.Tensor
+    meta: AttentionMetadata | None = None
     masks: Sequence[torch.Tensor] = ()
     span: tuple[int, int] | None = None
     windows: Sequence[int | None] = ()
-    span_attention: Callable[..., torch.Tensor] = staticmethod(attend_span)
+    kernels: native.NativeKernels | None = None
 
 
 _current = _Current()
@@ -58,10 +56,15 @@ _current = _Current()
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, layer: int) -> torch.Tensor:
     c = _current
-    kv = c.kv[layer]
+    kv, meta, window = c.kv[layer], c.meta, c.windows[layer]
+    assert meta is not None and meta.decode_block_tables is not None and meta.decode_context_lens is not None
+    if c.kernels is not None:  # any block tables, in one native call
+        return c.kernels.attend_rows(q, k, v, kv[0], kv[1], meta.decode_block_tables, meta.decode_context_lens,
+                                     meta.slot_mapping, window, scale)
     if c.span is not None:
-        return c.span_attention(q, k, v, kv[0], kv[1], c.span, c.windows[layer], scale)
-    return decode_only_attention(q, k, v, kv[0], kv[1], c.slots, c.tables, c.masks[layer], scale)
+        return attend_span(q, k, v, kv[0], kv[1], c.span, window, scale)
+    return decode_only_attention(q, k, v, kv[0], kv[1], meta.slot_mapping, meta.decode_block_tables,
+                                 c.masks[layer], scale)
 
 
 _lib = torch.library.Library("asyncpage", "DEF")
@@ -123,20 +126,22 @@ class CompiledDecode:
         assert meta.decode_block_tables is not None
         c = _current
         layers = self.model.model.layers
-        c.slots, c.tables, c.kv = meta.slot_mapping, meta.decode_block_tables, kv_caches
-        c.windows = self.windows
-        c.span = contiguous_span(meta)
+        c.meta, c.kv, c.windows = meta, kv_caches, self.windows
+        assert meta.decode_context_lens is not None
         kernels = native.load()
-        pool = kv_caches[0]
-        c.span_attention = (kernels.attend_span if kernels is not None and c.span is not None
-                            and native.takes(x, *pool) else attend_span)
-        c.masks = [] if c.span is not None else [meta.decode_mask(w) for w in c.windows]
+        # The native kernel where it takes this step; else torch's ops: one row on consecutive
+        # blocks reads its slice of the pool, other steps gather their blocks and mask them.
+        c.kernels = kernels if kernels is not None and native.takes(
+            x, kv_caches[0], meta.decode_block_tables, meta.decode_context_lens, meta.slot_mapping) else None
+        c.span = contiguous_span(meta) if c.kernels is None else None
+        c.masks = [] if c.kernels is not None or c.span is not None else [meta.decode_mask(w) for w in c.windows]
         rotary = [layer.self_attn.rotary.cos_sin(positions, x.dtype, meta.scratch) for layer in layers]
         self.steps += 1
         try:
             return self.layers(layers, x, rotary)
         finally:
             c.kv = c.masks = ()  # the pools are not kept alive by this thread
+            c.meta = None
 
     def warm_up(self, dtype: torch.dtype, block_size: int, threads: Sequence[int] = ()) -> float:
         """Compile every variant now (1 row, 2..MAX_ROWS rows), on a scratch pool, for
