@@ -46,6 +46,10 @@ def check_options(o: dict[str, Any]) -> None:
     for name in ("num_kv_blocks", "max_model_len", "kv_cache_memory"):
         if o[name] is not None and (not isinstance(o[name], int) or isinstance(o[name], bool) or o[name] < 1):
             raise InvalidRequestError(name, f"must be None or an integer >= 1, got {o[name]!r}")
+    for name in ("enable_prefix_caching", "debug_checks"):
+        # A truthy string ("no", "false") must not switch a feature on.
+        if not isinstance(o[name], bool):
+            raise InvalidRequestError(name, f"must be True or False, got {o[name]!r}")
     if o["guided_backend"] not in ("llguidance", "xgrammar"):
         raise InvalidRequestError("guided_backend", f"must be llguidance or xgrammar, got {o['guided_backend']!r}")
     t = o["grammar_compile_timeout"]
@@ -62,6 +66,15 @@ def check_options(o: dict[str, Any]) -> None:
 
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+
+
+def check_load_options(num_threads: Any, compile: Any) -> None:
+    """The options only a load takes (not in `check_options`: a clone cannot change them)."""
+    if num_threads is not None and (not isinstance(num_threads, int) or isinstance(num_threads, bool)
+                                    or num_threads < 1):
+        raise InvalidRequestError("num_threads", f"must be None or an integer >= 1, got {num_threads!r}")
+    if compile is not None and not isinstance(compile, bool):
+        raise InvalidRequestError("compile", f"must be None, True or False, got {compile!r}")
 
 
 def check_quantization(q: Any) -> None:

@@ -17,6 +17,7 @@ import torch
 from asyncpage.compute import ComputeThread
 from asyncpage.config import (
     EngineConfig,
+    check_load_options,
     check_options,
     check_quantization,
     resolve_backend,
@@ -57,12 +58,13 @@ def from_pretrained(cls: type[E], model: str | os.PathLike[str] | None, *, dtype
                     **pool_options: Any) -> E:
     """AsyncEngine.from_pretrained (its docstring says what each option does). `pool_options`: the
     pool and scheduling options, the ones a clone may change (from_pretrained's other keywords)."""
+    check_load_options(num_threads, compile)
     dev = resolve_device(device)
     check_quantization(quantization)
     dt = resolve_dtype(dtype, dev)
     if debug_checks is None:
         debug_checks = env_flag("ASYNCPAGE_DEBUG_CHECKS")
-    options = dict(pool_options, debug_checks=bool(debug_checks),
+    options = dict(pool_options, debug_checks=debug_checks,
                    speculative_config=SpeculativeConfig.parse(speculative_config))
     check_options(options)
     resolve_backend(options["attention_backend"], dev, options["block_size"])  # refuse before minutes of loading

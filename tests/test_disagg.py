@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 
 from asyncpage import AsyncEngine, SamplingParams
 from asyncpage.disagg import DisaggEngine, wire
+from asyncpage.disagg import engine as disagg_engine
 from asyncpage.disagg.engine import free_port, launch_worker
 from asyncpage.errors import EngineDeadError, EngineNotRunningError, InvalidRequestError, PromptTooLongError
 
@@ -68,6 +70,24 @@ async def test_disagg_greedy_matches_single_engine(pair: DisaggEngine, tiny_mode
         assert xfer["skipped_blocks"] > 0 and xfer["bytes"] > 0  # prefixes held by the decode side not resent
         st = await _idle(pair)
         assert st["prefill"].kv_blocks_used == 0 and st["decode"].kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+async def test_a_pair_with_a_quantized_kv_pool_matches_a_single_engine(tiny_models: Any, kv: str) -> None:
+    """The payload carries one-byte values and their scales; fp8 rows are copied as bytes (the CPU
+    has no float8 index_copy_)."""
+    opts = {**OPTS, "kv_cache_dtype": kv}
+    single = AsyncEngine.from_pretrained(tiny_models["gemma3"][0], **opts)
+    pair = DisaggEngine.from_pretrained(tiny_models["gemma3"][0], **opts)
+    prompts = _prompts()
+    try:
+        async with single, pair:
+            ref = await asyncio.gather(*(single.generate(p, GREEDY) for p in prompts))
+            got = await asyncio.gather(*(pair.generate(p, GREEDY) for p in prompts))
+            assert [g.token_ids for g in got] == [r.token_ids for r in ref]
+            assert pair.healthy and pair.transfer_stats()["bytes"] > 0
+    finally:
+        pair.close()
 
 
 async def test_cancelled_streams_free_blocks_on_both_sides(pair: DisaggEngine) -> None:
@@ -189,6 +209,63 @@ async def test_killed_worker_fails_requests_with_a_typed_error(tiny_models: Any,
                 await asyncio.sleep(0.05)
             with pytest.raises(EngineDeadError, match=role):
                 await engine.generate("hello", GREEDY)
+    finally:
+        engine.close()
+
+
+# Run as the decode worker (`python -c`): its 3rd KV receive lands, then cannot be written.
+_BREAK_THIRD_RECEIVE = """
+import runpy
+from asyncpage.disagg import wire
+real, calls = wire.recv_blocks, []
+def recv_blocks(*args):
+    calls.append(1)
+    n = real(*args)
+    if len(calls) == 3:
+        raise RuntimeError("injected: the received KV cannot be written")
+    return n
+wire.recv_blocks = recv_blocks
+runpy.run_module("asyncpage.disagg.worker", run_name="__main__")
+"""
+
+
+async def test_a_broken_kv_receive_fails_the_pair_promptly_with_engine_dead(
+        tiny_models: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A receive that breaks leaves the two sides out of step: requests in flight and new ones fail
+    typed at once, rather than the next transfer blocking until gloo's 600 s timeout."""
+    real_popen = subprocess.Popen
+
+    def popen(args: list[str], **kwargs: Any) -> Any:
+        if args[1:3] == ["-m", "asyncpage.disagg.worker"]:
+            args = [args[0], "-c", _BREAK_THIRD_RECEIVE, *args[3:]]
+        return real_popen(args, **kwargs)
+
+    monkeypatch.setattr(disagg_engine.subprocess, "Popen", popen)
+    engine = DisaggEngine.from_pretrained(tiny_models["llama"][0], **OPTS)
+
+    async def drain(s: Any) -> None:
+        async for _ in s:
+            pass
+
+    try:
+        async with engine:
+            long = SamplingParams(max_tokens=450, temperature=0, ignore_eos=True)
+            decoding = [engine.stream([0, 3 + i, 4], long) for i in range(2)]
+            for s in decoding:
+                await s.__anext__()  # received and decoding
+            broken = engine.stream([0, 9, 8, 7], GREEDY)
+            tasks = [asyncio.create_task(drain(s)) for s in [broken, *decoding]]  # submitted at the first step
+            for t in tasks:
+                with pytest.raises(EngineDeadError):
+                    await asyncio.wait_for(t, 30)
+            assert not engine.healthy
+            with pytest.raises(EngineDeadError, match="decode"):
+                await asyncio.wait_for(engine.generate("hello", GREEDY), 30)
+            for _ in range(100):  # the prefill side pins nothing
+                if engine.stats()["prefill"].kv_blocks_used == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert engine.stats()["prefill"].kv_blocks_used == 0
     finally:
         engine.close()
 

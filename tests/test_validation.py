@@ -62,6 +62,30 @@ def test_bad_engine_options_name_the_option(kwargs: dict[str, Any], field: str) 
     assert e.value.field == field
 
 
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"num_threads": -1}, "num_threads"),
+    ({"num_threads": "2"}, "num_threads"),
+    ({"num_threads": True}, "num_threads"),
+    ({"enable_prefix_caching": "no"}, "enable_prefix_caching"),
+    ({"debug_checks": "no"}, "debug_checks"),
+    ({"compile": "no"}, "compile"),
+])
+def test_a_mistyped_engine_option_is_refused_naming_it_not_coerced(tiny_llama: Any, kwargs: dict[str, Any],
+                                                                    field: str) -> None:
+    """A thread count torch would refuse, or a string where a switch is expected ("no" is truthy)."""
+    with pytest.raises(InvalidRequestError) as e:
+        AsyncEngine.from_pretrained(tiny_llama, dtype="float32", **kwargs)
+    assert e.value.field == field
+
+
+def test_a_clone_refuses_a_mistyped_switch(tiny_llama: Any) -> None:
+    engine = AsyncEngine.from_pretrained(tiny_llama, dtype="float32", num_kv_blocks=16)
+    for name in ("enable_prefix_caching", "debug_checks"):
+        with pytest.raises(InvalidRequestError) as e:
+            engine.clone(**{name: "no"})
+        assert e.value.field == name
+
+
 def test_unknown_model_path_is_a_model_load_error() -> None:
     from asyncpage import ModelLoadError
 

@@ -112,15 +112,6 @@ class DecodeCore(EngineCore):
         """The receiver thread wrote the payload: admit it at the next safe point (thread-safe)."""
         self.add(req)
 
-    def import_failed(self, req: Request, error: BaseException) -> None:
-        """The transfer broke (the prefill worker died mid-payload): fail and free (on the loop)."""
-        imp = self._imports.pop(req.request_id, None)
-        if imp is None:
-            return
-        self._drop(req, imp)
-        req.mailbox.fail(error)
-        self._release(req)
-
     # ---- admission (safe points) ----------------------------------------------------------------
     def _apply_adds(self) -> None:
         plain = []

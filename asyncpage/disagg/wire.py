@@ -122,10 +122,16 @@ def unpack_blocks(caches: list[tuple[torch.Tensor, ...]], block_ids: list[int], 
     for layer in caches:
         for t in layer:
             size = n * t[0].numel() * t.element_size()
-            t.index_copy_(0, ids, _view(payload[off : off + size], t, n))
+            _bytes(t).index_copy_(0, ids, _bytes(_view(payload[off : off + size], t, n)))
             off += size
     if off != payload.numel():
         raise ValueError(f"payload of {payload.numel()} bytes, the layout needs {off}")
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    # index_copy_ has no float8 kernel on the CPU; the same bytes copied as uint8 are the same values
+    # (attention.write_kv does the same).
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def _view(buf: torch.Tensor, like: torch.Tensor, n: int) -> torch.Tensor:

@@ -6,7 +6,8 @@ Threads in a worker: the event loop (the engine loop, message handling, per-requ
 engine's compute thread, a pipe reader, and the transfer thread (sender on prefill, receiver on
 decode). The transfer threads touch engine state only through `call_soon_threadsafe`; they read and
 write the KV tensors of blocks no step uses (pinned on prefill, allocated but not yet running on
-decode). A worker whose engine loop dies exits, so the front end sees it as a dead worker.
+decode). A worker whose engine loop dies exits, so the front end sees it as a dead worker; so does
+a decode worker whose receive breaks (the pair can no longer hand KV over).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import msgspec
 
@@ -86,6 +87,15 @@ class Worker(abc.ABC):
         except OSError:
             os._exit(0)  # the front end is gone: nobody is left to serve
 
+    def die(self, exc: BaseException) -> NoReturn:
+        """Tell the front end this worker is dead (it fails what is in flight, typed) and exit."""
+        try:
+            # Held to the exit: no other thread's message is cut off half-sent after "failed".
+            with self._send_lock:
+                self.conn.send(("failed", encode_error(exc)))
+        finally:
+            os._exit(1)
+
     def spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
@@ -131,8 +141,7 @@ class Worker(abc.ABC):
         last: Any = None
         while True:
             if not self.engine.healthy:
-                self.send(("failed", encode_error(EngineDeadError(repr(self.engine._core.dead)))))
-                os._exit(1)
+                self.die(EngineDeadError(repr(self.engine._core.dead)))
             st = (self.engine.stats(), dict(self.xfer))
             if st != last:
                 self.send(("stats", *st))
@@ -293,11 +302,10 @@ class DecodeWorker(Worker):
                 if plan is not None:
                     wire.recv_blocks(self.transport, self.caches, plan[1])
             except Exception as exc:
+                # The two sides no longer agree where the stream is: the prefill side would block in
+                # its next transfer until gloo's timeout, its blocks pinned. The pair is dead.
                 log.error("KV transfer from the prefill worker failed", exc_info=exc)
-                if req is not None:
-                    err = EngineDeadError(f"KV transfer failed: {exc!r}")
-                    self.loop.call_soon_threadsafe(self.core.import_failed, req, err)
-                return
+                self.die(EngineDeadError(f"KV transfer failed: {exc!r}"))
             if plan is not None and req is not None:
                 self.loop.call_soon_threadsafe(self.core.imported, req)
 
