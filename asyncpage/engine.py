@@ -30,7 +30,7 @@ from asyncpage.beam import BeamParams, EarlyStopping
 from asyncpage.compute import ComputeThread
 from asyncpage.config import EngineConfig
 from asyncpage.core import EngineCore
-from asyncpage.errors import EngineDeadError, EngineLoopError, EngineNotRunningError, InvalidRequestError
+from asyncpage.errors import EngineDeadError, EngineLoopError, EngineNotRunningError, GrammarError, InvalidRequestError
 from asyncpage.extract import ExtractResult, extract_many, extract_one
 from asyncpage.guided import GrammarManager, GuidedSpec
 from asyncpage.output_processor import request_metrics
@@ -188,6 +188,7 @@ class AsyncEngine:
         self._open = False
         self._core.stopping = True
         self._core.wake()
+        self.guided.interrupt()  # submissions waiting for a grammar compile end now, not at its timeout
         task, group = self._loop_task, self._task_group
         self._loop_task = self._task_group = None
         if task is not None:
@@ -373,7 +374,11 @@ class AsyncEngine:
                               max_num_batched_tokens=self.config.max_num_batched_tokens,
                               max_model_len=self.config.max_model_len)
         spec = GuidedSpec.from_params(params)
-        compiled = await self.guided.compile(spec) if spec is not None else None
+        try:
+            compiled = await self.guided.compile(spec) if spec is not None else None
+        except GrammarError:
+            self.check_usable()  # the engine stopped meanwhile (GrammarManager.interrupt): that is the error
+            raise
         self.check_usable()  # it may have stopped while the request was being prepared
         req = self._core.new_request(ids, params, mailbox, self.eos_token_ids, compiled, beam)
         self._core.add(req)

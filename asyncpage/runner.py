@@ -8,6 +8,7 @@ reading state the loop may change meanwhile (an abort, a new request).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -17,13 +18,15 @@ import torch
 from asyncpage.attention import KV_QMAX, AttentionMetadata, PrefillChunk, paged_attention
 from asyncpage.guided import Matcher
 from asyncpage.guided.backend import apply_bitmask, bitmask_width
-from asyncpage.guided.budget import ALTERNATIVES, Closer, Guards, guards_for
+from asyncpage.guided.budget import ALTERNATIVES, Closer, Guards, MatcherError, guards_for, matcher_error
 from asyncpage.models import CausalLM
 from asyncpage.outputs import TokenLogprob
 from asyncpage.request import Sequence
 from asyncpage.sampling import SampleResult, SampleSpec, beam_candidates, needs_history, sample
 from asyncpage.scheduler import SchedulerOutput
 from asyncpage.speculative import Verify, draft_masks, verify
+
+log = logging.getLogger("asyncpage")
 
 
 @dataclass
@@ -198,11 +201,11 @@ class ModelRunner:
             logits = every[batch.spec_rows]  # forked samples share their parent's row; drafts have several
         else:
             logits = every[: len(batch.specs)]  # one row per sample: drop the padding rows
-        if masks is not None:
-            masks.result()
+        broken = masks.result() if masks is not None else {}
         result = sample(logits, batch.specs, bitmask)
         failed = {batch.specs[i].seq_id: "the model produced no valid next token (NaN/inf logits, or nothing "
                   "the grammar allows has a finite logit)" for i in result.invalid}
+        failed.update((batch.specs[i].seq_id, why) for i, why in broken.items())
         beams = beam_candidates(logits, batch.specs, bitmask)
         done = set()
         forced: dict[int, list[int]] = {}
@@ -211,9 +214,13 @@ class ModelRunner:
             if spec.seq_id in failed or spec.beam_k:
                 continue  # a beam's matcher advances once the search has chosen its token (scheduler)
             assert bitmask is not None
-            stepped = _guided_step(m, spec, result, i, logits, bitmask)
+            try:
+                stepped = _guided_step(m, spec, result, i, logits, bitmask)
+            except Exception as exc:  # this sequence's grammar work: its request fails, the engine goes on
+                failed[spec.seq_id] = _grammar_failure(exc)
+                continue
             if stepped is None:
-                failed[spec.seq_id] = f"the grammar rejected sampled token {result.tokens[i]}"
+                failed[spec.seq_id] = str(matcher_error(m, f"sampled token {result.tokens[i]}"))
                 continue
             ff, stopped = stepped
             if ff:
@@ -224,7 +231,14 @@ class ModelRunner:
         accepted: dict[int, int] = {}
         for v in batch.verifies:
             sid = v.spec.seq_id
-            out = verify(v, every, draft_masks(v, self.mask_vocab_size), _guided_step)
+            try:
+                out = verify(v, every, draft_masks(v, self.mask_vocab_size), _guided_step)
+            except Exception as exc:  # as in the loop above: this sequence fails alone
+                seq_ids.append(sid)
+                result.tokens.append(-1)
+                result.logprobs.append(None)
+                failed[sid] = _grammar_failure(exc)
+                continue
             seq_ids.append(sid)
             result.tokens.append(out.tokens[0] if out.tokens else -1)
             result.logprobs.append(None)
@@ -276,8 +290,8 @@ def _guided_step(m: Matcher, spec: SampleSpec, result: SampleResult, i: int, log
         # Fast-forward: tokens the grammar leaves no choice about ('{"name":"' in a schema) join the
         # sequence now and are computed next step as one chunk, not one step each.
         for t in m.forced_tokens():
-            if not m.accept(t):
-                break
+            if not m.accept(t):  # llguidance's matcher is in its error state then, which reads as ended
+                raise matcher_error(m, f"token {t} it forced")
             ff.append(t)
     return ff, m.is_terminated()
 
@@ -322,9 +336,23 @@ def _budget_step(closer: Closer, i: int, spec: SampleSpec, result: SampleResult,
     return ff, stopped
 
 
-def _fill_masks(guided: list[tuple[int, Matcher]], bitmask: torch.Tensor) -> None:
+def _fill_masks(guided: list[tuple[int, Matcher]], bitmask: torch.Tensor) -> dict[int, str]:
+    """Fill each guided row's mask; returns the rows whose matcher raised, and why (their requests
+    fail alone; the row keeps an all-allowed mask, and its sample is never used)."""
+    broken: dict[int, str] = {}
     for row, matcher in guided:
-        matcher.fill_bitmask(bitmask, row)
+        try:
+            matcher.fill_bitmask(bitmask, row)
+        except Exception as exc:
+            broken[row] = _grammar_failure(exc)
+    return broken
+
+
+def _grammar_failure(exc: Exception) -> str:
+    """The failure of one sequence whose grammar work raised: logged with its traceback (a backend
+    bug shows there), reported to its caller as a SamplingError."""
+    log.warning("guided decoding failed for one sequence: %r", exc, exc_info=not isinstance(exc, MatcherError))
+    return f"guided decoding failed: {exc}"
 
 
 def _bucket(n: int) -> int:

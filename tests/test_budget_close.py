@@ -26,6 +26,7 @@ from asyncpage import AsyncEngine, SamplingParams
 from asyncpage.errors import ExtractionError, GrammarError, InvalidRequestError
 from asyncpage.guided import GrammarManager, GuidedSpec, budget
 from asyncpage.guided.budget import guards_for
+from asyncpage.guided.guards import lex, refusal
 from asyncpage.guided.xgr import XGrammarMatcher, XgrRaw
 from asyncpage.weights import load_tokenizer
 from tests.conftest import SHARED
@@ -417,3 +418,43 @@ def test_a_date_the_budget_closes_is_a_calendar_date(gemma: tuple[Any, GrammarMa
         accepted = all(m.accept(t) for t in ids) and m.is_accepting()
         m.rollback(len(ids))
         assert accepted == ok == checker.conforms(value, "date"), value
+
+
+def test_budget_closing_gives_up_on_a_branch_that_forces_bytes_forever(tiny_llama: Any) -> None:
+    """xgrammar: past `{` of anyOf [a required self-reference, an integer], every state forces
+    `"next":{` without end. The repair search drops such states in bounded time and memory (it ran
+    out of memory asking xgrammar for the forced string), and an integer still closes."""
+    from transformers import AutoTokenizer
+
+    from asyncpage.guided import search
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
+    manager = GrammarManager(tok, vocab, [tok.eos_token_id], "xgrammar")
+    endless = {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                               "required": ["next"], "additionalProperties": False}}}
+    schema = {**endless, "anyOf": [{"$ref": "#/$defs/n"}, {"type": "integer"}]}
+    g: Any = manager.compile_sync(GuidedSpec("json_schema", json.dumps(schema)))
+    assert g.start_completion() is not None
+    raw = g.byte_template.deep_copy()
+    assert raw.consume_tokens(list(b"{"))
+    t = time.monotonic()
+    assert len(raw.compute_ff_bytes()) == search.FORCED_LIMIT
+    assert search.search(raw) is None and search.run(search.start_search(raw)) is None
+    assert time.monotonic() - t < 10
+
+
+def test_number_exponents_stay_within_what_json_readers_take() -> None:
+    """`8.76e30264` is valid JSON that msgspec refuses (out of range): the digit guard, which restarts
+    at `e`, allows an exponent of two digits at most, in one token or several."""
+    guards = guards_for({"type": "number"}, 12, 0)
+    for before, token in [("8.76e30", b"2"), ("8.76e", b"302"), ("8.76", b"e+302"), ("1E-9", b"99")]:
+        state = budget.CloseState()
+        lex(state, before.encode())
+        assert refusal(guards, state, 0, token) == "digits", (before, token)
+    state = budget.CloseState()
+    lex(state, b"8.76e3")
+    assert refusal(guards, state, 0, b"0") is None
+    state = budget.CloseState()
+    lex(state, b"123456789")
+    assert refusal(guards, state, 0, b"012") is None  # the mantissa keeps its own limit

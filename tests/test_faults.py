@@ -355,3 +355,25 @@ async def test_a_dead_engine_answers_openai_clients_with_503_not_a_crash(tiny_ll
         with pytest.raises(openai.APIStatusError) as e:
             await client.models.list()
         assert e.value.status_code == 503 and not engine.healthy
+
+
+@pytest.mark.parametrize("where", ["accept", "fill_bitmask"])
+async def test_a_grammar_matcher_that_raises_fails_only_its_request(tiny_llama: Path, where: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grammar backend raising in one sequence's step (taking its token, or filling its mask) fails
+    that request with a SamplingError; the free request beside it and the engine go on."""
+    from asyncpage.guided.llg import LLGuidanceMatcher
+
+    def boom(*args: Any) -> Any:
+        raise RuntimeError("matcher exploded")
+
+    async with tiny_engine(tiny_llama) as engine:
+        free = asyncio.create_task(engine.generate(PROMPTS[0], GREEDY))
+        monkeypatch.setattr(LLGuidanceMatcher, where, boom)
+        with pytest.raises(SamplingError, match="matcher exploded"):
+            await engine.generate("Hello", SamplingParams(regex="[a-z]{4}", max_tokens=8, budget_close=False))
+        monkeypatch.undo()
+        assert len((await free).token_ids) == GREEDY.max_tokens
+        out = await engine.generate("Hello", SamplingParams(regex="[a-z]{4}", max_tokens=8))
+        assert len(out.text) == 4 and engine.healthy
+        await idle(engine)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import threading
 import time
@@ -154,3 +155,49 @@ def test_attention_masks_are_built_on_the_batch_device() -> None:
     mask = meta.prefill_mask(0, window=4)
     assert mask is not None and mask.device == dev
     assert meta.decode_mask(None).device == dev
+
+
+# A required self-reference: every instance is infinite (`{"next":{"next":...`).
+ENDLESS = {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"],
+                           "additionalProperties": False}}, "$ref": "#/$defs/n"}
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+async def test_a_schema_with_no_finite_instance_is_refused_at_submission_and_the_engine_keeps_serving(
+        tiny_llama: Path, backend: str) -> None:
+    """Not output cut at `{` with finish "stop" (llguidance), nor a compile thread that runs out of
+    memory forcing `{"next":` forever (xgrammar): a GrammarError when the request is submitted."""
+    async with tiny_engine(tiny_llama, guided_backend=backend) as engine:
+        asks = [SamplingParams(json_schema=ENDLESS, max_tokens=10),
+                SamplingParams(json_schema=ENDLESS, max_tokens=10, budget_close=False)]
+        if backend == "llguidance":
+            asks.append(SamplingParams(grammar='start: "a" start', max_tokens=5))
+        for params in asks:
+            with pytest.raises(GrammarError, match="no finite instance"):
+                await asyncio.wait_for(engine.generate("Hello", params), 30)
+        free = await engine.generate("The quick", SamplingParams(max_tokens=8, ignore_eos=True))
+        assert len(free.token_ids) == 8 and engine.healthy
+
+
+def test_json_schema_true_means_any_json_and_false_is_refused_as_matching_nothing() -> None:
+    assert GuidedSpec.from_params(SamplingParams(json_schema=True)) == GuidedSpec("json_schema", "{}")  # type: ignore[arg-type]
+    with pytest.raises(GrammarError, match="matches nothing"):
+        GuidedSpec.from_params(SamplingParams(json_schema=False))  # type: ignore[arg-type]
+
+
+async def test_leaving_the_engine_ends_a_submission_waiting_for_its_grammar_compile_at_once(
+        tiny_llama: Path) -> None:
+    """EngineNotRunningError as the engine stops, not a GrammarTimeoutError at the compile timeout."""
+    from asyncpage.errors import EngineNotRunningError
+
+    engine = tiny_engine(tiny_llama, grammar_compile_timeout=5)
+    async with engine:
+        task = asyncio.create_task(engine.generate("x", SamplingParams(json_schema=HOSTILE, max_tokens=4)))
+        await asyncio.sleep(0.3)
+    t = time.monotonic()
+    with pytest.raises(EngineNotRunningError):
+        await asyncio.wait_for(task, 10)
+    assert time.monotonic() - t < 2
+    async with engine:  # the engine starts again and serves guided requests
+        out = await engine.generate("Hi", SamplingParams(regex="[a-c]{3}", max_tokens=5))
+        assert re.fullmatch("[a-c]{3}", out.text)

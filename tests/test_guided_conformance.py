@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from asyncpage.guided import GrammarManager
+from asyncpage.guided import GrammarManager, GuidedSpec
 from asyncpage.guided.conformance import load_cases, outcome_map, run_all, summarize
 from asyncpage.weights import load_tokenizer
 from tests.conftest import DATA, SHARED
@@ -68,3 +68,21 @@ def test_xgrammar_backend_refuses_keywords_it_would_ignore(gemma_tokenizer: tupl
         {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})))
     m = ok.new_matcher()
     assert all(m.accept(t) for t in tok('{"a":12}', add_special_tokens=False)["input_ids"]) and m.is_accepting()
+
+
+def test_xgrammar_never_lets_raw_control_characters_into_a_length_bounded_string(tiny_llama: Any) -> None:
+    """JSON forbids them unescaped; xgrammar's own rule for minLength/maxLength strings allowed them."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
+    manager = GrammarManager(tok, vocab, [tok.eos_token_id], "xgrammar")
+    for schema in ({"type": "string", "maxLength": 6}, {"type": "object", "properties": {"k": {
+            "type": "string", "minLength": 2}}, "required": ["k"], "additionalProperties": False}):
+        g = manager.compile_sync(GuidedSpec("json_schema", json.dumps(schema)))
+        wrap = (lambda s: s) if schema["type"] == "string" else (lambda s: '{"k":' + s + "}")
+        for text, valid in [('"a\x05b"', False), ('"a\x00b"', False), ('"a\x1fb"', False), ('"a\tb"', False),
+                            ('"abc"', True)]:
+            m = g.new_matcher()
+            ids = tok(wrap(text), add_special_tokens=False)["input_ids"]
+            assert (all(m.accept(t) for t in ids) and m.is_accepting()) == valid, (schema, text)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from typing import Any
 
 import jsonschema
 import msgspec
@@ -112,3 +113,17 @@ async def test_grammar_forced_tokens_take_no_steps_of_their_own(default_engine_u
     json.loads(out.text)
     assert out.finish_reason == "stop"
     assert steps < len(out.token_ids), (steps, len(out.token_ids))
+
+
+async def test_xgrammar_lets_the_model_go_on_where_the_grammar_could_end(tiny_llama: Any) -> None:
+    """As with llguidance: "a" of ["a", "ab"] or one digit of `[0-9]{1,6}` may end the value (the
+    stop token is offered there) but need not; a grammar complete from the start gives ""."""
+    opts: dict[str, Any] = dict(dtype="float32", block_size=4, num_kv_blocks=128, max_num_batched_tokens=32)
+    async with AsyncEngine.from_pretrained(str(tiny_llama), guided_backend="xgrammar", **opts) as engine:
+        choice = await engine.generate("Count: 12345 ", SamplingParams(choice=["a", "ab"], n=8, seed=3))
+        assert {c.text for c in choice.choices} == {"a", "ab"}
+        digits = await engine.generate("Count: 12345 ", SamplingParams(regex="[0-9]{1,6}", n=8, seed=1))
+        assert all(re.fullmatch("[0-9]{1,6}", c.text) for c in digits.choices)
+        assert max(len(c.text) for c in digits.choices) > 1
+        empty = await engine.generate("Count: ", SamplingParams(regex="", max_tokens=4))
+        assert (empty.text, empty.choices[0].finish_reason) == ("", "stop")

@@ -25,9 +25,13 @@ class GuidedSpec:
     @staticmethod
     def from_params(p: SamplingParams) -> GuidedSpec | None:
         if p.json_schema is not None:
+            # `true` and `false` are JSON Schemas too: any JSON value, and none (which no output meets).
+            if p.json_schema is False:
+                raise GrammarError("json_schema", "false matches nothing: no output can satisfy it")
+            schema = {} if p.json_schema is True else p.json_schema
             # Key order is kept: properties are generated in the order the schema lists them.
             try:
-                return GuidedSpec("json_schema", json.dumps(p.json_schema, allow_nan=False))
+                return GuidedSpec("json_schema", json.dumps(schema, allow_nan=False))
             except (TypeError, ValueError, RecursionError) as exc:
                 raise GrammarError("json_schema", f"not a JSON document: {exc}") from None
         if p.regex is not None:

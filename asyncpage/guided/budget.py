@@ -41,7 +41,8 @@ from typing import Any
 from asyncpage.guided.guards import Guards, guards_for, lex, refusal
 from asyncpage.guided.search import Steps, completes, run, search, start_search
 
-__all__ = ["ALTERNATIVES", "CloseState", "Closer", "Guards", "Planner", "StartPlan", "guards_for"]
+__all__ = ["ALTERNATIVES", "CloseState", "Closer", "Guards", "MatcherError", "Planner", "StartPlan", "guards_for",
+           "matcher_error"]
 
 # Tokens kept in reserve: the token count of a completion is the count of one tokenization of its bytes;
 # forced tokens and the model's own tokens may split the same bytes differently.
@@ -54,6 +55,20 @@ ALTERNATIVES = 8  # model's best allowed tokens tried when its sampled token doe
 # A start search's own time bound: a hostile grammar's cost on the compile thread, on top of its
 # compile. The search's node bounds end it well before on every dev-set schema but one.
 START_SECONDS = 2.0
+
+
+class MatcherError(RuntimeError):
+    """A sequence's matcher refused a token its own mask allowed, or forced (llguidance does so in a
+    grammar with no finite instance, `start: "a" start`, and is then in its error state, which
+    `is_stopped` also reports): that sequence's request fails with it, never the engine."""
+
+
+def matcher_error(m: Any, what: str) -> MatcherError:
+    """The MatcherError for `m` (a raw matcher, or a backend Matcher), with its own error text where
+    it has one (llguidance's get_error)."""
+    get = getattr(m, "get_error", None) or getattr(m, "error", None)
+    detail = str(get()) if get is not None else ""
+    return MatcherError(f"the grammar rejected {what}" + (f": {detail}" if detail else ""))
 
 
 class Planner:
@@ -162,6 +177,7 @@ class CloseState:
     in_string: bool = False
     escape: bool = False
     digit_run: int = 0
+    exponent: bool = False
     string_tokens: list[int] = field(default_factory=list)
 
     def copy(self, fork: bool = False) -> CloseState:
@@ -169,7 +185,7 @@ class CloseState:
         shadow = self.shadow.deep_copy() if fork and self.shadow is not None else self.shadow
         return CloseState(shadow, self.path, None if self.tokens is None else list(self.tokens), self.known_at,
                           self.anchor, self.retry_below, self.forced, self.guards, self.in_string, self.escape,
-                          self.digit_run, list(self.string_tokens))
+                          self.digit_run, self.exponent, list(self.string_tokens))
 
     @property
     def length(self) -> float:
@@ -250,12 +266,13 @@ class Closer:
         if check and guard and (why := refusal(s.guards, s, token, data)) is not None:
             return why, [], False
         saved = s.copy()
-        m.consume_token(token)
+        if not m.consume_token(token):  # validated above: the grammar has no way on from here
+            raise matcher_error(m, f"token {token} its mask allowed")
         ff: list[int] = []
         if fast_forward and not m.is_stopped():
             for t in m.compute_ff_tokens():
-                if not m.consume_token(t):  # pragma: no cover - forced tokens are accepted
-                    break
+                if not m.consume_token(t):
+                    raise matcher_error(m, f"token {t} it forced")
                 ff.append(t)
         stopped = bool(m.is_stopped())
         consumed = data + b"".join(p.token_bytes(t) for t in ff)

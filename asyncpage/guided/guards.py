@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Protocol
 
+# Exponent digits the digit guard allows: `e99` is the most every reader of a double takes (msgspec
+# refuses `8.76e30264` as out of range; the digit run restarts at `e`, so max_digits alone allows it).
+EXPONENT_DIGITS = 2
+
 
 @dataclass
 class Guards:
@@ -24,11 +28,13 @@ class LexState(Protocol):
     in_string: bool
     escape: bool
     digit_run: int
+    exponent: bool
     string_tokens: list[int]
 
 
 def lex(state: LexState, data: bytes) -> None:
-    """Advance the JSON lexical state (inside a string? trailing digit run outside strings?)."""
+    """Advance the JSON lexical state (inside a string? trailing digit run outside strings? in a
+    number's exponent?)."""
     for b in data:
         if state.in_string:
             if state.escape:
@@ -41,10 +47,15 @@ def lex(state: LexState, data: bytes) -> None:
         elif b == 0x22:
             state.in_string = True
             state.digit_run = 0
+            state.exponent = False
         elif 48 <= b <= 57:
             state.digit_run += 1
+        elif b in b"eE" or (b in b"+-" and state.exponent):
+            state.digit_run = 0
+            state.exponent = True  # an `e` of true/false is followed by no digit: harmless
         else:
             state.digit_run = 0
+            state.exponent = False
 
 
 def refusal(guards: Guards | None, state: LexState, token: int, data: bytes) -> str | None:
@@ -53,13 +64,16 @@ def refusal(guards: Guards | None, state: LexState, token: int, data: bytes) -> 
     if g is None:
         return None
     if g.max_digits and not s.in_string:
-        run = s.digit_run
+        run, exp = s.digit_run, s.exponent
         for b in data:
-            if not 48 <= b <= 57:
+            if 48 <= b <= 57:
+                run += 1
+                if run > (min(g.max_digits, EXPONENT_DIGITS) if exp else g.max_digits):
+                    return "digits"
+            elif b in b"eE" or (exp and b in b"+-"):
+                run, exp = 0, True  # `5e+123` may come in one token
+            else:
                 break
-            run += 1
-            if run > g.max_digits:
-                return "digits"
     if g.max_repeats and s.in_string and data and 0x22 not in data:
         tail = [*s.string_tokens[-8 * (g.max_repeats + 1):], token]
         if repeats(tail) > g.max_repeats:

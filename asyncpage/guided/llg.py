@@ -55,6 +55,10 @@ class LLGuidanceMatcher:
     def is_terminated(self) -> bool:
         return bool(self._m.is_stopped())
 
+    def error(self) -> str:
+        """Why the matcher is in its error state ("" when it is not)."""
+        return str(self._m.get_error()) if self._m.is_error() else ""
+
     def forced_tokens(self) -> list[int]:
         return list(self._m.compute_ff_tokens())
 
@@ -110,6 +114,17 @@ class LLGuidanceGrammar:
         return plan.path if plan.done else plan.run()
 
 
+def refuse_unproductive(spec: GuidedSpec, template: Any) -> None:
+    """A grammar with no finite instance (`start: "a" start`, a required self-reference) compiles,
+    and its mask allows tokens its matcher then refuses: refused here when a fresh matcher cannot take
+    the tokens it forces (llguidance bounds that run), instead of failing each request that uses it."""
+    m = template.deep_copy()
+    forced = list(m.compute_ff_tokens())
+    if forced and not m.consume_tokens(forced):
+        why = (str(m.get_error()).splitlines() or ["a dead end"])[0]  # its first line; a state dump follows
+        raise GrammarError(spec.kind, f"the {spec.kind} has no finite instance: {why}")
+
+
 class LLGuidanceBackend:
     name = "llguidance"
 
@@ -160,5 +175,6 @@ class LLGuidanceBackend:
         matcher = LLMatcher(self._tok, grammar, log_level=0)
         if matcher.is_error():
             raise grammar_error(spec, matcher.get_error())
+        refuse_unproductive(spec, matcher)
         byte_matcher = LLMatcher(self._byte_tok, grammar, log_level=0)  # a fraction of the compile above
         return LLGuidanceGrammar(matcher, self.planner, None if byte_matcher.is_error() else byte_matcher)

@@ -93,6 +93,7 @@ class GrammarManager:
         self._pump_queued = False
         self._compiles_waiting = 0
         self._waiting_lock = threading.Lock()
+        self._waiters: set[anyio.Event] = set()  # callers waiting for a compile (loop only)
 
     def backend(self) -> GrammarBackend:
         """Built on first use (a second or two for a 262k vocabulary), in whatever thread asks. A
@@ -166,10 +167,12 @@ class GrammarManager:
         flight.waiters += 1
         done = anyio.Event()
         flight.future.add_done_callback(lambda _: loop.call_soon_threadsafe(done.set))
+        self._waiters.add(done)
         try:
             with anyio.move_on_after(self.compile_timeout):
                 await done.wait()
         finally:
+            self._waiters.discard(done)
             flight.waiters -= 1
             if flight.waiters == 0 and not flight.future.done() and flight.future.cancel():
                 self._flights.pop(spec, None)  # nobody wants it and it never started: it never will
@@ -178,6 +181,8 @@ class GrammarManager:
                 self._executor.submit(self._schedule_plans)  # searches that gave way to it go on
         timeout = GrammarTimeoutError(spec.kind, f"compiling the {spec.kind} took longer than "
                                                  f"{self.compile_timeout:g} s")
+        if done.is_set() and not flight.future.done():
+            raise GrammarError(spec.kind, "the engine stopped while the grammar was compiling")
         if not flight.future.done() or flight.future.cancelled():
             log.warning("grammar compilation gave up after %.1f s (%s)", self.compile_timeout, spec.kind)
             raise timeout
@@ -189,6 +194,13 @@ class GrammarManager:
             raise GrammarError(exc.field, exc.message) from None
         except Exception as exc:  # a backend bug must still reach the caller as a typed error
             raise GrammarError(spec.kind, f"the grammar could not be compiled: {exc!r}") from exc
+
+    def interrupt(self) -> None:
+        """On the loop, as the engine stops: every caller waiting for a compile stops waiting (with a
+        GrammarError the engine turns into EngineNotRunningError), not at its compile timeout. The
+        compiles themselves go on, and are cached as usual."""
+        for done in list(self._waiters):
+            done.set()
 
     def _compile_job(self, spec: GuidedSpec, deadline: Deadline) -> CompiledGrammar:
         """On the compile thread: the compile, then its start search queued behind any other compile."""

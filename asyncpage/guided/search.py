@@ -42,6 +42,10 @@ REPEAT_PENALTY = 1  # search priority cost of coming back to a fingerprint alrea
 NOVELTY_TRIES = 16  # candidate bytes a walk step tries before it settles for the first allowed
 REVISITS = 4  # places a walk step moves back to, in its order of preference, before it looks elsewhere
 YIELD_EVERY = 16  # expanded nodes (or walk steps) between two yields
+# A run of forced bytes this long is taken for one without end (a grammar that forces
+# `{"next":{"next":...` forever): the searches drop the state. A matcher may stop its forced bytes
+# here (asyncpage.guided.xgr.XgrRaw walks them one by one).
+FORCED_LIMIT = 1024
 
 Steps = Generator[None, None, bytes | None]
 
@@ -198,6 +202,8 @@ def search_steps(m: Any, goals: Iterable[bytes] = (), max_nodes: int = MAX_NODES
         if cur.is_accepting():
             return path
         forced = bytes(cur.compute_ff_bytes())
+        if len(forced) >= FORCED_LIMIT:
+            continue  # forced without end: no completion this way
         if forced:
             # The only way on: no mask needed (most bytes of a JSON schema's shortest value are these).
             for g in goal_list:
@@ -256,6 +262,8 @@ def walk_steps(m: Any, max_steps: int = WALK_STEPS, trail: list[tuple[tuple[Any,
         if i % YIELD_EVERY == YIELD_EVERY - 1:
             yield
         forced = bytes(w.compute_ff_bytes())
+        if len(forced) >= FORCED_LIMIT:
+            break  # forced without end: the walk gives up
         if forced:
             if not w.consume_tokens(list(forced)):  # pragma: no cover - forced bytes are allowed
                 return None
@@ -343,6 +351,8 @@ def _hop(m: Any, key: tuple[Any, ...], met: dict[tuple[Any, ...], int], max_prob
             nxt = cur.deep_copy()
             nxt.consume_token(b)
             forced = bytes(nxt.compute_ff_bytes())
+            if len(forced) >= FORCED_LIMIT:
+                continue  # forced without end: no place to go
             nxt.consume_tokens(list(forced))
             step = path + _BYTE[b] + forced
             if nxt.is_accepting():

@@ -29,6 +29,7 @@ from asyncpage.guided.backend import (
 )
 from asyncpage.guided.budget import Closer, CloseState, Planner, StartPlan, sequence_closer
 from asyncpage.guided.guards import Guards
+from asyncpage.guided.search import FORCED_LIMIT
 
 log = logging.getLogger("asyncpage")
 
@@ -40,17 +41,38 @@ ENFORCED = frozenset({
     "maximum", "exclusiveMinimum", "exclusiveMaximum", "title", "description", "default", "examples",
     "$schema", "$id", "$comment", "deprecated", "readOnly", "writeOnly"})
 BYTE_VOCAB = 257  # the 256 bytes and an end token, for the byte matchers
+RUNAWAY_BYTES = 1 << 14  # forced bytes from the start that make a grammar refused (refuse_runaway)
+# xgrammar's JSON rule for a string with minLength/maxLength takes any byte but `"`, `\`, CR and LF:
+# raw control characters, which JSON forbids. The rule text is rewritten to refuse them (escapes stay
+# out, as in xgrammar's own rule: fewer strings, all of them valid JSON).
+_LENGTH_CHAR = r'[^\"\\\r\n]'
+_JSON_CHAR = r'[^\0-\x1f\"\\]'
+
+
+def only_stops(m: Any, words: int, stops: frozenset[int]) -> bool:
+    """Is the grammar complete with nothing but a stop token allowed next? The mask is filled only
+    where it is complete (a model-vocabulary mask costs 25 us and more); `words`: its int32 width."""
+    if not words or not m.is_completed():
+        return False
+    mask = torch.zeros((1, words), dtype=torch.int32)
+    m.fill_next_token_bitmask(mask, 0)
+    bits = int.from_bytes(mask.numpy().tobytes(), "little")
+    for t in stops:
+        bits &= ~(1 << t)
+    return bits == 0
 
 
 class XgrRaw:
     """An xgrammar GrammarMatcher with the llguidance matcher methods budget closing uses. Each
     accepted token is one rollback step, as in llguidance."""
 
-    __slots__ = ("_words", "m")
+    __slots__ = ("_stops", "_vocab", "_words", "m")
 
     def __init__(self, m: Any, vocab_size: int) -> None:
         self.m = m
+        self._vocab = vocab_size
         self._words = (vocab_size + 31) // 32
+        self._stops = frozenset(m.stop_token_ids)
 
     def try_consume_tokens(self, tokens: list[int]) -> int:
         n = 0
@@ -83,10 +105,26 @@ class XgrRaw:
         return bool(self.m.is_completed())
 
     def is_stopped(self) -> bool:
-        return bool(self.m.is_terminated())
+        return bool(self.m.is_terminated()) or only_stops(self.m, self._words, self._stops)
 
-    def compute_ff_bytes(self) -> bytes:
-        return str(self.m.find_jump_forward_string()).encode()
+    def compute_ff_bytes(self, limit: int = FORCED_LIMIT) -> bytes:
+        """The bytes the grammar forces next, at most search.FORCED_LIMIT of them. Walked one byte
+        mask at a time, never with xgrammar's find_jump_forward_string: that one has no bound, and
+        runs out of memory in a grammar that forces bytes forever (a required self-reference). Only
+        a byte matcher (BYTE_VOCAB) has forced bytes to tell: a model-vocabulary one says none."""
+        if self._vocab != BYTE_VOCAB:
+            return b""
+        out = bytearray()
+        while len(out) < limit:
+            bits = int.from_bytes(self.compute_bitmask(), "little") & ((1 << BYTE_VOCAB) - 1)
+            if not bits or bits & (bits - 1) or bits >> 256:
+                break  # a choice, an end, or nothing: no more forced bytes
+            b = bits.bit_length() - 1
+            if not self.m.accept_token(b):  # pragma: no cover - the mask allowed it
+                break
+            out.append(b)
+        self.rollback(len(out))
+        return bytes(out)
 
     def compute_ff_tokens(self) -> list[int]:
         return []  # see XGrammarMatcher.forced_tokens
@@ -97,7 +135,7 @@ class XgrRaw:
         return mask.numpy().tobytes()
 
     def deep_copy(self) -> XgrRaw:
-        return XgrRaw(self.m.fork(), 32 * self._words)
+        return XgrRaw(self.m.fork(), self._vocab)
 
 
 class XGrammarMatcher:
@@ -105,6 +143,8 @@ class XGrammarMatcher:
         self._m = m
         self._grammar = grammar
         self._close = close  # budget closing (asyncpage.guided.budget); made on first use
+        self._words = (grammar.vocab_size + 31) // 32 if grammar is not None and grammar.vocab_size else 0
+        self._stops = frozenset(m.stop_token_ids)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
@@ -126,7 +166,11 @@ class XGrammarMatcher:
         return bool(self._m.is_completed())
 
     def is_terminated(self) -> bool:
-        return bool(self._m.is_terminated())
+        """Ended: a stop token was taken, or nothing but one can follow (as llguidance's is_stopped).
+        A grammar that could end but may go on ("a" of ["a", "ab"], "1" of an integer) is not ended:
+        its mask offers the stop tokens next to what may follow, and the model chooses."""
+        m = self._m
+        return bool(m.is_terminated()) or only_stops(m, self._words, self._stops)
 
     def forced_tokens(self) -> list[int]:
         return []  # xgrammar's jump-forward is a string, not tokens; sampling one token at a time is exact
@@ -174,8 +218,10 @@ class XGrammarGrammar:
     def _new(self) -> Any:
         import xgrammar as xgr
 
-        # terminate_without_stop_token: a finished grammar ends the sequence, as with llguidance.
-        return xgr.GrammarMatcher(self._compiled, override_stop_tokens=self._stop, terminate_without_stop_token=True)
+        # Not terminate_without_stop_token: that ends at the first point the grammar could end
+        # ("a" of ["a", "ab"]). Stop tokens are offered where it may end; it ends where nothing
+        # else may follow (XGrammarMatcher.is_terminated), or when one is taken.
+        return xgr.GrammarMatcher(self._compiled, override_stop_tokens=self._stop)
 
     def new_matcher(self) -> Matcher:
         return XGrammarMatcher(self._new(), self)
@@ -186,6 +232,18 @@ class XGrammarGrammar:
         if plan is None:
             return None
         return plan.path if plan.done else plan.run()
+
+
+def refuse_runaway(spec: GuidedSpec, byte_compiled: Any) -> None:
+    """A grammar that forces bytes from its start without end has no finite instance (a required
+    self-reference: `{"next":{"next":...`): refused here, at submission, rather than generating into
+    max_tokens. Walked on the byte grammar, up to RUNAWAY_BYTES (no real grammar forces that much)."""
+    import xgrammar as xgr
+
+    raw = XgrRaw(xgr.GrammarMatcher(byte_compiled), BYTE_VOCAB)
+    if len(raw.compute_ff_bytes(RUNAWAY_BYTES)) >= RUNAWAY_BYTES:
+        raise GrammarError(spec.kind, f"the {spec.kind} has no finite instance: it forces more than "
+                                      f"{RUNAWAY_BYTES} bytes without an end (a required self-reference?)")
 
 
 class XGrammarBackend:
@@ -220,16 +278,19 @@ class XGrammarBackend:
             raise
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses with its message
             raise grammar_error(spec, str(exc)) from exc
-        byte_g = None
-        if self.planner is not None:
-            try:
-                byte_g = self._compile(self._byte_compiler, spec)  # a 257-token vocabulary: a fraction of g's
-            except Exception:  # pragma: no cover - compiled above for the model's vocabulary
-                byte_g = None
+        try:
+            byte_g = self._compile(self._byte_compiler, spec)  # a 257-token vocabulary: a fraction of g's
+        except Exception:  # pragma: no cover - compiled above for the model's vocabulary
+            byte_g = None
+        if byte_g is not None:
+            deadline.check()
+            refuse_runaway(spec, byte_g)
         return XGrammarGrammar(g, self._stop, self._vocab_size, self.planner, byte_g)
 
     @staticmethod
     def _compile(compiler: Any, spec: GuidedSpec) -> Any:
+        import xgrammar as xgr
+
         if spec.kind == "json_schema":
             schema = json.loads(spec.value)
             ignored = sorted(schema_keywords(schema) - ENFORCED)
@@ -237,8 +298,11 @@ class XGrammarBackend:
                 raise GrammarError(spec.kind, f"unsupported JSON Schema keyword(s) {', '.join(ignored)} "
                                               "(xgrammar backend)")
             # Compact JSON, as with llguidance; strict_mode: nothing beyond what the schema allows.
-            return compiler.compile_json_schema(spec.value, any_whitespace=False, separators=(",", ":"),
-                                                strict_mode=True)
+            options: dict[str, Any] = {"any_whitespace": False, "separators": (",", ":"), "strict_mode": True}
+            text = str(xgr.Grammar.from_json_schema(spec.value, **options))
+            if _LENGTH_CHAR in text:
+                return compiler.compile_grammar(text.replace(_LENGTH_CHAR, _JSON_CHAR))
+            return compiler.compile_json_schema(spec.value, **options)
         if spec.kind == "regex":
             return compiler.compile_regex(spec.value)
         if spec.kind == "choice":
