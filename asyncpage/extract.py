@@ -96,14 +96,19 @@ def grounded(params: SamplingParams, schema: dict[str, Any], sources: list[str])
     return msgspec.structs.replace(params, json_schema=None, grammar=grounding.grammar(schema, sources))
 
 
-def check_job(prompt: Prompt | None, examples: Sequence[Mapping[str, Any]], concurrency: int) -> None:
+def check_job(prompt: Prompt | None, examples: Sequence[Mapping[str, Any]], concurrency: int, schema: Any,
+              copy_fields: Sequence[str] | str | None) -> None:
     """A job's options that do not depend on the engine (the Ray driver checks them too, before a
-    cluster starts)."""
+    cluster starts): the examples among them, each against the schema."""
     if concurrency < 1:
         raise InvalidRequestError("concurrency", "must be >= 1")
     if examples and prompt is not None:
         raise InvalidRequestError("examples", "examples go into the default prompt; a prompt of your own "
                                               "carries its examples itself")
+    if examples:
+        json_schema = json_params(schema, None)[0].json_schema
+        if isinstance(json_schema, dict):
+            schema_prompt(grounding.mark(json_schema, copy_fields), examples=examples)  # refuses a bad one
 
 
 def copy_sources(prompt: Prompt | None, record: Mapping[str, Any], id_field: str) -> list[str]:
@@ -241,7 +246,7 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
                        examples: Sequence[Mapping[str, Any]] = (),
                        beam_width: int | None = None) -> AsyncIterator[ExtractResult]:
     """See AsyncEngine.extract_many."""
-    check_job(prompt, examples, concurrency)
+    check_job(prompt, examples, concurrency, schema, copy_fields)
     params, target = json_params(schema, params)
     spec = GuidedSpec.from_params(params)
     assert spec is not None and params.json_schema is not None

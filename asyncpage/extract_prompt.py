@@ -12,6 +12,7 @@ right on examples/grounded with 4 beams from 66% to 71%.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -83,14 +84,33 @@ def field_lines(schema: dict[str, Any], copied: Collection[str] = ()) -> list[st
 
 def _check_example(schema: dict[str, Any], value: Any, number: int) -> None:
     """A solved case whose values the schema refuses would teach the model a wrong value: refused, by
-    its number. Fields left out are allowed (a partial label still shows the rest right)."""
+    its number. Fields left out are allowed, at any depth (a partial label still shows the rest right)."""
     import jsonschema
 
-    validator = jsonschema.validators.validator_for(schema)(schema)
-    error = jsonschema.exceptions.best_match(e for e in validator.iter_errors(value) if e.validator != "required")
+    lenient = _without_required(schema)
+    try:
+        validator = jsonschema.validators.validator_for(lenient)(lenient)
+        error = jsonschema.exceptions.best_match(validator.iter_errors(value))
+    except (jsonschema.exceptions.SchemaError, jsonschema.exceptions.UnknownType, re.error) as exc:
+        raise InvalidRequestError("schema", f"cannot check the examples against it: {exc}") from exc
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "the value"
         raise InvalidRequestError("examples", f"example {number}: {where}: {error.message}")
+
+
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema maps
+
+
+def _without_required(node: Any, names: bool = False) -> Any:
+    """`node` (a schema, or a map of names to schemas) with every `required` list dropped."""
+    if isinstance(node, list):
+        return [_without_required(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    if names:
+        return {k: _without_required(v) for k, v in node.items()}
+    return {k: _without_required(v, k in _NAMED) for k, v in node.items()
+            if not (k == "required" and isinstance(v, list))}
 
 
 def schema_prompt(schema: dict[str, Any], *, examples: Sequence[Mapping[str, Any]] = (),

@@ -133,10 +133,15 @@ def _with_outer(outer: dict[str, Any], inner: dict[str, Any]) -> dict[str, Any]:
     """The string branch with the string keywords written beside its anyOf / oneOf, which hold as
     well: {"anyOf": [{"type": "string"}, {"type": "null"}], "maxLength": 3} caps the string at 3."""
     merged = dict(inner)
+    for key in ("minLength", "maxLength"):
+        for node in (outer, inner):
+            v = node.get(key, 0)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+                raise InvalidRequestError("schema", f"{key} must be a non-negative integer, got {v!r}")
     if "minLength" in outer:
-        merged["minLength"] = max(int(outer["minLength"]), int(inner.get("minLength", 0)))
+        merged["minLength"] = max(outer["minLength"], inner.get("minLength", 0))
     if "maxLength" in outer:
-        merged["maxLength"] = min(int(outer["maxLength"]), int(inner.get("maxLength", outer["maxLength"])))
+        merged["maxLength"] = min(outer["maxLength"], inner.get("maxLength", outer["maxLength"]))
     merged[_PATTERNS] = (*_patterns(outer), *_patterns(inner))
     for key in ("enum", "const", "format"):  # they make the field not a free string: seen, to be refused
         if key in outer:
@@ -217,7 +222,8 @@ class _Builder:
         hi = branch.get("maxLength")
         name = self._name("COPIED").upper()
         if hi is not None and int(hi) < lo:
-            raise InvalidRequestError("schema", f"x-copy needs maxLength >= 1 (got {hi})")
+            raise InvalidRequestError("schema", f"x-copy needs maxLength >= 1 and >= minLength (got maxLength {hi}, "
+                                                f"minLength {branch.get('minLength', 1)})")
         # No whitespace at either end (a span of the text, not of its spacing), length in characters.
         parts = ["SOURCE_SPAN", f"/{_TRIMMED}/", _MEANINGFUL, f"/{_JSON_CHAR}{{{lo},{'' if hi is None else int(hi)}}}/"]
         patterns = _patterns(branch)

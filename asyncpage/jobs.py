@@ -180,15 +180,19 @@ def job_params(max_tokens: int) -> SamplingParams:
 
 
 def check_paths(input_path: Path, output_path: Path) -> None:
-    """A job's files, checked before any model loads: the input a readable file, the output's
-    folder there (and the output, if it exists, a file)."""
+    """A job's files, checked before any model loads: the input a readable regular file (it is read
+    twice: counted, then extracted, so a pipe will not do), the output's folder there, the output
+    not a folder and not the input."""
     if not input_path.is_file():
-        why = "is a directory" if input_path.is_dir() else "does not exist"
+        why = ("does not exist" if not input_path.exists() else "is a directory" if input_path.is_dir()
+               else "is not a regular file (the job reads its input twice: to count it, then to extract)")
         raise InvalidRequestError("input", f"{input_path} {why}")
     if not os.access(input_path, os.R_OK):
         raise InvalidRequestError("input", f"{input_path} is not readable")
-    if output_path.exists() and not output_path.is_file():
-        raise InvalidRequestError("output", f"{output_path} is not a file")
+    if output_path.is_dir():
+        raise InvalidRequestError("output", f"{output_path} is a directory")
+    if output_path.exists() and os.path.samefile(input_path, output_path):
+        raise InvalidRequestError("output", f"{output_path} is the input file")
     folder = output_path.parent
     if not folder.is_dir():
         raise InvalidRequestError("output", f"the folder {folder} does not exist")

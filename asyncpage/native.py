@@ -42,7 +42,7 @@ class NativeKernels:
         rows, heads, dim = q.shape
         _, block, kv_heads, _ = k_cache.shape
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out = torch.empty(rows, heads, dim)
+        out = torch.empty(rows, heads, dim, dtype=torch.float32)  # what the C code writes, whatever torch's default
         if self._attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                         tables.data_ptr(), tables.shape[1], lens.data_ptr(), slots.data_ptr(), window or 0,
                         rows, heads, kv_heads, dim, block, scale, out.data_ptr()):
@@ -64,10 +64,23 @@ def load() -> NativeKernels | None:
     if os.environ.get("ASYNCPAGE_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     try:
-        return NativeKernels(ctypes.CDLL(str(_build())))
+        return NativeKernels(_open(_build()))
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
-        log.info("no native CPU kernels (%s): torch ops serve the one-stream decode step", exc)
+        log.warning("no native CPU kernels (%s): torch ops serve the compiled decode steps' attention", exc)
         return None
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    """The built library; one that does not load (a truncated or foreign file left at its cache key)
+    is removed and built once more, not left to disable the kernels for every later process."""
+    try:
+        lib = ctypes.CDLL(str(path))
+        lib.attend_rows_f32  # noqa: B018  (a missing symbol raises AttributeError here)
+        return lib
+    except (OSError, AttributeError) as exc:
+        log.warning("rebuilding %s, which does not load: %s", path, exc)
+        path.unlink(missing_ok=True)
+        return ctypes.CDLL(str(_build()))
 
 
 def _build() -> Path:

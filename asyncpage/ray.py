@@ -156,7 +156,7 @@ def extract_dataset(ds: ray.data.Dataset, schema: Any, *, num_actors: int = 1, n
 def _refuse(job: _Job, engine_options: Mapping[str, Any]) -> None:
     """What extract_many refuses up front, inside the actors (its options, extract_beams.refuse_asked_beams),
     is refused on the driver, with the engine limits the actors will have."""
-    check_job(job.prompt, job.examples, job.concurrency)
+    check_job(job.prompt, job.examples, job.concurrency, job.schema, job.copy_fields)
     defaults = inspect.signature(AsyncEngine.from_pretrained).parameters
     refuse_asked_beams(job.params or SamplingParams(), job.beam_width,
                        max_num_seqs=engine_options.get("max_num_seqs", defaults["max_num_seqs"].default),

@@ -4,6 +4,7 @@ exactly one output line, whatever the ids, the bytes, the prompt function or the
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +149,12 @@ def test_missing_or_wrong_files_are_refused_before_the_model_loads(
         assert cli(["extract", "--schema", str(schema), "--input", str(src), "--output", str(dst),
                     "--model", str(tmp_path / "no-model"), "--no-progress"]) == 2
         assert why in capsys.readouterr().err
-    with pytest.raises(InvalidRequestError):
-        from asyncpage.jobs import check_paths
-        check_paths(inp, tmp_path)
+    from asyncpage.jobs import check_paths
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for src, dst, field in ((inp, tmp_path, "output"), (inp, inp, "output"), (fifo, tmp_path / "o.jsonl", "input")):
+        with pytest.raises(InvalidRequestError) as err:  # a folder, the input itself, a pipe read twice
+            check_paths(src, dst)
+        assert err.value.field == field
+    check_paths(inp, Path(os.devnull))  # a device is a fine output

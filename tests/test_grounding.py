@@ -143,6 +143,16 @@ def test_the_default_prompt_names_each_field_its_meaning_and_values() -> None:
         with pytest.raises(InvalidRequestError, match=f"example 1: {where}") as err:  # a label the schema refuses
             schema_prompt(marked, examples=[{"text": "From: Al Bo", "value": value}])
         assert err.value.field == "examples"
+    # Left out at any depth is fine: a partial label (here inside an optional nested object).
+    nested = {"type": "object", "properties": {"addr": {"anyOf": [
+        {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+         "required": ["city", "zip"]}, {"type": "null"}]}}, "required": ["addr"]}
+    schema_prompt(nested, examples=[{"text": "Oslo", "value": {"addr": {"city": "Oslo"}}}])
+    for broken in ({"type": "strng"}, {"type": "string", "pattern": "("}):
+        with pytest.raises(InvalidRequestError) as err:
+            schema_prompt({"type": "object", "properties": {"a": broken}},
+                          examples=[{"text": "t", "value": {"a": "x"}}])
+        assert err.value.field == "schema"
 
 
 async def test_extract_many_copies_every_value_from_its_own_record(tiny_llama: Path) -> None:
@@ -248,6 +258,10 @@ def test_length_and_pattern_beside_a_string_or_null_any_of_hold_on_the_copied_va
                                                                   "x-copy": True}}}, ["a@b.c"])
     marked = grounding.mark({"type": "object", "properties": {"f": {"anyOf": nullable, "format": "email"}}}, "auto")
     assert not grounding.copied(marked)
+    for bad in ({"minLength": "x"}, {"maxLength": None}, {"maxLength": [1]}, {"minLength": -1}):
+        with pytest.raises(InvalidRequestError) as err:  # a typed refusal, not a ValueError from int()
+            grounding.mark({"type": "object", "properties": {"f": {"anyOf": nullable, **bad}}}, "auto")
+        assert err.value.field == "schema"
 
 
 def test_a_record_with_no_text_gives_null_for_nullable_copied_fields(accepts: Any) -> None:

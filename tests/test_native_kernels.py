@@ -74,3 +74,30 @@ def test_only_float32_cpu_tensors_and_contiguous_pools_are_taken() -> None:
     assert not native.takes(torch.zeros(1, 8), (pool, pool.transpose(0, 1)), table)
     assert not native.takes(torch.zeros(1, 8), (pool, pool, torch.zeros(4)), table)  # a quantized pool's scales
     assert not native.takes(torch.zeros(1, 8), (pool, pool), table.int())
+
+
+def test_the_kernels_answer_in_float32_whatever_torchs_default_dtype() -> None:
+    kernels = native.load()
+    assert kernels is not None
+    pool = torch.zeros(4, 2, 1, 8, dtype=torch.float32)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        out = kernels.attend_rows(torch.ones(1, 2, 8, dtype=torch.float32), torch.ones(1, 1, 8, dtype=torch.float32),
+                                  torch.full((1, 1, 8), 3.0, dtype=torch.float32), pool, pool.clone(),
+                                  torch.tensor([[1]]), torch.tensor([1]), torch.tensor([2]), None, 0.5)
+    finally:
+        torch.set_default_dtype(previous)
+    assert out.dtype == torch.float32 and torch.equal(out, torch.full((1, 2, 8), 3.0))
+
+
+def test_a_cached_library_that_does_not_load_is_rebuilt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    native.load.cache_clear()
+    try:
+        built = native._build()  # built, not loaded: a loaded library must never be rewritten in place
+        built.write_bytes(built.read_bytes()[:100])  # a torn file at its cache key, as a killed build leaves
+        assert native.load() is not None
+        assert built.stat().st_size > 100
+    finally:
+        native.load.cache_clear()

@@ -153,6 +153,7 @@ def test_bad_job_options_and_files_are_refused_before_a_cluster_starts(
     cases: list[tuple[Path, dict[str, Any], str]] = [
         (inp, {"concurrency": 0}, "concurrency"), (inp, {"num_actors": 0}, "num_actors"),
         (inp, {"prompt": PROMPT, "examples": [{"text": "Anna", "value": {"word": "Anna"}}]}, "examples"),
+        (inp, {"examples": [{"text": "Anna", "value": {"word": 5}}]}, "examples"),  # the schema refuses 5
         (tmp_path / "nope.jsonl", {}, "input")]
     for src, options, field in cases:
         with pytest.raises(InvalidRequestError) as e:
