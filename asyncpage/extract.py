@@ -8,9 +8,7 @@ record never stops the job.
 
 from __future__ import annotations
 
-import json
-import re
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -25,7 +23,7 @@ from asyncpage.errors import (
     SamplingError,
 )
 from asyncpage.extract_beams import beam_for, beam_params, refuse_asked_beams
-from asyncpage.extract_prompt import schema_prompt
+from asyncpage.extract_prompt import Prompt, copy_sources, render_prompt, schema_prompt
 from asyncpage.guided import GuidedSpec
 from asyncpage.guided.backend import closed_objects
 from asyncpage.outputs import Beam, GenerateOutput
@@ -37,7 +35,6 @@ if TYPE_CHECKING:
     from asyncpage.engine import AsyncEngine
     from asyncpage.request import Request
 
-Prompt = str | Callable[[Mapping[str, Any]], str]
 DEMOS_MIN_CONTEXT = 2048  # below this context the default prompt's built-in solved records are left out
 
 
@@ -111,18 +108,6 @@ def check_job(prompt: Prompt | None, examples: Sequence[Mapping[str, Any]], conc
             schema_prompt(grounding.mark(json_schema, copy_fields), examples=examples)  # refuses a bad one
 
 
-def copy_sources(prompt: Prompt | None, record: Mapping[str, Any], id_field: str) -> list[str]:
-    """What a record's copied fields may copy from: the fields its prompt template shows, else its
-    text field, else every string field but its id."""
-    if isinstance(prompt, str):
-        names = [n for n in dict.fromkeys(_FIELD.findall(prompt)) if n != id_field]
-    elif isinstance(record.get("text"), str):
-        names = ["text"]
-    else:
-        names = [n for n in record if n != id_field]
-    return [v for n in names if isinstance(v := record.get(n), str) and v]
-
-
 def closed_validly(matcher: Any, params: SamplingParams, token_ids: list[int]) -> bool:
     """A request that ended by length has a complete value when budget closing brought its grammar to
     an accepting state with the tokens it emitted (read once the sequence is finished: nothing else
@@ -156,9 +141,6 @@ async def closed_early_error(engine: AsyncEngine, params: SamplingParams, token_
 def decode_value(text: str, target: Any) -> Any:
     """The generated JSON as `target` (or plain JSON values); raises msgspec.DecodeError."""
     return msgspec.json.decode(text, type=target) if target is not None else msgspec.json.decode(text)
-
-
-_FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
 async def extract_one(engine: AsyncEngine, prompt: str | list[int], schema: Any, params: SamplingParams | None, *,
@@ -204,30 +186,6 @@ async def extract_one(engine: AsyncEngine, prompt: str | list[int], schema: Any,
         return decode_value(out.text, target)
     except msgspec.DecodeError as exc:
         raise ExtractionError("invalid", str(exc), out.text) from exc
-
-
-def render_prompt(template: Prompt, record: Mapping[str, Any]) -> str:
-    """Fill `{field}` placeholders from the record. Only `{identifier}` is a placeholder, so JSON
-    examples in a prompt ({"name": ...}) need no escaping."""
-    if callable(template):
-        try:
-            text = template(record)
-        except InvalidRequestError:
-            raise  # already says what is wrong with the record (the default prompt's own refusals)
-        except Exception as exc:  # a user's function: its failure is this record's, never the job's
-            raise InvalidRequestError("prompt", f"the prompt function raised {exc!r}") from exc
-        if not isinstance(text, str):
-            raise InvalidRequestError("prompt", f"the prompt function returned {type(text).__name__}, not str")
-        return text
-
-    def field(m: re.Match[str]) -> str:
-        name = m.group(1)
-        if name not in record:
-            raise InvalidRequestError("prompt", f"the record has no field {name!r} used by the prompt template")
-        value = record[name]
-        return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-
-    return _FIELD.sub(field, template)
 
 
 async def _aiter(items: Iterable[Record] | AsyncIterable[Record]) -> AsyncIterator[Record]:

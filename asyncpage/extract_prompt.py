@@ -7,6 +7,9 @@ whether it is copied as written) and "JSON:". Four solved records of an unrelate
 better than instructions; the caller's own labeled examples follow them in the same shape. The last
 two (a chat log with an id and a version number, a title and a refusal of a refund) raised fields
 right on examples/grounded with 4 beams from 66% to 71%.
+
+Also how any prompt meets a record: `render_prompt` fills a template's {field}s (or calls a
+function of the record), and `copy_sources` says which of the record's fields copied values come from.
 """
 
 from __future__ import annotations
@@ -142,3 +145,44 @@ def _case(text: str, fields: str, value: Any) -> str:
     """One record in the prompt; with its value, a solved one (spaced JSON, as the grammar writes it)."""
     head = f"Record:\n{text.strip()}\n\nFields:\n{fields}\nJSON: "
     return head if value is None else head + json.dumps(value, ensure_ascii=False) + "\n\n"
+
+
+# A template with {field} placeholders, or a function of the record.
+Prompt = str | Callable[[Mapping[str, Any]], str]
+_FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def render_prompt(template: Prompt, record: Mapping[str, Any]) -> str:
+    """Fill `{field}` placeholders from the record. Only `{identifier}` is a placeholder, so JSON
+    examples in a prompt ({"name": ...}) need no escaping."""
+    if callable(template):
+        try:
+            text = template(record)
+        except InvalidRequestError:
+            raise  # already says what is wrong with the record (the default prompt's own refusals)
+        except Exception as exc:  # a user's function: its failure is this record's, never the job's
+            raise InvalidRequestError("prompt", f"the prompt function raised {exc!r}") from exc
+        if not isinstance(text, str):
+            raise InvalidRequestError("prompt", f"the prompt function returned {type(text).__name__}, not str")
+        return text
+
+    def field(m: re.Match[str]) -> str:
+        name = m.group(1)
+        if name not in record:
+            raise InvalidRequestError("prompt", f"the record has no field {name!r} used by the prompt template")
+        value = record[name]
+        return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+    return _FIELD.sub(field, template)
+
+
+def copy_sources(prompt: Prompt | None, record: Mapping[str, Any], id_field: str) -> list[str]:
+    """What a record's copied fields may copy from: the fields its prompt template shows, else its
+    text field, else every string field but its id."""
+    if isinstance(prompt, str):
+        names = [n for n in dict.fromkeys(_FIELD.findall(prompt)) if n != id_field]
+    elif isinstance(record.get("text"), str):
+        names = ["text"]
+    else:
+        names = [n for n in record if n != id_field]
+    return [v for n in names if isinstance(v := record.get(n), str) and v]
