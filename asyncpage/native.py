@@ -1,4 +1,4 @@
-"""Native CPU kernels for one stream's decode step (kernels/cpu_decode.c; why they are hand-written
+"""Native CPU kernels for the compiled decode steps (kernels/cpu_decode.c; why they are hand-written
 is said there), built with the system C compiler at first use and cached per source, compiler and
 CPU. `load()` is None where they cannot be built or loaded (no compiler, another OS): the torch ops
 serve then, with the same results up to float rounding. `ASYNCPAGE_NATIVE=0` turns them off."""
