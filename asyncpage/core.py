@@ -199,11 +199,15 @@ class EngineCore:
             if seq is None or seq.finish_reason == "abort":
                 req.mailbox.put(i, "", [], None, "abort")
 
-    def _drop_queued(self, req: Request) -> None:
-        """End a request the scheduler never took (it holds no block): its reader hears 'abort'."""
+    def _drop_queued(self, req: Request, error: BaseException | None = None) -> None:
+        """End a request the scheduler never took (it holds no block): its reader hears 'abort', or
+        `error` (the loop is ending)."""
         for seq in req.seqs:
             seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
-        self._tell_aborted(req)
+        if error is None:
+            self._tell_aborted(req)
+        else:
+            req.mailbox.fail(error)
         self._release(req)
 
     def _apply_adds(self) -> None:
@@ -272,14 +276,9 @@ class EngineCore:
                 self.scheduler.finish(seq, "abort")
             req.mailbox.fail(error)
             self._release(req)
-        # Submitted during the last step (a step that failed, say): the scheduler never took them,
-        # so they are ended here, not through it.
+        # Submitted during the last step (a step that failed, say): the scheduler never took them.
         while self._adds:
-            req = self._adds.popleft()
-            for seq in req.seqs:
-                seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
-            req.mailbox.fail(error)
-            self._release(req)
+            self._drop_queued(self._adds.popleft(), error)
 
     # ---- helpers -----------------------------------------------------------------------------
     def _make_generator(self, req: Request, index: int) -> torch.Generator | None:

@@ -148,14 +148,16 @@ def extract_dataset(ds: ray.data.Dataset, schema: Any, *, num_actors: int = 1, n
     job = _Job(schema, params, prompt, concurrency, id_field, max_prompt_tokens, copy_fields, tuple(examples),
                beam_width, jsonl=False)
     options = {"model": model, **engine_options}
-    _refuse(job, options)  # here, not in every actor (a Ray task error, after the model loaded)
+    _refuse(job, options, num_actors)  # here, not in every actor (a Ray task error, after the model loaded)
     return _map(ds, job, num_actors=num_actors, num_cpus_per_actor=num_cpus_per_actor, batch_size=batch_size,
                 engine_options=options)
 
 
-def _refuse(job: _Job, engine_options: Mapping[str, Any]) -> None:
+def _refuse(job: _Job, engine_options: Mapping[str, Any], num_actors: int) -> None:
     """What extract_many refuses up front, inside the actors (its options, extract_beams.refuse_asked_beams),
-    is refused on the driver, with the engine limits the actors will have."""
+    is refused on the driver, with the engine limits the actors will have; and no actors."""
+    if num_actors < 1:
+        raise InvalidRequestError("num_actors", "must be >= 1")
     check_job(job.prompt, job.examples, job.concurrency, job.schema, job.copy_fields)
     defaults = inspect.signature(AsyncEngine.from_pretrained).parameters
     refuse_asked_beams(job.params or SamplingParams(), job.beam_width,
@@ -166,8 +168,6 @@ def _refuse(job: _Job, engine_options: Mapping[str, Any]) -> None:
 
 def _map(ds: ray.data.Dataset, job: _Job, *, num_actors: int, num_cpus_per_actor: float, batch_size: int | None,
          engine_options: dict[str, Any]) -> ray.data.Dataset:
-    if num_actors < 1:
-        raise InvalidRequestError("num_actors", "must be >= 1")
     # Ray gives each actor OMP_NUM_THREADS = its CPUs; the engine's own default (every core of the
     # machine) would oversubscribe it with several actors per machine.
     engine_options.setdefault("num_threads", None)
@@ -231,14 +231,12 @@ def run_job(input_path: Path, output_path: Path, schema: Any, *, num_actors: int
     as results arrive: one file, flushed line by line, as resumable as the in-process one. Connects
     to the cluster at RAY_ADDRESS, else starts a local one for the job (and stops it after)."""
     # Refused before a cluster starts: bad options, missing files.
-    if num_actors < 1:
-        raise InvalidRequestError("num_actors", "must be >= 1")
     width = beams_per_record(schema, copy_fields, beam_width)
     check_paths(input_path, output_path)
     job = _Job(schema, job_params(max_tokens), prompt, concurrency, id_field, max_prompt_tokens, copy_fields,
                tuple(examples), beam_width, jsonl=True)
     options = {"max_num_seqs": max(concurrency * width, 1), **engine_options}
-    _refuse(job, options)
+    _refuse(job, options, num_actors)
     done = open_output(output_path, resume)
     started = not ray.is_initialized()
     if started:

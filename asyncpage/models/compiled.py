@@ -40,8 +40,9 @@ MAX_ROWS = 8  # the runner's exact buckets: decode steps of up to 8 sequences ha
 # The step's K/V pools (one per layer), slots, block tables and each layer's mask for its window.
 # Set by CompiledDecode.forward before the compiled call and read by the operator (by layer index),
 # so the pools and the per-step shapes (blocks per sequence) never enter the graph: nothing
-# recompiles as sequences grow. `attend`: how this step's rows attend (CompiledDecode.forward
-# picks it); `windows`: each layer's.
+# recompiles as sequences grow. How this step's rows attend (CompiledDecode.forward picks it):
+# `kernels` (native), else `span` (one row's slice of the pool), else `masks` (gather and mask);
+# `windows`: each layer's.
 class _Current(threading.local):
     kv: Sequence[tuple[torch.Tensor, ...]] = ()
     meta: AttentionMetadata | None = None
