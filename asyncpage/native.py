@@ -22,7 +22,11 @@ log = logging.getLogger("asyncpage")
 
 SOURCE = "cpu_decode.c"
 # -march=native: the kernels are built on the machine that runs them (the cache key names its CPU).
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC")
+# -fopenmp: linear_q8 splits its channels over torch's own OpenMP threads (the libgomp.so.1 torch has
+# loaded is the one this library's reference resolves to). A compiler without OpenMP builds the
+# second set: the same kernels on the calling thread.
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+SERIAL_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC")
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 
 
@@ -33,6 +37,11 @@ class NativeKernels:
         self._attend = lib.attend_rows_f32
         self._attend.argtypes = [_P, _P, _P, _P, _P, _P, _L, _P, _P, _L, _I, _I, _I, _I, _I, _F, _P]
         self._attend.restype = _I
+        self._q8 = lib.linear_q8
+        self._q8.argtypes = [_P, _P, _P, _L, _L, _I, _I, _P]
+        self._q8.restype = _I
+        # The k linear_q8 takes a multiple of: 64 with AVX-512 VNNI, 32 with AVX2, 0 without either.
+        self.q8_granule = int(lib.linear_q8_granule())
 
     def attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor,
@@ -47,6 +56,31 @@ class NativeKernels:
                         tables.data_ptr(), tables.shape[1], lens.data_ptr(), slots.data_ptr(), window or 0,
                         rows, heads, kv_heads, dim, block, scale, out.data_ptr()):
             raise MemoryError("attend_rows_f32: no memory for its scratch")
+        return out
+
+
+    def takes_q8(self, w: torch.Tensor) -> bool:
+        """Whether linear_q8 takes this weight: int8 [n, k] on the CPU, contiguous, k a multiple of
+        the build's granule."""
+        return (self.q8_granule > 0 and w.dim() == 2 and w.dtype == torch.int8 and w.device.type == "cpu"
+                and w.is_contiguous() and w.shape[1] % self.q8_granule == 0)
+
+    def linear_q8(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """x [rows, k] times w^T [k, n] (int8, one float32 scale per output channel), x rounded to
+        int8 in blocks of 32 (see linear_q8 in cpu_decode.c): [rows, n] float32. The caller checks
+        the weight (`takes_q8`); x is made contiguous float32 here."""
+        rows, (n, k) = x.shape[0], w.shape
+        x = x.to(torch.float32).contiguous()
+        scale = scale.to(torch.float32).contiguous()
+        out = torch.empty(rows, n, dtype=torch.float32)
+        if rows == 0:
+            return out
+        rc = self._q8(x.data_ptr(), w.data_ptr(), scale.data_ptr(), n, k, rows, torch.get_num_threads(),
+                      out.data_ptr())
+        if rc == -1:
+            raise MemoryError("linear_q8: no memory for its scratch")
+        if rc != 0:
+            raise ValueError(f"linear_q8 does not take k={k} (granule {self.q8_granule})")
         return out
 
 
@@ -75,7 +109,7 @@ def _open(path: Path) -> ctypes.CDLL:
     is removed and built once more, not left to disable the kernels for every later process."""
     try:
         lib = ctypes.CDLL(str(path))
-        lib.attend_rows_f32  # noqa: B018  (a missing symbol raises AttributeError here)
+        lib.attend_rows_f32, lib.linear_q8  # noqa: B018  (a missing symbol raises AttributeError here)
         return lib
     except (OSError, AttributeError) as exc:
         log.warning("rebuilding %s, which does not load: %s", path, exc)
@@ -84,6 +118,16 @@ def _open(path: Path) -> ctypes.CDLL:
 
 
 def _build() -> Path:
+    """The library built with OpenMP, or without it where this compiler has none."""
+    try:
+        return _build_with(FLAGS)
+    except subprocess.CalledProcessError as exc:
+        log.info("building the native kernels with OpenMP failed (%s); building them serial",
+                 exc.stderr.decode(errors="replace").strip().splitlines()[-1:] if exc.stderr else exc)
+        return _build_with(SERIAL_FLAGS)
+
+
+def _build_with(flags: tuple[str, ...]) -> Path:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (cc) on PATH")
@@ -91,7 +135,7 @@ def _build() -> Path:
     assert spec is not None and spec.submodule_search_locations
     source = Path(next(iter(spec.submodule_search_locations))) / SOURCE
     text = source.read_bytes()
-    key = hashlib.sha256(b"\0".join([text, compiler.encode(), " ".join(FLAGS).encode(), _cpu().encode()]))
+    key = hashlib.sha256(b"\0".join([text, compiler.encode(), " ".join(flags).encode(), _cpu().encode()]))
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "asyncpage" / "native"
     target = cache / f"cpu_decode-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -101,7 +145,7 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(source), "-o", tmp, "-lm"], check=True, capture_output=True,
+        subprocess.run([compiler, *flags, str(source), "-o", tmp, "-lm"], check=True, capture_output=True,
                        timeout=120)
         os.replace(tmp, target)
     finally:

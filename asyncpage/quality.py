@@ -5,7 +5,10 @@ float32 reference, per setting (the settings of `asyncpage bench --settings`).
     python -m asyncpage.quality --settings float32,int4 --reference tests/data/gemma3_270m_reference.json
 
 Perplexity: the text below (written for this, ~900 tokens), teacher-forced in 256-token chunks that
-continue their cached context (so a quantized KV pool is read as in serving). Agreement: greedy tokens
+continue their cached context (so a quantized KV pool is read as in serving). Decode perplexity: its
+first 256 tokens teacher-forced one token a step, through the one-row decode path, whose kernels
+differ from prefill's (a quantized layer's packed kernel, e.g. linear_q8 rounding its activations to
+int8, where prefill's many rows take the dequantized copy). Agreement: greedy tokens
 of the reference prompts (transformers, float32), one prompt at a time, counted up to each prompt's
 first difference.
 """
@@ -94,6 +97,28 @@ def _prefill_nll(engine: Any, ids: list[int], chunk: int = 256) -> tuple[float, 
     return nll, count
 
 
+DECODE_TOKENS = 256
+
+
+def _decode_nll(engine: Any, ids: list[int], count: int = DECODE_TOKENS) -> tuple[float, int]:
+    """Summed negative log-likelihood of ids[1 : count + 1], one decode step (one row) per token."""
+    from asyncpage.runner import FlatBatch
+
+    runner = engine._core.runner
+    bs = runner.block_size
+    n = min(count, len(ids) - 1)
+    table = list(range(-(-(n + 1) // bs)))
+    nll = 0.0
+    with torch.inference_mode():
+        for t in range(n):
+            flat = FlatBatch(bs, runner.pad_slot, runner.device, runner.attention)
+            flat.add([ids[t]], t, table)
+            hidden = runner.model(*flat.build(), runner.caches)
+            logp = torch.log_softmax(runner.model.compute_logits(hidden[:1]).float(), dim=-1)
+            nll -= float(logp[0, ids[t + 1]])
+    return nll, n
+
+
 async def _greedy(engine: Any, reference: dict[str, Any]) -> tuple[int, int, int]:
     from asyncpage import SamplingParams
 
@@ -141,16 +166,21 @@ def main(argv: list[str] | None = None) -> int:
         ids = engine.tokenizer(TEXT)["input_ids"]
         nll, n = engine.compute.run(_prefill_nll, engine, ids)
         ppl = math.exp(nll / n)
+        dnll, dn = engine.compute.run(_decode_nll, engine, ids)
+        dppl = math.exp(dnll / dn)
         greedy = asyncio.run(_greedy(engine, reference)) if reference else None
-        rows.append((s, engine.config.dtype, ppl, greedy))
+        rows.append((s, engine.config.dtype, ppl, dppl, greedy))
         g = f"{greedy[0]}/{greedy[1]} tokens, {greedy[2]}/9 prompts whole" if greedy else "-"
         print(f"{s:<18} [{engine.config.dtype}, KV {engine.config.kv_cache_dtype}] perplexity {ppl:.3f} ({n} "
-              f"tokens); greedy agreement with float32 {g}", flush=True)
-    base_ppl = rows[0][2]
-    print(f"\n{'setting':<18} {'perplexity':>10} {'vs ' + settings[0]:>14} {'greedy agreement':>18}")
-    for s, _, ppl, greedy in rows:
+              f"tokens), decode perplexity {dppl:.3f} ({dn} tokens one a step); greedy agreement with float32 {g}",
+              flush=True)
+    base_ppl, base_dppl = rows[0][2], rows[0][3]
+    vs = "vs " + settings[0]
+    print(f"\n{'setting':<18} {'perplexity':>10} {vs:>14} {'decode ppl':>10} {vs:>14} {'greedy agreement':>18}")
+    for s, _, ppl, dppl, greedy in rows:
         g = f"{greedy[0]}/{greedy[1]} ({greedy[2]}/9)" if greedy else "-"
-        print(f"{s:<18} {ppl:10.3f} {100 * (ppl / base_ppl - 1):+13.2f}% {g:>18}")
+        print(f"{s:<18} {ppl:10.3f} {100 * (ppl / base_ppl - 1):+13.2f}% {dppl:10.3f}"
+              f" {100 * (dppl / base_dppl - 1):+13.2f}% {g:>18}")
     return 0
 
 

@@ -37,11 +37,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncpage import native
+
 log = logging.getLogger("asyncpage")
 
 QUANTIZATIONS: tuple[str | None, ...] = (None, "int8", "int4")
 GROUP = 32  # int4 group size: Q4_K's sub-block, so a GGUF's Q4_K tensors map exactly
 _CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
+# linear_q8 serves at least the compiled decode steps' row counts (compiled.MAX_ROWS), whatever its
+# calibration says. Timed alone, with the weight out of L2 but still in this machine's large L3, the
+# dense copy beat it at 1 row for two of the default model's four projections; in a decode step,
+# where the whole model streams through, the packed kernel there was 4 ms a step faster (forward +
+# head 22.5 -> 18.2 ms, same process and profiler): it reads a quarter of the bytes.
+_Q8_ROWS = 8
 _L2_FLUSH = 8 << 20  # bytes written between timed calls
 _crossovers: dict[tuple[Any, ...], int] = {}  # measured once per process per kernel and shape
 
@@ -109,6 +117,7 @@ class QuantLinear(nn.Module):
         self.max_rows = 0
         self.act_dtype = dtype  # what the packed kernel computes in (kernel_dtype)
         self.one_row: Any = None  # fbgemm / oneDNN prepacked int8 weight, used row by row (w8a8_for)
+        self.q8: torch.Tensor | None = None  # float32 scales where native linear_q8 is the packed kernel
 
     @classmethod
     def from_float(cls, kind: str, w: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
@@ -120,8 +129,15 @@ class QuantLinear(nn.Module):
         if kind == "int8":
             q8, s8 = quantize_int8(w)
             layer.packed = q8
-            act = layer.act_dtype = kernel_dtype(layer, s8)
-            layer.scales = s8.to(act)
+            kernels = native.load() if q8.device.type == "cpu" else None
+            if kernels is not None and kernels.takes_q8(q8):
+                # linear_q8 computes in float32 whatever the model dtype; the scales rounded to it
+                # as the dense copy's are, so both paths hold the same weights.
+                layer.scales = s8.to(dtype)
+                layer.q8 = layer.scales.float()
+            else:
+                act = layer.act_dtype = kernel_dtype(layer, s8)
+                layer.scales = s8.to(act)
             # The dense copy from the rounded scales: both paths compute with the same values.
             deq = q8.float() * layer.scales.float()[:, None]
         else:
@@ -135,13 +151,18 @@ class QuantLinear(nn.Module):
             deq = dequantize_int4(q4, s4, zero - 8 * s4)
         layer.dense = deq.to(dtype)
         layer.max_rows = crossover(layer)
+        if layer.q8 is not None:
+            layer.max_rows = max(layer.max_rows, _Q8_ROWS)
         if layer.max_rows >= _CALIBRATION_ROWS[-1]:
             layer.dense = None  # the packed kernel wins at every size measured: no copy needed
             layer.max_rows = 1 << 62
         return layer
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """The packed matmul, in and out in the model dtype (computed in `act_dtype`)."""
+        """The packed matmul, in and out in the model dtype (computed in `act_dtype`, or by
+        linear_q8 with the activations rounded to int8 in blocks of 32)."""
+        if self.q8 is not None:
+            return torch.ops.asyncpage.linear_q8(x, self.packed, self.q8).to(self.dtype)
         return _packed_mm(self.kind, x.to(self.act_dtype), self.packed, self.scales).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -179,8 +200,9 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         one = ", w8a8 row by row" if self.one_row is not None else ""
+        how = "linear_q8" if self.q8 is not None else str(self.act_dtype).removeprefix("torch.")
         return (f"{self.kind}, in={self.in_features}, out={self.out_features}, packed up to {self.max_rows} rows"
-                f" in {str(self.act_dtype).removeprefix('torch.')}{one}")
+                f" in {how}{one}")
 
 
 class QuantFused(nn.Module):
@@ -208,6 +230,26 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         assert self.table is not None
         return F.embedding(ids, self.table)
+
+
+# The native kernel as an operator (a shape-only fake for tracing): compiled decode graphs call it
+# as they call torch's packed kernels. A Library op, not custom_op: ~2 us a call, not ~16.
+_lib = torch.library.Library("asyncpage", "FRAGMENT")
+_lib.define("linear_q8(Tensor x, Tensor w, Tensor scale) -> Tensor")
+
+
+def _linear_q8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    kernels = native.load()
+    assert kernels is not None, "a layer takes linear_q8 only where the kernels loaded"
+    return kernels.linear_q8(x, w, scale)
+
+
+_lib.impl("linear_q8", _linear_q8, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("asyncpage::linear_q8")
+def _linear_q8_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
 
 
 def _packed_mm(kind: str, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -251,7 +293,8 @@ def w8a8_for(layer: QuantLinear) -> Any:
     if key not in _crossovers:
         x = torch.randn(1, layer.in_features)
         t_w8a8 = _time(torch.ops.quantized.linear_dynamic, x, prepacked)
-        t_int8 = _time(_packed_mm, layer.kind, x.to(layer.act_dtype), layer.packed, layer.scales)
+        t_int8 = (_time(layer.kernel, x) if layer.q8 is not None
+                  else _time(_packed_mm, layer.kind, x.to(layer.act_dtype), layer.packed, layer.scales))
         _crossovers[key] = int(t_w8a8 < 0.8 * t_int8)
     return prepacked if _crossovers[key] else None
 
@@ -294,7 +337,7 @@ def crossover(layer: QuantLinear) -> int:
         # The kernel alone, its input already in act_dtype: the casts around it are dispatch cost
         # that compile=True fuses away (eager, they cost ~30 us a call here, more than the bytes
         # saved on a small weight at one row: both paths then run about even).
-        t_q = (_time(layer.rowwise, x) if rowwise
+        t_q = (_time(layer.rowwise, x) if rowwise else _time(layer.kernel, x) if layer.q8 is not None
                else _time(_packed_mm, layer.kind, x.to(layer.act_dtype), layer.packed, layer.scales))
         t_d = _time(F.linear, x, dense)
         if t_q >= t_d:

@@ -101,3 +101,116 @@ def test_a_cached_library_that_does_not_load_is_rebuilt(monkeypatch: pytest.Monk
         assert built.stat().st_size > 100
     finally:
         native.load.cache_clear()
+
+
+def _q8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What linear_q8 promises: each row's blocks of 32 rounded to int8 with scale max|x| / 127
+    (half to even), times the int8 weight and its per-channel scale, summed in float64."""
+    rows, k = x.shape
+    blocks = x.view(rows, k // 32, 32).double()
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    rounded = torch.round(blocks / torch.where(step > 0, step, 1)) * step
+    return (rounded.view(rows, k) @ w.double().t()) * scale.double()
+
+
+def _q8_builds() -> list[tuple[str, ...]]:
+    """This machine's build, and the AVX2 form where the CPU runs AVX2 but -march=native picks AVX-512."""
+    flags = [native.FLAGS]
+    cpu = native._cpu()
+    if " avx2" in cpu and " avx512_vnni" in cpu:
+        flags.append(tuple("-march=haswell" if f == "-march=native" else f for f in native.FLAGS))
+    return flags
+
+
+@pytest.mark.parametrize("flags", _q8_builds(), ids=lambda f: next(x for x in f if x.startswith("-march")))
+def test_linear_q8_is_the_int8_weights_times_activations_rounded_in_blocks_of_32(
+        flags: tuple[str, ...], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    import ctypes
+
+    kernels = native.NativeKernels(ctypes.CDLL(str(native._build_with(flags))))
+    assert kernels.q8_granule in (32, 64)
+    gen = torch.Generator().manual_seed(0)
+    for n, k, rows in [(1, 64, 1), (3, 128, 2), (7, 640, 3), (640, 1024, 1), (1031, 2048, 9)]:
+        w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+        scale = torch.rand(n, generator=gen)
+        x = torch.randn(rows, k, generator=gen)
+        x[0, :5] *= 100  # an outlier in one block: the other blocks keep their own scale
+        x[-1, 32:64] = 0  # an all-zero block
+        got = kernels.linear_q8(x, w, scale)
+        want = _q8_reference(x, w, scale)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        assert ((got.double() - want).abs().max() / want.abs().max()) < 1e-5, (n, k, rows)
+        # the same dot products as the float weights give, up to the activations' rounding
+        exact = (x.double() @ w.double().t()) * scale.double()
+        assert ((got.double() - exact).abs().max() / exact.abs().max()) < 2e-2
+
+
+def test_linear_q8_rows_are_computed_each_alone_and_a_non_finite_row_gives_nan() -> None:
+    kernels = native.load()
+    assert kernels is not None and kernels.q8_granule
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randint(-127, 128, (96, 256), dtype=torch.int8, generator=gen)
+    scale = torch.rand(96, generator=gen)
+    x = torch.randn(4, 256, generator=gen)
+    alone = torch.cat([kernels.linear_q8(row, w, scale) for row in x.split(1)])
+    assert torch.equal(kernels.linear_q8(x, w, scale), alone)  # a row never depends on the others
+    for bad in (float("nan"), float("inf")):
+        poisoned = x.clone()
+        poisoned[2, 100] = bad
+        out = kernels.linear_q8(poisoned, w, scale)
+        assert out[2].isnan().all()  # never finite logits made of a NaN
+        assert torch.equal(out[[0, 1, 3]], alone[[0, 1, 3]])
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(kernels.linear_q8(x, w, scale), alone)  # each channel is one thread's sum
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_linear_q8_runs_on_torchs_own_openmp_threads() -> None:
+    assert native.load() is not None
+    with open("/proc/self/maps") as f:
+        runtimes = {line.split()[-1] for line in f if "gomp" in line or "libiomp" in line}
+    assert len(runtimes) <= 1, runtimes  # a second OpenMP runtime's threads would fight torch's for the cores
+
+
+def test_a_compiler_without_openmp_builds_the_kernels_serial(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import shutil
+
+    real = shutil.which("cc") or shutil.which("gcc")
+    if real is None:
+        pytest.skip("no C compiler on this machine")
+    fake = tmp_path / "cc-no-openmp"
+    fake.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {real} "$@"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", str(fake))
+    native.load.cache_clear()
+    try:
+        kernels = native.load()
+        assert kernels is not None
+        w, x = torch.randint(-127, 128, (8, 64), dtype=torch.int8), torch.randn(2, 64)
+        if kernels.q8_granule:
+            assert torch.allclose(kernels.linear_q8(x, w, torch.ones(8)).double(), _q8_reference(x, w, torch.ones(8)))
+    finally:
+        native.load.cache_clear()
+
+
+def test_int8_layers_take_linear_q8_where_it_builds_and_torchs_kernel_without_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncpage.quant import QuantLinear
+
+    w = torch.randn(64, 128)
+    assert QuantLinear.from_float("int8", w, torch.float32).q8 is not None
+    assert QuantLinear.from_float("int8", torch.randn(64, 100), torch.float32).q8 is None  # k not a multiple of 32
+    monkeypatch.setenv("ASYNCPAGE_NATIVE", "0")
+    native.load.cache_clear()
+    try:
+        layer = QuantLinear.from_float("int8", w, torch.float32)
+        assert layer.q8 is None
+        x = torch.randn(1, 128)
+        assert torch.allclose(layer.kernel(x), x @ layer.dequantized().t(), rtol=3e-2, atol=3e-2)
+    finally:
+        native.load.cache_clear()

@@ -68,7 +68,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
                                  c.masks[layer], scale)
 
 
-_lib = torch.library.Library("asyncpage", "DEF")
+_lib = torch.library.Library("asyncpage", "FRAGMENT")  # quant.py defines its operator too
 # A Library op, not torch.library.custom_op: that one's Python wrapper cost ~16 us a call here,
 # this ~2 us; there are 18 calls a step.
 _lib.define("decode_attention(Tensor q, Tensor k, Tensor v, float scale, int layer) -> Tensor")
