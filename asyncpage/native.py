@@ -69,7 +69,16 @@ class NativeKernels:
         """x [rows, k] times w^T [k, n] (int8, one float32 scale per output channel), x rounded to
         int8 in blocks of 32 (see linear_q8 in cpu_decode.c): [rows, n] float32. The caller checks
         the weight (`takes_q8`); x is made contiguous float32 here."""
-        rows, (n, k) = x.shape[0], w.shape
+        # Checked here: the C code trusts every size it is given, and a wrong one reads past a buffer.
+        if not self.takes_q8(w):
+            raise ValueError(f"linear_q8 takes a contiguous int8 [n, k] CPU weight, k a multiple of "
+                             f"{self.q8_granule}; got {tuple(w.shape)} {w.dtype} on {w.device}")
+        n, k = w.shape
+        if x.dim() != 2 or x.shape[1] != k or x.device.type != "cpu":
+            raise ValueError(f"linear_q8: x must be [rows, {k}] on the CPU; got {tuple(x.shape)} on {x.device}")
+        if scale.numel() != n or scale.device.type != "cpu":
+            raise ValueError(f"linear_q8: scale must hold {n} values on the CPU; got {scale.numel()}")
+        rows = x.shape[0]
         x = x.to(torch.float32).contiguous()
         scale = scale.to(torch.float32).contiguous()
         out = torch.empty(rows, n, dtype=torch.float32)
@@ -98,15 +107,23 @@ def load() -> NativeKernels | None:
     if os.environ.get("ASYNCPAGE_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     try:
-        return NativeKernels(_open(_build()))
+        return NativeKernels(_load(FLAGS))
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
-        log.warning("no native CPU kernels (%s): torch ops serve the compiled decode steps' attention", exc)
+        # A compiler without OpenMP, or a build that does not load: the serial build still serves.
+        log.info("the native kernels with OpenMP did not build or load (%s); building them serial",
+                 _why(exc))
+    try:
+        return NativeKernels(_load(SERIAL_FLAGS))
+    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+        log.warning("no native CPU kernels (%s): torch ops serve the compiled decode steps", _why(exc))
         return None
 
 
-def _open(path: Path) -> ctypes.CDLL:
-    """The built library; one that does not load (a truncated or foreign file left at its cache key)
-    is removed and built once more, not left to disable the kernels for every later process."""
+def _load(flags: tuple[str, ...]) -> ctypes.CDLL:
+    """The library built with `flags`; one that does not load (a truncated or foreign file left at
+    its cache key) is removed and built once more, not left to disable the kernels for every later
+    process."""
+    path = _build_with(flags)
     try:
         lib = ctypes.CDLL(str(path))
         lib.attend_rows_f32, lib.linear_q8  # noqa: B018  (a missing symbol raises AttributeError here)
@@ -114,17 +131,13 @@ def _open(path: Path) -> ctypes.CDLL:
     except (OSError, AttributeError) as exc:
         log.warning("rebuilding %s, which does not load: %s", path, exc)
         path.unlink(missing_ok=True)
-        return ctypes.CDLL(str(_build()))
+        return ctypes.CDLL(str(_build_with(flags)))
 
 
-def _build() -> Path:
-    """The library built with OpenMP, or without it where this compiler has none."""
-    try:
-        return _build_with(FLAGS)
-    except subprocess.CalledProcessError as exc:
-        log.info("building the native kernels with OpenMP failed (%s); building them serial",
-                 exc.stderr.decode(errors="replace").strip().splitlines()[-1:] if exc.stderr else exc)
-        return _build_with(SERIAL_FLAGS)
+def _why(exc: BaseException) -> str:
+    stderr = getattr(exc, "stderr", None)
+    lines = stderr.decode(errors="replace").strip().splitlines() if isinstance(stderr, bytes) else []
+    return lines[-1] if lines else str(exc)
 
 
 def _build_with(flags: tuple[str, ...]) -> Path:

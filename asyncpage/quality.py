@@ -152,15 +152,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     reference = json.loads(Path(args.reference).read_text()) if Path(args.reference).exists() else None
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
-    loaded: dict[tuple[str, str | None], Any] = {}
+    loaded: dict[tuple[str, str | None, bool | None], Any] = {}
     rows = []
     for s in settings:
         o = parse_setting(s)
-        key = (o["dtype"], o["quantization"])
+        key = (o["dtype"], o["quantization"], o.get("compile"))
         if key not in loaded:
             loaded.clear()  # one set of weights at a time
+            # +compile: the decode perplexity and greedy tokens then come from the compiled decode steps
             loaded[key] = AsyncEngine.from_pretrained(args.model, dtype=o["dtype"], quantization=o["quantization"],
-                                                      max_num_batched_tokens=256)
+                                                      compile=o.get("compile"), max_num_batched_tokens=256)
         base = loaded[key]
         engine = base if o["kv_cache_dtype"] == "auto" else base.clone(kv_cache_dtype=o["kv_cache_dtype"])
         ids = engine.tokenizer(TEXT)["input_ids"]

@@ -4,7 +4,10 @@ Owns the quantized layers (`QuantLinear`, `QuantFused`, `QuantEmbedding`), the k
 call by row count, and `quantize_model`, which swaps them into a loaded float model (LM head and
 embeddings included). It touches nothing but the modules it replaces.
 
-Kernels are torch's own packed CPU matmuls (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`).
+Kernels: int8 layers run the native `linear_q8` (kernels/cpu_decode.c: activations rounded to int8
+in blocks of 32, integer dot products; 2-3x torch's int8 kernel at decode row counts, see there) where
+it builds, else torch's own packed CPU matmuls (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`),
+which the rest of this docstring measures.
 Measured here (2 cores, AVX-512 bf16), LM head 262,144 x 640: bf16 22 ms at 1 row, int8 12 ms, int4
 5.8 ms; at 32 rows bf16 26 ms, int8 185 ms, int4 79 ms: these kernels read the packed weight once per
 row group and lose to a dense GEMM past a few rows. So each layer keeps the dequantized weight
@@ -152,8 +155,10 @@ class QuantLinear(nn.Module):
         layer.dense = deq.to(dtype)
         layer.max_rows = crossover(layer)
         if layer.q8 is not None:
-            layer.max_rows = max(layer.max_rows, _Q8_ROWS)
-        if layer.max_rows >= _CALIBRATION_ROWS[-1]:
+            # A dense copy always: linear_q8 rounds activations to 8 bits, and past the rows measured
+            # a dense GEMM wins again (1024 rows: 38 ms against 23 for a 4096 x 1024 weight).
+            layer.max_rows = min(max(layer.max_rows, _Q8_ROWS), _CALIBRATION_ROWS[-1])
+        elif layer.max_rows >= _CALIBRATION_ROWS[-1]:
             layer.dense = None  # the packed kernel wins at every size measured: no copy needed
             layer.max_rows = 1 << 62
         return layer
@@ -194,6 +199,8 @@ class QuantLinear(nn.Module):
         """The float weight these kernels compute with (tests; the embedding of a tied head)."""
         if self.dense is not None:
             return self.dense
+        if self.kind == "int8":  # its rows as they are; the packed kernel on an identity took ~30 s for a head
+            return (self.packed.float() * self.scales.float()[:, None]).to(self.dtype)
         # In float32 (exact: the activations are 0 and 1), whatever the kernel's activation dtype.
         eye = torch.eye(self.in_features)
         return _packed_mm(self.kind, eye, self.packed, self.scales.float()).t().to(self.dtype).contiguous()
@@ -289,7 +296,8 @@ def w8a8_for(layer: QuantLinear) -> Any:
     prepacked = prepack_w8a8(layer)
     if prepacked is None:
         return None
-    key = ("w8a8", layer.out_features, layer.in_features, layer.act_dtype, torch.get_num_threads())
+    key = ("w8a8", layer.out_features, layer.in_features, layer.act_dtype, layer.q8 is not None,
+           torch.get_num_threads())
     if key not in _crossovers:
         x = torch.randn(1, layer.in_features)
         t_w8a8 = _time(torch.ops.quantized.linear_dynamic, x, prepacked)
@@ -327,7 +335,7 @@ def crossover(layer: QuantLinear) -> int:
         return 0
     rowwise = layer.one_row is not None
     key = (layer.kind, layer.out_features, layer.in_features, layer.dtype, layer.act_dtype, rowwise,
-           torch.get_num_threads())
+           layer.q8 is not None, torch.get_num_threads())
     if key in _crossovers:
         return _crossovers[key]
     best = 0

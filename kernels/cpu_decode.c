@@ -112,12 +112,10 @@ int linear_q8_granule(void) { return Q8_GRANULE; }
 
 #if Q8_GRANULE
 /* Row r's blocks of 32 rounded to int8 with scale[b] = max|x| / 127: xq [rows, k], bs [rows, k/32].
-   corr[r]: what the AVX-512 path's unsigned weights (w + 128) add to the row's dot products,
-   128 * sum_b bs[b] * sum(xq in b), the same for every output channel; NaN for a non-finite row. */
-static void quantize_rows(const float *x, long k, int rows, signed char *xq, float *bs, float *corr) {
+   nan[r]: NaN for a row holding a NaN or infinity (its outputs are then NaN), else 0. */
+static void quantize_rows(const float *x, long k, int rows, signed char *xq, float *bs, float *nan) {
     for (int r = 0; r < rows; r++) {
         const float *xr = x + (long)r * k;
-        float c = 0.0f;
         int finite = 1;
         for (long b = 0; b < k / 32; b++) {
             float amax = 0.0f;
@@ -129,19 +127,16 @@ static void quantize_rows(const float *x, long k, int rows, signed char *xq, flo
             }
             if (bad) {
                 finite = 0;
-                amax = 0.0f; /* the row's output is NaN (corr); its integers need only be defined */
+                amax = 0.0f; /* the row's output is NaN (nan[r]); its integers need only be defined */
             }
-            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int sum = 0;
-            for (int d = 0; d < 32; d++) {
-                const int q = (int)lrintf(xr[b * 32 + d] * inv);
-                xq[(long)r * k + b * 32 + d] = (signed char)q;
-                sum += q;
-            }
+            float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            if (inv > FLT_MAX) /* a block below ~4e-37: rounds to zeros (127 / amax would overflow) */
+                inv = amax = 0.0f;
+            for (int d = 0; d < 32; d++)
+                xq[(long)r * k + b * 32 + d] = (signed char)lrintf(xr[b * 32 + d] * inv);
             bs[(long)r * (k / 32) + b] = amax / 127.0f;
-            c += 128.0f * bs[(long)r * (k / 32) + b] * (float)sum;
         }
-        corr[r] = finite ? c : NAN;
+        nan[r] = finite ? 0.0f : NAN;
     }
 }
 #endif
@@ -149,7 +144,8 @@ static void quantize_rows(const float *x, long k, int rows, signed char *xq, flo
 #if Q8_GRANULE == 64
 /* Dot products of four weight rows (w[j] for j < 4; a short group repeats its last row) with one
    rounded activation row, per 64 bytes: the weights flipped to unsigned (w ^ 0x80 = w + 128) for
-   vpdpbusd, each lane's int32 sum times its block's scale. `ahead`: rows to prefetch. */
+   vpdpbusd, which starts each lane from -128 * (its four x), so the int32 sums are exactly w . x;
+   each lane's sum times its block's scale. `ahead`: rows to prefetch. */
 static void dot4_q8(const signed char *const w[4], const signed char *ahead, long k, const signed char *xq,
                     const float *lanes, float dots[4]) {
     const __m512i flip = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
@@ -160,10 +156,11 @@ static void dot4_q8(const signed char *const w[4], const signed char *ahead, lon
                 _mm_prefetch((const char *)(ahead + j * k + c), _MM_HINT_T0);
         const __m512i xv = _mm512_loadu_si512((const void *)(xq + c));
         const __m512 sv = _mm512_loadu_ps(lanes + c / 4);
+        const __m512i base = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, flip, xv)); /* -128 * x */
 #define Q8_LANE(acc, row)                                                                               \
     acc = _mm512_fmadd_ps(                                                                              \
         _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(                                                         \
-            zero, _mm512_xor_si512(_mm512_loadu_si512((const void *)(row + c)), flip), xv)), sv, acc)
+            base, _mm512_xor_si512(_mm512_loadu_si512((const void *)(row + c)), flip), xv)), sv, acc)
         Q8_LANE(a0, w[0]);
         Q8_LANE(a1, w[1]);
         Q8_LANE(a2, w[2]);
@@ -182,8 +179,9 @@ static float hsum256(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* The AVX2 form (llama.cpp's): |x| unsigned times w carrying x's sign, pairs summed to int16
-   (at most 2 * 127 * 127: no saturation), then to int32; one scale per 32 bytes. */
+/* The AVX2 form (llama.cpp's): |w| unsigned times x carrying w's sign, pairs summed to int16
+   (at most 2 * 128 * 127: no saturation), then to int32; one scale per 32 bytes. |w| read as
+   unsigned holds w = -128 (as 128); x is never -128. */
 static void dot4_q8(const signed char *const w[4], const signed char *ahead, long k, const signed char *xq,
                     const float *bs, float dots[4]) {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -193,11 +191,11 @@ static void dot4_q8(const signed char *const w[4], const signed char *ahead, lon
             for (int j = 0; j < 4; j++)
                 _mm_prefetch((const char *)(ahead + j * k + c), _MM_HINT_T0);
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + c));
-        const __m256i ax = _mm256_sign_epi8(xv, xv);
         const __m256 sv = _mm256_set1_ps(bs[c / 32]);
         for (int j = 0; j < 4; j++) {
-            const __m256i wv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(w[j] + c)), xv);
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, wv), ones);
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w[j] + c));
+            const __m256i p = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
             a[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sv, a[j]);
         }
     }
@@ -215,17 +213,17 @@ int linear_q8(const float *x, const signed char *w, const float *scale, long n, 
         return -2;
     signed char *xq = malloc((size_t)rows * k);
     float *bs = malloc((size_t)rows * (k / 32) * sizeof(float));
-    float *corr = malloc((size_t)rows * sizeof(float));
+    float *nan = malloc((size_t)rows * sizeof(float));
     /* AVX-512: each 64-byte lane group's scales laid out as the 16 int32 sums fall (8 per block) */
     float *lanes = Q8_GRANULE == 64 ? malloc((size_t)rows * (k / 4) * sizeof(float)) : NULL;
-    if (xq == NULL || bs == NULL || corr == NULL || (Q8_GRANULE == 64 && lanes == NULL)) {
+    if (xq == NULL || bs == NULL || nan == NULL || (Q8_GRANULE == 64 && lanes == NULL)) {
         free(xq);
         free(bs);
-        free(corr);
+        free(nan);
         free(lanes);
         return -1;
     }
-    quantize_rows(x, k, rows, xq, bs, corr);
+    quantize_rows(x, k, rows, xq, bs, nan);
     if (lanes != NULL)
         for (long i = 0; i < (long)rows * (k / 4); i++)
             lanes[i] = bs[i / 8];
@@ -244,17 +242,17 @@ int linear_q8(const float *x, const signed char *w, const float *scale, long n, 
 #if Q8_GRANULE == 64
             dot4_q8(rows4, r == 0 ? ahead : NULL, k, xr, lanes + (long)r * (k / 4), dots);
             for (long j = 0; j < m; j++)
-                out[(long)r * n + i + j] = scale[i + j] * (dots[j] - corr[r]);
+                out[(long)r * n + i + j] = scale[i + j] * dots[j] + nan[r];
 #else
             dot4_q8(rows4, r == 0 ? ahead : NULL, k, xr, bs + (long)r * (k / 32), dots);
             for (long j = 0; j < m; j++)
-                out[(long)r * n + i + j] = scale[i + j] * (dots[j] + (isnan(corr[r]) ? NAN : 0.0f));
+                out[(long)r * n + i + j] = scale[i + j] * dots[j] + nan[r];
 #endif
         }
     }
     free(xq);
     free(bs);
-    free(corr);
+    free(nan);
     free(lanes);
     return 0;
 #else

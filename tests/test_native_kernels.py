@@ -95,7 +95,7 @@ def test_a_cached_library_that_does_not_load_is_rebuilt(monkeypatch: pytest.Monk
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     native.load.cache_clear()
     try:
-        built = native._build()  # built, not loaded: a loaded library must never be rewritten in place
+        built = native._build_with(native.FLAGS)  # built, not loaded: a loaded library must never be rewritten in place
         built.write_bytes(built.read_bytes()[:100])  # a torn file at its cache key, as a killed build leaves
         assert native.load() is not None
         assert built.stat().st_size > 100
@@ -131,19 +131,41 @@ def test_linear_q8_is_the_int8_weights_times_activations_rounded_in_blocks_of_32
     kernels = native.NativeKernels(ctypes.CDLL(str(native._build_with(flags))))
     assert kernels.q8_granule in (32, 64)
     gen = torch.Generator().manual_seed(0)
-    for n, k, rows in [(1, 64, 1), (3, 128, 2), (7, 640, 3), (640, 1024, 1), (1031, 2048, 9)]:
-        w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    for n, k, rows in [(1, 64, 1), (3, 128, 2), (7, 640, 3), (640, 1024, 1), (1031, 2048, 9), (5, 16384, 2)]:
+        w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)  # -128 too (any int8 weight)
         scale = torch.rand(n, generator=gen)
         x = torch.randn(rows, k, generator=gen)
         x[0, :5] *= 100  # an outlier in one block: the other blocks keep their own scale
         x[-1, 32:64] = 0  # an all-zero block
+        x[-1, 64:96] = 1e-38  # a block too small for 127 / max|x|: zeros
         got = kernels.linear_q8(x, w, scale)
         want = _q8_reference(x, w, scale)
         assert got.dtype == torch.float32 and got.shape == (rows, n)
         assert ((got.double() - want).abs().max() / want.abs().max()) < 1e-5, (n, k, rows)
+        # the integer sums are exact whatever k: all-positive rows (no cancellation to hide behind)
+        pos = x.abs()
+        assert ((kernels.linear_q8(pos, w, scale).double() - _q8_reference(pos, w, scale)).abs().max()
+                / _q8_reference(pos, w, scale).abs().max()) < 1e-6, (n, k, rows)
         # the same dot products as the float weights give, up to the activations' rounding
         exact = (x.double() @ w.double().t()) * scale.double()
         assert ((got.double() - exact).abs().max() / exact.abs().max()) < 2e-2
+
+
+def test_linear_q8_refuses_what_it_cannot_read_safely() -> None:
+    kernels = native.load()
+    assert kernels is not None and kernels.q8_granule
+    w, scale = torch.randint(-127, 128, (64, 128), dtype=torch.int8), torch.rand(64)
+    for x, weight, s in [
+        (torch.randn(1, 64), w, scale),  # x shorter than k: the C code would read past it
+        (torch.randn(128), w, scale),  # 1-D
+        (torch.randn(1, 128), w, torch.rand(8)),  # too few scales
+        (torch.randn(1, 64), w.t(), scale),  # a transposed (strided) weight
+        (torch.randn(1, 128), w.to(torch.uint8), scale),
+        (torch.randn(1, 128), w.float(), scale),
+    ]:
+        with pytest.raises(ValueError):
+            kernels.linear_q8(x, weight, s)
+    assert not kernels.linear_q8(torch.full((1, 128), 1e35), w, scale).isnan().any()  # large and finite: no NaN
 
 
 def test_linear_q8_rows_are_computed_each_alone_and_a_non_finite_row_gives_nan() -> None:

@@ -320,3 +320,37 @@ def test_decode_perplexity_is_prefills_on_a_float_model_and_near_it_with_int8(
     qnll, _ = int8.compute.run(_prefill_nll, int8, ids)
     qdnll, _ = int8.compute.run(_decode_nll, int8, ids, 39)
     assert abs(qdnll - qnll) < 0.02 * qnll
+
+
+def test_an_int8_layer_without_a_dense_copy_dequantizes_to_its_rows_times_their_scales() -> None:
+    # A head whose packed kernel wins at every row count keeps no dense copy; its tied embedding is
+    # then built from dequantized(), which must be the weights the kernels use (and quick: the packed
+    # kernel on an identity took ~30 s for the default model's head).
+    torch.manual_seed(0)
+    layer = QuantLinear.from_float("int8", torch.randn(96, 128), torch.float32)
+    dense = layer.dequantized().clone()
+    layer.dense = None
+    assert torch.equal(layer.dequantized(), dense)
+    assert torch.equal(layer.dequantized(), layer.packed.float() * layer.scales.float()[:, None])
+
+
+def test_int8_layers_keep_a_dense_copy_and_time_each_kernel_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A linear_q8 layer keeps its dense copy for big prefills (float activations, and a dense GEMM
+    wins there), and a crossover measured for linear_q8 is never reused for torch's kernel."""
+    import asyncpage.quant as quant
+
+    w = torch.randn(256, 1024)
+    layer = QuantLinear.from_float("int8", w, torch.float32)
+    if layer.q8 is None:
+        pytest.skip("linear_q8 does not build here")
+    assert layer.dense is not None and 8 <= layer.max_rows <= 64
+    timed: list[object] = []
+    real_time = quant._time
+    monkeypatch.setattr(quant, "_time", lambda fn, *a: timed.append(fn) or real_time(fn, *a))
+    monkeypatch.setenv("ASYNCPAGE_NATIVE", "0")
+    native.load.cache_clear()
+    try:
+        plain = QuantLinear.from_float("int8", w, torch.float32)
+        assert plain.q8 is None and timed  # measured afresh, not taken from linear_q8's entry
+    finally:
+        native.load.cache_clear()
