@@ -42,6 +42,9 @@ class NativeKernels:
         self._q8.restype = _I
         # The k linear_q8 takes a multiple of: 64 with AVX-512 VNNI, 32 with AVX2, 0 without either.
         self.q8_granule = int(lib.linear_q8_granule())
+        self._q4 = lib.linear_q4
+        self._q4.argtypes = [_P, _P, _P, _P, _L, _L, _I, _I, _P]
+        self._q4.restype = _I
 
     def attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor,
@@ -93,6 +96,40 @@ class NativeKernels:
         return out
 
 
+    def takes_q4(self, k: int) -> bool:
+        """Whether linear_q4 takes an int4 weight of k inputs (a multiple of 128, where the build has
+        integer dot products)."""
+        return self.q8_granule > 0 and k > 0 and k % 128 == 0
+
+    def linear_q4(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+        """x [rows, k] times the int4 weight w^T (quant.pack_q4's layout [n, k / 2] uint8; bfloat16
+        scale and minimum [n, k / 32]: w = q * scale + minimum), x rounded to int8 in blocks of 32
+        (see linear_q4 in cpu_decode.c): [rows, n] float32."""
+        n, half = w.shape if w.dim() == 2 else (0, 0)
+        k = 2 * half
+        if not (self.takes_q4(k) and w.dtype == torch.uint8 and w.device.type == "cpu" and w.is_contiguous()):
+            raise ValueError(f"linear_q4 takes packed uint8 [n, k / 2] CPU weights, k a multiple of 128; "
+                             f"got {tuple(w.shape)} {w.dtype} on {w.device}")
+        for t in (scale, minimum):
+            if t.shape != (n, k // 32) or t.dtype != torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(f"linear_q4: scale and minimum must be contiguous bfloat16 [{n}, {k // 32}]; "
+                                 f"got {tuple(t.shape)} {t.dtype}")
+        if x.dim() != 2 or x.shape[1] != k or x.device.type != "cpu":
+            raise ValueError(f"linear_q4: x must be [rows, {k}] on the CPU; got {tuple(x.shape)} on {x.device}")
+        rows = x.shape[0]
+        x = x.to(torch.float32).contiguous()
+        out = torch.empty(rows, n, dtype=torch.float32)
+        if rows == 0:
+            return out
+        rc = self._q4(x.data_ptr(), w.data_ptr(), scale.data_ptr(), minimum.data_ptr(), n, k, rows,
+                      torch.get_num_threads(), out.data_ptr())
+        if rc == -1:
+            raise MemoryError("linear_q4: no memory for its scratch")
+        if rc != 0:
+            raise ValueError(f"linear_q4 does not take k={k}")
+        return out
+
+
 def takes(x: torch.Tensor, pool: tuple[torch.Tensor, ...], *index: torch.Tensor) -> bool:
     """Whether attend_rows takes a step of these: float32 activations and a (K, V) pool of float32 on
     the CPU, contiguous; its block tables, lengths and slots contiguous int64."""
@@ -126,7 +163,7 @@ def _load(flags: tuple[str, ...]) -> ctypes.CDLL:
     path = _build_with(flags)
     try:
         lib = ctypes.CDLL(str(path))
-        lib.attend_rows_f32, lib.linear_q8  # noqa: B018  (a missing symbol raises AttributeError here)
+        lib.attend_rows_f32, lib.linear_q8, lib.linear_q4  # noqa: B018  (a missing symbol raises AttributeError here)
         return lib
     except (OSError, AttributeError) as exc:
         log.warning("rebuilding %s, which does not load: %s", path, exc)

@@ -4,9 +4,9 @@ Owns the quantized layers (`QuantLinear`, `QuantFused`, `QuantEmbedding`), the k
 call by row count, and `quantize_model`, which swaps them into a loaded float model (LM head and
 embeddings included). It touches nothing but the modules it replaces.
 
-Kernels: int8 layers run the native `linear_q8` (kernels/cpu_decode.c: activations rounded to int8
-in blocks of 32, integer dot products; 2-3x torch's int8 kernel at decode row counts, see there) where
-it builds, else torch's own packed CPU matmuls (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`),
+Kernels: int8 layers run the native `linear_q8` and int4 layers `linear_q4` (kernels/cpu_decode.c:
+activations rounded to int8 in blocks of 32, integer dot products; 2-3x torch's int8 kernel at
+decode row counts, see there) where they build, else torch's own packed CPU matmuls (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`),
 which the rest of this docstring measures.
 Measured here (2 cores, AVX-512 bf16), LM head 262,144 x 640: bf16 22 ms at 1 row, int8 12 ms, int4
 5.8 ms; at 32 rows bf16 26 ms, int8 185 ms, int4 79 ms: these kernels read the packed weight once per
@@ -47,12 +47,13 @@ log = logging.getLogger("asyncpage")
 QUANTIZATIONS: tuple[str | None, ...] = (None, "int8", "int4")
 GROUP = 32  # int4 group size: Q4_K's sub-block, so a GGUF's Q4_K tensors map exactly
 _CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
-# linear_q8 serves at least the compiled decode steps' row counts (compiled.MAX_ROWS), whatever its
-# calibration says. Timed alone, with the weight out of L2 but still in this machine's large L3, the
-# dense copy beat it at 1 row for two of the default model's four projections; in a decode step,
-# where the whole model streams through, the packed kernel there was 4 ms a step faster (forward +
-# head 22.5 -> 18.2 ms, same process and profiler): it reads a quarter of the bytes.
-_Q8_ROWS = 8
+# The native kernels (linear_q8, linear_q4) serve at least the compiled decode steps' row counts
+# (compiled.MAX_ROWS), whatever their calibration says. Timed alone, with the weight out of L2 but
+# still in this machine's large L3, the dense copy beat linear_q8 at 1 row for two of the default
+# model's four projections. In a decode step, where the whole model streams through, the packed
+# kernel there was 4 ms a step faster (forward + head 22.5 -> 18.2 ms, same process and profiler):
+# it reads a quarter of the bytes.
+_NATIVE_ROWS = 8
 _L2_FLUSH = 8 << 20  # bytes written between timed calls
 _crossovers: dict[tuple[Any, ...], int] = {}  # measured once per process per kernel and shape
 
@@ -121,6 +122,8 @@ class QuantLinear(nn.Module):
         self.act_dtype = dtype  # what the packed kernel computes in (kernel_dtype)
         self.one_row: Any = None  # fbgemm / oneDNN prepacked int8 weight, used row by row (w8a8_for)
         self.q8: torch.Tensor | None = None  # float32 scales where native linear_q8 is the packed kernel
+        # (scale, minimum) per group, bfloat16, where native linear_q4 is (`packed` then holds its nibbles)
+        self.q4: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_float(cls, kind: str, w: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
@@ -145,6 +148,14 @@ class QuantLinear(nn.Module):
             deq = q8.float() * layer.scales.float()[:, None]
         else:
             q4, s4, lo = int4 if int4 is not None else quantize_int4(w)
+            kernels = native.load() if q4.device.type == "cpu" else None
+            if kernels is not None and kernels.takes_q4(k):
+                # Scale and minimum rounded to bfloat16 (as for torch's kernel), and the dense copy
+                # from the rounded values: both paths hold the same weights.
+                layer.q4 = (s4.to(torch.bfloat16).contiguous(), lo.to(torch.bfloat16).contiguous())
+                layer.packed = pack_q4(q4)
+                layer.dense = dequantize_int4(q4, *layer.q4).to(dtype)
+                return _with_rows(layer)
             layer.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4.to(torch.int32).contiguous(), 1)
             act = layer.act_dtype = kernel_dtype(layer, torch.stack([s4, lo], -1).transpose(0, 1).contiguous())
             s4, lo = s4.to(act).float(), lo.float()
@@ -153,21 +164,20 @@ class QuantLinear(nn.Module):
             layer.scales = torch.stack([s4, zero], -1).transpose(0, 1).contiguous().to(act)
             deq = dequantize_int4(q4, s4, zero - 8 * s4)
         layer.dense = deq.to(dtype)
-        layer.max_rows = crossover(layer)
-        if layer.q8 is not None:
-            # A dense copy always: linear_q8 rounds activations to 8 bits, and past the rows measured
-            # a dense GEMM wins again (1024 rows: 38 ms against 23 for a 4096 x 1024 weight).
-            layer.max_rows = min(max(layer.max_rows, _Q8_ROWS), _CALIBRATION_ROWS[-1])
-        elif layer.max_rows >= _CALIBRATION_ROWS[-1]:
-            layer.dense = None  # the packed kernel wins at every size measured: no copy needed
-            layer.max_rows = 1 << 62
-        return layer
+        return _with_rows(layer)
+
+    @property
+    def native(self) -> bool:
+        """Whether a native kernel (linear_q8 / linear_q4) is this layer's packed kernel."""
+        return self.q8 is not None or self.q4 is not None
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """The packed matmul, in and out in the model dtype (computed in `act_dtype`, or by
         linear_q8 with the activations rounded to int8 in blocks of 32)."""
         if self.q8 is not None:
             return torch.ops.asyncpage.linear_q8(x, self.packed, self.q8).to(self.dtype)
+        if self.q4 is not None:
+            return torch.ops.asyncpage.linear_q4(x, self.packed, *self.q4).to(self.dtype)
         return _packed_mm(self.kind, x.to(self.act_dtype), self.packed, self.scales).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,13 +211,16 @@ class QuantLinear(nn.Module):
             return self.dense
         if self.kind == "int8":  # its rows as they are; the packed kernel on an identity took ~30 s for a head
             return (self.packed.float() * self.scales.float()[:, None]).to(self.dtype)
+        if self.q4 is not None:
+            return dequantize_int4(unpack_q4(self.packed), *self.q4).to(self.dtype)
         # In float32 (exact: the activations are 0 and 1), whatever the kernel's activation dtype.
         eye = torch.eye(self.in_features)
         return _packed_mm(self.kind, eye, self.packed, self.scales.float()).t().to(self.dtype).contiguous()
 
     def extra_repr(self) -> str:
         one = ", w8a8 row by row" if self.one_row is not None else ""
-        how = "linear_q8" if self.q8 is not None else str(self.act_dtype).removeprefix("torch.")
+        how = ("linear_q8" if self.q8 is not None else "linear_q4" if self.q4 is not None
+               else str(self.act_dtype).removeprefix("torch."))
         return (f"{self.kind}, in={self.in_features}, out={self.out_features}, packed up to {self.max_rows} rows"
                 f" in {how}{one}")
 
@@ -259,6 +272,51 @@ def _linear_q8_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> to
     return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
 
 
+_lib.define("linear_q4(Tensor x, Tensor w, Tensor scale, Tensor minimum) -> Tensor")
+
+
+def _linear_q4(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    kernels = native.load()
+    assert kernels is not None, "a layer takes linear_q4 only where the kernels loaded"
+    return kernels.linear_q4(x, w, scale, minimum)
+
+
+_lib.impl("linear_q4", _linear_q4, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("asyncpage::linear_q4")
+def _linear_q4_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+
+
+def pack_q4(q: torch.Tensor) -> torch.Tensor:
+    """int4 values [N, K] (0..15, K a multiple of 128) in linear_q4's layout: each 128 of a row as
+    64 bytes, byte j holding value j (low nibble) and value 64 + j (high nibble)."""
+    n, k = q.shape
+    pairs = q.to(torch.uint8).reshape(n, k // 128, 2, 64)
+    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_q4(packed: torch.Tensor) -> torch.Tensor:
+    n, half = packed.shape
+    chunks = packed.reshape(n, half // 64, 1, 64)
+    return torch.cat([chunks & 0x0F, chunks >> 4], dim=2).reshape(n, 2 * half)
+
+
+def _with_rows(layer: QuantLinear) -> QuantLinear:
+    """The layer with its packed / dense threshold set (crossover), its dense copy dropped where the
+    packed kernel wins at every size measured."""
+    layer.max_rows = crossover(layer)
+    if layer.native:
+        # A dense copy always: the native kernels round activations to 8 bits, and past the rows
+        # measured a dense GEMM wins again (1024 rows: 38 ms against 23 for a 4096 x 1024 int8 weight).
+        layer.max_rows = min(max(layer.max_rows, _NATIVE_ROWS), _CALIBRATION_ROWS[-1])
+    elif layer.max_rows >= _CALIBRATION_ROWS[-1]:
+        layer.dense = None  # the packed kernel wins at every size measured: no copy needed
+        layer.max_rows = 1 << 62
+    return layer
+
+
 def _packed_mm(kind: str, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     if kind == "int8":
         return torch.ops.aten._weight_int8pack_mm(x, packed, scales)
@@ -296,12 +354,12 @@ def w8a8_for(layer: QuantLinear) -> Any:
     prepacked = prepack_w8a8(layer)
     if prepacked is None:
         return None
-    key = ("w8a8", layer.out_features, layer.in_features, layer.act_dtype, layer.q8 is not None,
+    key = ("w8a8", layer.out_features, layer.in_features, layer.act_dtype, layer.native,
            torch.get_num_threads())
     if key not in _crossovers:
         x = torch.randn(1, layer.in_features)
         t_w8a8 = _time(torch.ops.quantized.linear_dynamic, x, prepacked)
-        t_int8 = (_time(layer.kernel, x) if layer.q8 is not None
+        t_int8 = (_time(layer.kernel, x) if layer.native
                   else _time(_packed_mm, layer.kind, x.to(layer.act_dtype), layer.packed, layer.scales))
         _crossovers[key] = int(t_w8a8 < 0.8 * t_int8)
     return prepacked if _crossovers[key] else None
@@ -335,7 +393,7 @@ def crossover(layer: QuantLinear) -> int:
         return 0
     rowwise = layer.one_row is not None
     key = (layer.kind, layer.out_features, layer.in_features, layer.dtype, layer.act_dtype, rowwise,
-           layer.q8 is not None, torch.get_num_threads())
+           layer.q8 is not None, layer.q4 is not None, torch.get_num_threads())
     if key in _crossovers:
         return _crossovers[key]
     best = 0
@@ -345,7 +403,7 @@ def crossover(layer: QuantLinear) -> int:
         # The kernel alone, its input already in act_dtype: the casts around it are dispatch cost
         # that compile=True fuses away (eager, they cost ~30 us a call here, more than the bytes
         # saved on a small weight at one row: both paths then run about even).
-        t_q = (_time(layer.rowwise, x) if rowwise else _time(layer.kernel, x) if layer.q8 is not None
+        t_q = (_time(layer.rowwise, x) if rowwise else _time(layer.kernel, x) if layer.native
                else _time(_packed_mm, layer.kind, x.to(layer.act_dtype), layer.packed, layer.scales))
         t_d = _time(F.linear, x, dense)
         if t_q >= t_d:
@@ -436,6 +494,7 @@ def quantized_bytes(model: nn.Module) -> dict[str, int]:
     for m in model.modules():
         if isinstance(m, QuantLinear):
             packed += m.packed.numel() * m.packed.element_size() + m.scales.numel() * m.scales.element_size()
+            packed += sum(t.numel() * t.element_size() for t in m.q4 or ())
             if m.one_row is not None:  # the prepacked copy: the same int8 values in fbgemm's / oneDNN's layout
                 packed += m.out_features * m.in_features
             if m.dense is not None:

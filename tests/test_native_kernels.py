@@ -236,3 +236,63 @@ def test_int8_layers_take_linear_q8_where_it_builds_and_torchs_kernel_without_it
         assert torch.allclose(layer.kernel(x), x @ layer.dequantized().t(), rtol=3e-2, atol=3e-2)
     finally:
         native.load.cache_clear()
+
+
+@pytest.mark.parametrize("flags", _q8_builds(), ids=lambda f: next(x for x in f if x.startswith("-march")))
+def test_linear_q4_is_the_int4_weights_times_activations_rounded_in_blocks_of_32(
+        flags: tuple[str, ...], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Each group of 32 weights is q * scale + minimum (q in 0..15, bfloat16 scale and minimum)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    import ctypes
+
+    from asyncpage.quant import dequantize_int4, pack_q4, unpack_q4
+
+    kernels = native.NativeKernels(ctypes.CDLL(str(native._build_with(flags))))
+    gen = torch.Generator().manual_seed(2)
+    for n, k, rows in [(1, 128, 1), (5, 256, 2), (7, 640, 3), (640, 1024, 1), (1031, 2048, 9)]:
+        q = torch.randint(0, 16, (n, k), generator=gen)
+        scale = (torch.rand(n, k // 32, generator=gen) * 0.01).bfloat16()
+        minimum = (-torch.rand(n, k // 32, generator=gen) * 0.08).bfloat16()
+        packed = pack_q4(q)
+        assert packed.shape == (n, k // 2) and torch.equal(unpack_q4(packed), q.to(torch.uint8))
+        x = torch.randn(rows, k, generator=gen)
+        x[0, :5] *= 100
+        w = dequantize_int4(q, scale, minimum).double()
+        rows_x = x.view(rows, k // 32, 32).double()
+        step = rows_x.abs().amax(-1, keepdim=True) / 127
+        want = (torch.round(rows_x / torch.where(step > 0, step, 1)) * step).view(rows, k) @ w.t()
+        got = kernels.linear_q4(x, packed, scale, minimum)
+        assert got.shape == (rows, n)
+        assert ((got.double() - want).abs().max() / want.abs().max()) < 1e-5, (n, k, rows)
+    bad = torch.randn(2, 128)
+    bad[1, 7] = float("nan")
+    one = kernels.linear_q4(bad, pack_q4(torch.ones(3, 128)), torch.ones(3, 4).bfloat16(), torch.zeros(3, 4).bfloat16())
+    assert one[1].isnan().all() and one[0].isfinite().all()
+    with pytest.raises(ValueError):
+        kernels.linear_q4(torch.randn(1, 64), packed, scale, minimum)  # x shorter than k
+    with pytest.raises(ValueError):
+        kernels.linear_q4(torch.randn(1, 2048), packed, scale.float(), minimum)  # float32 scales
+
+
+def test_int4_layers_take_linear_q4_where_it_builds_and_torchs_kernel_without_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncpage.quant import QuantLinear
+
+    w = torch.randn(64, 256)
+    layer = QuantLinear.from_float("int4", w, torch.float32)
+    assert layer.q4 is not None and layer.dense is not None
+    x = torch.randn(1, 256)
+
+    def close(got: torch.Tensor, want: torch.Tensor) -> bool:  # within the activations' 8-bit rounding
+        return bool((got - want).abs().max() / want.abs().max() < 2e-2)
+
+    assert close(layer.kernel(x), x @ layer.dequantized().t())
+    assert QuantLinear.from_float("int4", torch.randn(64, 96), torch.float32).q4 is None  # k not a multiple of 128
+    monkeypatch.setenv("ASYNCPAGE_NATIVE", "0")
+    native.load.cache_clear()
+    try:
+        plain = QuantLinear.from_float("int4", w, torch.float32)
+        assert plain.q4 is None
+        assert close(plain.kernel(x), x @ plain.dequantized().t())
+    finally:
+        native.load.cache_clear()
