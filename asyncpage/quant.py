@@ -6,8 +6,8 @@ embeddings included). It touches nothing but the modules it replaces.
 
 Kernels: int8 layers run the native `linear_q8` and int4 layers `linear_q4` (kernels/cpu_decode.c:
 activations rounded to int8 in blocks of 32, integer dot products; 2-3x torch's int8 kernel at
-decode row counts, see there) where they build, else torch's own packed CPU matmuls (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`),
-which the rest of this docstring measures.
+decode row counts, see there) where they build. Elsewhere torch's own packed CPU matmuls serve
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), which the rest of this docstring measures.
 Measured here (2 cores, AVX-512 bf16), LM head 262,144 x 640: bf16 22 ms at 1 row, int8 12 ms, int4
 5.8 ms; at 32 rows bf16 26 ms, int8 185 ms, int4 79 ms: these kernels read the packed weight once per
 row group and lose to a dense GEMM past a few rows. So each layer keeps the dequantized weight

@@ -148,6 +148,42 @@ static void quantize_rows(const float *x, long k, int rows, signed char *xq, flo
 }
 #endif
 
+#if Q8_GRANULE
+/* One call's activations rounded (quantize_rows), and for AVX-512 each 64 bytes' scales laid out as
+   its 16 int32 sums fall (8 lanes per block). sums only where asked (linear_q4). */
+typedef struct {
+    signed char *xq;
+    float *bs, *nan, *sums, *lanes;
+} Rounded;
+
+static void rounded_free(Rounded *a) {
+    free(a->xq);
+    free(a->bs);
+    free(a->nan);
+    free(a->sums);
+    free(a->lanes);
+}
+
+/* 0, or -1 when out of memory (nothing is left allocated). */
+static int round_activations(const float *x, long k, int rows, int with_sums, Rounded *a) {
+    a->xq = malloc((size_t)rows * k);
+    a->bs = malloc((size_t)rows * (k / 32) * sizeof(float));
+    a->nan = malloc((size_t)rows * sizeof(float));
+    a->sums = with_sums ? malloc((size_t)rows * (k / 32) * sizeof(float)) : NULL;
+    a->lanes = Q8_GRANULE == 64 ? malloc((size_t)rows * (k / 4) * sizeof(float)) : NULL;
+    if (a->xq == NULL || a->bs == NULL || a->nan == NULL || (with_sums && a->sums == NULL) ||
+        (Q8_GRANULE == 64 && a->lanes == NULL)) {
+        rounded_free(a);
+        return -1;
+    }
+    quantize_rows(x, k, rows, a->xq, a->bs, a->nan, a->sums);
+    if (a->lanes != NULL)
+        for (long i = 0; i < (long)rows * (k / 4); i++)
+            a->lanes[i] = a->bs[i / 8];
+    return 0;
+}
+#endif
+
 #if Q8_GRANULE == 64
 /* Dot products of four weight rows (w[j] for j < 4; a short group repeats its last row) with one
    rounded activation row, per 64 bytes: the weights flipped to unsigned (w ^ 0x80 = w + 128) for
@@ -216,24 +252,12 @@ static void dot4_q8(const signed char *const w[4], const signed char *ahead, lon
 int linear_q8(const float *x, const signed char *w, const float *scale, long n, long k, int rows, int threads,
               float *out) {
 #if Q8_GRANULE
+    (void)threads; /* read by OpenMP's clause only: unused in a serial build */
     if (k <= 0 || k % Q8_GRANULE != 0 || rows <= 0)
         return -2;
-    signed char *xq = malloc((size_t)rows * k);
-    float *bs = malloc((size_t)rows * (k / 32) * sizeof(float));
-    float *nan = malloc((size_t)rows * sizeof(float));
-    /* AVX-512: each 64-byte lane group's scales laid out as the 16 int32 sums fall (8 per block) */
-    float *lanes = Q8_GRANULE == 64 ? malloc((size_t)rows * (k / 4) * sizeof(float)) : NULL;
-    if (xq == NULL || bs == NULL || nan == NULL || (Q8_GRANULE == 64 && lanes == NULL)) {
-        free(xq);
-        free(bs);
-        free(nan);
-        free(lanes);
+    Rounded a;
+    if (round_activations(x, k, rows, 0, &a) != 0)
         return -1;
-    }
-    quantize_rows(x, k, rows, xq, bs, nan, NULL);
-    if (lanes != NULL)
-        for (long i = 0; i < (long)rows * (k / 4); i++)
-            lanes[i] = bs[i / 8];
     const long groups = (n + 3) / 4;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long g = 0; g < groups; g++) {
@@ -245,22 +269,19 @@ int linear_q8(const float *x, const signed char *w, const float *scale, long n, 
         const signed char *ahead = i + 8 <= n ? w + (i + 4) * k : NULL;
         for (int r = 0; r < rows; r++) {
             float dots[4];
-            const signed char *xr = xq + (long)r * k;
+            const signed char *xr = a.xq + (long)r * k;
 #if Q8_GRANULE == 64
-            dot4_q8(rows4, r == 0 ? ahead : NULL, k, xr, lanes + (long)r * (k / 4), dots);
+            dot4_q8(rows4, r == 0 ? ahead : NULL, k, xr, a.lanes + (long)r * (k / 4), dots);
             for (long j = 0; j < m; j++)
-                out[(long)r * n + i + j] = scale[i + j] * dots[j] + nan[r];
+                out[(long)r * n + i + j] = scale[i + j] * dots[j] + a.nan[r];
 #else
-            dot4_q8(rows4, r == 0 ? ahead : NULL, k, xr, bs + (long)r * (k / 32), dots);
+            dot4_q8(rows4, r == 0 ? ahead : NULL, k, xr, a.bs + (long)r * (k / 32), dots);
             for (long j = 0; j < m; j++)
-                out[(long)r * n + i + j] = scale[i + j] * dots[j] + nan[r];
+                out[(long)r * n + i + j] = scale[i + j] * dots[j] + a.nan[r];
 #endif
         }
     }
-    free(xq);
-    free(bs);
-    free(nan);
-    free(lanes);
+    rounded_free(&a);
     return 0;
 #else
     (void)x, (void)w, (void)scale, (void)n, (void)k, (void)rows, (void)threads, (void)out;
@@ -371,25 +392,12 @@ static void dot4_q4(const unsigned char *const w[4], const unsigned short *const
 int linear_q4(const float *x, const unsigned char *w, const unsigned short *scale, const unsigned short *minimum,
               long n, long k, int rows, int threads, float *out) {
 #if Q8_GRANULE
+    (void)threads; /* read by OpenMP's clause only: unused in a serial build */
     if (k <= 0 || k % 128 != 0 || rows <= 0)
         return -2;
-    signed char *xq = malloc((size_t)rows * k);
-    float *bs = malloc((size_t)rows * (k / 32) * sizeof(float));
-    float *sums = malloc((size_t)rows * (k / 32) * sizeof(float));
-    float *nan = malloc((size_t)rows * sizeof(float));
-    float *lanes = Q8_GRANULE == 64 ? malloc((size_t)rows * (k / 4) * sizeof(float)) : NULL;
-    if (xq == NULL || bs == NULL || sums == NULL || nan == NULL || (Q8_GRANULE == 64 && lanes == NULL)) {
-        free(xq);
-        free(bs);
-        free(sums);
-        free(nan);
-        free(lanes);
+    Rounded a;
+    if (round_activations(x, k, rows, 1, &a) != 0)
         return -1;
-    }
-    quantize_rows(x, k, rows, xq, bs, nan, sums);
-    if (lanes != NULL)
-        for (long i = 0; i < (long)rows * (k / 4); i++)
-            lanes[i] = bs[i / 8];
     const long groups = (n + 3) / 4, half = k / 2, per = k / 32;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long g = 0; g < groups; g++) {
@@ -406,21 +414,17 @@ int linear_q4(const float *x, const unsigned char *w, const unsigned short *scal
         for (int r = 0; r < rows; r++) {
             float dots[4];
 #if Q8_GRANULE == 64
-            dot4_q4(w4, s4, m4, r == 0 ? ahead : NULL, k, xq + (long)r * k, lanes + (long)r * (k / 4),
-                    sums + (long)r * per, dots);
+            dot4_q4(w4, s4, m4, r == 0 ? ahead : NULL, k, a.xq + (long)r * k, a.lanes + (long)r * (k / 4),
+                    a.sums + (long)r * per, dots);
 #else
-            dot4_q4(w4, s4, m4, r == 0 ? ahead : NULL, k, xq + (long)r * k, bs + (long)r * per, sums + (long)r * per,
-                    dots);
+            dot4_q4(w4, s4, m4, r == 0 ? ahead : NULL, k, a.xq + (long)r * k, a.bs + (long)r * per,
+                    a.sums + (long)r * per, dots);
 #endif
             for (long j = 0; j < m; j++)
-                out[(long)r * n + i + j] = dots[j] + nan[r];
+                out[(long)r * n + i + j] = dots[j] + a.nan[r];
         }
     }
-    free(xq);
-    free(bs);
-    free(sums);
-    free(nan);
-    free(lanes);
+    rounded_free(&a);
     return 0;
 #else
     (void)x, (void)w, (void)scale, (void)minimum, (void)n, (void)k, (void)rows, (void)threads, (void)out;

@@ -113,6 +113,11 @@ def _q8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torc
     return (rounded.view(rows, k) @ w.double().t()) * scale.double()
 
 
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Within the activations' 8-bit rounding (or torch's bfloat16), relative to the largest output."""
+    return bool((got - want).abs().max() / want.abs().max() < 2e-2)
+
+
 def _q8_builds() -> list[tuple[str, ...]]:
     """This machine's build, and the AVX2 form where the CPU runs AVX2 but -march=native picks AVX-512."""
     flags = [native.FLAGS]
@@ -220,20 +225,27 @@ def test_a_compiler_without_openmp_builds_the_kernels_serial(monkeypatch: pytest
         native.load.cache_clear()
 
 
-def test_int8_layers_take_linear_q8_where_it_builds_and_torchs_kernel_without_it(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("kind", "k", "odd_k"), [("int8", 128, 100), ("int4", 256, 96)])
+def test_quantized_layers_take_the_native_kernel_where_it_builds_and_torchs_without_it(
+        kind: str, k: int, odd_k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 layers take linear_q8 (k a multiple of the build's granule), int4 layers linear_q4 (k a
+    multiple of 128); other shapes, and ASYNCPAGE_NATIVE=0, keep torch's kernels."""
     from asyncpage.quant import QuantLinear
 
-    w = torch.randn(64, 128)
-    assert QuantLinear.from_float("int8", w, torch.float32).q8 is not None
-    assert QuantLinear.from_float("int8", torch.randn(64, 100), torch.float32).q8 is None  # k not a multiple of 32
+    def native_of(layer: QuantLinear) -> object:
+        return layer.q8 if kind == "int8" else layer.q4
+
+    w, x = torch.randn(64, k), torch.randn(1, k)
+    layer = QuantLinear.from_float(kind, w, torch.float32)
+    assert native_of(layer) is not None and layer.dense is not None
+    assert _close(layer.kernel(x), x @ layer.dequantized().t())
+    assert native_of(QuantLinear.from_float(kind, torch.randn(64, odd_k), torch.float32)) is None
     monkeypatch.setenv("ASYNCPAGE_NATIVE", "0")
     native.load.cache_clear()
     try:
-        layer = QuantLinear.from_float("int8", w, torch.float32)
-        assert layer.q8 is None
-        x = torch.randn(1, 128)
-        assert torch.allclose(layer.kernel(x), x @ layer.dequantized().t(), rtol=3e-2, atol=3e-2)
+        plain = QuantLinear.from_float(kind, w, torch.float32)
+        assert native_of(plain) is None
+        assert _close(plain.kernel(x), x @ plain.dequantized().t())
     finally:
         native.load.cache_clear()
 
@@ -272,27 +284,3 @@ def test_linear_q4_is_the_int4_weights_times_activations_rounded_in_blocks_of_32
         kernels.linear_q4(torch.randn(1, 64), packed, scale, minimum)  # x shorter than k
     with pytest.raises(ValueError):
         kernels.linear_q4(torch.randn(1, 2048), packed, scale.float(), minimum)  # float32 scales
-
-
-def test_int4_layers_take_linear_q4_where_it_builds_and_torchs_kernel_without_it(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    from asyncpage.quant import QuantLinear
-
-    w = torch.randn(64, 256)
-    layer = QuantLinear.from_float("int4", w, torch.float32)
-    assert layer.q4 is not None and layer.dense is not None
-    x = torch.randn(1, 256)
-
-    def close(got: torch.Tensor, want: torch.Tensor) -> bool:  # within the activations' 8-bit rounding
-        return bool((got - want).abs().max() / want.abs().max() < 2e-2)
-
-    assert close(layer.kernel(x), x @ layer.dequantized().t())
-    assert QuantLinear.from_float("int4", torch.randn(64, 96), torch.float32).q4 is None  # k not a multiple of 128
-    monkeypatch.setenv("ASYNCPAGE_NATIVE", "0")
-    native.load.cache_clear()
-    try:
-        plain = QuantLinear.from_float("int4", w, torch.float32)
-        assert plain.q4 is None
-        assert close(plain.kernel(x), x @ plain.dequantized().t())
-    finally:
-        native.load.cache_clear()
