@@ -153,7 +153,7 @@ class QuantLinear(nn.Module):
                 # Scale and minimum rounded to bfloat16 (as for torch's kernel), and the dense copy
                 # from the rounded values: both paths hold the same weights.
                 layer.q4 = (s4.to(torch.bfloat16).contiguous(), lo.to(torch.bfloat16).contiguous())
-                layer.packed = pack_q4(q4)
+                layer.packed = native.pack_q4(q4)
                 layer.dense = dequantize_int4(q4, *layer.q4).to(dtype)
                 return _with_rows(layer)
             layer.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4.to(torch.int32).contiguous(), 1)
@@ -212,7 +212,7 @@ class QuantLinear(nn.Module):
         if self.kind == "int8":  # its rows as they are; the packed kernel on an identity took ~30 s for a head
             return (self.packed.float() * self.scales.float()[:, None]).to(self.dtype)
         if self.q4 is not None:
-            return dequantize_int4(unpack_q4(self.packed), *self.q4).to(self.dtype)
+            return dequantize_int4(native.unpack_q4(self.packed), *self.q4).to(self.dtype)
         # In float32 (exact: the activations are 0 and 1), whatever the kernel's activation dtype.
         eye = torch.eye(self.in_features)
         return _packed_mm(self.kind, eye, self.packed, self.scales.float()).t().to(self.dtype).contiguous()
@@ -250,57 +250,6 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         assert self.table is not None
         return F.embedding(ids, self.table)
-
-
-# The native kernel as an operator (a shape-only fake for tracing): compiled decode graphs call it
-# as they call torch's packed kernels. A Library op, not custom_op: ~2 us a call, not ~16.
-_lib = torch.library.Library("asyncpage", "FRAGMENT")
-_lib.define("linear_q8(Tensor x, Tensor w, Tensor scale) -> Tensor")
-
-
-def _linear_q8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    kernels = native.load()
-    assert kernels is not None, "a layer takes linear_q8 only where the kernels loaded"
-    return kernels.linear_q8(x, w, scale)
-
-
-_lib.impl("linear_q8", _linear_q8, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("asyncpage::linear_q8")
-def _linear_q8_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
-
-
-_lib.define("linear_q4(Tensor x, Tensor w, Tensor scale, Tensor minimum) -> Tensor")
-
-
-def _linear_q4(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    kernels = native.load()
-    assert kernels is not None, "a layer takes linear_q4 only where the kernels loaded"
-    return kernels.linear_q4(x, w, scale, minimum)
-
-
-_lib.impl("linear_q4", _linear_q4, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("asyncpage::linear_q4")
-def _linear_q4_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
-
-
-def pack_q4(q: torch.Tensor) -> torch.Tensor:
-    """int4 values [N, K] (0..15, K a multiple of 128) in linear_q4's layout: each 128 of a row as
-    64 bytes, byte j holding value j (low nibble) and value 64 + j (high nibble)."""
-    n, k = q.shape
-    pairs = q.to(torch.uint8).reshape(n, k // 128, 2, 64)
-    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-
-
-def unpack_q4(packed: torch.Tensor) -> torch.Tensor:
-    n, half = packed.shape
-    chunks = packed.reshape(n, half // 64, 1, 64)
-    return torch.cat([chunks & 0x0F, chunks >> 4], dim=2).reshape(n, 2 * half)
 
 
 def _with_rows(layer: QuantLinear) -> QuantLinear:

@@ -257,7 +257,8 @@ def test_linear_q4_is_the_int4_weights_times_activations_rounded_in_blocks_of_32
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     import ctypes
 
-    from asyncpage.quant import dequantize_int4, pack_q4, unpack_q4
+    from asyncpage.native import pack_q4, unpack_q4
+    from asyncpage.quant import dequantize_int4
 
     kernels = native.NativeKernels(ctypes.CDLL(str(native._build_with(flags))))
     gen = torch.Generator().manual_seed(2)
