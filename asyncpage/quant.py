@@ -116,7 +116,7 @@ class QuantLinear(nn.Module):
         self.kind, self.out_features, self.in_features, self.dtype = kind, n, k, dtype
         self.bias = bias
         self.packed = torch.empty(0)
-        self.scales = torch.empty(0)  # int8: [N]; int4: scales_and_zeros [K/GROUP, N, 2]
+        self.scales = torch.empty(0)  # int8: [N]; int4 on torch's kernel: scales_and_zeros [K/GROUP, N, 2]
         self.dense: torch.Tensor | None = None
         self.max_rows = 0
         self.act_dtype = dtype  # what the packed kernel computes in (kernel_dtype)
@@ -129,13 +129,15 @@ class QuantLinear(nn.Module):
     def from_float(cls, kind: str, w: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
                    int4: Int4 | None = None) -> QuantLinear:
         n, k = w.shape if int4 is None else int4[0].shape
-        if kind == "int4" and not int4_supported(n, k):
-            kind = "int8"  # the int4 kernel's shape rules (N % 16, K % 32); int8 takes any shape
+        source = w if int4 is None else int4[0]
+        kernels = native.load() if source.device.type == "cpu" else None
+        q4_native = kernels is not None and kernels.takes_q4(k)
+        if kind == "int4" and not int4_supported(n, k) and not q4_native:
+            kind = "int8"  # torch's int4 kernel's shape rules (N % 16, K % 32); int8 takes any shape
         layer = cls(kind, n, k, dtype, None if bias is None else bias.detach().to(dtype))
         if kind == "int8":
             q8, s8 = quantize_int8(w)
             layer.packed = q8
-            kernels = native.load() if q8.device.type == "cpu" else None
             if kernels is not None and kernels.takes_q8(q8):
                 # linear_q8 computes in float32 whatever the model dtype; the scales rounded to it
                 # as the dense copy's are, so both paths hold the same weights.
@@ -148,10 +150,11 @@ class QuantLinear(nn.Module):
             deq = q8.float() * layer.scales.float()[:, None]
         else:
             q4, s4, lo = int4 if int4 is not None else quantize_int4(w)
-            kernels = native.load() if q4.device.type == "cpu" else None
-            if kernels is not None and kernels.takes_q4(k):
-                # Scale and minimum rounded to bfloat16 (as for torch's kernel), and the dense copy
-                # from the rounded values: both paths hold the same weights.
+            if q4_native:
+                # Scale and minimum rounded to bfloat16, 4 bytes a group (a GGUF's Q4_K values are
+                # not bfloat16 exactly: up to 0.085 of a quantization step moves, measured; torch's
+                # kernel rounded them so too where bfloat16 activations measured faster), and the
+                # dense copy from the rounded values: both paths hold the same weights.
                 layer.q4 = (s4.to(torch.bfloat16).contiguous(), lo.to(torch.bfloat16).contiguous())
                 layer.packed = native.pack_q4(q4)
                 layer.dense = dequantize_int4(q4, *layer.q4).to(dtype)
@@ -173,7 +176,7 @@ class QuantLinear(nn.Module):
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """The packed matmul, in and out in the model dtype (computed in `act_dtype`, or by
-        linear_q8 with the activations rounded to int8 in blocks of 32)."""
+        linear_q8 / linear_q4 with the activations rounded to int8 in blocks of 32)."""
         if self.q8 is not None:
             return torch.ops.asyncpage.linear_q8(x, self.packed, self.q8).to(self.dtype)
         if self.q4 is not None:
@@ -443,7 +446,8 @@ def quantized_bytes(model: nn.Module) -> dict[str, int]:
     for m in model.modules():
         if isinstance(m, QuantLinear):
             packed += m.packed.numel() * m.packed.element_size() + m.scales.numel() * m.scales.element_size()
-            packed += sum(t.numel() * t.element_size() for t in m.q4 or ())
+            native_scales = [*(m.q4 or ()), *([] if m.q8 is None else [m.q8])]
+            packed += sum(t.numel() * t.element_size() for t in native_scales)
             if m.one_row is not None:  # the prepacked copy: the same int8 values in fbgemm's / oneDNN's layout
                 packed += m.out_features * m.in_features
             if m.dense is not None:

@@ -111,25 +111,34 @@ int attend_rows_f32(const float *q, const float *k, const float *v, float *k_cac
 int linear_q8_granule(void) { return Q8_GRANULE; }
 
 #if Q8_GRANULE
-/* Row r's blocks of 32 rounded to int8 with scale[b] = max|x| / 127: xq [rows, k], bs [rows, k/32].
-   nan[r]: NaN for a row holding a NaN or infinity (its outputs are then NaN), else 0.
+/* Row r's blocks of 32 rounded to int8 with scale max|x| / 127: xq [rows, k]. The scales are kept
+   divided by a power of two near the row's largest |x| (bs [rows, k/32]), and unit[r] multiplies it
+   back once per output: so a block's integer sum (up to 4 * 127 * 127 a lane) times its scale
+   overflows nowhere unless the true result does (at |x| ~ 1e36 it did, and opposite lanes gave
+   inf - inf). unit[r] is NaN for a row holding a NaN or infinity (its outputs are then NaN).
    sums (NULL for linear_q8): bs[b] * sum(xq in b), what linear_q4's minimums multiply. */
-static void quantize_rows(const float *x, long k, int rows, signed char *xq, float *bs, float *nan, float *sums) {
+static void quantize_rows(const float *x, long k, int rows, signed char *xq, float *bs, float *unit, float *sums) {
     for (int r = 0; r < rows; r++) {
         const float *xr = x + (long)r * k;
+        float top = 0.0f;
         int finite = 1;
+        for (long d = 0; d < k; d++) {
+            const float a = fabsf(xr[d]);
+            top = a > top ? a : top;
+            finite &= a <= FLT_MAX; /* NaN and infinity: a max alone would skip a NaN */
+        }
+        /* 2^e with e clamped so that both 2^e and 2^-e are normal floats: exact to divide and multiply */
+        int e = top > 0.0f && finite ? ilogbf(top) : 0;
+        e = e < -125 ? -125 : e > 125 ? 125 : e;
+        unit[r] = finite ? ldexpf(1.0f, e) : NAN;
         for (long b = 0; b < k / 32; b++) {
             float amax = 0.0f;
-            int bad = 0;
             for (int d = 0; d < 32; d++) {
                 const float a = fabsf(xr[b * 32 + d]);
                 amax = a > amax ? a : amax;
-                bad |= !(a <= FLT_MAX); /* NaN and infinity: a max alone would skip a NaN */
             }
-            if (bad) {
-                finite = 0;
-                amax = 0.0f; /* the row's output is NaN (nan[r]); its integers need only be defined */
-            }
+            if (!finite)
+                amax = 0.0f; /* the row's output is NaN (unit[r]); its integers need only be defined */
             float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
             if (inv > FLT_MAX) /* a block below ~4e-37: rounds to zeros (127 / amax would overflow) */
                 inv = amax = 0.0f;
@@ -139,13 +148,13 @@ static void quantize_rows(const float *x, long k, int rows, signed char *xq, flo
                 xq[(long)r * k + b * 32 + d] = (signed char)q;
                 sum += q;
             }
-            bs[(long)r * (k / 32) + b] = amax / 127.0f;
+            bs[(long)r * (k / 32) + b] = ldexpf(amax / 127.0f, -e);
             if (sums != NULL)
                 sums[(long)r * (k / 32) + b] = bs[(long)r * (k / 32) + b] * (float)sum;
         }
-        nan[r] = finite ? 0.0f : NAN;
     }
 }
+
 #endif
 
 #if Q8_GRANULE
@@ -153,13 +162,13 @@ static void quantize_rows(const float *x, long k, int rows, signed char *xq, flo
    its 16 int32 sums fall (8 lanes per block). sums only where asked (linear_q4). */
 typedef struct {
     signed char *xq;
-    float *bs, *nan, *sums, *lanes;
+    float *bs, *unit, *sums, *lanes;
 } Rounded;
 
 static void rounded_free(Rounded *a) {
     free(a->xq);
     free(a->bs);
-    free(a->nan);
+    free(a->unit);
     free(a->sums);
     free(a->lanes);
 }
@@ -168,15 +177,15 @@ static void rounded_free(Rounded *a) {
 static int round_activations(const float *x, long k, int rows, int with_sums, Rounded *a) {
     a->xq = malloc((size_t)rows * k);
     a->bs = malloc((size_t)rows * (k / 32) * sizeof(float));
-    a->nan = malloc((size_t)rows * sizeof(float));
+    a->unit = malloc((size_t)rows * sizeof(float));
     a->sums = with_sums ? malloc((size_t)rows * (k / 32) * sizeof(float)) : NULL;
     a->lanes = Q8_GRANULE == 64 ? malloc((size_t)rows * (k / 4) * sizeof(float)) : NULL;
-    if (a->xq == NULL || a->bs == NULL || a->nan == NULL || (with_sums && a->sums == NULL) ||
+    if (a->xq == NULL || a->bs == NULL || a->unit == NULL || (with_sums && a->sums == NULL) ||
         (Q8_GRANULE == 64 && a->lanes == NULL)) {
         rounded_free(a);
         return -1;
     }
-    quantize_rows(x, k, rows, a->xq, a->bs, a->nan, a->sums);
+    quantize_rows(x, k, rows, a->xq, a->bs, a->unit, a->sums);
     if (a->lanes != NULL)
         for (long i = 0; i < (long)rows * (k / 4); i++)
             a->lanes[i] = a->bs[i / 8];
@@ -273,11 +282,11 @@ int linear_q8(const float *x, const signed char *w, const float *scale, long n, 
 #if Q8_GRANULE == 64
             dot4_q8(rows4, r == 0 ? ahead : NULL, k, xr, a.lanes + (long)r * (k / 4), dots);
             for (long j = 0; j < m; j++)
-                out[(long)r * n + i + j] = scale[i + j] * dots[j] + a.nan[r];
+                out[(long)r * n + i + j] = scale[i + j] * dots[j] * a.unit[r];
 #else
             dot4_q8(rows4, r == 0 ? ahead : NULL, k, xr, a.bs + (long)r * (k / 32), dots);
             for (long j = 0; j < m; j++)
-                out[(long)r * n + i + j] = scale[i + j] * dots[j] + a.nan[r];
+                out[(long)r * n + i + j] = scale[i + j] * dots[j] * a.unit[r];
 #endif
         }
     }
@@ -296,8 +305,7 @@ int linear_q8(const float *x, const signed char *w, const float *scale, long n, 
    default model's shapes at one row, from memory; this takes 3.4 ms. As in linear_q8, the activations
    are rounded to int8 in blocks of 32 (one per weight group). Each group's integer dot product is
    one vpdpbusd (q unsigned, x signed: no offset), times the group's scale; the minimums multiply each
-   block's sum. A scale and a minimum per group of weights, bfloat16 (what torch's kernel rounded
-   them to as well).
+   block's sum. A scale and a minimum per group of weights, bfloat16.
 
    w [n, k / 2] bytes: each 128 weights of a channel are 64 bytes, byte j holding weight j in its low
    nibble and weight 64 + j in its high one (so one 64-byte load splits into two runs of 64 weights);
@@ -421,7 +429,7 @@ int linear_q4(const float *x, const unsigned char *w, const unsigned short *scal
                     a.sums + (long)r * per, dots);
 #endif
             for (long j = 0; j < m; j++)
-                out[(long)r * n + i + j] = dots[j] + a.nan[r];
+                out[(long)r * n + i + j] = dots[j] * a.unit[r];
         }
     }
     rounded_free(&a);

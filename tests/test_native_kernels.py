@@ -170,7 +170,28 @@ def test_linear_q8_refuses_what_it_cannot_read_safely() -> None:
     ]:
         with pytest.raises(ValueError):
             kernels.linear_q8(x, weight, s)
-    assert not kernels.linear_q8(torch.full((1, 128), 1e35), w, scale).isnan().any()  # large and finite: no NaN
+
+
+@pytest.mark.parametrize("size", [1e36, 1e37])
+def test_the_native_linears_stay_finite_where_the_true_result_is(size: float) -> None:
+    """Huge finite activations (mixed signs): a block's integer sums times its scale once overflowed
+    to inf, and opposite lanes added to NaN."""
+    from asyncpage.native import pack_q4
+
+    kernels = native.load()
+    assert kernels is not None and kernels.q8_granule
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 256, generator=gen) * size
+    w = torch.randint(-127, 128, (4, 256), dtype=torch.int8, generator=gen)
+    scale = torch.rand(4, generator=gen) * 0.01
+    want = (x.double() @ w.double().t()) * scale.double()
+    got = kernels.linear_q8(x, w, scale)
+    assert got.isfinite().all() and ((got.double() - want).abs().max() / want.abs().max()) < 2e-2
+    q = torch.randint(0, 16, (4, 256), generator=gen)
+    s4, m4 = torch.full((4, 8), 0.01).bfloat16(), torch.full((4, 8), -0.08).bfloat16()
+    want4 = x.double() @ (q.double() * 0.01 - 0.08).t()
+    got4 = kernels.linear_q4(x, pack_q4(q), s4, m4)
+    assert got4.isfinite().all() and ((got4.double() - want4).abs().max() / want4.abs().max()) < 2e-2
 
 
 def test_linear_q8_rows_are_computed_each_alone_and_a_non_finite_row_gives_nan() -> None:
@@ -240,6 +261,9 @@ def test_quantized_layers_take_the_native_kernel_where_it_builds_and_torchs_with
     assert native_of(layer) is not None and layer.dense is not None
     assert _close(layer.kernel(x), x @ layer.dequantized().t())
     assert native_of(QuantLinear.from_float(kind, torch.randn(64, odd_k), torch.float32)) is None
+    # any number of outputs (torch's int4 kernel wants a multiple of 16: such a layer was made int8)
+    odd_n = QuantLinear.from_float(kind, torch.randn(40, k), torch.float32)
+    assert odd_n.kind == kind and native_of(odd_n) is not None
     monkeypatch.setenv("ASYNCPAGE_NATIVE", "0")
     native.load.cache_clear()
     try:

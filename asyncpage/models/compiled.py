@@ -3,7 +3,7 @@
 At a few rows a layer's matmuls are small, and the ~40 other ops around them (norms, rotary, QK-norm,
 residual adds, gating, reshapes, the casts of the quantized kernels) each pay torch's dispatch, which
 dominated a one-stream decode step. Inductor fuses them into a few C++ loops around the matmuls (the
-packed kernels stay opaque calls: torch's int4 one, `asyncpage::linear_q8` for int8). Attention stays
+packed kernels stay opaque calls: `asyncpage::linear_q8` / `linear_q4`, or torch's own). Attention stays
 an opaque operator (`asyncpage::decode_attention`, a shape-only fake for tracing): the layer's pool,
 slots, block tables and masks reach it through `_current` (by layer index), set per step, so they are
 not graph inputs.
