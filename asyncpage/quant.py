@@ -256,8 +256,8 @@ class QuantEmbedding(nn.Module):
 
 
 def _with_rows(layer: QuantLinear) -> QuantLinear:
-    """The layer with its packed / dense threshold set (crossover), its dense copy dropped where the
-    packed kernel wins at every size measured."""
+    """The layer with its packed / dense threshold set (crossover), its dense copy dropped where
+    torch's packed kernel wins at every size measured (a native kernel's layer always keeps it)."""
     layer.max_rows = crossover(layer)
     if layer.native:
         # A dense copy always: the native kernels round activations to 8 bits, and past the rows
@@ -446,7 +446,9 @@ def quantized_bytes(model: nn.Module) -> dict[str, int]:
     for m in model.modules():
         if isinstance(m, QuantLinear):
             packed += m.packed.numel() * m.packed.element_size() + m.scales.numel() * m.scales.element_size()
-            native_scales = [*(m.q4 or ()), *([] if m.q8 is None else [m.q8])]
+            # q8 is `scales` itself in a float32 model (.float() of a float32 tensor), a copy otherwise
+            own_q8 = m.q8 is not None and m.q8.data_ptr() != m.scales.data_ptr()
+            native_scales = [*(m.q4 or ()), *([m.q8] if own_q8 and m.q8 is not None else [])]
             packed += sum(t.numel() * t.element_size() for t in native_scales)
             if m.one_row is not None:  # the prepacked copy: the same int8 values in fbgemm's / oneDNN's layout
                 packed += m.out_features * m.in_features
