@@ -119,6 +119,17 @@ def _decode_nll(engine: Any, ids: list[int], count: int = DECODE_TOKENS) -> tupl
     return nll, n
 
 
+def agreeing_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens two greedy paths share before their first difference (all after it counts as
+    different: a small model's path drifts at its first near-tie)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 async def _greedy(engine: Any, reference: dict[str, Any]) -> tuple[int, int, int]:
     from asyncpage import SamplingParams
 
@@ -131,11 +142,7 @@ async def _greedy(engine: Any, reference: dict[str, Any]) -> tuple[int, int, int
         outs = [await engine.generate(p, params) for p in prompts]
     agree = whole = 0
     for o, c in zip(outs, cases, strict=True):
-        n = 0
-        for a, b in zip(o.token_ids, c["greedy_token_ids"], strict=False):
-            if a != b:
-                break
-            n += 1
+        n = agreeing_prefix(o.token_ids, c["greedy_token_ids"])
         agree += n
         whole += n == len(c["greedy_token_ids"])
     return agree, sum(len(c["greedy_token_ids"]) for c in cases), whole

@@ -18,18 +18,10 @@ from typing import Any
 import torch
 
 from asyncpage import AsyncEngine, SamplingParams
+from asyncpage.quality import agreeing_prefix
 from asyncpage.runner import kv_bytes_per_block
 
 REFERENCE = Path(__file__).parents[1] / "tests/data/gemma3_270m_reference.json"
-
-
-def _prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 async def _pressure(engine: AsyncEngine, cases: list[dict[str, Any]], new_tokens: int) -> tuple[list[list[int]], int]:
@@ -58,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         per_block = kv_bytes_per_block(model, block, pool)
         outs, preemptions = asyncio.run(_pressure(engine, cases, reference["new_tokens"]))
         plain = plain if plain is not None else outs
-        vs_ref = sum(_prefix(o, c["greedy_token_ids"]) for o, c in zip(outs, cases, strict=True))
-        vs_plain = sum(_prefix(o, p) for o, p in zip(outs, plain, strict=True))
+        vs_ref = sum(agreeing_prefix(o, c["greedy_token_ids"]) for o, c in zip(outs, cases, strict=True))
+        vs_plain = sum(agreeing_prefix(o, p) for o, p in zip(outs, plain, strict=True))
         same = sum(o == p for o, p in zip(outs, plain, strict=True))
         rows.append((kv, bf16 / per_block, len(outs), preemptions, vs_ref, vs_plain, same))
     total = len(cases) * reference["new_tokens"]

@@ -16,6 +16,7 @@ import torch
 
 from asyncpage import AsyncEngine, SamplingParams, native
 from asyncpage.attention import AttentionMetadata, PrefillChunk, dequantize_kv, paged_attention, quantize_kv
+from asyncpage.quality import agreeing_prefix
 from asyncpage.quant import QuantLinear, dequantize_int4, int4_from_q4_k, prepack_w8a8, quantize_int4, w8a8_for
 from asyncpage.runner import kv_bytes_per_block
 from asyncpage.weights import load
@@ -282,7 +283,7 @@ async def test_default_model_int4_greedy_agrees_with_float32_reference(reference
 
     for label, e in (("int4 weights", engine), ("int4 weights + int8 KV", engine.clone(kv_cache_dtype="int8"))):
         outs = await run(e)
-        agree = [_prefix(o, c["greedy_token_ids"]) for o, c in zip(outs, cases, strict=True)]
+        agree = [agreeing_prefix(o, c["greedy_token_ids"]) for o, c in zip(outs, cases, strict=True)]
         total = sum(len(c["greedy_token_ids"]) for c in cases)
         print(f"\n{label}: {sum(agree)}/{total} tokens agree with float32 before the first difference; "
               f"{sum(a == len(c['greedy_token_ids']) for a, c in zip(agree, cases, strict=True))}/9 prompts whole; "
@@ -290,15 +291,6 @@ async def test_default_model_int4_greedy_agrees_with_float32_reference(reference
         # Sane text, not garbage (measured: 109-110 of 432, 2 prompts whole; bfloat16 alone gives 312):
         # a 270M model's greedy path drifts at the first near-tie, and all after it counts as different.
         assert sum(agree) >= total // 6 and sum(a == 48 for a in agree) >= 1, agree
-
-
-def _prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def test_decode_perplexity_is_prefills_on_a_float_model_and_near_it_with_int8(
