@@ -1,7 +1,10 @@
-"""Native CPU kernels for the compiled decode steps (kernels/cpu_decode.c; why they are hand-written
-is said there), built with the system C compiler at first use and cached per source, compiler and
-CPU. `load()` is None where they cannot be built or loaded (no compiler, another OS): the torch ops
-serve then, with the same results up to float rounding. `ASYNCPAGE_NATIVE=0` turns them off."""
+"""Native CPU kernels (kernels/cpu_decode.c; why they are hand-written is said there): the compiled
+decode steps' attention, and the int8 / int4 linears of quantized layers at decode row counts
+(`asyncpage::linear_q8` / `linear_q4`, registered here). Built with the system C compiler at first
+use and cached per source, compiler, flags and CPU. `load()` is None where they cannot be built or
+loaded (no compiler, another OS): torch's ops serve then, with the same results up to float
+rounding (the linears: up to their activations' rounding to int8). `ASYNCPAGE_NATIVE=0` turns them
+off."""
 
 from __future__ import annotations
 
@@ -70,8 +73,8 @@ class NativeKernels:
 
     def linear_q8(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """x [rows, k] times w^T [k, n] (int8, one float32 scale per output channel), x rounded to
-        int8 in blocks of 32 (see linear_q8 in cpu_decode.c): [rows, n] float32. The caller checks
-        the weight (`takes_q8`); x is made contiguous float32 here."""
+        int8 in blocks of 32 (see linear_q8 in cpu_decode.c): [rows, n] float32. Every size is checked
+        (ValueError); x is made contiguous float32 here."""
         # Checked here: the C code trusts every size it is given, and a wrong one reads past a buffer.
         if not self.takes_q8(w):
             raise ValueError(f"linear_q8 takes a contiguous int8 [n, k] CPU weight, k a multiple of "
@@ -102,7 +105,7 @@ class NativeKernels:
         return self.q8_granule > 0 and k > 0 and k % 128 == 0
 
     def linear_q4(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-        """x [rows, k] times the int4 weight w^T (quant.pack_q4's layout [n, k / 2] uint8; bfloat16
+        """x [rows, k] times the int4 weight w^T (pack_q4's layout [n, k / 2] uint8; bfloat16
         scale and minimum [n, k / 32]: w = q * scale + minimum), x rounded to int8 in blocks of 32
         (see linear_q4 in cpu_decode.c): [rows, n] float32."""
         n, half = w.shape if w.dim() == 2 else (0, 0)

@@ -1,6 +1,7 @@
-/* Native CPU kernels for the compiled decode step (asyncpage/native.py builds and loads them).
+/* Native CPU kernels for decode steps (asyncpage/native.py builds and loads them): attention
+   (attend_rows_f32, for the compiled steps) and the quantized linears (linear_q8, linear_q4).
 
-   Why hand-written: at a few decode rows the work of attention is microseconds, and what torch
+   Why hand-written, attention: at a few decode rows the work of attention is microseconds, and what torch
    spends around it is not. One row's attention over its slice of the pool took ~110 us a layer as a
    dozen torch ops around scaled_dot_product_attention (2 ms of a ~20 ms step, measured by replacing
    it with a no-op); the gathering path for other block tables (a shared prefix's blocks, several
@@ -90,7 +91,8 @@ int attend_rows_f32(const float *q, const float *k, const float *v, float *k_cac
    Rounding the activations to int8 as well, in blocks of 32 with a scale each (llama.cpp's Q8_0,
    what its CPU dot products take), makes each 64 weight bytes one integer dot-product instruction,
    and prefetching the next rows' weights keeps both cores' loads in flight: the default model's 72
-   layer projections ran 2.8-3.3 ms against 8-10 ms (100 MB, 2 threads; /tmp benchmark in the note).
+   layer projections ran 2.8-3.3 ms against 8-10 ms with the weights in L3, 5.6 against 9.0-9.2 ms
+   from memory (100 MB, 2 threads).
 
    x [rows, k] float32; w [n, k] int8 (per-output-channel scale[n]); out [rows, n] float32.
    Rows are independent (each is rounded on its own), so a row's output never depends on the
