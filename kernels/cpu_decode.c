@@ -113,9 +113,9 @@ int attend_rows_f32(const float *q, const float *k, const float *v, float *k_cac
 int linear_q8_granule(void) { return Q8_GRANULE; }
 
 #if Q8_GRANULE
-/* Row r's blocks of 32 rounded to int8 with scale max|x| / 127: xq [rows, k]. The scales are kept
-   divided by a power of two near the row's largest |x| (bs [rows, k/32]), and unit[r] multiplies it
-   back once per output: so a block's integer sum (up to 4 * 127 * 127 a lane) times its scale
+/* Row r's blocks of 32 rounded to int8 with scale max|x| / 127: xq [rows, k]. In a row whose largest
+   |x| passes 2^64 the scales are kept divided by a power of two (bs [rows, k/32]), and unit[r]
+   multiplies it back once per output: so a block's integer sum (up to 4 * 127 * 127 a lane) times its scale
    overflows nowhere unless the true result does (at |x| ~ 1e36 it did, and opposite lanes gave
    inf - inf). unit[r] is NaN for a row holding a NaN or infinity (its outputs are then NaN).
    sums (NULL for linear_q8): bs[b] * sum(xq in b), what linear_q4's minimums multiply. */
@@ -129,9 +129,9 @@ static void quantize_rows(const float *x, long k, int rows, signed char *xq, flo
             top = a > top ? a : top;
             finite &= a <= FLT_MAX; /* NaN and infinity: a max alone would skip a NaN */
         }
-        /* 2^e with e clamped so that both 2^e and 2^-e are normal floats: exact to divide and multiply */
-        int e = top > 0.0f && finite ? ilogbf(top) : 0;
-        e = e < -125 ? -125 : e > 125 ? 125 : e;
+        /* Only rows past 2^64 shift (by their exponent beyond it): a shift of every row would push a
+           small block of a huge row's into subnormal scales, and lose it where the rest cancels. */
+        const int e = top > 0x1p64f && finite ? ilogbf(top) - 64 : 0;
         unit[r] = finite ? ldexpf(1.0f, e) : NAN;
         for (long b = 0; b < k / 32; b++) {
             float amax = 0.0f;

@@ -187,6 +187,12 @@ def test_the_native_linears_stay_finite_where_the_true_result_is(size: float) ->
     want = (x.double() @ w.double().t()) * scale.double()
     got = kernels.linear_q8(x, w, scale)
     assert got.isfinite().all() and ((got.double() - want).abs().max() / want.abs().max()) < 2e-2
+    # a small block beside a huge one keeps its share where the huge one's cancels (zero weights)
+    mixed, w0 = torch.ones(1, 256) * 1e-5, w.clone()
+    mixed[0, :32] = size
+    w0[:, :32] = 0
+    exact = (mixed.double() @ w0.double().t()) * scale.double()
+    assert ((kernels.linear_q8(mixed, w0, scale).double() - exact).abs().max() / exact.abs().max()) < 2e-2
     q = torch.randint(0, 16, (4, 256), generator=gen)
     s4, m4 = torch.full((4, 8), 0.01).bfloat16(), torch.full((4, 8), -0.08).bfloat16()
     want4 = x.double() @ (q.double() * 0.01 - 0.08).t()
