@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -80,24 +81,9 @@ class NativeKernels:
             raise ValueError(f"linear_q8 takes a contiguous int8 [n, k] CPU weight, k a multiple of "
                              f"{self.q8_granule}; got {tuple(w.shape)} {w.dtype} on {w.device}")
         n, k = w.shape
-        if x.dim() != 2 or x.shape[1] != k or x.device.type != "cpu":
-            raise ValueError(f"linear_q8: x must be [rows, {k}] on the CPU; got {tuple(x.shape)} on {x.device}")
         if scale.numel() != n or scale.device.type != "cpu":
             raise ValueError(f"linear_q8: scale must hold {n} values on the CPU; got {scale.numel()}")
-        rows = x.shape[0]
-        x = x.to(torch.float32).contiguous()
-        scale = scale.to(torch.float32).contiguous()
-        out = torch.empty(rows, n, dtype=torch.float32)
-        if rows == 0:
-            return out
-        rc = self._q8(x.data_ptr(), w.data_ptr(), scale.data_ptr(), n, k, rows, torch.get_num_threads(),
-                      out.data_ptr())
-        if rc == -1:
-            raise MemoryError("linear_q8: no memory for its scratch")
-        if rc != 0:
-            raise ValueError(f"linear_q8 does not take k={k} (granule {self.q8_granule})")
-        return out
-
+        return self._linear("linear_q8", self._q8, x, n, k, w, scale.to(torch.float32).contiguous())
 
     def takes_q4(self, k: int) -> bool:
         """Whether linear_q4 takes an int4 weight of k inputs (a multiple of 128, where the build has
@@ -117,19 +103,23 @@ class NativeKernels:
             if t.shape != (n, k // 32) or t.dtype != torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError(f"linear_q4: scale and minimum must be contiguous bfloat16 [{n}, {k // 32}]; "
                                  f"got {tuple(t.shape)} {t.dtype}")
+        return self._linear("linear_q4", self._q4, x, n, k, w, scale, minimum)
+
+    def _linear(self, name: str, fn: Any, x: torch.Tensor, n: int, k: int, *weight: torch.Tensor) -> torch.Tensor:
+        """A native linear's call, its weight tensors checked by the caller: x checked against k and
+        made contiguous float32, then out [rows, n] float32."""
         if x.dim() != 2 or x.shape[1] != k or x.device.type != "cpu":
-            raise ValueError(f"linear_q4: x must be [rows, {k}] on the CPU; got {tuple(x.shape)} on {x.device}")
+            raise ValueError(f"{name}: x must be [rows, {k}] on the CPU; got {tuple(x.shape)} on {x.device}")
         rows = x.shape[0]
         x = x.to(torch.float32).contiguous()
         out = torch.empty(rows, n, dtype=torch.float32)
         if rows == 0:
             return out
-        rc = self._q4(x.data_ptr(), w.data_ptr(), scale.data_ptr(), minimum.data_ptr(), n, k, rows,
-                      torch.get_num_threads(), out.data_ptr())
+        rc = fn(x.data_ptr(), *(t.data_ptr() for t in weight), n, k, rows, torch.get_num_threads(), out.data_ptr())
         if rc == -1:
-            raise MemoryError("linear_q4: no memory for its scratch")
+            raise MemoryError(f"{name}: no memory for its scratch")
         if rc != 0:
-            raise ValueError(f"linear_q4 does not take k={k}")
+            raise ValueError(f"{name} does not take k={k} (this build's granule: {self.q8_granule})")
         return out
 
 

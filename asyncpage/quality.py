@@ -138,7 +138,7 @@ async def _greedy(engine: Any, reference: dict[str, Any]) -> tuple[int, int, int
     params = SamplingParams(max_tokens=reference["new_tokens"], temperature=0, ignore_eos=True)
     async with engine:
         # One prompt at a time: one-row decode steps, the kernels a one-stream app runs (a quantized
-        # LM head's one-row path included: quant.w8a8_for), not those of a 9-row batch.
+        # LM head's one-row path included: quant_kernels.w8a8_for), not those of a 9-row batch.
         outs = [await engine.generate(p, params) for p in prompts]
     agree = whole = 0
     for o, c in zip(outs, cases, strict=True):

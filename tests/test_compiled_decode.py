@@ -162,7 +162,7 @@ def test_compiled_decode_with_quantized_weights(tiny_models: dict[str, tuple[Pat
         for rows, context in ((1, 5), (3, 20)):
             a = _decode_logits(eager, rows, context)
             b = _decode_logits(compiled, rows, context)
-            # The kernels take bfloat16 activations here (quant.kernel_dtype): a norm summed in
+            # The kernels take bfloat16 activations here (quant_kernels.kernel_dtype): a norm summed in
             # another order can round one of them to the next bfloat16 value.
             assert (a - b).abs().max() <= 1e-2 * a.abs().max(), (kind, rows, (a - b).abs().max())
         assert compiled.model.compiled.steps == 2 and compiled.model.compiled.graphs > 0

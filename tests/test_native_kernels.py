@@ -103,14 +103,19 @@ def test_a_cached_library_that_does_not_load_is_rebuilt(monkeypatch: pytest.Monk
         native.load.cache_clear()
 
 
-def _q8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """What linear_q8 promises: each row's blocks of 32 rounded to int8 with scale max|x| / 127
-    (half to even), times the int8 weight and its per-channel scale, summed in float64."""
+def _rounded(x: torch.Tensor) -> torch.Tensor:
+    """The activations as the native linears take them: each row's blocks of 32 rounded to int8 with
+    scale max|x| / 127 (half to even), in float64."""
     rows, k = x.shape
     blocks = x.view(rows, k // 32, 32).double()
     step = blocks.abs().amax(-1, keepdim=True) / 127
-    rounded = torch.round(blocks / torch.where(step > 0, step, 1)) * step
-    return (rounded.view(rows, k) @ w.double().t()) * scale.double()
+    return (torch.round(blocks / torch.where(step > 0, step, 1)) * step).view(rows, k)
+
+
+def _q8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What linear_q8 promises: the rounded activations times the int8 weight and its per-channel
+    scale, summed in float64."""
+    return (_rounded(x) @ w.double().t()) * scale.double()
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -301,9 +306,7 @@ def test_linear_q4_is_the_int4_weights_times_activations_rounded_in_blocks_of_32
         x = torch.randn(rows, k, generator=gen)
         x[0, :5] *= 100
         w = dequantize_int4(q, scale, minimum).double()
-        rows_x = x.view(rows, k // 32, 32).double()
-        step = rows_x.abs().amax(-1, keepdim=True) / 127
-        want = (torch.round(rows_x / torch.where(step > 0, step, 1)) * step).view(rows, k) @ w.t()
+        want = _rounded(x) @ w.t()
         got = kernels.linear_q4(x, packed, scale, minimum)
         assert got.shape == (rows, n)
         assert ((got.double() - want).abs().max() / want.abs().max()) < 1e-5, (n, k, rows)

@@ -17,7 +17,8 @@ import torch
 from asyncpage import AsyncEngine, SamplingParams, native
 from asyncpage.attention import AttentionMetadata, PrefillChunk, dequantize_kv, paged_attention, quantize_kv
 from asyncpage.quality import agreeing_prefix
-from asyncpage.quant import QuantLinear, dequantize_int4, int4_from_q4_k, prepack_w8a8, quantize_int4, w8a8_for
+from asyncpage.quant import QuantLinear, dequantize_int4, int4_from_q4_k, quantize_int4
+from asyncpage.quant_kernels import prepack_w8a8, w8a8_for
 from asyncpage.runner import kv_bytes_per_block
 from asyncpage.weights import load
 from tests.test_triton_kernels import _batch  # also sets TRITON_INTERPRET=1 off CUDA
@@ -104,11 +105,12 @@ def test_a_head_whose_dense_copy_serves_one_row_holds_no_unused_int8_prepacked_c
         monkeypatch: pytest.MonkeyPatch) -> None:
     # forward() sends one row to the dense copy when the packed kernel lost to it even at one row
     # (max_rows 0): a prepacked w8a8 copy would never run, yet hold another int8 copy of the head.
-    from asyncpage import quant
+    from asyncpage import quant_kernels
 
     layer = QuantLinear.from_float("int8", torch.randn(256, 72), torch.float32)
     # Timings where the dynamic int8 linear wins by far (as for the default model's head here).
-    monkeypatch.setattr(quant, "_time", lambda fn, *a: 1.0 if fn is torch.ops.quantized.linear_dynamic else 10.0)
+    monkeypatch.setattr(quant_kernels, "_time",
+                        lambda fn, *a: 1.0 if fn is torch.ops.quantized.linear_dynamic else 10.0)
     layer.dense, layer.max_rows = layer.dequantized(), 0
     assert w8a8_for(layer) is None
     layer.max_rows = 1  # the packed kernel serves one row: there the w8a8 copy is taken
@@ -329,7 +331,7 @@ def test_an_int8_layer_without_a_dense_copy_dequantizes_to_its_rows_times_their_
 def test_int8_layers_keep_a_dense_copy_and_time_each_kernel_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     """A linear_q8 layer keeps its dense copy for big prefills (float activations, and a dense GEMM
     wins there), and a crossover measured for linear_q8 is never reused for torch's kernel."""
-    import asyncpage.quant as quant
+    import asyncpage.quant_kernels as quant_kernels
 
     w = torch.randn(256, 1024)
     layer = QuantLinear.from_float("int8", w, torch.float32)
@@ -337,8 +339,8 @@ def test_int8_layers_keep_a_dense_copy_and_time_each_kernel_on_its_own(monkeypat
         pytest.skip("linear_q8 does not build here")
     assert layer.dense is not None and 8 <= layer.max_rows <= 64
     timed: list[object] = []
-    real_time = quant._time
-    monkeypatch.setattr(quant, "_time", lambda fn, *a: timed.append(fn) or real_time(fn, *a))
+    real_time = quant_kernels._time
+    monkeypatch.setattr(quant_kernels, "_time", lambda fn, *a: timed.append(fn) or real_time(fn, *a))
     monkeypatch.setenv("ASYNCPAGE_NATIVE", "0")
     native.load.cache_clear()
     try:

@@ -69,7 +69,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
                                  c.masks[layer], scale)
 
 
-_lib = torch.library.Library("asyncpage", "FRAGMENT")  # quant.py defines its operator too
+_lib = torch.library.Library("asyncpage", "FRAGMENT")  # native.py defines the linears
 # A Library op, not torch.library.custom_op: that one's Python wrapper cost ~16 us a call here,
 # this ~2 us; there are 18 calls a step.
 _lib.define("decode_attention(Tensor q, Tensor k, Tensor v, float scale, int layer) -> Tensor")
@@ -181,7 +181,7 @@ class CompiledDecode:
                                     dtype=dtype) for _ in range(2)) for layer in self.model.model.layers]
         with torch.inference_mode():
             # A projection's kernel (packed or dense) depends on the rows against a threshold measured
-            # at load (quant.crossover: 1, 2, 4, 8, ...): one graph per interval, each compiled here.
+            # at load (quant_kernels.crossover: 1, 2, 4, 8, ...): one graph per interval, each compiled here.
             for rows in (1, 2, 3, 5, MAX_ROWS):
                 flat = FlatBatch(block_size, (blocks - 1) * block_size, torch.device("cpu"), _torch_attention())
                 for r in range(rows):
