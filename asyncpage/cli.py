@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="each value the best of W beams under the grammar, about W times the compute (default: 4 "
                         "when a field is copied, --copy-fields or x-copy, where beams copy the right span more "
                         "often; else 1, greedy)")
+    x.add_argument("--score-booleans", default=None, action=argparse.BooleanOptionalAction,
+                   help="decide each top-level boolean field by how well its description explains the record's "
+                        "text, not by generating it (default: on when a field is copied)")
     _model_args(x)
     x.add_argument("--max-tokens", type=int, default=512)
     x.add_argument("--max-prompt-tokens", type=int, default=None, help="refuse longer records (prompt_too_long)")
@@ -199,7 +202,8 @@ def _extract(args: argparse.Namespace) -> int:
             Path(args.input), Path(args.output), schema, num_actors=args.num_actors, resume=args.resume,
             progress=not args.no_progress, prompt=prompt, concurrency=args.concurrency, max_tokens=args.max_tokens,
             id_field=args.id_field, max_prompt_tokens=args.max_prompt_tokens, copy_fields=args.copy_fields,
-            examples=examples, beam_width=args.beam_width, model=args.model, dtype=args.dtype, device=args.device,
+            examples=examples, beam_width=args.beam_width, score_booleans=args.score_booleans, model=args.model,
+            dtype=args.dtype, device=args.device,
             num_threads=args.threads, speculative_config=speculative)
 
     async def main() -> None:
@@ -213,7 +217,8 @@ def _extract(args: argparse.Namespace) -> int:
                 engine, schema, Path(args.input), Path(args.output), prompt=prompt,
                 concurrency=args.concurrency, max_tokens=args.max_tokens, resume=args.resume, id_field=args.id_field,
                 max_prompt_tokens=args.max_prompt_tokens, progress=not args.no_progress,
-                copy_fields=args.copy_fields, examples=examples, beam_width=args.beam_width)
+                copy_fields=args.copy_fields, examples=examples, beam_width=args.beam_width,
+                score_booleans=args.score_booleans)
 
     # Shell quoting makes real newlines awkward: "\n" and "\t" in --prompt are newline and tab.
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t") if args.prompt else None

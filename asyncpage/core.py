@@ -225,6 +225,11 @@ class EngineCore:
             times = sched.seq.request.times
             if times.first_scheduled is None:
                 times.first_scheduled = now
+        for sched in out.scheduled:
+            first, entries = (result.prompt_logprobs or {}).get(sched.seq.seq_id, (-1, []))
+            scores = sched.seq.request.prompt_logprobs
+            if first == len(scores):  # in order, chunk after chunk (a recomputed chunk adds nothing twice)
+                scores += entries
         sampled = dict(zip(result.seq_ids, result.sampled.tokens, strict=True))
         logprobs = dict(zip(result.seq_ids, result.sampled.logprobs, strict=True))
         updates, failed = self.scheduler.update(out, sampled, result.grammar_done, result.forced, result.failed,

@@ -225,7 +225,10 @@ class AsyncEngine:
         assert req is not None
         choices = [Choice(i, "".join(texts.get(i, [])), ids.get(i, []), reasons[i],
                           lps.get(i) if params.logprobs is not None else None) for i in range(params.n)]
-        return GenerateOutput(list(req.prompt_token_ids), choices, request_metrics(req))
+        scored: list[TokenLogprob | None] | None = None
+        if params.prompt_logprobs is not None:
+            scored = [None, *req.prompt_logprobs]  # complete: the loop is done with the request
+        return GenerateOutput(list(req.prompt_token_ids), choices, request_metrics(req), scored)
 
     async def beam_search(self, prompt: Prompt, beam_width: int = 4, max_tokens: int = 32,
                           length_penalty: float = 1.0, early_stopping: EarlyStopping = False,
@@ -253,7 +256,8 @@ class AsyncEngine:
 
     async def extract(self, prompt: Prompt, schema: Any, params: SamplingParams | None = None, *,
                       chat: bool = False, copy_from: str | Sequence[str] | None = None,
-                      copy_fields: Sequence[str] | str | None = None, beam_width: int | None = None) -> Any:
+                      copy_fields: Sequence[str] | str | None = None, beam_width: int | None = None,
+                      score_booleans: bool | None = None) -> Any:
         """Generate one JSON value constrained to `schema` and return it typed.
 
         `schema` is a msgspec.Struct type (or any type msgspec can describe: its JSON Schema is used and
@@ -268,6 +272,8 @@ class AsyncEngine:
         the default when nothing is marked) must then be spans copied from it (grounded extraction).
         `beam_width`: the value is the best of that many beams (the likeliest whole value, not token by
         token); by default 4 when `copy_from` has a field copied, else 1 (greedy).
+        `score_booleans` (default: on with `copy_from`): each top-level boolean property is decided by
+        how well its statement explains the source text, not generated (asyncpage.flags).
 
             class Invoice(msgspec.Struct):
                 number: str
@@ -275,14 +281,14 @@ class AsyncEngine:
             inv = await engine.extract("Invoice INV-7, total 12.50 EUR. JSON:", Invoice)
         """
         return await extract_one(self, prompt, schema, params, chat=chat, copy_from=copy_from,
-                                 copy_fields=copy_fields, beam_width=beam_width)
+                                 copy_fields=copy_fields, beam_width=beam_width, score_booleans=score_booleans)
 
     def extract_many(self, items: Iterable[Any] | AsyncIterable[Any], schema: Any, *,
                      prompt: str | Callable[[Mapping[str, Any]], str] | None = None, concurrency: int = 32,
                      params: SamplingParams | None = None, id_field: str = "id",
                      max_prompt_tokens: int | None = None, copy_fields: Sequence[str] | str | None = None,
-                     examples: Sequence[Mapping[str, Any]] = (),
-                     beam_width: int | None = None) -> AsyncIterator[ExtractResult]:
+                     examples: Sequence[Mapping[str, Any]] = (), beam_width: int | None = None,
+                     score_booleans: bool | None = None) -> AsyncIterator[ExtractResult]:
         """Extract a typed value from each record, at most `concurrency` in flight.
 
         `items`: records (dicts, or plain strings as {"text": ...}), sync or async iterable, read
@@ -294,14 +300,16 @@ class AsyncEngine:
         is the best of that many beams (up to concurrency x beam_width sequences run at once); by
         default 4 when a field is copied (4x the time, more values right: see extract_beams.beam_params), else 1.
         Yields ExtractResult in completion order, each with the record's `id_field` (or its 1-based
-        position), its value or its own error.
+        position), its value or its own error. `score_booleans` (default: on when a field is copied):
+        each top-level boolean property is decided by how well its statement explains the record's
+        text (the fields its prompt shows), not generated (asyncpage.flags).
 
             async for r in engine.extract_many(docs, Invoice, concurrency=16):
                 print(r.id, r.value if r.ok else r.error)
         """
         return extract_many(self, items, schema, prompt=prompt, concurrency=concurrency, params=params,
                             id_field=id_field, max_prompt_tokens=max_prompt_tokens, copy_fields=copy_fields,
-                            examples=examples, beam_width=beam_width)
+                            examples=examples, beam_width=beam_width, score_booleans=score_booleans)
 
     async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                    tool_choice: Any = "auto", parallel_tool_calls: bool = True,

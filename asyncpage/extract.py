@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 
-from asyncpage import grounding
+from asyncpage import flags, grounding
 from asyncpage.errors import (
     ExtractionError,
     GrammarTimeoutError,
@@ -145,11 +145,14 @@ def decode_value(text: str, target: Any) -> Any:
 
 async def extract_one(engine: AsyncEngine, prompt: str | list[int], schema: Any, params: SamplingParams | None, *,
                       chat: bool, copy_from: str | Sequence[str] | None,
-                      copy_fields: Sequence[str] | str | None, beam_width: int | None = None) -> Any:
+                      copy_fields: Sequence[str] | str | None, beam_width: int | None = None,
+                      score_booleans: bool | None = None) -> Any:
     """See AsyncEngine.extract."""
     beam_params(beam_width, copying=False)  # a bad width fails first, before any grammar is made
     params, target = json_params(schema, params)
     copying = False  # a field is copied: the default is beams (beam_params)
+    if copy_from is None and score_booleans:
+        raise InvalidRequestError("score_booleans", "booleans are scored on the record's text: pass copy_from")
     if copy_from is not None:
         assert params.json_schema is not None
         if copy_fields is None and not grounding.copied(params.json_schema):
@@ -157,6 +160,8 @@ async def extract_one(engine: AsyncEngine, prompt: str | list[int], schema: Any,
         sources = [copy_from] if isinstance(copy_from, str) else list(copy_from)
         marked = grounding.mark(params.json_schema, copy_fields)
         copying = grounding.copied(marked)
+        if score_booleans is not False:
+            marked = flags.fixed(marked, await flags.decide(engine, marked, _joined(sources)))
         params = grounded(params, marked, sources)
     if chat:
         prompt = engine.apply_chat_template(prompt)
@@ -188,6 +193,11 @@ async def extract_one(engine: AsyncEngine, prompt: str | list[int], schema: Any,
         raise ExtractionError("invalid", str(exc), out.text) from exc
 
 
+def _joined(sources: Sequence[str]) -> str:
+    """The text booleans are scored on: every source the values may come from."""
+    return "\n\n".join(s for s in sources if s.strip())
+
+
 async def _aiter(items: Iterable[Record] | AsyncIterable[Record]) -> AsyncIterator[Record]:
     if isinstance(items, AsyncIterable):
         async for x in items:
@@ -201,8 +211,8 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
                        prompt: Prompt | None = None, concurrency: int = 32, params: SamplingParams | None = None,
                        id_field: str = "id", max_prompt_tokens: int | None = None,
                        copy_fields: Sequence[str] | str | None = None,
-                       examples: Sequence[Mapping[str, Any]] = (),
-                       beam_width: int | None = None) -> AsyncIterator[ExtractResult]:
+                       examples: Sequence[Mapping[str, Any]] = (), beam_width: int | None = None,
+                       score_booleans: bool | None = None) -> AsyncIterator[ExtractResult]:
     """See AsyncEngine.extract_many."""
     check_job(prompt, examples, concurrency, schema, copy_fields)
     params, target = json_params(schema, params)
@@ -211,6 +221,7 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
     await engine.guided.compile(spec)  # an unsupported schema fails the call here, before any record
     marked = grounding.mark(params.json_schema, copy_fields)
     copying = grounding.copied(marked)
+    scoring = (copying if score_booleans is None else score_booleans) and bool(flags.statements(marked))
     c = engine.config
     refuse_asked_beams(params, beam_width, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens)
     if copying:
@@ -259,7 +270,14 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
                     # Before its grammar: a record too long for the context is refused at once, not
                     # after seconds spent building the spans of megabytes of text.
                     check_context(ids, engine.config.max_model_len)
-                    own = grounded(params, marked, copy_sources(prompt, record, id_field)) if copying else params
+                    sources = copy_sources(prompt, record, id_field)
+                    # The record's schema: its booleans decided by scoring its text (flags.py), fixed as consts.
+                    schema_r = flags.fixed(marked, await flags.decide(engine, marked, _joined(sources))) \
+                        if scoring else marked
+                    if copying:
+                        own = grounded(params, schema_r, sources)
+                    elif schema_r is not marked:
+                        own = msgspec.structs.replace(params, json_schema=schema_r)
                     beam = beam_for(engine, ids, own, beam_width, copying)
                     req = await engine.submit(ids, own, Mailbox(notify), beam=beam)
                 except (PromptTooLongError, GrammarTimeoutError, InvalidRequestError) as exc:

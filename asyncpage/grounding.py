@@ -44,20 +44,27 @@ def mark(schema: dict[str, Any], fields: Sequence[str] | str | None) -> dict[str
     string property without enum, const or format (nullable ones included). None: as written."""
     if fields is None:
         return schema
-    root = dict(schema)
-    obj = dict(resolve(root, root))
-    props = dict(obj.get("properties") or {})
+    props = resolve(schema, schema).get("properties") or {}
     if isinstance(fields, str) and fields != "auto":
         fields = [f.strip() for f in fields.split(",") if f.strip()]
-    names = [n for n, p in props.items() if _free_string(root, resolve(root, p))] if fields == "auto" else list(fields)
+    free = [n for n, p in props.items() if _free_string(schema, resolve(schema, p))]
+    names = free if fields == "auto" else list(fields)
+    marked = {}
     for name in names:
         if name not in props:
             raise InvalidRequestError("copy_fields", f"the schema has no property {name!r} (it has {sorted(props)})")
-        prop = resolve(root, props[name])
-        if _string_branch(root, prop) is None:
+        prop = resolve(schema, props[name])
+        if _string_branch(schema, prop) is None:
             raise InvalidRequestError("copy_fields", f"{name!r} is not a string property: only strings are copied")
-        props[name] = {**prop, COPY: True}
-    obj["properties"] = props
+        marked[name] = {**prop, COPY: True}
+    return with_properties(schema, marked)
+
+
+def with_properties(schema: dict[str, Any], changed: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `schema` whose top-level object has the `changed` properties (`schema` is untouched)."""
+    root = dict(schema)
+    obj = dict(resolve(root, root))
+    obj["properties"] = {**(obj.get("properties") or {}), **changed}
     if "$ref" in root:  # a msgspec schema: the object lives in $defs
         return {**obj, "$defs": root.get("$defs", {})}
     root.update(obj)

@@ -283,7 +283,8 @@ async def run_job(engine: AsyncEngine, schema: Any, input_path: Path, output_pat
                   prompt: str | None = None, concurrency: int = 16, max_tokens: int = 512, resume: bool = False,
                   id_field: str = "id", max_prompt_tokens: int | None = None, progress: bool = True,
                   copy_fields: Sequence[str] | str | None = None,
-                  examples: Sequence[Mapping[str, Any]] = (), beam_width: int | None = None) -> JobSummary:
+                  examples: Sequence[Mapping[str, Any]] = (), beam_width: int | None = None,
+                  score_booleans: bool | None = None) -> JobSummary:
     """Every non-blank input line gets exactly one output line across any number of interrupted
     runs: a record is written once it has its final outcome; one whose engine died or closed under
     it is not written (the job stops with the error), so `resume=True` does it again."""
@@ -332,7 +333,8 @@ async def run_job(engine: AsyncEngine, schema: Any, input_path: Path, output_pat
             async for result in engine.extract_many(records(), schema, prompt=prompt, concurrency=concurrency,
                                                     params=params, id_field=id_field,
                                                     max_prompt_tokens=max_prompt_tokens, copy_fields=copy_fields,
-                                                    examples=examples, beam_width=beam_width):
+                                                    examples=examples, beam_width=beam_width,
+                                                    score_booleans=score_booleans):
                 n = line_of.pop(result.position)
                 if result.error is not None and result.error.reason == "engine_error":
                     engine_error = engine_error or result  # not final: left for the resumed run

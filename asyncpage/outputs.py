@@ -68,6 +68,8 @@ class GenerateOutput(msgspec.Struct, frozen=True):
     prompt_token_ids: list[int]
     choices: list[Choice]
     metrics: RequestMetrics
+    # params.prompt_logprobs: one per prompt token, aligned with prompt_token_ids (the first has no context: None).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def text(self) -> str:

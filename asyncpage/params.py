@@ -37,6 +37,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-N log-probabilities per generated token (of the raw model output)
+    # Log-probability of each prompt token given the ones before it, with the top-N there (0: the token's
+    # own only): scoring a text under a context. Its prompt is computed whole, past the prefix cache.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Guided decoding: at most one of these.
     json_schema: dict[str, Any] | None = None
@@ -121,8 +124,10 @@ def _check(p: SamplingParams) -> None:
             raise bad(name, f"must be in [-2, 2], got {v!r}")
     if not _is_num(p.repetition_penalty) or p.repetition_penalty <= 0:
         raise bad("repetition_penalty", f"must be > 0, got {p.repetition_penalty!r}")
-    if p.logprobs is not None and (not _is_int(p.logprobs) or not 0 <= p.logprobs <= 20):
-        raise bad("logprobs", f"must be an integer in [0, 20] or None, got {p.logprobs!r}")
+    for name in ("logprobs", "prompt_logprobs"):
+        v = getattr(p, name)
+        if v is not None and (not _is_int(v) or not 0 <= v <= 20):
+            raise bad(name, f"must be an integer in [0, 20] or None, got {v!r}")
     if not isinstance(p.budget_close, bool):
         raise bad("budget_close", f"must be a bool, got {p.budget_close!r}")
     for name in ("max_number_digits", "max_string_repeats"):

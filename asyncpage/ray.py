@@ -71,6 +71,7 @@ class _Job:
     copy_fields: Sequence[str] | str | None
     examples: Sequence[Mapping[str, Any]]
     beam_width: int | None
+    score_booleans: bool | None
     jsonl: bool  # rows are (line, raw) input lines of a JSONL file, not records
 
 
@@ -108,7 +109,8 @@ class _Extractor:
         async for r in extract_many(self.engine, records, job.schema, prompt=job.prompt,
                                     concurrency=job.concurrency, params=job.params, id_field=job.id_field,
                                     max_prompt_tokens=job.max_prompt_tokens, copy_fields=job.copy_fields,
-                                    examples=job.examples, beam_width=job.beam_width):
+                                    examples=job.examples, beam_width=job.beam_width,
+                                    score_booleans=job.score_booleans):
             results[slots[r.position - 1]] = r
         done = [r for r in results if r is not None]
         assert len(done) == len(rows)  # extract_many answers every record it is given
@@ -133,8 +135,8 @@ def extract_dataset(ds: ray.data.Dataset, schema: Any, *, num_actors: int = 1, n
                     batch_size: int | None = None, prompt: Prompt | None = None, concurrency: int = 16,
                     params: SamplingParams | None = None, id_field: str = "id", max_prompt_tokens: int | None = None,
                     copy_fields: Sequence[str] | str | None = None, examples: Sequence[Mapping[str, Any]] = (),
-                    beam_width: int | None = None, model: str | os.PathLike[str] | None = None,
-                    **engine_options: Any) -> ray.data.Dataset:
+                    beam_width: int | None = None, score_booleans: bool | None = None,
+                    model: str | os.PathLike[str] | None = None, **engine_options: Any) -> ray.data.Dataset:
     """Extract `schema` from every row of `ds` on `num_actors` actors, one engine each (the model and
     `engine_options` as AsyncEngine.from_pretrained takes them; `num_threads` defaults to the actor's
     CPUs). The other arguments are extract_many's. Rows are records: their fields fill the prompt and
@@ -146,7 +148,7 @@ def extract_dataset(ds: ray.data.Dataset, schema: Any, *, num_actors: int = 1, n
     `output_tokens`. Lazy, like every Dataset: nothing runs until it is consumed or written.
     """
     job = _Job(schema, params, prompt, concurrency, id_field, max_prompt_tokens, copy_fields, tuple(examples),
-               beam_width, jsonl=False)
+               beam_width, score_booleans, jsonl=False)
     options = {"model": model, **engine_options}
     _refuse(job, options, num_actors)  # here, not in every actor (a Ray task error, after the model loaded)
     return _map(ds, job, num_actors=num_actors, num_cpus_per_actor=num_cpus_per_actor, batch_size=batch_size,
@@ -224,7 +226,7 @@ def run_job(input_path: Path, output_path: Path, schema: Any, *, num_actors: int
             progress: bool = True, prompt: Prompt | None = None, concurrency: int = 16, max_tokens: int = 512,
             id_field: str = "id", max_prompt_tokens: int | None = None,
             copy_fields: Sequence[str] | str | None = None, examples: Sequence[Mapping[str, Any]] = (),
-            beam_width: int | None = None, **engine_options: Any) -> JobSummary:
+            beam_width: int | None = None, score_booleans: bool | None = None, **engine_options: Any) -> JobSummary:
     """`asyncpage extract --ray`: asyncpage.jobs.run_job's contract (one output line per non-blank
     input line across interrupted runs, `resume` skipping the lines already answered) with the records
     read by Ray Data and extracted by `num_actors` actors. The output is written here, by the driver,
@@ -234,7 +236,7 @@ def run_job(input_path: Path, output_path: Path, schema: Any, *, num_actors: int
     width = beams_per_record(schema, copy_fields, beam_width)
     check_paths(input_path, output_path)
     job = _Job(schema, job_params(max_tokens), prompt, concurrency, id_field, max_prompt_tokens, copy_fields,
-               tuple(examples), beam_width, jsonl=True)
+               tuple(examples), beam_width, score_booleans, jsonl=True)
     options = {"max_num_seqs": max(concurrency * width, 1), **engine_options}
     _refuse(job, options, num_actors)
     done = open_output(output_path, resume)

@@ -66,6 +66,15 @@ class Request:
     spec_proposed_tokens: int = 0  # speculative decoding: drafts verified for this request
     spec_accepted_tokens: int = 0  # ...and kept
     spec_verify_steps: int = 0  # steps that verified drafts: mean kept run = accepted / steps
+    # params.prompt_logprobs: entry i is prompt token i+1's, filled chunk by chunk as the prompt is computed.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Prompt log-probabilities are asked and not all known yet: the prompt must be computed, not
+        taken from the prefix cache (a cached token has no logits)."""
+        return (self.params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
 
     @property
     def finished(self) -> bool:

@@ -40,6 +40,18 @@ class StepBatch:
     block_copies: list[tuple[int, int]]
     forked: bool  # logit rows are not one per sample (an n > 1 request forking, or drafts being verified)
     verifies: list[Verify] = field(default_factory=list)  # speculating sequences, verified after `specs`
+    scored: list[PromptRows] = field(default_factory=list)  # prompt tokens whose log-probabilities are asked
+
+
+@dataclass
+class PromptRows:
+    """Rows of one sequence's prompt chunk whose next prompt token is scored (params.prompt_logprobs)."""
+
+    seq_id: int
+    first: int  # index in Request.prompt_logprobs of the first row's entry
+    rows: list[int]  # rows of the flat batch
+    targets: list[int]  # the prompt token each row predicts
+    top: int
 
 
 @dataclass
@@ -52,6 +64,7 @@ class StepResult:
     failed: dict[int, str] | None = None
     beams: dict[int, tuple[list[int], list[float]]] | None = None  # beam search: each beam's best continuations
     accepted: dict[int, int] | None = None  # speculating sequences: how many of their drafts were kept
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprob]]] | None = None  # seq -> (first, entries)
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -157,10 +170,19 @@ class ModelRunner:
         spec_rows: list[int] = []
         specs: list[SampleSpec] = []
         verifies: list[Verify] = []
+        scored: list[PromptRows] = []
         for sched in out.scheduled:
             seq, n = sched.seq, sched.num_new_tokens
             nc = seq.num_computed_tokens
             start = flat.add(seq.token_ids[nc : nc + n - len(sched.draft)] + sched.draft, nc, seq.table.ids)
+            req = seq.request
+            if req.scoring_prompt:
+                first = len(req.prompt_logprobs)
+                span = range(max(nc, first), min(nc + n, len(req.prompt_token_ids) - 1))
+                if span:
+                    scored.append(PromptRows(seq.seq_id, span[0], [start + p - nc for p in span],
+                                             [seq.token_ids[p + 1] for p in span],
+                                             req.params.prompt_logprobs or 0))
             if sched.draft:
                 # Speculating: its last real token and every draft get a logit row; verified in order.
                 k = len(sched.draft)
@@ -180,7 +202,7 @@ class ModelRunner:
         # (counting rows is not enough: a 2-row verify beside a 3-way fork balances the count).
         forked = spec_rows != list(range(len(specs)))
         return StepBatch(input_ids, positions, meta, self._t(logit_rows), self._t(spec_rows), specs,
-                         list(out.block_copies), forked=forked, verifies=verifies)
+                         list(out.block_copies), forked=forked, verifies=verifies, scored=scored)
 
     def _t(self, xs: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.long, device=self.device)
@@ -197,6 +219,7 @@ class ModelRunner:
             masks = self._mask_pool.submit(_fill_masks, guided, bitmask)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.caches)
         every = self.model.compute_logits(hidden[batch.logit_rows]).cpu()
+        prompt_logprobs = {r.seq_id: (r.first, _prompt_logprobs(self.model, hidden, r)) for r in batch.scored}
         if batch.forked:
             logits = every[batch.spec_rows]  # forked samples share their parent's row; drafts have several
         else:
@@ -250,13 +273,33 @@ class ModelRunner:
                 forced[sid] = out.tokens[1:] + out.forced
             if out.grammar_done:
                 done.add(sid)
-        return StepResult(seq_ids, result, frozenset(done), forced, failed, beams, accepted)
+        return StepResult(seq_ids, result, frozenset(done), forced, failed, beams, accepted, prompt_logprobs)
 
     @torch.inference_mode()
     def forward_logits(self, batch: StepBatch) -> torch.Tensor:
         """Logits of every row of the batch (tests compare them with transformers)."""
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.caches)
         return self.model.compute_logits(hidden)
+
+
+SCORE_ROWS = 64  # prompt rows through the LM head at once: 64 x 262k float32 logits is 67 MB
+
+
+def _prompt_logprobs(model: CausalLM, hidden: torch.Tensor, r: PromptRows) -> list[TokenLogprob]:
+    """Each row's log-probability of the prompt token after it (and the top-N there), from the raw
+    model output as sampled logprobs are."""
+    out: list[TokenLogprob] = []
+    for i in range(0, len(r.rows), SCORE_ROWS):
+        rows, targets = r.rows[i : i + SCORE_ROWS], torch.tensor(r.targets[i : i + SCORE_ROWS])
+        lp = torch.log_softmax(model.compute_logits(hidden[rows]).float().cpu(), dim=-1)
+        own = lp.gather(1, targets[:, None])[:, 0].tolist()
+        if r.top:
+            vals, ids = lp.topk(r.top, dim=-1)
+            tops = [dict(zip(t, v, strict=True)) for t, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+        else:
+            tops = [{} for _ in rows]
+        out += [TokenLogprob(t, v, top) for t, v, top in zip(targets.tolist(), own, tops, strict=True)]
+    return out
 
 
 def _sample_spec(s: Sequence, max_model_len: int) -> SampleSpec:

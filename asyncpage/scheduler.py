@@ -160,7 +160,7 @@ class Scheduler:
         while self.waiting and budget > 0 and seats + _seats(self.waiting[0]) <= self.max_num_seqs:
             seq = self.waiting[0]
             cached = []
-            if seq.num_computed_tokens == 0:
+            if seq.num_computed_tokens == 0 and not seq.request.scoring_prompt:
                 cached = self.kv.find_cached_prefix(seq.token_ids, seq.params.cache_salt, seq.prefix_digests)
             start = len(cached) * self.kv.block_size
             num_new = min(seq.num_tokens - start, budget)

@@ -50,6 +50,8 @@ def check_beam_engine(params: SamplingParams, beam_width: int, *, max_num_seqs: 
         raise InvalidRequestError("n", "a beam search returns beam_width beams: leave n at 1")
     if params.logprobs is not None:
         raise InvalidRequestError("logprobs", "not available with beam search (each beam has cumulative_logprob)")
+    if params.prompt_logprobs is not None:
+        raise InvalidRequestError("prompt_logprobs", "not available with beam search (score the prompt with generate)")
 
 
 def check_context(ids: Sequence[int], max_model_len: int) -> None:

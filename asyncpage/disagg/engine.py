@@ -154,6 +154,8 @@ class DisaggEngine:
             raise InvalidRequestError("params", f"must be SamplingParams, got {type(params).__name__}")
         if params.n != 1:
             raise InvalidRequestError("n", "a disaggregated engine runs one sample per request (n=1)")
+        if params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs", "not offered by the disaggregated engine")
         for name in _UNSUPPORTED:
             if getattr(params, name) is not None:
                 raise InvalidRequestError(name, "guided decoding is not offered by the disaggregated engine")

@@ -1,0 +1,84 @@
+"""Yes/no fields decided by which reading explains the record, not by generating true or false.
+
+Asked for a boolean inside JSON, the default model (270M, a base model) answers from the prompt, not
+from the record: on examples/grounded its refund flag came out `false` for all 40 tickets, and the
+log-odds of `true` against `false` ranked refund tickets no better than chance (AUC 0.49). Yes/no
+questions and few-shot classification did no better, and transformers gives the same numbers: it is
+the model. What it does know is which text is likely after which heading, the noisy-channel reading
+of classification (Min et al., 2022): a ticket's own tokens are likelier after "Record where the
+customer asks for money back:" than after "Record:" when it asks for money back (AUC 0.88 there).
+
+So each top-level boolean property is scored on the record's text, with the engine's prompt
+log-probabilities: true when the text's log-likelihood after the field's statement beats it after
+the plain heading. The decision is fixed as a `const` in that record's schema, so the grammar writes
+it and everything else is generated as before. The statement is the field's description ("true when
+the customer asks for money back" reads "the customer asks for money back"), else its title or name.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from asyncpage.grounding import resolve, with_properties
+from asyncpage.params import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncpage.engine import AsyncEngine
+
+PLAIN = "Record:\n"
+_SCORE = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+# How descriptions of a boolean usually open; what follows is the statement that makes it true.
+_OPENING = re.compile(r"^\s*(?:(?:is\s+)?true\s+(?:when|if|whenever)|set\s+(?:when|if)|whether(?:\s+or\s+not)?|if)\s+",
+                      re.IGNORECASE)
+
+
+def statements(schema: dict[str, Any]) -> dict[str, str]:
+    """The top-level properties that are plain booleans (not nullable, no enum or const), each with
+    the heading whose likelihood of the record says true."""
+    obj = resolve(schema, schema)
+    out = {}
+    for name, prop in (obj.get("properties") or {}).items():
+        p = resolve(schema, prop)
+        if not isinstance(p, dict) or p.get("type") != "boolean" or "enum" in p or "const" in p:
+            continue
+        said = str(p.get("description") or "").strip().rstrip(".")
+        said = _OPENING.sub("", said) if said else str(p.get("title") or name.replace("_", " ")).strip()
+        out[name] = f"Record where {said}:\n"
+    return out
+
+
+async def decide(engine: AsyncEngine, schema: dict[str, Any], text: str) -> dict[str, bool]:
+    """Each scored boolean of `schema` for a record whose text is `text`; {} when there is none, or
+    the text does not fit the context after a heading (the model then generates them)."""
+    headings = statements(schema)
+    text = text.strip()
+    if not headings or not text:
+        return {}
+    encode = functools.partial(engine.tokenizer, add_special_tokens=False)  # BOS comes with the heading
+    body = list((await anyio.to_thread.run_sync(encode, text))["input_ids"])
+    prompts = {key: await engine.tokenize(h) + body for key, h in [("", PLAIN), *headings.items()]}
+    if max(len(p) for p in prompts.values()) >= engine.config.max_model_len:
+        return {}
+    scores: dict[str, float] = {}
+
+    async def score(key: str, ids: list[int]) -> None:
+        out = await engine.generate(ids, _SCORE)
+        assert out.prompt_logprobs is not None
+        scores[key] = sum(e.logprob for e in out.prompt_logprobs[len(ids) - len(body):] if e is not None)
+
+    async with anyio.create_task_group() as tg:  # in one batch: the headings differ, the text is the same
+        for key, ids in prompts.items():
+            tg.start_soon(score, key, ids)
+    return {name: scores[name] > scores[""] for name in headings}
+
+
+def fixed(schema: dict[str, Any], decided: dict[str, bool]) -> dict[str, Any]:
+    """`schema` with each decided boolean as its `const`."""
+    if not decided:
+        return schema
+    props = resolve(schema, schema).get("properties") or {}
+    return with_properties(schema, {n: {**resolve(schema, props[n]), "const": v} for n, v in decided.items()})

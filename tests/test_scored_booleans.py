@@ -1,0 +1,114 @@
+"""Boolean fields decided by scoring the record's text (asyncpage.flags): which fields, which statement,
+and that the value returned is the one the scores chose."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+import pytest
+
+from asyncpage import AsyncEngine, ExtractionError, InvalidRequestError, SamplingParams, flags
+from asyncpage.extract import json_params
+
+TICKET = {
+    "type": "object",
+    "properties": {
+        "customer": {"type": "string"},
+        "refund": {"type": "boolean", "description": "True when the customer asks for money back."},
+        "urgent": {"type": "boolean", "title": "Needs an answer today"},
+        "vip_customer": {"type": "boolean"},
+        "maybe": {"type": ["boolean", "null"], "description": "true when unsure"},
+        "fixed": {"type": "boolean", "const": True},
+    },
+    "required": ["customer", "refund", "urgent", "vip_customer", "maybe", "fixed"],
+}
+
+
+class Order(msgspec.Struct):
+    product: str
+    paid: Annotated[bool, msgspec.Meta(description="whether the order was paid")]
+
+
+def test_each_plain_boolean_reads_as_the_statement_that_makes_it_true() -> None:
+    assert flags.statements(TICKET) == {
+        "refund": "Record where the customer asks for money back:\n",
+        "urgent": "Record where Needs an answer today:\n",
+        "vip_customer": "Record where vip customer:\n",
+    }  # nullable and const booleans are left to the grammar
+    schema = json_params(Order, None)[0].json_schema
+    assert flags.statements(schema) == {"paid": "Record where the order was paid:\n"}
+
+
+def test_a_decided_boolean_becomes_a_const_of_a_copy_of_the_schema() -> None:
+    before = json.dumps(TICKET, sort_keys=True)
+    out = flags.fixed(TICKET, {"refund": True, "urgent": False})
+    assert out["properties"]["refund"] == {**TICKET["properties"]["refund"], "const": True}
+    assert out["properties"]["urgent"]["const"] is False
+    assert json.dumps(TICKET, sort_keys=True) == before
+    schema = json_params(Order, None)[0].json_schema
+    fixed = flags.fixed(schema, {"paid": False})
+    assert fixed["properties"]["paid"]["const"] is False and fixed["$defs"] == schema["$defs"]
+
+
+async def _scores(engine: Any, heading: str, text: str) -> float:
+    """Log-likelihood of `text` after `heading`, computed here from prompt_logprobs by hand."""
+    body = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = await engine.tokenize(heading) + body
+    out = await engine.generate(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    return sum(e.logprob for e in out.prompt_logprobs[-len(body):])
+
+
+async def _value(extraction: Any) -> Any:
+    """The value, also when max_tokens closed it early (a tiny random model writes long names)."""
+    try:
+        return await extraction
+    except ExtractionError as exc:
+        assert exc.has_value, exc
+        return exc.value
+
+
+async def test_the_value_returned_is_the_one_the_scores_chose(tiny_llama: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    refund = {"type": "boolean", "description": "true when a refund is asked"}
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "refund": refund},
+              "required": ["name", "refund"]}
+    texts = ["Anna Berg wants a refund for the lamp", "Tom Reyes says the app is slow", "Li Wei: refund please now"]
+    async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
+        want = {}
+        for t in texts:
+            pro = await _scores(engine, "Record where a refund is asked:\n", t)
+            want[t] = pro > await _scores(engine, flags.PLAIN, t)
+        assert set(want.values()) == {True, False}  # both readings occur: the grammar writes what was decided
+        assert await flags.decide(engine, schema, "") == {}
+        params = SamplingParams(max_tokens=200, temperature=0)
+        for t in texts:
+            assert await flags.decide(engine, schema, t) == {"refund": want[t]}
+            value = await _value(engine.extract(f"{t}\nJSON: ", schema, params, copy_from=t, beam_width=1))
+            assert value["refund"] is want[t]
+        got = {r.id: r.value["refund"] async for r in engine.extract_many(
+            [{"id": t, "text": t} for t in texts], schema, params=params, copy_fields="auto", beam_width=1)}
+        assert got == want
+
+        # Asked off, or nothing copied in a job: nothing is scored, the model writes the boolean itself.
+        async def refuse(*args: Any) -> dict[str, bool]:
+            raise AssertionError("scored")
+
+        monkeypatch.setattr(flags, "decide", refuse)
+        off = await _value(engine.extract(f"{texts[0]}\nJSON: ", schema, params, copy_from=texts[0],
+                                          beam_width=1, score_booleans=False))
+        assert isinstance(off["refund"], bool)
+        async for r in engine.extract_many([{"id": 1, "text": texts[0]}], schema, params=params):
+            assert isinstance(r.value["refund"], bool)
+
+
+async def test_scoring_needs_the_record_text_and_steps_aside_when_it_does_not_fit(tiny_llama: Path) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32", max_model_len=64) as engine:
+        with pytest.raises(InvalidRequestError, match="score_booleans"):
+            await engine.extract("x", schema, score_booleans=True)
+        long = " ".join(["word"] * 100)  # past the 64-token context with a heading: the model decides
+        assert await flags.decide(engine, schema, long) == {}
+        assert await flags.decide(engine, schema, "a short record") != {}
