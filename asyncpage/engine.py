@@ -222,12 +222,10 @@ class AsyncEngine:
                 if c.finish_reason is not None:
                     reasons[c.index] = c.finish_reason
             req = s.request
+            scored = s.prompt_logprobs
         assert req is not None
         choices = [Choice(i, "".join(texts.get(i, [])), ids.get(i, []), reasons[i],
                           lps.get(i) if params.logprobs is not None else None) for i in range(params.n)]
-        scored: list[TokenLogprob | None] | None = None
-        if params.prompt_logprobs is not None:
-            scored = [None, *req.prompt_logprobs]  # complete: the loop is done with the request
         return GenerateOutput(list(req.prompt_token_ids), choices, request_metrics(req), scored)
 
     async def beam_search(self, prompt: Prompt, beam_width: int = 4, max_tokens: int = 32,

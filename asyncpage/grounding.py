@@ -47,8 +47,8 @@ def mark(schema: dict[str, Any], fields: Sequence[str] | str | None) -> dict[str
     props = resolve(schema, schema).get("properties") or {}
     if isinstance(fields, str) and fields != "auto":
         fields = [f.strip() for f in fields.split(",") if f.strip()]
-    free = [n for n, p in props.items() if _free_string(schema, resolve(schema, p))]
-    names = free if fields == "auto" else list(fields)
+    names = [n for n, p in props.items() if _free_string(schema, resolve(schema, p))] if fields == "auto" \
+        else list(fields)
     marked = {}
     for name in names:
         if name not in props:

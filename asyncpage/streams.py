@@ -108,6 +108,18 @@ class RequestStream:
     def request(self) -> Request | None:
         return self._request
 
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """params.prompt_logprobs: each prompt token's log-probability given the ones before it, aligned
+        with the prompt's token ids (the first is None, as is any the request did not get to: an abort
+        before its prompt was computed). Whole once the first chunk has come: the prompt is computed
+        before any token is sampled."""
+        req = self._request
+        if req is None or req.params.prompt_logprobs is None:
+            return None
+        got = list(req.prompt_logprobs)  # written by the loop only while the prompt is computed
+        return [None, *got] + [None] * (len(req.prompt_token_ids) - 1 - len(got))
+
     def __aiter__(self) -> Self:
         return self
 

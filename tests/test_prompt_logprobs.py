@@ -86,3 +86,23 @@ async def test_bad_prompt_logprobs_are_refused_naming_the_field(tiny_llama: Path
         # One token: nothing before it to score it by.
         out = await engine.generate(PROMPT[:1], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
     assert out.prompt_logprobs == [None]
+
+
+async def test_a_stream_has_its_prompt_logprobs_once_its_first_chunk_has_come(
+        tiny_models: dict[str, tuple[Path, Any]]) -> None:
+    path, hf = tiny_models["llama"]
+    async with AsyncEngine.from_pretrained(path, dtype="float32", max_num_batched_tokens=16) as engine:
+        s = engine.stream(PROMPT, SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=0))
+        async with s:
+            assert s.prompt_logprobs is None  # not submitted yet
+            async for _ in s:
+                got = s.prompt_logprobs
+                break
+        plain = engine.stream(PROMPT, SamplingParams(max_tokens=1, temperature=0))
+        async with plain:
+            async for _ in plain:
+                pass
+    assert got is not None and len(got) == len(PROMPT) and got[0] is None
+    torch.testing.assert_close(torch.tensor([e.logprob for e in got[1:]]), _reference(hf, PROMPT),
+                               atol=1e-4, rtol=1e-4)
+    assert plain.prompt_logprobs is None

@@ -34,12 +34,12 @@ class Order(msgspec.Struct):
 
 def test_each_plain_boolean_reads_as_the_statement_that_makes_it_true() -> None:
     assert flags.statements(TICKET) == {
-        "refund": "Record where the customer asks for money back:\n",
-        "urgent": "Record where Needs an answer today:\n",
-        "vip_customer": "Record where vip customer:\n",
+        "refund": "Record where the customer asks for money back.\n\n",
+        "urgent": "Record where Needs an answer today.\n\n",
+        "vip_customer": "Record where vip customer.\n\n",
     }  # nullable and const booleans are left to the grammar
     schema = json_params(Order, None)[0].json_schema
-    assert flags.statements(schema) == {"paid": "Record where the order was paid:\n"}
+    assert flags.statements(schema) == {"paid": "Record where the order was paid.\n\n"}
 
 
 def test_a_decided_boolean_becomes_a_const_of_a_copy_of_the_schema() -> None:
@@ -79,7 +79,7 @@ async def test_the_value_returned_is_the_one_the_scores_chose(tiny_llama: Path,
     async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
         want = {}
         for t in texts:
-            pro = await _scores(engine, "Record where a refund is asked:\n", t)
+            pro = await _scores(engine, "Record where a refund is asked.\n\n", t)
             want[t] = pro > await _scores(engine, flags.PLAIN, t)
         assert set(want.values()) == {True, False}  # both readings occur: the grammar writes what was decided
         assert await flags.decide(engine, schema, "") == {}
@@ -112,3 +112,36 @@ async def test_scoring_needs_the_record_text_and_steps_aside_when_it_does_not_fi
         long = " ".join(["word"] * 100)  # past the 64-token context with a heading: the model decides
         assert await flags.decide(engine, schema, long) == {}
         assert await flags.decide(engine, schema, "a short record") != {}
+
+
+async def test_a_decided_boolean_that_is_not_required_still_comes_back_as_decided(tiny_llama: Path) -> None:
+    class Claim(msgspec.Struct):
+        name: str
+        refund: Annotated[bool, msgspec.Meta(description="true when a refund is asked")] = False
+
+    schema = json_params(Claim, None)[0].json_schema
+    assert "refund" not in flags.fixed(schema, {})["$defs"]["Claim"].get("required", [])
+    assert "refund" in flags.fixed(schema, {"refund": True})["required"]
+    texts = ["Anna Berg wants a refund for the lamp", "Tom Reyes says the app is slow", "Li Wei: refund please now",
+             "Ola Nordmann asks about the invoice"]
+    params = SamplingParams(max_tokens=200, temperature=0)
+    async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
+        want = {t: (await flags.decide(engine, schema, t))["refund"] for t in texts}
+        assert True in want.values()  # the default (False) alone would not show the decision was kept
+        got = {r.id: r.value.refund async for r in engine.extract_many(
+            [{"id": t, "text": t} for t in texts], Claim, params=params, copy_fields="auto", beam_width=1)}
+    assert got == want
+
+
+async def test_a_record_whose_scoring_prompt_outgrows_the_pool_is_generated_not_failed(tiny_llama: Path) -> None:
+    long_statement = "the customer " + " ".join(["really"] * 15) + " asks for a refund"
+    schema = {"type": "object", "properties": {"refund": {"type": "boolean", "description": long_statement}},
+              "required": ["refund"]}
+    text = "please refund my lamp now " * 4
+    # A 200-token pool: the record's prompt fits, its text after the long heading does not.
+    async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32", block_size=4, num_kv_blocks=50) as engine:
+        assert await flags.decide(engine, schema, text) == {}
+        results = [r async for r in engine.extract_many([{"id": 1, "text": text}], schema, prompt="{text}",
+                                                         params=SamplingParams(max_tokens=20, temperature=0),
+                                                         score_booleans=True)]
+    assert len(results) == 1 and results[0].ok and isinstance(results[0].value["refund"], bool)
