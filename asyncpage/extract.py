@@ -120,7 +120,7 @@ def closed_validly(matcher: Any, params: SamplingParams, token_ids: list[int]) -
 
 
 async def closed_early_error(engine: AsyncEngine, params: SamplingParams, token_ids: list[int], text: str,
-                             target: Any) -> ExtractionError | None:
+                             target: Any, decided: dict[str, bool] | None = None) -> ExtractionError | None:
     """For extract(): the ExtractionError("closed_early") carrying the value when an output cut by
     max_tokens was closed validly by budget closing (its tokens take a fresh matcher of the same
     grammar to an accepting state, and it decodes), else None."""
@@ -131,7 +131,7 @@ async def closed_early_error(engine: AsyncEngine, params: SamplingParams, token_
     if not all(matcher.accept(t) for t in token_ids) or not matcher.is_accepting():
         return None
     try:
-        value = decode_value(text, target)
+        value = flags.applied(decode_value(text, target), decided or {})
     except msgspec.DecodeError:
         return None
     return ExtractionError("closed_early", f"max_tokens={params.max_tokens} closed the value early (it is valid: "
@@ -151,6 +151,7 @@ async def extract_one(engine: AsyncEngine, prompt: str | list[int], schema: Any,
     beam_params(beam_width, copying=False)  # a bad width fails first, before any grammar is made
     params, target = json_params(schema, params)
     copying = False  # a field is copied: the default is beams (beam_params)
+    decided: dict[str, bool] = {}  # booleans scored on the source (flags.py): they replace the model's own
     if copy_from is None and score_booleans:
         raise InvalidRequestError("score_booleans", "booleans are scored on the record's text: pass copy_from")
     if copy_from is not None:
@@ -161,7 +162,7 @@ async def extract_one(engine: AsyncEngine, prompt: str | list[int], schema: Any,
         marked = grounding.mark(params.json_schema, copy_fields)
         copying = grounding.copied(marked)
         if score_booleans is not False:
-            marked = flags.fixed(marked, await flags.decide(engine, marked, _joined(sources)))
+            decided = await flags.decide(engine, marked, _joined(sources))
         params = grounded(params, marked, sources)
     if chat:
         prompt = engine.apply_chat_template(prompt)
@@ -181,14 +182,14 @@ async def extract_one(engine: AsyncEngine, prompt: str | list[int], schema: Any,
                 raise ExtractionError("invalid", _NO_BEAM.format(beam.beam_width), "")
         if out.finish_reason == "length":
             # Closed validly by the budget: raised with the value attached (see closed_early_error).
-            raise await closed_early_error(engine, params, out.token_ids, out.text, target) or ExtractionError(
+            raise await closed_early_error(engine, params, out.token_ids, out.text, target, decided) or ExtractionError(
                 "truncated", f"output reached max_tokens={params.max_tokens} before the value was complete",
                 out.text)
     finally:
         if copy_from is not None:
             _forget(engine, params)  # the grammar embeds this source only
     try:
-        return decode_value(out.text, target)
+        return flags.applied(decode_value(out.text, target), decided)
     except msgspec.DecodeError as exc:
         raise ExtractionError("invalid", str(exc), out.text) from exc
 
@@ -242,6 +243,7 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
         wake.set()
 
     pending: dict[int, tuple[Any, int, Request]] = {}
+    decided_at: dict[int, dict[str, bool]] = {}  # a record's scored booleans, by its position
     ready: list[ExtractResult] = []
     source = _aiter(items).__aiter__()
     exhausted = False
@@ -271,13 +273,9 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
                     # after seconds spent building the spans of megabytes of text.
                     check_context(ids, engine.config.max_model_len)
                     sources = copy_sources(prompt, record, id_field)
-                    # The record's schema: its booleans decided by scoring its text (flags.py), fixed as consts.
-                    schema_r = flags.fixed(marked, await flags.decide(engine, marked, _joined(sources))) \
-                        if scoring else marked
-                    if copying:
-                        own = grounded(params, schema_r, sources)
-                    elif schema_r is not marked:
-                        own = msgspec.structs.replace(params, json_schema=schema_r)
+                    if scoring:  # its booleans, decided on its text (flags.py), replace the model's in its value
+                        decided_at[index] = await flags.decide(engine, marked, _joined(sources))
+                    own = grounded(params, marked, sources) if copying else params
                     beam = beam_for(engine, ids, own, beam_width, copying)
                     req = await engine.submit(ids, own, Mailbox(notify), beam=beam)
                 except (PromptTooLongError, GrammarTimeoutError, InvalidRequestError) as exc:
@@ -304,7 +302,11 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
                     else:
                         pending[again.request_id] = (rid, position, again)
                         continue
-                ready.append(msgspec.structs.replace(_result(rid, req, target), position=position))
+                result = _result(rid, req, target)
+                decided = decided_at.pop(position, {})
+                if result.ok and decided:
+                    result = msgspec.structs.replace(result, value=flags.applied(result.value, decided))
+                ready.append(msgspec.structs.replace(result, position=position))
                 if copying:
                     _forget(engine, req.params)  # this record's grammar ends with it
             if ready:

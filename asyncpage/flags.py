@@ -3,30 +3,35 @@
 Asked for a boolean inside JSON, the default model (270M, a base model) answers from the prompt, not
 from the record: on examples/grounded its refund flag came out `false` for all 40 tickets, and the
 log-odds of `true` against `false` ranked refund tickets no better than chance (AUC 0.49). Yes/no
-questions and few-shot classification did no better, and transformers gives the same numbers: it is
-the model. What it does know is which text is likely after which heading, the noisy-channel reading
-of classification (Min et al., 2022): a ticket's own tokens are likelier after "Record where the
-customer asks for money back." than after "Record." when it asks for money back (AUC 0.88 there).
-That heading's form was chosen among five on examples/grounded's 60 tickets (the plain "Record."
-against "Record:" or "Message:" headings moved 2-3 of them): a sentence, then a blank line.
+questions and few-shot classification did no better, and transformers gives the same numbers: it is the
+model. What it does know is which text is likely after which heading, the noisy-channel reading of
+classification (Min et al., 2022): a ticket's own tokens are likelier after "Record where the customer
+asks for money back." than after "Record." when it asks for money back (AUC 0.88 there). That heading's
+form was chosen among five on examples/grounded's 60 tickets (the plain "Record." against "Record:" or
+"Message:" headings moved 2-3 of them): a sentence, then a blank line.
 
 So each top-level boolean property is scored on the record's text, with the engine's prompt
-log-probabilities: true when the text's log-likelihood after the field's statement beats it after
-the plain heading. The decision is fixed as a `const` in that record's schema, so the grammar writes
-it and everything else is generated as before. The statement is the field's description ("true when
-the customer asks for money back" reads "the customer asks for money back"), else its title or name.
+log-probabilities: true when the text's log-likelihood after the field's statement beats it after the
+plain heading. The JSON is generated as before and the decision replaces the model's own boolean in the
+value. Not as a `const` in the grammar: beams rank whole values, and a forced `"urgent": false` at the
+end scored differently after each beam's name (one ticket's best name became its e-mail address); moved
+to the front, it changed the names the model chose after it (two e-mail addresses). The statement is the
+field's description ("true when the customer asks for money back" reads "the customer asks for money
+back"), else its title or name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import msgspec
 
 from asyncpage.errors import PromptTooLongError
-from asyncpage.grounding import resolve, with_properties
+from asyncpage.grounding import resolve
 from asyncpage.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -94,13 +99,16 @@ async def decide(engine: AsyncEngine, schema: dict[str, Any], text: str) -> dict
     return {name: scores[name] > scores[""] for name in headings}
 
 
-def fixed(schema: dict[str, Any], decided: dict[str, bool]) -> dict[str, Any]:
-    """`schema` with each decided boolean as its `const`, and required: one the grammar could leave out
-    would come back as the type's default, not as decided."""
+def applied(value: Any, decided: dict[str, bool]) -> Any:
+    """The decoded value with each decided boolean in place of the model's own (set also where the
+    model left an optional one out)."""
     if not decided:
-        return schema
-    props = resolve(schema, schema).get("properties") or {}
-    out = with_properties(schema, {n: {**resolve(schema, props[n]), "const": v} for n, v in decided.items()})
-    required = out.get("required")
-    out["required"] = list(dict.fromkeys([*(required if isinstance(required, list) else []), *decided]))
-    return out
+        return value
+    if isinstance(value, dict):
+        return {**value, **decided}
+    if isinstance(value, msgspec.Struct):  # decided by JSON name; a renamed field has another attribute name
+        names = {f.encode_name: f.name for f in msgspec.structs.fields(value)}
+        return msgspec.structs.replace(value, **{names.get(k, k): v for k, v in decided.items()})
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **decided)
+    return value

@@ -3,7 +3,6 @@ and that the value returned is the one the scores chose."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -42,15 +41,22 @@ def test_each_plain_boolean_reads_as_the_statement_that_makes_it_true() -> None:
     assert flags.statements(schema) == {"paid": "Record where the order was paid.\n\n"}
 
 
-def test_a_decided_boolean_becomes_a_const_of_a_copy_of_the_schema() -> None:
-    before = json.dumps(TICKET, sort_keys=True)
-    out = flags.fixed(TICKET, {"refund": True, "urgent": False})
-    assert out["properties"]["refund"] == {**TICKET["properties"]["refund"], "const": True}
-    assert out["properties"]["urgent"]["const"] is False
-    assert json.dumps(TICKET, sort_keys=True) == before
-    schema = json_params(Order, None)[0].json_schema
-    fixed = flags.fixed(schema, {"paid": False})
-    assert fixed["properties"]["paid"]["const"] is False and fixed["$defs"] == schema["$defs"]
+def test_a_decided_boolean_replaces_the_one_the_model_wrote_whatever_the_value_type() -> None:
+    import dataclasses
+
+    class Renamed(msgspec.Struct, rename="camel"):
+        refund_asked: bool
+        name: str
+
+    @dataclasses.dataclass
+    class Plain:
+        refund: bool
+
+    assert flags.applied({"name": "x", "refund": False}, {"refund": True}) == {"name": "x", "refund": True}
+    assert flags.applied({"name": "x"}, {"refund": True}) == {"name": "x", "refund": True}  # left out: set
+    assert flags.applied(Renamed(False, "x"), {"refundAsked": True}) == Renamed(True, "x")
+    assert flags.applied(Plain(False), {"refund": True}) == Plain(True)
+    assert flags.applied([1], {"refund": True}) == [1]
 
 
 async def _scores(engine: Any, heading: str, text: str) -> float:
@@ -120,8 +126,6 @@ async def test_a_decided_boolean_that_is_not_required_still_comes_back_as_decide
         refund: Annotated[bool, msgspec.Meta(description="true when a refund is asked")] = False
 
     schema = json_params(Claim, None)[0].json_schema
-    assert "refund" not in flags.fixed(schema, {})["$defs"]["Claim"].get("required", [])
-    assert "refund" in flags.fixed(schema, {"refund": True})["required"]
     texts = ["Anna Berg wants a refund for the lamp", "Tom Reyes says the app is slow", "Li Wei: refund please now",
              "Ola Nordmann asks about the invoice"]
     params = SamplingParams(max_tokens=200, temperature=0)
