@@ -131,7 +131,7 @@ async def closed_early_error(engine: AsyncEngine, params: SamplingParams, token_
     if not all(matcher.accept(t) for t in token_ids) or not matcher.is_accepting():
         return None
     try:
-        value = flags.applied(decode_value(text, target), decided or {})
+        value = decode_value(flags.applied(text, decided or {}), target)
     except msgspec.DecodeError:
         return None
     return ExtractionError("closed_early", f"max_tokens={params.max_tokens} closed the value early (it is valid: "
@@ -189,7 +189,7 @@ async def extract_one(engine: AsyncEngine, prompt: str | list[int], schema: Any,
         if copy_from is not None:
             _forget(engine, params)  # the grammar embeds this source only
     try:
-        return flags.applied(decode_value(out.text, target), decided)
+        return decode_value(flags.applied(out.text, decided), target)
     except msgspec.DecodeError as exc:
         raise ExtractionError("invalid", str(exc), out.text) from exc
 
@@ -281,6 +281,7 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
                 except (PromptTooLongError, GrammarTimeoutError, InvalidRequestError) as exc:
                     if own is not params:
                         _forget(engine, own)  # a refusal is cached too
+                    decided_at.pop(index, None)
                     ready.append(ExtractResult(rid, error=_submit_error(exc), position=index))
                     continue
                 except BaseException:  # cancelled while compiling: the record's grammar leaves with it
@@ -302,10 +303,7 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
                     else:
                         pending[again.request_id] = (rid, position, again)
                         continue
-                result = _result(rid, req, target)
-                decided = decided_at.pop(position, {})
-                if result.ok and decided:
-                    result = msgspec.structs.replace(result, value=flags.applied(result.value, decided))
+                result = _result(rid, req, target, decided_at.pop(position, {}))
                 ready.append(msgspec.structs.replace(result, position=position))
                 if copying:
                     _forget(engine, req.params)  # this record's grammar ends with it
@@ -351,7 +349,7 @@ def _submit_error(exc: Exception) -> ExtractError:
     return ExtractError("invalid_input", str(exc))
 
 
-def _result(rid: Any, req: Request, target: Any) -> ExtractResult:
+def _result(rid: Any, req: Request, target: Any, decided: dict[str, bool]) -> ExtractResult:
     n_prompt = len(req.prompt_token_ids)
     if isinstance(req.mailbox.error, SamplingError):  # this record's own failure
         return ExtractResult(rid, error=ExtractError("invalid_output", str(req.mailbox.error)), prompt_tokens=n_prompt)
@@ -361,8 +359,8 @@ def _result(rid: Any, req: Request, target: Any) -> ExtractResult:
         return ExtractResult(rid, error=ExtractError("invalid_output", _NO_BEAM.format(req.beam.width)),
                              prompt_tokens=n_prompt)
     out = req.mailbox.drain().get(0)
-    text = out.text if out else ""
     n_out = len(out.token_ids) if out else 0
+    text = flags.applied(out.text, decided) if out else ""  # scored booleans (flags.py) replace the model's
     if out is not None and out.finish_reason == "length" and closed_validly(req.seqs[0].matcher if req.seqs else None,
                                                                               req.params, out.token_ids):
         try:

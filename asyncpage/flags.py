@@ -22,7 +22,6 @@ back"), else its title or name.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 from typing import TYPE_CHECKING, Any
@@ -99,16 +98,16 @@ async def decide(engine: AsyncEngine, schema: dict[str, Any], text: str) -> dict
     return {name: scores[name] > scores[""] for name in headings}
 
 
-def applied(value: Any, decided: dict[str, bool]) -> Any:
-    """The decoded value with each decided boolean in place of the model's own (set also where the
-    model left an optional one out)."""
+def applied(text: str, decided: dict[str, bool]) -> str:
+    """The generated JSON with each decided boolean in place of the model's own (set also where the model
+    left an optional one out). On the text, before it is decoded into the caller's type: that type's own
+    checks (constraints, __post_init__) then judge the value as they judge any output."""
     if not decided:
-        return value
-    if isinstance(value, dict):
-        return {**value, **decided}
-    if isinstance(value, msgspec.Struct):  # decided by JSON name; a renamed field has another attribute name
-        names = {f.encode_name: f.name for f in msgspec.structs.fields(value)}
-        return msgspec.structs.replace(value, **{names.get(k, k): v for k, v in decided.items()})
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **decided)
-    return value
+        return text
+    try:
+        value = msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return text  # decoding it fails the record as it would have
+    if not isinstance(value, dict):
+        return text
+    return msgspec.json.encode({**value, **decided}).decode()

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from asyncpage import AsyncEngine, ExtractionError, InvalidRequestError, SamplingParams, flags
-from asyncpage.extract import json_params
+from asyncpage.extract import decode_value, json_params
 
 TICKET = {
     "type": "object",
@@ -41,22 +41,23 @@ def test_each_plain_boolean_reads_as_the_statement_that_makes_it_true() -> None:
     assert flags.statements(schema) == {"paid": "Record where the order was paid.\n\n"}
 
 
-def test_a_decided_boolean_replaces_the_one_the_model_wrote_whatever_the_value_type() -> None:
-    import dataclasses
-
+def test_a_decided_boolean_replaces_the_one_the_model_wrote_before_the_type_judges_it() -> None:
     class Renamed(msgspec.Struct, rename="camel"):
         refund_asked: bool
         name: str
 
-    @dataclasses.dataclass
-    class Plain:
-        refund: bool
+        def __post_init__(self) -> None:
+            if self.refund_asked and self.name == "gift":
+                raise ValueError("a gift is never refunded")
 
-    assert flags.applied({"name": "x", "refund": False}, {"refund": True}) == {"name": "x", "refund": True}
-    assert flags.applied({"name": "x"}, {"refund": True}) == {"name": "x", "refund": True}  # left out: set
-    assert flags.applied(Renamed(False, "x"), {"refundAsked": True}) == Renamed(True, "x")
-    assert flags.applied(Plain(False), {"refund": True}) == Plain(True)
-    assert flags.applied([1], {"refund": True}) == [1]
+    assert flags.applied('{"name": "x", "refund": false}', {"refund": True}) == '{"name":"x","refund":true}'
+    assert flags.applied('{"name": "x"}', {"refund": True}) == '{"name":"x","refund":true}'  # left out: set
+    assert flags.applied('{"name": "x"', {"refund": True}) == '{"name": "x"'  # fails to decode as it would have
+    assert flags.applied("[1]", {"refund": True}) == "[1]"
+    text = flags.applied('{"refundAsked": false, "name": "x"}', {"refundAsked": True})
+    assert decode_value(text, Renamed) == Renamed(True, "x")
+    with pytest.raises(msgspec.ValidationError, match="never refunded"):  # the record's invalid_output
+        decode_value(flags.applied('{"refundAsked": false, "name": "gift"}', {"refundAsked": True}), Renamed)
 
 
 async def _scores(engine: Any, heading: str, text: str) -> float:
