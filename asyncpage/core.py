@@ -221,15 +221,14 @@ class EngineCore:
 
     def _commit(self, out: SchedulerOutput, result: StepResult) -> None:
         now = time.monotonic()
+        scored = result.prompt_logprobs or {}
         for sched in out.scheduled:
-            times = sched.seq.request.times
-            if times.first_scheduled is None:
-                times.first_scheduled = now
-        for sched in out.scheduled:
-            first, entries = (result.prompt_logprobs or {}).get(sched.seq.seq_id, (-1, []))
-            scores = sched.seq.request.prompt_logprobs
-            if first == len(scores):  # in order, chunk after chunk (a recomputed chunk adds nothing twice)
-                scores += entries
+            req = sched.seq.request
+            if req.times.first_scheduled is None:
+                req.times.first_scheduled = now
+            first, entries = scored.get(sched.seq.seq_id, (-1, []))
+            if first == len(req.prompt_logprobs):  # in order, chunk after chunk (a recomputed chunk adds nothing twice)
+                req.prompt_logprobs += entries
         sampled = dict(zip(result.seq_ids, result.sampled.tokens, strict=True))
         logprobs = dict(zip(result.seq_ids, result.sampled.logprobs, strict=True))
         updates, failed = self.scheduler.update(out, sampled, result.grammar_done, result.forced, result.failed,

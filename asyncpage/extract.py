@@ -131,15 +131,17 @@ async def closed_early_error(engine: AsyncEngine, params: SamplingParams, token_
     if not all(matcher.accept(t) for t in token_ids) or not matcher.is_accepting():
         return None
     try:
-        value = decode_value(flags.applied(text, decided or {}), target)
+        value = decode_value(text, target, decided)
     except msgspec.DecodeError:
         return None
     return ExtractionError("closed_early", f"max_tokens={params.max_tokens} closed the value early (it is valid: "
                            "see .value)", text, value, has_value=True)
 
 
-def decode_value(text: str, target: Any) -> Any:
-    """The generated JSON as `target` (or plain JSON values); raises msgspec.DecodeError."""
+def decode_value(text: str, target: Any, decided: dict[str, bool] | None = None) -> Any:
+    """The generated JSON as `target` (or plain JSON values), with the `decided` booleans (flags.py) in
+    place of the model's own; raises msgspec.DecodeError."""
+    text = flags.applied(text, decided or {})
     return msgspec.json.decode(text, type=target) if target is not None else msgspec.json.decode(text)
 
 
@@ -189,7 +191,7 @@ async def extract_one(engine: AsyncEngine, prompt: str | list[int], schema: Any,
         if copy_from is not None:
             _forget(engine, params)  # the grammar embeds this source only
     try:
-        return decode_value(flags.applied(out.text, decided), target)
+        return decode_value(out.text, target, decided)
     except msgspec.DecodeError as exc:
         raise ExtractionError("invalid", str(exc), out.text) from exc
 
@@ -360,11 +362,11 @@ def _result(rid: Any, req: Request, target: Any, decided: dict[str, bool]) -> Ex
                              prompt_tokens=n_prompt)
     out = req.mailbox.drain().get(0)
     n_out = len(out.token_ids) if out else 0
-    text = flags.applied(out.text, decided) if out else ""  # scored booleans (flags.py) replace the model's
+    text = out.text if out else ""
     if out is not None and out.finish_reason == "length" and closed_validly(req.seqs[0].matcher if req.seqs else None,
                                                                               req.params, out.token_ids):
         try:
-            value = decode_value(text, target)
+            value = decode_value(text, target, decided)
         except msgspec.DecodeError:
             pass
         else:
@@ -375,7 +377,7 @@ def _result(rid: Any, req: Request, target: Any, decided: dict[str, bool]) -> Ex
             "truncated", f"generation ended by {reason} after {n_out} tokens: {text[-80:]!r}"),
             prompt_tokens=n_prompt, output_tokens=n_out)
     try:
-        value = decode_value(text, target)
+        value = decode_value(text, target, decided)
     except msgspec.DecodeError as exc:
         return ExtractResult(rid, error=ExtractError("invalid_output", str(exc)), prompt_tokens=n_prompt,
                              output_tokens=n_out)
