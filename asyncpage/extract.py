@@ -164,7 +164,7 @@ async def extract_one(engine: AsyncEngine, prompt: str | list[int], schema: Any,
         marked = grounding.mark(params.json_schema, copy_fields)
         copying = grounding.copied(marked)
         if score_booleans is not False:
-            decided = await flags.decide(engine, marked, _joined(sources))
+            decided = await flags.decide(engine, marked, _joined(sources), await flags.offsets(engine, marked))
         params = grounded(params, marked, sources)
     if chat:
         prompt = engine.apply_chat_template(prompt)
@@ -246,6 +246,7 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
 
     pending: dict[int, tuple[Any, int, Request]] = {}
     decided_at: dict[int, dict[str, bool]] = {}  # a record's scored booleans, by its position
+    offset: dict[str, float] | None = None  # the scored booleans' thresholds (flags.offsets)
     ready: list[ExtractResult] = []
     source = _aiter(items).__aiter__()
     exhausted = False
@@ -276,7 +277,9 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
                     check_context(ids, engine.config.max_model_len)
                     sources = copy_sources(prompt, record, id_field)
                     if scoring:  # its booleans, decided on its text (flags.py), replace the model's in its value
-                        decided_at[index] = await flags.decide(engine, marked, _joined(sources))
+                        if offset is None:  # once per job, at its first scored record
+                            offset = await flags.offsets(engine, marked)
+                        decided_at[index] = await flags.decide(engine, marked, _joined(sources), offset)
                     own = grounded(params, marked, sources) if copying else params
                     beam = beam_for(engine, ids, own, beam_width, copying)
                     req = await engine.submit(ids, own, Mailbox(notify), beam=beam)

@@ -11,6 +11,7 @@ import pytest
 
 from asyncpage import AsyncEngine, ExtractionError, InvalidRequestError, SamplingParams, flags
 from asyncpage.extract import decode_value, json_params
+from asyncpage.extract_prompt import DEMOS
 
 TICKET = {
     "type": "object",
@@ -68,6 +69,12 @@ async def _scores(engine: Any, heading: str, text: str) -> float:
     return sum(e.logprob for e in out.prompt_logprobs[-len(body):])
 
 
+async def _gain(engine: Any, heading: str, text: str) -> float:
+    """How much `heading` raises the log-likelihood of `text` over the plain heading, per token."""
+    n = len(engine.tokenizer(text.strip(), add_special_tokens=False)["input_ids"])
+    return (await _scores(engine, heading, text.strip()) - await _scores(engine, flags.PLAIN, text.strip())) / n
+
+
 async def _value(extraction: Any) -> Any:
     """The value, also when max_tokens closed it early (a tiny random model writes long names)."""
     try:
@@ -84,15 +91,16 @@ async def test_the_value_returned_is_the_one_the_scores_chose(tiny_llama: Path,
               "required": ["name", "refund"]}
     texts = ["Anna Berg wants a refund for the lamp", "Tom Reyes says the app is slow", "Li Wei: refund please now"]
     async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
-        want = {}
-        for t in texts:
-            pro = await _scores(engine, "Record where a refund is asked.\n\n", t)
-            want[t] = pro > await _scores(engine, flags.PLAIN, t)
+        heading = "Record where a refund is asked.\n\n"
+        # The threshold: the heading's mean gain per token on the built-in reference records.
+        offset = sum([await _gain(engine, heading, d) for d, _ in DEMOS]) / len(DEMOS)
+        assert offset != 0.0 and await flags.offsets(engine, schema) == {"refund": pytest.approx(offset)}
+        want = {t: await _gain(engine, heading, t) > offset for t in texts}
         assert set(want.values()) == {True, False}  # both readings occur: the grammar writes what was decided
         assert await flags.decide(engine, schema, "") == {}
         params = SamplingParams(max_tokens=200, temperature=0)
         for t in texts:
-            assert await flags.decide(engine, schema, t) == {"refund": want[t]}
+            assert await flags.decide(engine, schema, t, {"refund": offset}) == {"refund": want[t]}
             value = await _value(engine.extract(f"{t}\nJSON: ", schema, params, copy_from=t, beam_width=1))
             assert value["refund"] is want[t]
         got = {r.id: r.value["refund"] async for r in engine.extract_many(
@@ -104,6 +112,7 @@ async def test_the_value_returned_is_the_one_the_scores_chose(tiny_llama: Path,
             raise AssertionError("scored")
 
         monkeypatch.setattr(flags, "decide", refuse)
+        monkeypatch.setattr(flags, "offsets", refuse)
         off = await _value(engine.extract(f"{texts[0]}\nJSON: ", schema, params, copy_from=texts[0],
                                           beam_width=1, score_booleans=False))
         assert isinstance(off["refund"], bool)
@@ -119,6 +128,8 @@ async def test_scoring_needs_the_record_text_and_steps_aside_when_it_does_not_fi
         long = " ".join(["word"] * 100)  # past the 64-token context with a heading: the model decides
         assert await flags.decide(engine, schema, long) == {}
         assert await flags.decide(engine, schema, "a short record") != {}
+    async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32", max_model_len=16) as engine:
+        assert await flags.offsets(engine, schema) == {"ok": 0.0}  # no reference record fits: no offset
 
 
 async def test_a_decided_boolean_that_is_not_required_still_comes_back_as_decided(tiny_llama: Path) -> None:
@@ -131,7 +142,8 @@ async def test_a_decided_boolean_that_is_not_required_still_comes_back_as_decide
              "Ola Nordmann asks about the invoice"]
     params = SamplingParams(max_tokens=200, temperature=0)
     async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
-        want = {t: (await flags.decide(engine, schema, t))["refund"] for t in texts}
+        offset = await flags.offsets(engine, schema)
+        want = {t: (await flags.decide(engine, schema, t, offset))["refund"] for t in texts}
         assert True in want.values()  # the default (False) alone would not show the decision was kept
         got = {r.id: r.value.refund async for r in engine.extract_many(
             [{"id": t, "text": t} for t in texts], Claim, params=params, copy_fields="auto", beam_width=1)}
