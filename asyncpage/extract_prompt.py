@@ -7,9 +7,6 @@ whether it is copied as written) and "JSON:". Four solved records of an unrelate
 better than instructions; the caller's own labeled examples follow them in the same shape. The last
 two (a chat log with an id and a version number, a title and a refusal of a refund) raised fields
 right on examples/grounded with 4 beams from 66% to 71%.
-The first field is a bare `name`, without a description: a schema whose person field was a bare
-`name` got a product name there for 3 of the 20 plain tickets while that demo's field was a described
-`sender`, and for none since.
 
 Also how any prompt meets a record: `render_prompt` fills a template's {field}s (or calls a
 function of the record), and `copy_sources` says which of the record's fields copied values come from.
@@ -27,7 +24,7 @@ from asyncpage.grounding import resolve as _resolve
 
 TEXT_FIELD = "text"
 _DEMO_FIELDS = [
-    "- name: text, copied exactly as written in the record",
+    "- sender: who wrote it; text, copied exactly as written in the record",
     "- city: where the sender lives; text, copied exactly as written in the record; null when the record "
     "does not give it",
     "- order: the order number; text, copied exactly as written in the record; null when the record does "
@@ -37,16 +34,16 @@ _DEMO_FIELDS = [
 DEMOS = [
     ("Hello, this is Ana Beatriz Silva from Porto. My order 7781-B never arrived, please send my money back. "
      "Call me at 555 0192.",
-     {"name": "Ana Beatriz Silva", "city": "Porto", "order": "7781-B", "wants_money_back": True}),
+     {"sender": "Ana Beatriz Silva", "city": "Porto", "order": "7781-B", "wants_money_back": True}),
     ("From: Tom Reyes\nThe export button in the Lumen Desk app is greyed out since Monday. No need to refund "
      "anything, just fix it.",
-     {"name": "Tom Reyes", "city": None, "order": None, "wants_money_back": False}),
+     {"sender": "Tom Reyes", "city": None, "order": None, "wants_money_back": False}),
     ("[09:12] Support (Kim): Hello, how can I help?\n[09:13] Customer (Lena Marquardt): My Aurora Desk Lamp from "
      "order LX-55210 flickers since the 2.4 firmware. Please refund it, I paid 89.90 EUR.",
-     {"name": "Lena Marquardt", "city": None, "order": "LX-55210", "wants_money_back": True}),
+     {"sender": "Lena Marquardt", "city": None, "order": "LX-55210", "wants_money_back": True}),
     ("Subject: Sync stopped\n\nSince version 7.1 the Fernleaf Calendar app on my phone stops syncing at 50%. I "
      "restarted it 3 times. I don't want my money back, I want it to work.\n\nDr. Kofi Boateng, Accra",
-     {"name": "Kofi Boateng", "city": "Accra", "order": None, "wants_money_back": False}),
+     {"sender": "Kofi Boateng", "city": "Accra", "order": None, "wants_money_back": False}),
 ]
 
 

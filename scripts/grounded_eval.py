@@ -2,6 +2,7 @@
 
     python scripts/grounded_eval.py OUTPUT.jsonl [--labels L.jsonl] [--input T.jsonl]
     python scripts/grounded_eval.py --compare A.jsonl B.jsonl [--names "without copy" "with copy"]
+    python scripts/grounded_eval.py OUTPUT.jsonl --rename name=customer   # a schema spelled its own way
 
 Per-field accuracy is exact match after stripping surrounding whitespace (strings case-sensitive;
 null matches only null, booleans only booleans); a record with an error or no output line counts
@@ -31,6 +32,14 @@ def read_jsonl(path: str | Path) -> dict[str, dict[str, Any]]:
                 row = json.loads(line)
                 rows[str(row.get("id"))] = row
     return rows
+
+
+def renamed(row: dict[str, Any], renames: dict[str, str]) -> dict[str, Any]:
+    """An output row with its value's fields under the labels' names."""
+    value = row.get("value")
+    if not renames or not isinstance(value, dict):
+        return row
+    return {**row, "value": {renames.get(k, k): v for k, v in value.items()}}
 
 
 def _same(got: Any, want: Any) -> bool:
@@ -118,16 +127,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--names", nargs=2, metavar=("NAME_A", "NAME_B"), help="column titles for --compare")
     p.add_argument("--labels", default=str(HERE / "labels.jsonl"))
     p.add_argument("--input", default=str(HERE / "tickets.jsonl"))
+    p.add_argument("--rename", action="append", default=[], metavar="OUT=LABEL",
+                   help="an output field that holds a label field under another name (a schema of its own "
+                        "spelling, e.g. name=customer); repeatable")
     args = p.parse_args(argv)
+    renames = dict(r.split("=", 1) for r in args.rename if "=" in r)
+    if len(renames) != len(args.rename):
+        p.error("--rename takes OUT=LABEL")
+
+    def outputs(path: str) -> dict[str, dict[str, Any]]:
+        return {rid: renamed(row, renames) for rid, row in read_jsonl(path).items()}
+
     if (args.output is None) == (args.compare is None):
         p.error("give either OUTPUT.jsonl or --compare A.jsonl B.jsonl")
     labels = {rid: row["value"] for rid, row in read_jsonl(args.labels).items()}
     texts = {rid: row["text"] for rid, row in read_jsonl(args.input).items()}
     if args.compare:
-        a, b = (score(read_jsonl(path), labels, texts) for path in args.compare)
+        a, b = (score(outputs(path), labels, texts) for path in args.compare)
         _compare(a, b, args.names or [Path(x).name for x in args.compare])
     else:
-        _report(score(read_jsonl(args.output), labels, texts))
+        _report(score(outputs(args.output), labels, texts))
     return 0
 
 
