@@ -10,14 +10,16 @@ asks for money back." than after "Record." when it asks for money back (AUC 0.88
 form was chosen among five on examples/grounded's 60 tickets (the plain "Record." against "Record:" or
 "Message:" headings moved 2-3 of them): a sentence, then a blank line.
 
-So each top-level boolean property is scored on the record's text, with the engine's prompt
-log-probabilities: true when the text's log-likelihood after the field's statement beats it after the
-plain heading. The JSON is generated as before and the decision replaces the model's own boolean in the
-value. Not as a `const` in the grammar: beams rank whole values, and a forced `"urgent": false` at the
-end scored differently after each beam's name (one ticket's best name became its e-mail address); moved
-to the front, it changed the names the model chose after it (two e-mail addresses). The statement is the
-field's description ("true when the customer asks for money back" reads "the customer asks for money
-back"), else its title or name.
+So each top-level boolean property is scored on the record's text, with the engine's prompt log-
+probabilities: the heading's gain, how much the field's statement raises the text's log-likelihood over
+the plain heading, per token. Any heading raises the likelihood of any support message a little (the
+gain is mostly the words the two share), by an amount of its own, so the gain is judged against the same
+heading's gain on four reference records (`offsets`): true when it beats that. The JSON is generated as
+before and the decision replaces the model's own boolean in the value. Not as a `const` in the grammar:
+beams rank whole values, and a forced `"urgent": false` at the end scored differently after each beam's
+name (one ticket's best name became its e-mail address); moved to the front, it changed the names the
+model chose after it (two e-mail addresses). The statement is the field's description ("true when the
+customer asks for money back" reads "the customer asks for money back"), else its title or name.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ if TYPE_CHECKING:
 PLAIN = "Record.\n\n"
 _SCORE = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
 # How descriptions of a boolean usually open; what follows is the statement that makes it true.
-_OPENING = re.compile(r"^\s*(?:(?:is\s+)?true\s+(?:when|if|whenever)|set\s+(?:when|if)|whether(?:\s+or\s+not)?|if)\s+",
+_OPENING = re.compile(r"^\s*(?:(?:is\s+|set\s+to\s+)?true\s+(?:when|if|whenever)|set\s+(?:when|if)"
+                      r"|(?:indicates\s+)?(?:whether(?:\s+or\s+not)?|if))\s+",
                       re.IGNORECASE)
 
 
@@ -54,7 +57,7 @@ def statements(schema: dict[str, Any]) -> dict[str, str]:
         p = resolve(schema, prop)
         if not isinstance(p, dict) or p.get("type") != "boolean" or "enum" in p or "const" in p:
             continue
-        said = " ".join(_text(p.get("description")).split()).rstrip(".")  # one line, whatever the schema holds
+        said = " ".join(_text(p.get("description")).split()).rstrip(".?!")  # one line, a statement
         said = _OPENING.sub("", said) if said else " ".join((_text(p.get("title")) or name.replace("_", " ")).split())
         if said:
             out[name] = f"Record where {said}.\n\n"

@@ -40,6 +40,12 @@ def test_each_plain_boolean_reads_as_the_statement_that_makes_it_true() -> None:
     }  # nullable and const booleans are left to the grammar
     schema = json_params(Order, None)[0].json_schema
     assert flags.statements(schema) == {"paid": "Record where the order was paid.\n\n"}
+    said = {"Indicates whether the parcel arrived late.": "the parcel arrived late",
+            "Set to true if the customer is angry": "the customer is angry",
+            "Did the customer ask for a refund?": "Did the customer ask for a refund"}
+    for description, statement in said.items():
+        one = {"type": "object", "properties": {"x": {"type": "boolean", "description": description}}}
+        assert flags.statements(one) == {"x": f"Record where {statement}.\n\n"}
 
 
 def test_a_decided_boolean_replaces_the_one_the_model_wrote_before_the_type_judges_it() -> None:
