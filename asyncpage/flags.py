@@ -10,16 +10,17 @@ asks for money back." than after "Record." when it asks for money back (AUC 0.88
 form was chosen among five on examples/grounded's 60 tickets (the plain "Record." against "Record:" or
 "Message:" headings moved 2-3 of them): a sentence, then a blank line.
 
-So each top-level boolean property is scored on the record's text, with the engine's prompt log-
-probabilities: the heading's gain, how much the field's statement raises the text's log-likelihood over
-the plain heading, per token. Any heading raises the likelihood of any support message a little (the
-gain is mostly the words the two share), by an amount of its own, so the gain is judged against the same
-heading's gain on four reference records (`offsets`): true when it beats that. The JSON is generated as
-before and the decision replaces the model's own boolean in the value. Not as a `const` in the grammar:
-beams rank whole values, and a forced `"urgent": false` at the end scored differently after each beam's
-name (one ticket's best name became its e-mail address); moved to the front, it changed the names the
-model chose after it (two e-mail addresses). The statement is the field's description ("true when the
-customer asks for money back" reads "the customer asks for money back"), else its title or name.
+So each top-level boolean property is scored on the record's text, with the engine's prompt
+log-probabilities: the heading's gain, how much the field's statement raises the text's log-likelihood
+over the plain heading, per token. Any heading raises the likelihood of any support message a little
+(the gain is mostly the words the two share), by an amount of its own, so the gain is judged against the
+same heading's gain on four reference records (`offsets`): true when it beats that. The JSON is
+generated as before and the decision replaces the model's own boolean in the value. Not as a `const` in
+the grammar: beams rank whole values, and a forced `"urgent": false` at the end scored differently after
+each beam's name (one ticket's best name became its e-mail address); moved to the front, it changed the
+names the model chose after it (two e-mail addresses). The statement is the field's description ("true
+when the customer asks for money back" reads "the customer asks for money back"), else its title or
+name.
 """
 
 from __future__ import annotations
