@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                         "often; else 1, greedy)")
     x.add_argument("--score-booleans", default=None, action=argparse.BooleanOptionalAction,
                    help="decide each top-level boolean field by how well its description explains the record's "
-                        "text, not by generating it (default: on when a field is copied)")
+                        "text against four reference records, not by generating it (default: on when a field "
+                        "is copied)")
     _model_args(x)
     x.add_argument("--max-tokens", type=int, default=512)
     x.add_argument("--max-prompt-tokens", type=int, default=None, help="refuse longer records (prompt_too_long)")

@@ -80,6 +80,9 @@ class AsyncEngine:
         self.model_config = loaded.config
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = int(loaded.config.vocab_size)  # the logits width
+        # A yes/no heading's mean gain on the reference records (asyncpage.flags.offsets), by heading:
+        # a property of the model and the context, measured once per engine, not per extract() call.
+        self.heading_offsets: dict[str, float] = {}
         self._core = self.core_class(config, loaded.model, loaded.tokenizer, compute, guided.vocab_size,
                                 draft.model if draft is not None else None)
         self._open = False
@@ -271,7 +274,8 @@ class AsyncEngine:
         `beam_width`: the value is the best of that many beams (the likeliest whole value, not token by
         token); by default 4 when `copy_from` has a field copied, else 1 (greedy).
         `score_booleans` (default: on with `copy_from`): each top-level boolean property is decided by
-        how well its statement explains the source text, not generated (asyncpage.flags).
+        how well its statement explains the source text, against how well it explains four reference
+        records, not generated (asyncpage.flags).
 
             class Invoice(msgspec.Struct):
                 number: str
@@ -300,7 +304,8 @@ class AsyncEngine:
         Yields ExtractResult in completion order, each with the record's `id_field` (or its 1-based
         position), its value or its own error. `score_booleans` (default: on when a field is copied):
         each top-level boolean property is decided by how well its statement explains the record's
-        text (the fields its prompt shows), not generated (asyncpage.flags).
+        text (the fields its prompt shows), against how well it explains four reference records, not
+        generated (asyncpage.flags).
 
             async for r in engine.extract_many(docs, Invoice, concurrency=16):
                 print(r.id, r.value if r.ok else r.error)

@@ -163,9 +163,9 @@ async def extract_one(engine: AsyncEngine, prompt: str | list[int], schema: Any,
         sources = [copy_from] if isinstance(copy_from, str) else list(copy_from)
         marked = grounding.mark(params.json_schema, copy_fields)
         copying = grounding.copied(marked)
-        if score_booleans is not False:
-            decided = await flags.decide(engine, marked, _joined(sources), await flags.offsets(engine, marked))
         params = grounded(params, marked, sources)
+        if score_booleans is not False and flags.statements(marked) and _joined(sources).strip():
+            decided = await flags.decide(engine, marked, _joined(sources), await flags.offsets(engine, marked))
     if chat:
         prompt = engine.apply_chat_template(prompt)
     try:

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from asyncpage.engine import AsyncEngine
 
 PLAIN = "Record.\n\n"
+_KEPT = 256  # headings whose offsets an engine keeps
 _SCORE = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
 # How descriptions of a boolean usually open; what follows is the statement that makes it true.
 _OPENING = re.compile(r"^\s*(?:(?:is\s+|set\s+to\s+)?true\s+(?:when|if|whenever)|set\s+(?:when|if)"
@@ -76,17 +77,18 @@ async def offsets(engine: AsyncEngine, schema: dict[str, Any]) -> dict[str, floa
     beforehand (calibration by reference inputs, Zhao et al., 2021). Measured on examples/grounded's
     60 tickets, the threshold at 0 said true for 52 of them (25 true) with a name-only heading
     ("Record where refund.") and for 30 with a described one; against these offsets, for 21 and 22.
-    A reference that does not fit the context is left out; with none, the offsets are 0."""
+    All four references or none: where one does not fit the context or the pool, the offsets are 0
+    (the threshold does not change with which of them fit). Kept on the engine, by heading."""
     headings = statements(schema)
-    sums = dict.fromkeys(headings, 0.0)
-    count = 0
-    for text, _ in DEMOS:
-        gains = await _gains(engine, headings, text)
-        if gains is not None:
-            count += 1
-            for name, g in gains.items():
-                sums[name] += g
-    return {name: total / count for name, total in sums.items()} if count else sums
+    known = engine.heading_offsets
+    missing = {name: h for name, h in headings.items() if h not in known}
+    if missing:
+        gains = [await _gains(engine, missing, text) for text, _ in DEMOS]
+        if len(known) + len(missing) > _KEPT:
+            known.clear()  # bounded: a job's schema has a few; a server's callers may send many
+        for name, h in missing.items():
+            known[h] = 0.0 if any(g is None for g in gains) else sum(g[name] for g in gains if g) / len(gains)
+    return {name: known[h] for name, h in headings.items()}
 
 
 async def decide(engine: AsyncEngine, schema: dict[str, Any], text: str,

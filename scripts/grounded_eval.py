@@ -35,11 +35,15 @@ def read_jsonl(path: str | Path) -> dict[str, dict[str, Any]]:
 
 
 def renamed(row: dict[str, Any], renames: dict[str, str]) -> dict[str, Any]:
-    """An output row with its value's fields under the labels' names."""
+    """An output row with its value's fields under the labels' names. A value that holds both a renamed
+    field and the name it is renamed to is refused (ValueError): one of the two would be dropped unscored."""
     value = row.get("value")
     if not renames or not isinstance(value, dict):
         return row
-    return {**row, "value": {renames.get(k, k): v for k, v in value.items()}}
+    out = {renames.get(k, k): v for k, v in value.items()}
+    if len(out) != len(value):
+        raise ValueError(f"{row.get('id')}: --rename {sorted(renames.items())} clashes with the fields {sorted(value)}")
+    return {**row, "value": out}
 
 
 def _same(got: Any, want: Any) -> bool:
@@ -131,9 +135,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="an output field that holds a label field under another name (a schema of its own "
                         "spelling, e.g. name=customer); repeatable")
     args = p.parse_args(argv)
-    renames = dict(r.split("=", 1) for r in args.rename if "=" in r)
-    if len(renames) != len(args.rename):
-        p.error("--rename takes OUT=LABEL")
+    pairs = [r.split("=", 1) for r in args.rename]
+    if any(len(x) != 2 or not all(x) for x in pairs):
+        p.error("--rename takes OUT=LABEL, both named")
+    renames = dict((out, label) for out, label in pairs)
+    if len(renames) != len(pairs) or len(set(renames.values())) != len(pairs):
+        p.error("--rename: each output field and each label field at most once")
 
     def outputs(path: str) -> dict[str, dict[str, Any]]:
         return {rid: renamed(row, renames) for rid, row in read_jsonl(path).items()}
@@ -142,6 +149,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give either OUTPUT.jsonl or --compare A.jsonl B.jsonl")
     labels = {rid: row["value"] for rid, row in read_jsonl(args.labels).items()}
     texts = {rid: row["text"] for rid, row in read_jsonl(args.input).items()}
+    try:
+        return _run(args, labels, texts, outputs)
+    except ValueError as exc:
+        p.error(str(exc))
+
+
+def _run(args: argparse.Namespace, labels: dict[str, Any], texts: dict[str, str], outputs: Any) -> int:
     if args.compare:
         a, b = (score(outputs(path), labels, texts) for path in args.compare)
         _compare(a, b, args.names or [Path(x).name for x in args.compare])

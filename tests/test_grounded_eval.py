@@ -41,9 +41,8 @@ def test_every_label_is_valid_under_each_spelling_of_the_schema(schema: str) -> 
 def test_an_output_spelled_its_own_way_is_scored_under_the_labels_names(tmp_path: Path,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "o.jsonl"
-    rows = [{"id": "P-01", "value": {"name": "Clara Jensen", "product": "Nimbus Air Purifier",
-                                     "order_id": "NB-55102", "refund": True}},
-            {"id": "P-02", "error": {"reason": "invalid_output", "message": "x"}}]
+    value = {"name": "Clara Jensen", "product": "Nimbus Air Purifier", "order_id": "NB-55102", "refund": True}
+    rows = [{"id": "P-01", "value": value}, {"id": "P-02", "error": {"reason": "invalid_output", "message": "x"}}]
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     plain = ["--labels", str(grounded_eval.HERE / "plain_labels.jsonl"),
              "--input", str(grounded_eval.HERE / "plain_tickets.jsonl")]
@@ -52,5 +51,11 @@ def test_an_output_spelled_its_own_way_is_scored_under_the_labels_names(tmp_path
     assert "customer      5.0%  (1/20)" in report and "records with errors: 1" in report
     assert grounded_eval.main([str(out), *plain]) == 0
     assert "customer      0.0%  (0/20)" in capsys.readouterr().out  # not renamed: the name field is not read
+    for bad in (["name"], ["=customer"], ["name="], ["name=customer", "name=client"],
+                ["name=customer", "who=customer"]):
+        with pytest.raises(SystemExit):
+            grounded_eval.main([str(out), *plain, *(x for r in bad for x in ("--rename", r))])
+    clash = tmp_path / "clash.jsonl"  # both the renamed field and its new name: one would go unscored
+    clash.write_text(json.dumps({"id": "P-01", "value": {**value, "customer": "x"}}) + "\n")
     with pytest.raises(SystemExit):
-        grounded_eval.main([str(out), *plain, "--rename", "name"])
+        grounded_eval.main([str(clash), *plain, "--rename", "name=customer"])

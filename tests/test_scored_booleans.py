@@ -39,6 +39,7 @@ def test_each_plain_boolean_reads_as_the_statement_that_makes_it_true() -> None:
         "vip_customer": "Record where vip customer.\n\n",
     }  # nullable and const booleans are left to the grammar
     schema = json_params(Order, None)[0].json_schema
+    assert schema is not None
     assert flags.statements(schema) == {"paid": "Record where the order was paid.\n\n"}
     said = {"Indicates whether the parcel arrived late.": "the parcel arrived late",
             "Set to true if the customer is angry": "the customer is angry",
@@ -138,12 +139,61 @@ async def test_scoring_needs_the_record_text_and_steps_aside_when_it_does_not_fi
         assert await flags.offsets(engine, schema) == {"ok": 0.0}  # no reference record fits: no offset
 
 
+async def test_the_offsets_use_all_four_reference_records_or_none(tiny_llama: Path) -> None:
+    schema = {"type": "object", "properties": {"refund": {"type": "boolean"}}, "required": ["refund"]}
+    async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
+        heading = next(iter(flags.statements(schema).values()))
+        lengths = [len(await engine.tokenize(heading)) + len(engine.tokenizer(d.strip(), add_special_tokens=False)
+                                                             ["input_ids"]) for d, _ in DEMOS]
+        full = await flags.offsets(engine, schema)
+    assert full["refund"] != 0.0
+    # Some references fit, some do not: the threshold does not move with which of them did.
+    some = sorted(lengths)[1] + 1
+    async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32", max_model_len=some) as engine:
+        assert await flags.offsets(engine, schema) == {"refund": 0.0}
+
+
+async def test_the_offsets_decide_the_value_and_are_measured_once_per_engine(tiny_llama: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "refund": {"type": "boolean"}},
+              "required": ["name", "refund"]}
+    texts = ["Anna Berg wants a refund for the lamp", "Tom Reyes says the app is slow"]
+    params = SamplingParams(max_tokens=200, temperature=0)
+    async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
+        first = await flags.offsets(engine, schema)
+        measured = flags._gains
+
+        async def count(*args: Any) -> Any:
+            calls.append(args)
+            return await measured(*args)
+
+        calls: list[Any] = []
+        monkeypatch.setattr(flags, "_gains", count)
+        assert await flags.offsets(engine, schema) == first and calls == []  # kept on the engine
+        for bar, want in ((1e9, False), (-1e9, True)):  # what the threshold says is what the value holds
+            engine.heading_offsets.update(dict.fromkeys(engine.heading_offsets, bar))
+            got = [await _value(engine.extract(f"{t}\nJSON: ", schema, params, copy_from=t, beam_width=1))
+                   for t in texts]
+            got += [r.value async for r in engine.extract_many(
+                [{"id": t, "text": t} for t in texts], schema, params=params, copy_fields="auto", beam_width=1)]
+            assert [v["refund"] for v in got] == [want] * 4
+        assert len(calls) == 2 * len(texts) * 2  # each record's own scoring only: no reference scored again
+
+        async def refuse(*args: Any) -> Any:
+            raise AssertionError("scored")
+
+        monkeypatch.setattr(flags, "offsets", refuse)  # a blank source is refused before anything is scored
+        with pytest.raises(InvalidRequestError):
+            await engine.extract("x\nJSON: ", schema, params, copy_from="   ", beam_width=1)
+
+
 async def test_a_decided_boolean_that_is_not_required_still_comes_back_as_decided(tiny_llama: Path) -> None:
     class Claim(msgspec.Struct):
         name: str
         refund: Annotated[bool, msgspec.Meta(description="true when a refund is asked")] = False
 
     schema = json_params(Claim, None)[0].json_schema
+    assert schema is not None
     texts = ["Anna Berg wants a refund for the lamp", "Tom Reyes says the app is slow", "Li Wei: refund please now",
              "Ola Nordmann asks about the invoice"]
     params = SamplingParams(max_tokens=200, temperature=0)
