@@ -94,9 +94,8 @@ async def offsets(engine: AsyncEngine, schema: dict[str, Any]) -> dict[str, floa
 async def decide(engine: AsyncEngine, schema: dict[str, Any], text: str,
                  offset: dict[str, float] | None = None) -> dict[str, bool]:
     """Each scored boolean of `schema` for a record whose text is `text`: true when the heading's gain
-    per token on the text beats its `offset` (from `offsets`, measured once per job; 0 when not
-    given). {} when there is none, or the text does not fit the context after a heading (the model
-    then generates them)."""
+    per token on the text beats its `offset` (from `offsets`; 0 when not given). {} when there is
+    none, or the text does not fit the context after a heading (the model then generates them)."""
     gains = await _gains(engine, statements(schema), text)
     if not gains:
         return {}
