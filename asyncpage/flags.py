@@ -79,16 +79,19 @@ async def offsets(engine: AsyncEngine, schema: dict[str, Any]) -> dict[str, floa
     ("Record where refund.") and for 30 with a described one; against these offsets, for 21 and 22.
     All four references or none: where one does not fit the context or the pool, the offsets are 0
     (the threshold does not change with which of them fit). Kept on the engine, by heading."""
-    headings = statements(schema)
     known = engine.heading_offsets
-    missing = {name: h for name, h in headings.items() if h not in known}
-    if missing:
-        gains = [await _gains(engine, missing, text) for text, _ in DEMOS]
-        if len(known) + len(missing) > _KEPT:
+    found = {}
+    for name, h in statements(schema).items():
+        if h in known:
+            found[name] = known[h]
+            continue
+        # Each heading on its own: whether it fits is its own, not that of the schema it came with.
+        gains = [await _gains(engine, {name: h}, text) for text, _ in DEMOS]
+        found[name] = 0.0 if any(g is None for g in gains) else sum(g[name] for g in gains if g) / len(gains)
+        if len(known) >= _KEPT:
             known.clear()  # bounded: a job's schema has a few; a server's callers may send many
-        for name, h in missing.items():
-            known[h] = 0.0 if any(g is None for g in gains) else sum(g[name] for g in gains if g) / len(gains)
-    return {name: known[h] for name, h in headings.items()}
+        known[h] = found[name]
+    return found
 
 
 async def decide(engine: AsyncEngine, schema: dict[str, Any], text: str,

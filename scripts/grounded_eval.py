@@ -34,15 +34,20 @@ def read_jsonl(path: str | Path) -> dict[str, dict[str, Any]]:
     return rows
 
 
+class RenameClash(ValueError):
+    """An output value holds both a renamed field and the name it is renamed to."""
+
+
 def renamed(row: dict[str, Any], renames: dict[str, str]) -> dict[str, Any]:
     """An output row with its value's fields under the labels' names. A value that holds both a renamed
-    field and the name it is renamed to is refused (ValueError): one of the two would be dropped unscored."""
+    field and the name it is renamed to is refused (RenameClash): one of the two would be dropped unscored."""
     value = row.get("value")
     if not renames or not isinstance(value, dict):
         return row
     out = {renames.get(k, k): v for k, v in value.items()}
     if len(out) != len(value):
-        raise ValueError(f"{row.get('id')}: --rename {sorted(renames.items())} clashes with the fields {sorted(value)}")
+        raise RenameClash(f"{row.get('id')}: --rename {sorted(renames.items())} clashes with its fields "
+                          f"{sorted(value)}")
     return {**row, "value": out}
 
 
@@ -141,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     renames = dict((out, label) for out, label in pairs)
     if len(renames) != len(pairs) or len(set(renames.values())) != len(pairs):
         p.error("--rename: each output field and each label field at most once")
+    if set(renames.values()) - set(FIELDS):
+        p.error(f"--rename OUT=LABEL: LABEL is one of the labels' fields {FIELDS}")
 
     def outputs(path: str) -> dict[str, dict[str, Any]]:
         return {rid: renamed(row, renames) for rid, row in read_jsonl(path).items()}
@@ -151,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     texts = {rid: row["text"] for rid, row in read_jsonl(args.input).items()}
     try:
         return _run(args, labels, texts, outputs)
-    except ValueError as exc:
+    except RenameClash as exc:
         p.error(str(exc))
 
 

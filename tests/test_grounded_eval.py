@@ -52,7 +52,7 @@ def test_an_output_spelled_its_own_way_is_scored_under_the_labels_names(tmp_path
     assert grounded_eval.main([str(out), *plain]) == 0
     assert "customer      0.0%  (0/20)" in capsys.readouterr().out  # not renamed: the name field is not read
     for bad in (["name"], ["=customer"], ["name="], ["name=customer", "name=client"],
-                ["name=customer", "who=customer"]):
+                ["name=customer", "who=customer"], ["customer=name"]):
         with pytest.raises(SystemExit):
             grounded_eval.main([str(out), *plain, *(x for r in bad for x in ("--rename", r))])
     clash = tmp_path / "clash.jsonl"  # both the renamed field and its new name: one would go unscored

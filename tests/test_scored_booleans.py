@@ -151,6 +151,30 @@ async def test_the_offsets_use_all_four_reference_records_or_none(tiny_llama: Pa
     some = sorted(lengths)[1] + 1
     async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32", max_model_len=some) as engine:
         assert await flags.offsets(engine, schema) == {"refund": 0.0}
+    # A heading too long for the references does not take a shorter one's offset with it.
+    long = {"type": "object", "properties": {"refund": {"type": "boolean"}, "other": {
+        "type": "boolean", "description": "the customer " + "really " * (max(lengths) + 1) + "asks"}}}
+    async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32", max_model_len=max(lengths) + 1) as engine:
+        assert await flags.offsets(engine, long) == {"refund": pytest.approx(full["refund"]), "other": 0.0}
+        assert await flags.offsets(engine, schema) == {"refund": pytest.approx(full["refund"])}
+
+
+async def test_an_engine_keeps_a_bounded_number_of_offsets_and_answers_every_heading(
+        tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def gains(engine: Any, headings: dict[str, str], text: str) -> dict[str, float]:
+        return dict.fromkeys(headings, 1.0)
+
+    monkeypatch.setattr(flags, "_gains", gains)
+
+    def booleans(names: list[str]) -> dict[str, Any]:
+        return {"type": "object", "properties": {n: {"type": "boolean"} for n in names}}
+
+    async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
+        many = [f"b{i}" for i in range(flags._KEPT + 44)]
+        assert await flags.offsets(engine, booleans(many)) == dict.fromkeys(many, 1.0)
+        assert len(engine.heading_offsets) <= flags._KEPT
+        assert await flags.offsets(engine, booleans(["b0", "b299", "new"])) == dict.fromkeys(["b0", "b299", "new"], 1.0)
+        assert len(engine.heading_offsets) <= flags._KEPT
 
 
 async def test_the_offsets_decide_the_value_and_are_measured_once_per_engine(tiny_llama: Path,
