@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                         "when a field is copied, --copy-fields or x-copy, where beams copy the right span more "
                         "often; else 1, greedy)")
     x.add_argument("--score-booleans", default=None, action=argparse.BooleanOptionalAction,
-                   help="decide each top-level boolean field by how well its description explains the record's "
-                        "text against four reference records, not by generating it (default: on when a field "
+                   help="decide each top-level boolean field by how likely its description is after the record's "
+                        "text, against four reference records, not by generating it (default: on when a field "
                         "is copied)")
     _model_args(x)
     x.add_argument("--max-tokens", type=int, default=512)

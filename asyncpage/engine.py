@@ -274,8 +274,8 @@ class AsyncEngine:
         `beam_width`: the value is the best of that many beams (the likeliest whole value, not token by
         token); by default 4 when `copy_from` has a field copied, else 1 (greedy).
         `score_booleans` (default: on with `copy_from`): each top-level boolean property is decided by
-        how well its statement explains the source text, against how well it explains four reference
-        records, not generated (asyncpage.flags).
+        how likely its statement is after the source text (its name as a heading, without a description),
+        against the same after four reference records, not generated (asyncpage.flags).
 
             class Invoice(msgspec.Struct):
                 number: str
@@ -304,8 +304,8 @@ class AsyncEngine:
         Yields ExtractResult in completion order, each with the record's `id_field` (or its 1-based
         position), its value or its own error. `score_booleans` (default: on when a field is copied):
         each top-level boolean property is decided by how well its statement explains the record's
-        text (the fields its prompt shows), against how well it explains four reference records, not
-        generated (asyncpage.flags).
+        text (the fields its prompt shows), against the same for four reference records, not generated
+        (asyncpage.flags).
 
             async for r in engine.extract_many(docs, Invoice, concurrency=16):
                 print(r.id, r.value if r.ok else r.error)

@@ -12,6 +12,7 @@ import pytest
 from asyncpage import AsyncEngine, ExtractionError, InvalidRequestError, SamplingParams, flags
 from asyncpage.extract import decode_value, json_params
 from asyncpage.extract_prompt import DEMOS
+from asyncpage.flags import Reading
 
 TICKET = {
     "type": "object",
@@ -34,19 +35,21 @@ class Order(msgspec.Struct):
 
 def test_each_plain_boolean_reads_as_the_statement_that_makes_it_true() -> None:
     assert flags.statements(TICKET) == {
-        "refund": "Record where the customer asks for money back.\n\n",
-        "urgent": "Record where Needs an answer today.\n\n",
-        "vip_customer": "Record where vip customer.\n\n",
+        "refund": Reading("the customer asks for money back", described=True),
+        "urgent": Reading("Needs an answer today", described=False),  # no description: its title, as a heading
+        "vip_customer": Reading("vip customer", described=False),  # nor a title: its name
     }  # nullable and const booleans are left to the grammar
+    assert Reading("it is late", True).key == "\n\nIn this message, it is late."
+    assert Reading("vip customer", False).key == "Record where vip customer.\n\n"
     schema = json_params(Order, None)[0].json_schema
     assert schema is not None
-    assert flags.statements(schema) == {"paid": "Record where the order was paid.\n\n"}
+    assert flags.statements(schema) == {"paid": Reading("the order was paid", True)}
     said = {"Indicates whether the parcel arrived late.": "the parcel arrived late",
             "Set to true if the customer is angry": "the customer is angry",
             "Did the customer ask for a refund?": "Did the customer ask for a refund"}
     for description, statement in said.items():
         one = {"type": "object", "properties": {"x": {"type": "boolean", "description": description}}}
-        assert flags.statements(one) == {"x": f"Record where {statement}.\n\n"}
+        assert flags.statements(one) == {"x": Reading(statement, True)}
 
 
 def test_a_decided_boolean_replaces_the_one_the_model_wrote_before_the_type_judges_it() -> None:
@@ -82,6 +85,14 @@ async def _gain(engine: Any, heading: str, text: str) -> float:
     return (await _scores(engine, heading, text.strip()) - await _scores(engine, flags.PLAIN, text.strip())) / n
 
 
+async def _after(engine: Any, text: str, statement: str) -> float:
+    """Log-likelihood of `statement` read after `text`, by hand."""
+    said = engine.tokenizer(f" {statement}.", add_special_tokens=False)["input_ids"]
+    ids = await engine.tokenize(text.strip() + "\n\nIn this message,") + said
+    out = await engine.generate(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    return sum(e.logprob for e in out.prompt_logprobs[-len(said):])
+
+
 async def _value(extraction: Any) -> Any:
     """The value, also when max_tokens closed it early (a tiny random model writes long names)."""
     try:
@@ -98,11 +109,10 @@ async def test_the_value_returned_is_the_one_the_scores_chose(tiny_llama: Path,
               "required": ["name", "refund"]}
     texts = ["Anna Berg wants a refund for the lamp", "Tom Reyes says the app is slow", "Li Wei: refund please now"]
     async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
-        heading = "Record where a refund is asked.\n\n"
-        # The threshold: the heading's mean gain per token on the built-in reference records.
-        offset = sum([await _gain(engine, heading, d) for d, _ in DEMOS]) / len(DEMOS)
+        # The threshold: the statement's mean log-likelihood after the built-in reference records.
+        offset = sum([await _after(engine, d, "a refund is asked") for d, _ in DEMOS]) / len(DEMOS)
         assert offset != 0.0 and await flags.offsets(engine, schema) == {"refund": pytest.approx(offset)}
-        want = {t: await _gain(engine, heading, t) > offset for t in texts}
+        want = {t: await _after(engine, t, "a refund is asked") > offset for t in texts}
         assert set(want.values()) == {True, False}  # both readings occur: the grammar writes what was decided
         assert await flags.decide(engine, schema, "") == {}
         params = SamplingParams(max_tokens=200, temperature=0)
@@ -113,6 +123,14 @@ async def test_the_value_returned_is_the_one_the_scores_chose(tiny_llama: Path,
         got = {r.id: r.value["refund"] async for r in engine.extract_many(
             [{"id": t, "text": t} for t in texts], schema, params=params, copy_fields="auto", beam_width=1)}
         assert got == want
+        # One without a description: its name as a heading, its gain per token over the plain heading.
+        named = {"type": "object", "properties": {"refund": {"type": "boolean"}}, "required": ["refund"]}
+        heading = "Record where refund.\n\n"
+        bar = sum([await _gain(engine, heading, d) for d, _ in DEMOS]) / len(DEMOS)
+        assert await flags.offsets(engine, named) == {"refund": pytest.approx(bar)}
+        for t in texts:
+            said = await _gain(engine, heading, t) > bar
+            assert await flags.decide(engine, named, t, {"refund": bar}) == {"refund": said}
 
         # Asked off, or nothing copied in a job: nothing is scored, the model writes the boolean itself.
         async def refuse(*args: Any) -> dict[str, bool]:
@@ -142,7 +160,7 @@ async def test_scoring_needs_the_record_text_and_steps_aside_when_it_does_not_fi
 async def test_the_offsets_use_all_four_reference_records_or_none(tiny_llama: Path) -> None:
     schema = {"type": "object", "properties": {"refund": {"type": "boolean"}}, "required": ["refund"]}
     async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
-        heading = next(iter(flags.statements(schema).values()))
+        heading = next(iter(flags.statements(schema).values())).key
         lengths = [len(await engine.tokenize(heading)) + len(engine.tokenizer(d.strip(), add_special_tokens=False)
                                                              ["input_ids"]) for d, _ in DEMOS]
         full = await flags.offsets(engine, schema)
