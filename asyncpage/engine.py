@@ -80,9 +80,9 @@ class AsyncEngine:
         self.model_config = loaded.config
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = int(loaded.config.vocab_size)  # the logits width
-        # A yes/no heading's mean gain on the reference records (asyncpage.flags.offsets), by heading:
-        # a property of the model and the context, measured once per engine, not per extract() call.
-        self.heading_offsets: dict[str, float] = {}
+        # A yes/no reading's mean score on the reference records (asyncpage.flags.offsets), by reading
+        # (None: they do not fit): a property of the model and the context, measured once per engine.
+        self.reading_offsets: dict[str, float | None] = {}
         self._core = self.core_class(config, loaded.model, loaded.tokenizer, compute, guided.vocab_size,
                                 draft.model if draft is not None else None)
         self._open = False
@@ -303,9 +303,9 @@ class AsyncEngine:
         default 4 when a field is copied (4x the time, more values right: see extract_beams.beam_params), else 1.
         Yields ExtractResult in completion order, each with the record's `id_field` (or its 1-based
         position), its value or its own error. `score_booleans` (default: on when a field is copied):
-        each top-level boolean property is decided by how well its statement explains the record's
-        text (the fields its prompt shows), against the same for four reference records, not generated
-        (asyncpage.flags).
+        each top-level boolean property is decided by how likely its statement is after the record's
+        text (the fields its prompt shows; its name as a heading, without a description), against the
+        same after four reference records, not generated (asyncpage.flags).
 
             async for r in engine.extract_many(docs, Invoice, concurrency=16):
                 print(r.id, r.value if r.ok else r.error)

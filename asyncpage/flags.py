@@ -48,11 +48,11 @@ if TYPE_CHECKING:
 
 PLAIN = "Record.\n\n"
 AFTER = "\n\nIn this message,"
-_KEPT = 256  # headings whose offsets an engine keeps
+_KEPT = 256  # readings whose offsets an engine keeps
 _SCORE = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
 # How descriptions of a boolean usually open; what follows is the statement that makes it true.
 _OPENING = re.compile(r"^\s*(?:(?:is\s+|set\s+to\s+)?true\s+(?:when|if|whenever)|set\s+(?:when|if)"
-                      r"|(?:indicates\s+)?(?:whether(?:\s+or\s+not)?|if))\s+",
+                      r"|(?:indicates\s+)?(?:whether(?:\s+or\s+not)?|if))(?:\s+|$)",
                       re.IGNORECASE)
 
 
@@ -81,7 +81,7 @@ def statements(schema: dict[str, Any]) -> dict[str, Reading]:
         if not isinstance(p, dict) or p.get("type") != "boolean" or "enum" in p or "const" in p:
             continue
         said = _OPENING.sub("", " ".join(_text(p.get("description")).split()).rstrip(".?!"))  # one line
-        if said:
+        if re.search(r"\w", said):  # a statement, not an opening alone ("Whether") or a dash
             out[name] = Reading(said, True)
         elif named := " ".join((_text(p.get("title")) or name.replace("_", " ")).split()).rstrip(".?!"):
             out[name] = Reading(named, False)
@@ -99,32 +99,33 @@ async def offsets(engine: AsyncEngine, schema: dict[str, Any]) -> dict[str, floa
     score means only as much as it beats the same reading's score on texts known beforehand
     (calibration by reference inputs, Zhao et al., 2021). Measured on examples/grounded's 60 tickets,
     a bare refund's heading against 0 said true for 52 of them (25 true); against its offset, for 21.
-    All four references or none: where one does not fit the context or the pool, the offset is 0
-    (the threshold does not change with which of them fit). Kept on the engine, by reading."""
-    known = engine.heading_offsets
-    found = {}
+    All four references or none: a boolean for which one does not fit the context or the pool has no
+    offset and is left to the model (no threshold stands in for it: a statement's log-likelihood is
+    always below 0). Kept on the engine, by reading."""
+    known = engine.reading_offsets
+    found: dict[str, float | None] = {}
     for name, reading in statements(schema).items():
         if reading.key in known:
             found[name] = known[reading.key]
             continue
         # Each on its own: whether it fits is its own, not that of the schema it came with.
-        gains = [await _gains(engine, {name: reading}, text) for text, _ in DEMOS]
-        found[name] = 0.0 if any(g is None for g in gains) else sum(g[name] for g in gains if g) / len(gains)
+        scores = [await _gains(engine, {name: reading}, text) for text, _ in DEMOS]
+        found[name] = None if any(g is None for g in scores) else sum(g[name] for g in scores if g) / len(scores)
         if len(known) >= _KEPT:
             known.clear()  # bounded: a job's schema has a few; a server's callers may send many
         known[reading.key] = found[name]
-    return found
+    return {name: bar for name, bar in found.items() if bar is not None}
 
 
-async def decide(engine: AsyncEngine, schema: dict[str, Any], text: str,
-                 offset: dict[str, float] | None = None) -> dict[str, bool]:
-    """Each scored boolean of `schema` for a record whose text is `text`: true when the heading's gain
-    per token on the text beats its `offset` (from `offsets`; 0 when not given). {} when there is
-    none, or the text does not fit the context after a heading (the model then generates them)."""
-    gains = await _gains(engine, statements(schema), text)
+async def decide(engine: AsyncEngine, schema: dict[str, Any], text: str, offset: dict[str, float]) -> dict[str, bool]:
+    """The booleans of `schema` that have an `offset` (from `offsets`), for a record whose text is
+    `text`: true when its score on the text beats its offset. {} when there is none, or the text does
+    not fit the context with one of their readings (the model then generates them all)."""
+    readings = {name: r for name, r in statements(schema).items() if name in offset}
+    gains = await _gains(engine, readings, text)
     if not gains:
         return {}
-    return {name: g > (offset or {}).get(name, 0.0) for name, g in gains.items()}
+    return {name: g > offset[name] for name, g in gains.items()}
 
 
 async def _gains(engine: AsyncEngine, readings: dict[str, Reading], text: str) -> dict[str, float] | None:
@@ -137,20 +138,22 @@ async def _gains(engine: AsyncEngine, readings: dict[str, Reading], text: str) -
         return None
     encode = functools.partial(engine.tokenizer, add_special_tokens=False)  # BOS comes with the prompt
     body = list((await anyio.to_thread.run_sync(encode, text))["input_ids"])
-    prompts: dict[str, tuple[list[int], int]] = {}  # key -> (prompt, how many of its last tokens are scored)
+    # name -> (prompt, how many of its last tokens are scored); None: the plain heading's (no property's
+    # name, which may be any string)
+    prompts: dict[str | None, tuple[list[int], int]] = {}
     for name, r in readings.items():
         if r.described:
             said = list((await anyio.to_thread.run_sync(encode, f" {r.statement}."))["input_ids"])
             prompts[name] = (await engine.tokenize(text + AFTER) + said, len(said))
         else:
             prompts[name] = (await engine.tokenize(r.key) + body, len(body))
-            prompts[""] = (await engine.tokenize(PLAIN) + body, len(body))
+            prompts[None] = (await engine.tokenize(PLAIN) + body, len(body))
     if not body or max(len(p) for p, _ in prompts.values()) >= engine.config.max_model_len:
         return None
-    scores: dict[str, float] = {}
+    scores: dict[str | None, float] = {}
     errors: list[Exception] = []
 
-    async def score(key: str, ids: list[int], scored: int) -> None:
+    async def score(key: str | None, ids: list[int], scored: int) -> None:
         try:
             out = await engine.generate(ids, _SCORE)
         except Exception as exc:  # raised below as itself, not wrapped in the task group's ExceptionGroup
@@ -166,7 +169,7 @@ async def _gains(engine: AsyncEngine, readings: dict[str, Reading], text: str) -
         return None  # a prompt past the pool: the record's own request is checked as it is
     if errors:
         raise errors[0]  # the engine's failure (dead, closed): the record's, as its request would have met it
-    return {name: scores[name] if r.described else (scores[name] - scores[""]) / len(body)
+    return {name: scores[name] if r.described else (scores[name] - scores[None]) / len(body)
             for name, r in readings.items()}
 
 

@@ -44,6 +44,9 @@ def test_each_plain_boolean_reads_as_the_statement_that_makes_it_true() -> None:
     schema = json_params(Order, None)[0].json_schema
     assert schema is not None
     assert flags.statements(schema) == {"paid": Reading("the order was paid", True)}
+    for alone in ("Whether", "true when", "True if.", "Whether or not?", "-", " ? "):  # no statement: the name
+        one = {"type": "object", "properties": {"x": {"type": "boolean", "description": alone}}}
+        assert flags.statements(one) == {"x": Reading("x", False)}, alone
     said = {"Indicates whether the parcel arrived late.": "the parcel arrived late",
             "Set to true if the customer is angry": "the customer is angry",
             "Did the customer ask for a refund?": "Did the customer ask for a refund"}
@@ -114,7 +117,8 @@ async def test_the_value_returned_is_the_one_the_scores_chose(tiny_llama: Path,
         assert offset != 0.0 and await flags.offsets(engine, schema) == {"refund": pytest.approx(offset)}
         want = {t: await _after(engine, t, "a refund is asked") > offset for t in texts}
         assert set(want.values()) == {True, False}  # both readings occur: the grammar writes what was decided
-        assert await flags.decide(engine, schema, "") == {}
+        assert await flags.decide(engine, schema, "", {"refund": offset}) == {}
+        assert await flags.decide(engine, schema, texts[0], {}) == {}  # no offset: not scored
         params = SamplingParams(max_tokens=200, temperature=0)
         for t in texts:
             assert await flags.decide(engine, schema, t, {"refund": offset}) == {"refund": want[t]}
@@ -151,10 +155,10 @@ async def test_scoring_needs_the_record_text_and_steps_aside_when_it_does_not_fi
         with pytest.raises(InvalidRequestError, match="score_booleans"):
             await engine.extract("x", schema, score_booleans=True)
         long = " ".join(["word"] * 100)  # past the 64-token context with a heading: the model decides
-        assert await flags.decide(engine, schema, long) == {}
-        assert await flags.decide(engine, schema, "a short record") != {}
+        assert await flags.decide(engine, schema, long, {"ok": 0.0}) == {}
+        assert await flags.decide(engine, schema, "a short record", {"ok": 0.0}) != {}
     async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32", max_model_len=16) as engine:
-        assert await flags.offsets(engine, schema) == {"ok": 0.0}  # no reference record fits: no offset
+        assert await flags.offsets(engine, schema) == {}  # no reference record fits: no offset, not scored
 
 
 async def test_the_offsets_use_all_four_reference_records_or_none(tiny_llama: Path) -> None:
@@ -167,13 +171,22 @@ async def test_the_offsets_use_all_four_reference_records_or_none(tiny_llama: Pa
     assert full["refund"] != 0.0
     # Some references fit, some do not: the threshold does not move with which of them did.
     some = sorted(lengths)[1] + 1
+    described = {"type": "object", "properties": {"name": {"type": "string"}, "refund": {
+        "type": "boolean", "description": "true when a refund is asked"}}, "required": ["name", "refund"]}
     async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32", max_model_len=some) as engine:
-        assert await flags.offsets(engine, schema) == {"refund": 0.0}
+        assert await flags.offsets(engine, schema) == {}
+        # No threshold stands in (a statement's log-likelihood is below any 0): the model writes it.
+        assert await flags.offsets(engine, described) == {}
+        results = [r async for r in engine.extract_many(
+            [{"id": 1, "text": "refund pls"}, {"id": 2, "text": "refund now"}], described,
+            params=SamplingParams(max_tokens=60, temperature=0), copy_fields="auto", beam_width=1,
+            prompt="{text}")]
+        assert {r.id for r in results} == {1, 2}
     # A heading too long for the references does not take a shorter one's offset with it.
     long = {"type": "object", "properties": {"refund": {"type": "boolean"}, "other": {
         "type": "boolean", "description": "the customer " + "really " * (max(lengths) + 1) + "asks"}}}
     async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32", max_model_len=max(lengths) + 1) as engine:
-        assert await flags.offsets(engine, long) == {"refund": pytest.approx(full["refund"]), "other": 0.0}
+        assert await flags.offsets(engine, long) == {"refund": pytest.approx(full["refund"])}
         assert await flags.offsets(engine, schema) == {"refund": pytest.approx(full["refund"])}
 
 
@@ -190,9 +203,9 @@ async def test_an_engine_keeps_a_bounded_number_of_offsets_and_answers_every_hea
     async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
         many = [f"b{i}" for i in range(flags._KEPT + 44)]
         assert await flags.offsets(engine, booleans(many)) == dict.fromkeys(many, 1.0)
-        assert len(engine.heading_offsets) <= flags._KEPT
+        assert len(engine.reading_offsets) <= flags._KEPT
         assert await flags.offsets(engine, booleans(["b0", "b299", "new"])) == dict.fromkeys(["b0", "b299", "new"], 1.0)
-        assert len(engine.heading_offsets) <= flags._KEPT
+        assert len(engine.reading_offsets) <= flags._KEPT
 
 
 async def test_the_offsets_decide_the_value_and_are_measured_once_per_engine(tiny_llama: Path,
@@ -213,7 +226,7 @@ async def test_the_offsets_decide_the_value_and_are_measured_once_per_engine(tin
         monkeypatch.setattr(flags, "_gains", count)
         assert await flags.offsets(engine, schema) == first and calls == []  # kept on the engine
         for bar, want in ((1e9, False), (-1e9, True)):  # what the threshold says is what the value holds
-            engine.heading_offsets.update(dict.fromkeys(engine.heading_offsets, bar))
+            engine.reading_offsets.update(dict.fromkeys(engine.reading_offsets, bar))
             got = [await _value(engine.extract(f"{t}\nJSON: ", schema, params, copy_from=t, beam_width=1))
                    for t in texts]
             got += [r.value async for r in engine.extract_many(
@@ -255,7 +268,7 @@ async def test_a_record_whose_scoring_prompt_outgrows_the_pool_is_generated_not_
     text = "please refund my lamp now " * 4
     # A 200-token pool: the record's prompt fits, its text after the long heading does not.
     async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32", block_size=4, num_kv_blocks=50) as engine:
-        assert await flags.decide(engine, schema, text) == {}
+        assert await flags.decide(engine, schema, text, {"refund": -1e9}) == {}
         results = [r async for r in engine.extract_many([{"id": 1, "text": text}], schema, prompt="{text}",
                                                          params=SamplingParams(max_tokens=20, temperature=0),
                                                          score_booleans=True)]
