@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import grounded_eval  # noqa: E402
 
-SETS = [("tickets.jsonl", "labels.jsonl"), ("plain_tickets.jsonl", "plain_labels.jsonl")]
+SETS = [("tickets.jsonl", "labels.jsonl"), ("plain_tickets.jsonl", "plain_labels.jsonl"),
+        ("fresh_tickets.jsonl", "fresh_labels.jsonl")]
 SPELLINGS = {"ticket.schema.json": {}, "ticket_bare.schema.json": {},
              "ticket_name.schema.json": {"customer": "name"},
              "ticket_alt.schema.json": {"customer": "customer_name", "refund": "refund_requested"}}
