@@ -246,7 +246,6 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
 
     pending: dict[int, tuple[Any, int, Request]] = {}
     decided_at: dict[int, dict[str, bool]] = {}  # a record's scored booleans, by its position
-    offset: dict[str, float] | None = None  # the scored booleans' thresholds (flags.offsets)
     ready: list[ExtractResult] = []
     source = _aiter(items).__aiter__()
     exhausted = False
@@ -277,8 +276,7 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
                     check_context(ids, engine.config.max_model_len)
                     sources = copy_sources(prompt, record, id_field)
                     if scoring:  # its booleans, decided on its text (flags.py), replace the model's in its value
-                        if offset is None:  # once per job, at its first scored record
-                            offset = await flags.offsets(engine, marked)
+                        offset = await flags.offsets(engine, marked)  # measured once, kept on the engine
                         decided_at[index] = await flags.decide(engine, marked, _joined(sources), offset)
                     own = grounded(params, marked, sources) if copying else params
                     beam = beam_for(engine, ids, own, beam_width, copying)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -162,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
 
 
-def _run(args: argparse.Namespace, labels: dict[str, Any], texts: dict[str, str], outputs: Any) -> int:
+def _run(args: argparse.Namespace, labels: dict[str, Any], texts: dict[str, str],
+         outputs: Callable[[str], dict[str, dict[str, Any]]]) -> int:
     if args.compare:
         a, b = (score(outputs(path), labels, texts) for path in args.compare)
         _compare(a, b, args.names or [Path(x).name for x in args.compare])
