@@ -6,6 +6,10 @@ AsyncPageError
 │   └── GrammarError                          unsupported schema, grammar that fails or times out
 │       └── GrammarTimeoutError               over the compile time bound (transient: not cached)
 ├── ExtractionError                           extract(): output cut at max_tokens or not decodable
+├── QueueFullError (also a RuntimeError)      the waiting queue is at max_queued_requests: retry later
+│                                             (HTTP 429 with Retry-After)
+├── RequestFailedError (also a RuntimeError)  this request failed inside the loop (its detokenizer, a
+│                                             hook, its draft proposals); the engine goes on
 ├── EngineDeadError (also a RuntimeError)     the engine loop failed; every caller hears it
 ├── EngineNotRunningError                     used outside `async with engine:`
 ├── EngineLoopError (also a RuntimeError)     used from a thread or event loop other than the engine's
@@ -57,6 +61,21 @@ class ExtractionError(AsyncPageError):
         self.text = text
         self.value = value
         self.has_value = has_value
+
+
+class QueueFullError(AsyncPageError, RuntimeError):
+    """The engine already holds `max_queued_requests` requests waiting to start; nothing was queued.
+    Transient: retry after `retry_after` seconds (the HTTP app answers 429 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RequestFailedError(AsyncPageError, RuntimeError):
+    """This request's own per-step work failed on the engine loop (detokenizing its tokens, its stop
+    strings, its grammar or draft proposals). Only this request ends; the engine and every other
+    request go on. The cause is chained as __cause__."""
 
 
 class EngineDeadError(AsyncPageError, RuntimeError):
