@@ -1,10 +1,15 @@
 """Native CPU kernels (kernels/cpu_decode.c; why they are hand-written is said there): the compiled
 decode steps' attention, and the int8 / int4 linears of quantized layers at decode row counts
 (`asyncpage::linear_q8` / `linear_q4`, registered here). Built with the system C compiler at first
-use and cached per source, compiler, flags and CPU. `load()` is None where they cannot be built or
-loaded (no compiler, another OS): torch's ops serve then, with the same results up to float
-rounding (the linears: up to their activations' rounding to int8). `ASYNCPAGE_NATIVE=0` turns them
-off."""
+use and cached per source, compiler, flags and CPU under the per-user cache root
+(cache_dir.subdir("native"): ASYNCPAGE_CACHE, else $XDG_CACHE_HOME/asyncpage or ~/.cache/asyncpage).
+The .so is loaded as code, so it is loaded only when it and its folder are this user's alone (a
+regular file owned by this uid, not group/other-writable: cache_dir's checks); a cached file that
+fails them is rebuilt over (the folder is ours, so the rename replaces it), and a folder that fails
+them turns the kernels off with a warning (nowhere safe to build). `load()` is None where they
+cannot be built or loaded (no compiler, another OS, an unsafe cache): torch's ops serve then, with
+the same results up to float rounding (the linears: up to their activations' rounding to int8).
+`ASYNCPAGE_NATIVE=0` turns them off."""
 
 from __future__ import annotations
 
@@ -16,11 +21,12 @@ import logging
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from asyncpage import cache_dir
 
 log = logging.getLogger("asyncpage")
 
@@ -189,13 +195,16 @@ def load() -> NativeKernels | None:
         return None
     try:
         return NativeKernels(_load(FLAGS))
+    except cache_dir.UnsafeCacheError as exc:
+        log.warning("no native CPU kernels (%s): torch ops serve the compiled decode steps", exc)
+        return None
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         # A compiler without OpenMP, or a build that does not load: the serial build still serves.
         log.info("the native kernels with OpenMP did not build or load (%s); building them serial",
                  _why(exc))
     try:
         return NativeKernels(_load(SERIAL_FLAGS))
-    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+    except (OSError, subprocess.SubprocessError, AttributeError, cache_dir.UnsafeCacheError) as exc:
         log.warning("no native CPU kernels (%s): torch ops serve the compiled decode steps", _why(exc))
         return None
 
@@ -222,6 +231,8 @@ def _why(exc: BaseException) -> str:
 
 
 def _build_with(flags: tuple[str, ...]) -> Path:
+    """The library built with `flags` at its cache key, built now if missing; checked to be this
+    user's alone (cache_dir.check_file) before it is returned for ctypes to load."""
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (cc) on PATH")
@@ -230,21 +241,22 @@ def _build_with(flags: tuple[str, ...]) -> Path:
     source = Path(next(iter(spec.submodule_search_locations))) / SOURCE
     text = source.read_bytes()
     key = hashlib.sha256(b"\0".join([text, compiler.encode(), " ".join(flags).encode(), _cpu().encode()]))
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "asyncpage" / "native"
-    target = cache / f"cpu_decode-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    # Built beside the target and renamed into place: a process loading it never sees half a file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-    os.close(fd)
+    target = cache_dir.subdir("native") / f"cpu_decode-{key.hexdigest()[:16]}.so"  # UnsafeCacheError: off
     try:
-        subprocess.run([compiler, *flags, str(source), "-o", tmp, "-lm"], check=True, capture_output=True,
+        cache_dir.check_file(target)
+        return target
+    except FileNotFoundError:
+        pass
+    except cache_dir.UnsafeCacheError as exc:
+        # Only this user can write the folder (checked above), so this came from one of its own
+        # (an older build left group-writable by a umask of 002, a symlink) or from root: built
+        # again, the rename replaces it (a symlink itself, never what it points to).
+        log.warning("%s; building it again", exc)
+    # Built beside the target and renamed into place: a process loading it never sees half a file.
+    with cache_dir.fresh_file(target, suffix=".so", mode=0o700) as tmp:
+        subprocess.run([compiler, *flags, str(source), "-o", str(tmp), "-lm"], check=True, capture_output=True,
                        timeout=120)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    cache_dir.check_file(target)
     return target
 
 

