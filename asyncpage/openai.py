@@ -8,20 +8,45 @@ Routes: POST /v1/chat/completions (mapped onto asyncpage.chat), POST /v1/complet
 /v1/models. Streaming is SSE in OpenAI's chunk shapes; errors are OpenAI's error object with the
 status OpenAI uses. A client that disconnects cancels its generation (its KV blocks are freed).
 Needs the `asyncpage[openai]` extra (starlette; openai and httpx2 for the client).
+
+The door (checked before a route runs, in this order; see `app`):
+- Host: on a loopback address (the connection arrived on 127.0.0.1 or ::1) the Host header must be a
+  loopback name (localhost, *.localhost, a loopback IP) or one of `allowed_hosts`: else 403. This stops
+  DNS rebinding (a page on evil.example re-pointed at 127.0.0.1). The in-process clients reach no
+  address, so their Host (asyncpage.local) is not checked.
+- Origin: a request carrying an Origin header (a browser) is refused 403 unless the origin is in
+  `allowed_origins` (default: none; "*" allows any); listed origins get CORS headers and preflights.
+  Non-browser clients send no Origin.
+- API key: with `api_key` set, every route needs `Authorization: Bearer <key>` (401 otherwise,
+  compared in constant time). Without one (the default, and the in-process clients') none is needed.
+- Content-Type: a POST must be application/json (parameters such as charset allowed), else 415: a web
+  page's blind "simple request" (text/plain, a form) is refused before its body is read.
+Then the body: over `max_request_bytes` is a 413, not all arrived within `body_timeout` s a 408.
+Admission: a full engine queue (QueueFullError) is a 429 with Retry-After; /v1/completions takes at
+most MAX_PROMPTS_PER_REQUEST prompts and admits them a window at a time (see `prompt_window`), so one
+request's batch never queues ahead of every other client. An unexpected error is a generic 500 with a
+request id (the detail goes to the log, logger "asyncpage.openai"), never the exception's text.
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
+import logging
+import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse as _StarletteJSON
 from starlette.responses import Response, StreamingResponse
@@ -29,11 +54,12 @@ from starlette.routing import Route
 
 from asyncpage.chat import ChatDelta, chat, chat_stream
 from asyncpage.errors import (
-    AsyncPageError,
     EngineDeadError,
     EngineNotRunningError,
     InvalidRequestError,
     PromptTooLongError,
+    QueueFullError,
+    SamplingError,
 )
 from asyncpage.params import SamplingParams
 
@@ -45,11 +71,22 @@ DEFAULT_MAX_TOKENS = 1024
 # A request body past this is refused (413) before it is parsed, rendered or tokenized: a server
 # must not let one client spend its memory and CPU on a prompt far beyond any model's context.
 MAX_REQUEST_BYTES = 8 << 20
+# A body that has not fully arrived this many seconds after the request started is cut with a 408: a
+# client trickling its body would otherwise hold a connection (and a slot of limit_concurrency) forever.
+BODY_TIMEOUT_S = 60.0
+# /v1/completions' prompts per request: past it a 400 naming `prompt`. Each prompt is a request in the
+# engine (its tokenizing, its queue slot), so one body must not become thousands of them.
+MAX_PROMPTS_PER_REQUEST = 256
+# At most this many of one request's prompts are in the engine at once (fewer on a small engine: a
+# quarter of max_num_seqs, at least 1); the next is submitted as one finishes. Another client's request
+# then waits behind a window of them, not behind the whole batch.
+PROMPT_WINDOW = 8
 # OpenAI's request names -> SamplingParams fields (same meaning).
 _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "presence_penalty": "presence_penalty",
              "frequency_penalty": "frequency_penalty", "top_k": "top_k", "min_p": "min_p",
              "repetition_penalty": "repetition_penalty", "stop_token_ids": "stop_token_ids",
-             "ignore_eos": "ignore_eos"}
+             "ignore_eos": "ignore_eos", "cache_salt": "cache_salt"}
+_LOG = logging.getLogger("asyncpage.openai")
 
 
 def model_id(engine: AsyncEngine) -> str:
@@ -66,6 +103,10 @@ class RequestTooLargeError(InvalidRequestError):
     """The request body is over the app's `max_request_bytes`."""
 
 
+class BodyTimeoutError(InvalidRequestError):
+    """The request body did not arrive within the app's `body_timeout`."""
+
+
 class JSONResponse(_StarletteJSON):
     """JSON as ASCII: a lone surrogate (valid JSON, echoed back in `model` or an error message)
     cannot be encoded as UTF-8, and would turn a finished response into a crash."""
@@ -74,23 +115,43 @@ class JSONResponse(_StarletteJSON):
         return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
-def _error(exc: BaseException, prompt_field: str = "prompt") -> JSONResponse:
-    """`prompt_field`: what the route calls the prompt (the chat route's is `messages`)."""
+def _failure(exc: BaseException, prompt_field: str = "prompt") -> tuple[int, dict[str, Any], dict[str, str]]:
+    """(status, OpenAI error body, headers) for an exception. `prompt_field`: what the route calls the
+    prompt (the chat route's is `messages`). Only our own typed errors' messages reach the client; for
+    anything else (and an engine's death, whose message carries its cause) the client gets a generic
+    message with a request id, and the detail goes to the log under that id."""
     if isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        return _error(exc.exceptions[0], prompt_field)  # one failed prompt of a batch: report it as itself
+        return _failure(exc.exceptions[0], prompt_field)  # one failed prompt of a batch: report it as itself
     if isinstance(exc, RequestTooLargeError):
-        return JSONResponse(error_body(exc.message, exc.field, code="request_too_large"), 413)
+        return 413, error_body(exc.message, exc.field, code="request_too_large"), {}
+    if isinstance(exc, BodyTimeoutError):
+        return 408, error_body(exc.message, exc.field, code="request_timeout"), {}
     if isinstance(exc, PromptTooLongError):
         field = prompt_field if exc.field == "prompt" else exc.field
-        return JSONResponse(error_body(exc.message, field, code="context_length_exceeded"), 400)
+        return 400, error_body(exc.message, field, code="context_length_exceeded"), {}
     if isinstance(exc, InvalidRequestError):
-        return JSONResponse(error_body(exc.message, exc.field), 400)
-    if isinstance(exc, EngineNotRunningError | EngineDeadError):
+        return 400, error_body(exc.message, exc.field), {}
+    if isinstance(exc, QueueFullError):
+        # Retry-After is whole seconds (RFC 9110); never 0, which reads as "retry at once".
+        retry = str(max(1, math.ceil(exc.retry_after)))
+        return 429, error_body(str(exc), None, "requests", "rate_limit_exceeded"), {"Retry-After": retry}
+    if isinstance(exc, EngineNotRunningError):
         # 503: the server cannot serve now; a balancer sends the client elsewhere (a 500 reads as a bad request).
-        return JSONResponse(error_body(str(exc), None, "service_unavailable"), 503)
-    if isinstance(exc, AsyncPageError):
-        return JSONResponse(error_body(str(exc), None, "server_error"), 500)
-    return JSONResponse(error_body(f"internal error: {exc!r}", None, "server_error"), 500)
+        return 503, error_body(str(exc), None, "service_unavailable"), {}
+    rid = "req_" + uuid.uuid4().hex[:16]
+    if isinstance(exc, EngineDeadError):
+        _LOG.error("request %s: the engine is dead: %s", rid, exc, exc_info=exc)
+        message = f"the engine stopped on an internal error; the server needs a restart (request id {rid})"
+        return 503, error_body(message, None, "service_unavailable"), {"x-request-id": rid}
+    if isinstance(exc, SamplingError):  # this request's own logits or grammar; its message names no internals
+        return 500, error_body(str(exc), None, "server_error"), {}
+    _LOG.error("request %s failed", rid, exc_info=exc)
+    return 500, error_body(f"internal error (request id {rid})", None, "server_error"), {"x-request-id": rid}
+
+
+def _error(exc: BaseException, prompt_field: str = "prompt") -> JSONResponse:
+    status, body, headers = _failure(exc, prompt_field)
+    return JSONResponse(body, status, headers=headers)
 
 
 def _params(body: dict[str, Any], default_max: int) -> SamplingParams:
@@ -115,15 +176,19 @@ def _params(body: dict[str, Any], default_max: int) -> SamplingParams:
         raise InvalidRequestError(next(iter(kw), "body"), str(exc)) from exc
 
 
-async def _json_body(request: Request, limit: int) -> dict[str, Any]:
+async def _json_body(request: Request, limit: int, timeout: float = BODY_TIMEOUT_S) -> dict[str, Any]:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise RequestTooLargeError("body", f"is {declared} bytes, over this server's limit of {limit}")
     raw = bytearray()
-    async for part in request.stream():
-        raw += part
-        if len(raw) > limit:  # a chunked body says no length up front: count as it arrives
-            raise RequestTooLargeError("body", f"is over this server's limit of {limit} bytes")
+    try:
+        with anyio.fail_after(timeout):  # the whole body, not per chunk: a trickle of tiny chunks is cut too
+            async for part in request.stream():
+                raw += part
+                if len(raw) > limit:  # a chunked body says no length up front: count as it arrives
+                    raise RequestTooLargeError("body", f"is over this server's limit of {limit} bytes")
+    except TimeoutError:
+        raise BodyTimeoutError("body", f"did not arrive within {timeout:g} s") from None
     try:
         body = json.loads(bytes(raw) or b"null")
     except RecursionError:
@@ -210,22 +275,120 @@ async def _first(request: Request, stream: Any) -> Any:
 
 
 def _prompts(value: Any) -> list[str | list[int]]:
-    """/v1/completions' `prompt`: a string, token ids, or a list of either (one choice per prompt)."""
+    """/v1/completions' `prompt`: a string, token ids, or a list of either (one choice per prompt),
+    at most MAX_PROMPTS_PER_REQUEST of them."""
     def ids(v: Any) -> bool:
         return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
     if isinstance(value, str) or ids(value):
         return [value]
+    if isinstance(value, list) and len(value) > MAX_PROMPTS_PER_REQUEST:
+        raise InvalidRequestError("prompt", f"takes at most {MAX_PROMPTS_PER_REQUEST} prompts per request, "
+                                  f"got {len(value)}")
     if isinstance(value, list) and value and all(isinstance(p, str) or ids(p) for p in value):
         return list(value)
     raise InvalidRequestError("prompt", "must be a string, a list of token ids, or a non-empty list of either")
 
 
-def app(engine: AsyncEngine, *, max_request_bytes: int = MAX_REQUEST_BYTES) -> Starlette:
+def prompt_window(engine: AsyncEngine) -> int:
+    """How many of one /v1/completions request's prompts are in the engine at once."""
+    return max(1, min(PROMPT_WINDOW, engine.config.max_num_seqs // 4))
+
+
+_LOOPBACK_NAMES = ("localhost",)
+
+
+def _host_name(host: str) -> str:
+    """The name of a Host header, without its port ("[::1]:8000" -> "::1"), lowercased."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _is_loopback(name: str) -> bool:
+    if name in _LOOPBACK_NAMES or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _origin(value: str) -> str:
+    return value.strip().rstrip("/").lower()
+
+
+class _Door:
+    """The checks every request passes before a route sees it (see the module docstring), as plain
+    ASGI so that a refusal costs no body read and no routing. Refusals are OpenAI's error object."""
+
+    def __init__(self, app: Any, *, api_key: str | None, allowed_origins: Sequence[str],
+                 allowed_hosts: Sequence[str] | None) -> None:
+        self.app = app
+        self.key = api_key.encode() if api_key else None
+        self.any_origin = "*" in allowed_origins
+        self.origins = {_origin(o) for o in allowed_origins}
+        self.any_host = allowed_hosts is not None and "*" in allowed_hosts
+        self.hosts = None if allowed_hosts is None else {_host_name(h) for h in allowed_hosts}
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            refusal = self.refuse(scope, Headers(scope=scope))
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def refuse(self, scope: Any, headers: Headers) -> Response | None:
+        host = headers.get("host")
+        if host is not None and not self.any_host and not self.host_allowed(scope, _host_name(host)):
+            return JSONResponse(error_body("this server does not answer for that Host name", None,
+                                           code="host_not_allowed"), 403)
+        origin = headers.get("origin")
+        if origin is not None and not self.any_origin and _origin(origin) not in self.origins:
+            return JSONResponse(error_body("requests from this Origin are not allowed (the server's "
+                                           "--allowed-origins)", None, code="origin_not_allowed"), 403)
+        if self.key is not None and not self.key_matches(headers.get("authorization", "")):
+            return JSONResponse(error_body("a valid API key is required: send 'Authorization: Bearer <key>'",
+                                           None, code="invalid_api_key"), 401,
+                                headers={"WWW-Authenticate": 'Bearer realm="asyncpage"'})
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+            if media != "application/json":
+                return JSONResponse(error_body(f"the body must be application/json, not {media or 'untyped'}",
+                                               None, code="unsupported_media_type"), 415)
+        return None
+
+    def host_allowed(self, scope: Any, name: str) -> bool:
+        if _is_loopback(name) or (self.hosts is not None and name in self.hosts):
+            return True
+        if self.hosts is not None:
+            return False
+        # Not configured: checked only where rebinding can reach, a connection on a loopback address.
+        server = scope.get("server") or (None, None)
+        return not (isinstance(server[0], str) and _is_loopback(server[0]))
+
+    def key_matches(self, authorization: str) -> bool:
+        assert self.key is not None
+        scheme, _, token = authorization.partition(" ")
+        # compare_digest over the bytes: constant time whatever the token; a non-Bearer scheme still compares.
+        ok = hmac.compare_digest(token.strip().encode("latin-1", "replace"), self.key)
+        return ok and scheme.lower() == "bearer"
+
+
+def app(engine: AsyncEngine, *, max_request_bytes: int = MAX_REQUEST_BYTES, api_key: str | None = None,
+        allowed_origins: Sequence[str] = (), allowed_hosts: Sequence[str] | None = None,
+        body_timeout: float = BODY_TIMEOUT_S) -> Starlette:
     """The OpenAI-compatible ASGI app over `engine` (started by the caller, or by the app's lifespan
     when `asyncpage serve` owns the engine). Requests may name any model: one engine serves one.
-    Bodies over `max_request_bytes` get a 413 before any work is done on them."""
+    Bodies over `max_request_bytes` get a 413 before any work is done on them, bodies not received
+    within `body_timeout` s a 408. `api_key`: required as `Authorization: Bearer <key>` (401);
+    None: no key. `allowed_origins`: browser origins served (with CORS), e.g. "http://localhost:3000"
+    ("*": any); a request with any other Origin is a 403. `allowed_hosts`: Host names served besides
+    the loopback ones ("*": any); None checks Host only on loopback connections (DNS rebinding)."""
     served = model_id(engine)
+    window = prompt_window(engine)
 
     async def models(request: Request) -> Response:
         try:
@@ -238,7 +401,7 @@ def app(engine: AsyncEngine, *, max_request_bytes: int = MAX_REQUEST_BYTES) -> S
 
     async def chat_completions(request: Request) -> Response:
         try:
-            body = await _json_body(request, max_request_bytes)
+            body = await _json_body(request, max_request_bytes, body_timeout)
             msgs = _require(body, "messages", list)
             params = _params(body, DEFAULT_MAX_TOKENS)
             args = _chat_args(body)
@@ -270,7 +433,7 @@ def app(engine: AsyncEngine, *, max_request_bytes: int = MAX_REQUEST_BYTES) -> S
 
     async def completions(request: Request) -> Response:
         try:
-            body = await _json_body(request, max_request_bytes)
+            body = await _json_body(request, max_request_bytes, body_timeout)
             prompts = _prompts(_require(body, "prompt", (str, list)))
             params = _params(body, 16)  # OpenAI's default for /v1/completions
             cid, created, model = "cmpl-" + uuid.uuid4().hex[:24], int(time.time()), _model(body, served)
@@ -288,11 +451,15 @@ def app(engine: AsyncEngine, *, max_request_bytes: int = MAX_REQUEST_BYTES) -> S
 
             async def run_all() -> list[Any]:
                 outs: list[Any] = [None] * len(prompts)
-                async with anyio.create_task_group() as tg:  # one request per prompt, batched by the engine
-                    for i, prompt in enumerate(prompts):
-                        async def one(i: int = i, prompt: Any = prompt) -> None:
-                            outs[i] = await engine.generate(prompt, params)
-                        tg.start_soon(one)
+                todo = iter(enumerate(prompts))
+
+                async def worker() -> None:  # one request per prompt, batched by the engine, `window` at a time
+                    for i, prompt in todo:
+                        outs[i] = await engine.generate(prompt, params)
+
+                async with anyio.create_task_group() as tg:
+                    for _ in range(min(window, len(prompts))):
+                        tg.start_soon(worker)
                 return outs
 
             result = await _until_disconnect(request, run_all)
@@ -312,11 +479,16 @@ def app(engine: AsyncEngine, *, max_request_bytes: int = MAX_REQUEST_BYTES) -> S
         status = exc.status_code if isinstance(exc, HTTPException) else 404
         return JSONResponse(error_body(f"{request.method} {request.url.path}: no such route", None), status)
 
+    # Outermost first: CORS answers a listed origin's preflight (which carries no key) and adds its
+    # headers to every answer, the door's refusals included, so the page can read why.
+    door = [Middleware(_Door, api_key=api_key, allowed_origins=tuple(allowed_origins), allowed_hosts=allowed_hosts)]
+    cors = [Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST", "OPTIONS"],
+                       allow_headers=["authorization", "content-type"])] if allowed_origins else []
     return Starlette(routes=[
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
-    ], exception_handlers={404: not_found, 405: not_found})
+    ], exception_handlers={404: not_found, 405: not_found}, middleware=cors + door)
 
 
 async def _chat_sse(stream: AsyncIterator[ChatDelta], first: ChatDelta, cid: str, created: int, model: str,
@@ -347,7 +519,7 @@ async def _chat_sse(stream: AsyncIterator[ChatDelta], first: ChatDelta, cid: str
                                 "choices": [], "usage": _usage(d.usage)})
             d = await anext(stream, None)
     except Exception as exc:  # an engine failure mid-stream: OpenAI's clients read an error event
-        yield _sse(error_body(str(exc), None, "server_error"))
+        yield _sse(_failure(exc, "messages")[1])
     finally:
         await stream.aclose()  # type: ignore[attr-defined]
     yield "data: [DONE]\n\n"
@@ -364,7 +536,7 @@ async def _completion_sse(stream: Any, first: Any, cid: str, created: int, model
                         "choices": [{"index": 0, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}]})
             c = await anext(stream, None)
     except Exception as exc:
-        yield _sse(error_body(str(exc), None, "server_error"))
+        yield _sse(_failure(exc)[1])
     finally:
         await stream.aclose()
     if include_usage and stream.request is not None:
