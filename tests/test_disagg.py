@@ -1,14 +1,15 @@
 """Disaggregated prefill/decode (asyncpage.disagg): the pair gives one engine's output, frees its
 blocks on both sides, speaks its wire protocol to a fake peer, and fails typed when a worker dies.
-Each DisaggEngine starts two worker processes (~7 s with a tiny model)."""
+Each DisaggEngine starts two worker processes (~7 s with a tiny model). What a stranger on the wire
+can and cannot do: tests/test_disagg_security.py."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import struct
 import subprocess
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,9 @@ import torch
 from asyncpage import AsyncEngine, SamplingParams
 from asyncpage.disagg import DisaggEngine, wire
 from asyncpage.disagg import engine as disagg_engine
-from asyncpage.disagg.engine import free_port, launch_worker
+from asyncpage.disagg import messages as m
+from asyncpage.disagg.engine import launch_worker
+from asyncpage.disagg.transport import KVListener, new_secret
 from asyncpage.errors import EngineDeadError, EngineNotRunningError, InvalidRequestError, PromptTooLongError
 
 pytestmark = pytest.mark.asyncio
@@ -131,57 +134,68 @@ async def test_refuses_what_it_does_not_run(pair: DisaggEngine) -> None:
 
 async def test_wire_protocol_with_a_fake_prefill_peer(tiny_models: Any) -> None:
     """The test process plays the prefill worker: a real decode worker must answer each header with
-    the blocks it holds, take a payload into its pool and emit the first token it was given."""
-    port = free_port()
-    proc, conn = launch_worker("decode", tiny_models["llama"][0], OPTS, port)
-    import torch.distributed as dist
-
+    the blocks it holds, take a payload into its pool and emit the first token it was given; a header
+    frame past the limit ends the pair (typed, at once) rather than being read."""
+    secret, listener = new_secret(), KVListener()
+    proc, chan = launch_worker("decode", tiny_models["llama"][0], OPTS, secret=secret)
+    loop = asyncio.get_running_loop()
+    tr = None
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2,
-                                rank=wire.PREFILL_RANK, timeout=timedelta(seconds=60))
-        loop = asyncio.get_running_loop()
-        info = await loop.run_in_executor(None, _recv_kind, conn, "ready")
-        layout, tr = info["layout"], wire.DistTransport(wire.DECODE_RANK)
-        rows = [[torch.randn(8, *shape).to(getattr(torch, dt.split(".")[1])) for shape, dt in layer]
-                for layer in layout["rows"]]  # a fake pool of 8 blocks with the decode side's layout
+        chan.send(m.Connect(listener.address))
+        tr = await loop.run_in_executor(None, listener.accept, secret, 60.0)
+        layout = (await loop.run_in_executor(None, _recv_kind, chan, m.Ready)).layout
+        rows = [[torch.randn(8, *row.shape).to(getattr(torch, row.dtype.split(".")[1])) for row in layer]
+                for layer in layout.rows]  # a fake pool of 8 blocks with the decode side's layout
         caches = [tuple(layer) for layer in rows]
         prompt = [0, *range(3, 13)]  # 11 tokens: 3 blocks of 4
         params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 
         def transfer(rid: int, block_bytes: int) -> int:
+            assert tr is not None
             wire.send_header(tr, wire.Header(rid, prompt, 42, None, params, 3, block_bytes))
             skip = wire.recv_reply(tr)
             if skip != wire.DROP:
                 wire.send_blocks(tr, caches, [5, 1, 6][skip:])
             return skip
 
-        assert await loop.run_in_executor(None, transfer, 1, layout["block_bytes"]) == 0
-        first = await loop.run_in_executor(None, _recv_kind, conn, "chunk")
-        assert first[1] == 1 and first[2].token_ids[:1] == [42]  # the token it was handed comes first
+        assert await loop.run_in_executor(None, transfer, 1, layout.block_bytes) == 0
+        first = await loop.run_in_executor(None, _recv_kind, chan, m.Chunk)
+        assert first.rid == 1 and first.chunk.token_ids[:1] == [42]  # the token it was handed comes first
         # The same prompt again: its two full blocks are held (prefix cache); only the last is sent.
-        assert await loop.run_in_executor(None, transfer, 2, layout["block_bytes"]) == 2
-        # A layout mismatch, and a request aborted before its KV arrived: dropped.
-        assert await loop.run_in_executor(None, transfer, 3, layout["block_bytes"] + 4) == wire.DROP
-        conn.send(("abort", 4))
-        assert (await loop.run_in_executor(None, _recv_kind, conn, "released"))[1] == 4
-        assert await loop.run_in_executor(None, transfer, 4, layout["block_bytes"]) == wire.DROP
+        assert await loop.run_in_executor(None, transfer, 2, layout.block_bytes) == 2
+        # A layout mismatch (that request fails, typed), and a request aborted before its KV arrived: dropped.
+        assert await loop.run_in_executor(None, transfer, 3, layout.block_bytes + 4) == wire.DROP
+        refused = await loop.run_in_executor(None, _recv_kind, chan, m.Error)
+        assert refused.rid == 3 and refused.error.name == "RequestFailedError"
+        chan.send(m.Abort(4))
+        assert (await loop.run_in_executor(None, _recv_kind, chan, m.Released)).rid == 4
+        assert await loop.run_in_executor(None, transfer, 4, layout.block_bytes) == wire.DROP
         # A later payload still lands where the block tables say (pack/unpack keep rows in table order).
         mirror = [tuple(torch.zeros_like(t) for t in layer) for layer in caches]
         wire.unpack_blocks(mirror, [2, 0], wire.pack_blocks(caches, [6, 5]))
-        assert all(torch.equal(m[2], t[6]) and torch.equal(m[0], t[5]) for lm, lt in zip(mirror, caches, strict=True)
-                   for m, t in zip(lm, lt, strict=True))
+        assert all(torch.equal(got[2], t[6]) and torch.equal(got[0], t[5])
+                   for lm, lt in zip(mirror, caches, strict=True) for got, t in zip(lm, lt, strict=True))
+        # A header announcing 4 GiB: refused unread, and the worker says so and exits.
+        tr.sock.sendall(struct.pack("!I", 0xFFFF_FFFF))
+        failed = await loop.run_in_executor(None, _recv_kind, chan, m.Failed)
+        assert failed.error.name == "EngineDeadError" and "past the limit" in failed.error.args[0]
+        assert await loop.run_in_executor(None, proc.wait, 20) == 1
     finally:
-        conn.send(("shutdown",))
+        try:
+            chan.send(m.Shutdown())
+        except OSError:
+            pass
         proc.wait(timeout=20)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        listener.close()
+        if tr is not None:
+            tr.close()
 
 
-def _recv_kind(conn: Any, kind: str) -> Any:
+def _recv_kind(chan: m.Channel, kind: type[Any]) -> Any:
     while True:
-        msg = conn.recv()
-        if msg[0] == kind:
-            return msg[1] if kind == "ready" else msg
+        msg = chan.recv()
+        if isinstance(msg, kind):
+            return msg
 
 
 @pytest.mark.parametrize("role", ["decode", "prefill"])

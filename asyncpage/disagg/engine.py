@@ -7,18 +7,22 @@
     engine.close()                                              # stops the workers
 
 A request goes to the prefill worker, which computes the prompt and samples the first token; the
-prompt's KV blocks and that token go to the decode worker over torch.distributed (wire.py), and the
-decode worker streams every token (the first included) back here. The front end holds no model:
+prompt's KV blocks and that token go to the decode worker over one authenticated socket between the two
+(transport.py, wire.py: AF_UNIX in a private directory, or TCP on `kv_host`), and the decode worker
+streams every token (the first included) back here. The front end holds no model:
 tokenization and validation happen on the prefill worker, so errors arrive typed at the first
 `async for` step rather than at the call. Not offered: n > 1, guided decoding, beam search, extract
 and chat (InvalidRequestError names the field).
 This file owns the front end's state (requests in flight, the latest stats of each worker); it
-runs on the caller's event loop and talks to the workers only through their pipes.
+runs on the caller's event loop and talks to the workers only through their pipes (messages.py:
+socketpairs it made, typed msgspec frames). It makes the pair's KV secret and hands it to the two
+workers over those pipes; it never touches the KV itself.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -26,7 +30,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import Any, Self
 
@@ -35,8 +38,10 @@ from asyncpage.eventloop import LoopHandle
 from asyncpage.outputs import EngineStats, GenerateOutput
 from asyncpage.params import SamplingParams
 
-from .messages import decode_error
+from . import messages as m
+from .messages import Channel, decode_error
 from .stream import DisaggStream, FrontRequest
+from .transport import new_secret
 
 ROLES = ("prefill", "decode")
 _UNSUPPORTED = ("json_schema", "regex", "choice", "grammar")
@@ -45,12 +50,12 @@ _UNSUPPORTED = ("json_schema", "regex", "choice", "grammar")
 class DisaggEngine:
     """Prefill and decode in two processes behind one AsyncEngine-like object."""
 
-    def __init__(self, procs: dict[str, Any], conns: dict[str, Any], infos: dict[str, dict[str, Any]]) -> None:
+    def __init__(self, procs: dict[str, Any], conns: dict[str, Channel], infos: dict[str, m.Ready]) -> None:
         """Use `from_pretrained`."""
         self._procs = procs
         self._conns = conns
-        self.max_model_len = min(int(i["max_model_len"]) for i in infos.values())
-        self._stats: dict[str, EngineStats] = {r: infos[r]["stats"] for r in ROLES}
+        self.max_model_len = min(i.max_model_len for i in infos.values())
+        self._stats: dict[str, EngineStats] = {r: infos[r].stats for r in ROLES}
         self._xfer: dict[str, dict[str, Any]] = {r: {} for r in ROLES}
         self._dead: dict[str, BaseException] = {}
         self._closed = False  # close() was called: the workers' exits are not deaths
@@ -60,9 +65,8 @@ class DisaggEngine:
         self._send_lock = threading.Lock()
         # A request is checked once, by the prefill worker, against the smaller of the two pools:
         # one the prefill side admits must also fit where it decodes.
-        decode = infos["decode"]["stats"]
-        self._send("prefill", ("limits", {"pool_tokens": decode.kv_blocks_total * decode.block_size,
-                                          "max_model_len": int(infos["decode"]["max_model_len"])}))
+        decode = infos["decode"].stats
+        self._send("prefill", m.Limits(decode.kv_blocks_total * decode.block_size, infos["decode"].max_model_len))
         for role in ROLES:
             threading.Thread(target=self._read, args=(role,), name=f"asyncpage-disagg-{role}",
                              daemon=True).start()
@@ -71,32 +75,39 @@ class DisaggEngine:
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike[str] | None = None, *,
                         prefill_cpus: list[int] | None = None, decode_cpus: list[int] | None = None,
-                        start_timeout: float = 900.0, **options: Any) -> DisaggEngine:
+                        start_timeout: float = 900.0, kv_host: str | None = None,
+                        **options: Any) -> DisaggEngine:
         """Start the two workers and load the model in each (AsyncEngine.from_pretrained's options;
         `speculative_config` applies to the decode worker only). `prefill_cpus` / `decode_cpus`
-        pin each worker to those cores (os.sched_setaffinity), as two machines would be."""
-        port = free_port()
+        pin each worker to those cores (os.sched_setaffinity), as two machines would be.
+        The KV goes from one worker to the other over an AF_UNIX socket in a private directory
+        (`kv_host=None`), or over TCP on `kv_host` (e.g. "127.0.0.1"; a port the kernel picks); either
+        way the two prove they hold a secret made here before any KV frame is read."""
+        if kv_host is not None and not isinstance(kv_host, str):
+            raise InvalidRequestError("kv_host", f"must be a host name or address, got {type(kv_host).__name__}")
+        secret = new_secret()
         prefill_options = {k: v for k, v in options.items() if k != "speculative_config"}
         procs: dict[str, Any] = {}
-        conns: dict[str, Any] = {}
-        for role, opts, cpus in (("prefill", prefill_options, prefill_cpus), ("decode", options, decode_cpus)):
-            procs[role], conns[role] = launch_worker(role, model, opts, port, cpus)
-        infos: dict[str, dict[str, Any]] = {}
+        conns: dict[str, Channel] = {}
+        infos: dict[str, m.Ready] = {}
         try:
+            for role, opts, cpus in (("prefill", prefill_options, prefill_cpus), ("decode", options, decode_cpus)):
+                procs[role], conns[role] = launch_worker(role, model, opts, secret=secret, kv_host=kv_host,
+                                                         cpus=cpus, start_timeout=start_timeout)
             deadline = time.monotonic() + start_timeout
-            for role in ROLES:
-                if not conns[role].poll(max(0.0, deadline - time.monotonic())):
-                    raise EngineDeadError(f"the {role} worker did not start within {start_timeout} s")
-                msg = conns[role].recv()
-                if msg[0] != "ready":
-                    raise decode_error(msg[1])
-                infos[role] = msg[1]
-            if infos["prefill"]["layout"] != infos["decode"]["layout"]:
+            listening = _expect(conns, {"prefill": m.Listening}, deadline, start_timeout)["prefill"]
+            assert isinstance(listening, m.Listening)
+            conns["decode"].send(m.Connect(listening.address))
+            # Both at once: one that fails while the other waits for its peer is reported at once.
+            for role, ready in _expect(conns, dict.fromkeys(ROLES, m.Ready), deadline, start_timeout).items():
+                assert isinstance(ready, m.Ready)
+                infos[role] = ready
+            if infos["prefill"].layout != infos["decode"].layout:
                 raise EngineDeadError("the two workers' KV layouts differ")
         except BaseException as exc:
             _shutdown(procs, conns)
-            if isinstance(exc, EOFError):
-                raise EngineDeadError("a worker exited while loading the model") from exc
+            if isinstance(exc, EOFError | OSError):
+                raise EngineDeadError(f"a worker exited while starting: {exc}") from exc
             raise
         return cls(procs, conns, infos)
 
@@ -164,7 +175,12 @@ class DisaggEngine:
         self._next_rid += 1
         fr = FrontRequest(self._next_rid, params)
         self._requests[fr.rid] = fr
-        self._send("prefill", ("submit", fr.rid, prompt if isinstance(prompt, str) else list(prompt), params))
+        try:
+            frame = m.encode_submit(m.Submit(fr.rid, prompt if isinstance(prompt, str) else list(prompt), params))
+        except InvalidRequestError:
+            del self._requests[fr.rid]
+            raise
+        self._send("prefill", frame)
         return fr
 
     def abort(self, rid: int) -> None:
@@ -177,7 +193,7 @@ class DisaggEngine:
             if role in self._dead:
                 fr.released.add(role)
             else:
-                self._send(role, ("abort", rid))
+                self._send(role, m.Abort(rid))
         self._maybe_forget(fr)
 
     def check_usable(self) -> None:
@@ -193,11 +209,14 @@ class DisaggEngine:
         if not self._loop.is_current():
             raise EngineLoopError("this engine runs on another thread or event loop")
 
-    def _send(self, role: str, msg: tuple[Any, ...]) -> None:
+    def _send(self, role: str, msg: m.ToWorker | bytes) -> None:
         try:
             with self._send_lock:
-                self._conns[role].send(msg)
-        except (OSError, ValueError) as exc:
+                if isinstance(msg, bytes):
+                    self._conns[role].send_frame(msg)
+                else:
+                    self._conns[role].send(msg)
+        except OSError as exc:
             self._worker_died(role, exc)
 
     # ---- from the workers ---------------------------------------------------------------------
@@ -207,23 +226,24 @@ class DisaggEngine:
         while True:
             try:
                 msg = conn.recv()
-            except (EOFError, OSError):
+            except (EOFError, OSError):  # gone, or sent what is not a message: a dead worker either way
                 self._post(lambda: self._worker_died(role, EngineDeadError(f"the {role} worker exited")))
                 return
             # Stats are stored here, in the order they were sent (a later "stats" must not be
             # overwritten by an earlier "released" applied on the loop afterwards).
-            if msg[0] == "stats":
-                self._stats[role] = msg[1]
-                self._xfer[role] = msg[2]
+            if isinstance(msg, m.Stats):
+                self._stats[role] = msg.stats
+                self._xfer[role] = dict(msg.xfer)
                 continue
-            if msg[0] == "released":
-                self._stats[role] = msg[3]
-            if msg[0] == "chunk" and msg[3] is not None:
-                self._stats[role] = msg[3]["stats"]
-            if msg[0] == "failed":
-                self._post(lambda m=msg: self._worker_died(role, decode_error(m[1])))  # type: ignore[misc]
+            if isinstance(msg, m.Released):
+                self._stats[role] = msg.stats
+            if isinstance(msg, m.Chunk) and msg.final is not None:
+                self._stats[role] = msg.final.stats
+            if isinstance(msg, m.Failed):
+                error = decode_error(msg.error)
+                self._post(lambda e=error: self._worker_died(role, e))  # type: ignore[misc]
             else:
-                self._post(lambda m=msg: self._on_message(role, m))  # type: ignore[misc]
+                self._post(lambda msg=msg: self._on_message(role, msg))  # type: ignore[misc]
 
     def _post(self, fn: Callable[[], None]) -> None:
         loop = self._loop
@@ -232,24 +252,26 @@ class DisaggEngine:
         else:
             fn()  # not running: nobody waits on a mailbox, only bookkeeping is left
 
-    def _on_message(self, role: str, msg: tuple[Any, ...]) -> None:
-        kind, rid = msg[0], msg[1]
+    def _on_message(self, role: str, msg: m.ToFront) -> None:
+        if not isinstance(msg, m.Chunk | m.Error | m.Released):
+            return  # Listening, Ready: start-up only
+        rid = msg.rid
         fr = self._requests.get(rid)
         if fr is None:
             return
-        if kind == "chunk":
-            chunk, final = msg[2], msg[3]
-            fr.on_chunk(chunk, final)
+        if isinstance(msg, m.Chunk):
+            final = msg.final
+            fr.on_chunk(msg.chunk, final)
             if final is not None:
                 # The decode side released it; the prefill side says so itself once its pinned
                 # blocks are given back (its send may finish after the decode side is done).
                 fr.released.add("decode")
                 self._maybe_forget(fr)
-        elif kind == "error":
-            fr.mailbox.fail(decode_error(msg[2]))
+        elif isinstance(msg, m.Error):
+            fr.mailbox.fail(decode_error(msg.error))
             if not fr.aborting:
                 self.abort(rid)  # whatever the other side holds of it goes too
-        elif kind == "released":
+        else:
             fr.released.add(role)
             self._maybe_forget(fr)
 
@@ -276,31 +298,52 @@ class DisaggEngine:
                 self._maybe_forget(fr)
 
 
-def launch_worker(role: str, model: str | os.PathLike[str] | None, options: dict[str, Any], port: int,
-                  cpus: list[int] | None = None) -> tuple[subprocess.Popen[bytes], Connection]:
-    """Start one worker process; returns it and its control connection (it answers "ready" or
-    "failed" once loaded and joined to the transfer group on 127.0.0.1:`port`)."""
+def launch_worker(role: str, model: str | os.PathLike[str] | None, options: dict[str, Any], *, secret: bytes,
+                  kv_host: str | None = None, cpus: list[int] | None = None,
+                  start_timeout: float = 900.0) -> tuple[subprocess.Popen[bytes], Channel]:
+    """Start one worker process; returns it and its control channel. A prefill worker first says
+    where it listens (Listening); a decode worker waits to be told (Connect). Each answers Ready or
+    Failed once loaded and joined to its peer."""
     # A plain subprocess on a socketpair rather than multiprocessing's spawn: spawn re-imports the
-    # caller's __main__, which breaks any script without an `if __name__ == "__main__"` guard.
+    # caller's __main__ (which breaks any script without an `if __name__ == "__main__"` guard), and
+    # its connections pickle. The secret goes over this pipe, never argv or the environment, which
+    # other processes of the user can read.
     here, there = socket.socketpair()
     proc = subprocess.Popen([sys.executable, "-m", "asyncpage.disagg.worker", str(there.fileno())],
                             pass_fds=[there.fileno()])
     there.close()  # our copy: the worker's death must read as EOF here
-    conn = Connection(here.detach())
-    conn.send(("init", role, None if model is None else str(model), options, port, cpus))
-    return proc, conn
+    chan = Channel(here, m.ToFront)
+    chan.send(m.Init(role, None if model is None else os.fspath(model), options, cpus,  # type: ignore[arg-type]
+                     secret, kv_host, start_timeout))
+    return proc, chan
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _expect(conns: dict[str, Channel], kinds: dict[str, type[Any]], deadline: float,
+            start_timeout: float) -> dict[str, m.ToFront]:
+    """The next start-up message of each role in `kinds`, which must be of that kind; the first
+    worker's typed failure is raised as soon as it arrives."""
+    got: dict[str, m.ToFront] = {}
+    while len(got) < len(kinds):
+        waiting = {conns[r].sock: r for r in kinds if r not in got}
+        ready, _, _ = select.select(list(waiting), [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise EngineDeadError(f"the {' and '.join(waiting.values())} worker did not start within "
+                                  f"{start_timeout} s")
+        for sock in ready:
+            role = waiting[sock]
+            msg = conns[role].recv()
+            if isinstance(msg, m.Failed):
+                raise decode_error(msg.error)
+            if not isinstance(msg, kinds[role]):
+                raise EngineDeadError(f"the {role} worker sent {type(msg).__name__} while starting")
+            got[role] = msg
+    return got
 
 
 def _shutdown(procs: dict[str, Any], conns: dict[str, Any]) -> None:
     for conn in conns.values():
         try:
-            conn.send(("shutdown",))
+            conn.send(m.Shutdown())
         except (OSError, ValueError):
             pass
     for p in procs.values():

@@ -8,13 +8,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Self
 
 import anyio
 
 from asyncpage.outputs import Choice, FinishReason, GenerateOutput, RequestMetrics, StreamChunk, TokenLogprob
 from asyncpage.params import SamplingParams
 from asyncpage.streams import Mailbox
+
+from .messages import Final
 
 if TYPE_CHECKING:
     from .engine import DisaggEngine
@@ -32,13 +34,13 @@ class FrontRequest:
     aborting: bool = False
     released: set[str] = field(default_factory=set)  # workers that hold nothing of it any more
     released_event: anyio.Event | None = None
-    final: dict[str, Any] | None = None
+    final: Final | None = None
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     last_token: float | None = None
     inter_token: list[float] = field(default_factory=list)
 
-    def on_chunk(self, chunk: StreamChunk, final: dict[str, Any] | None) -> None:
+    def on_chunk(self, chunk: StreamChunk, final: Final | None) -> None:
         now = time.monotonic()
         self.started = True
         if chunk.token_ids:
@@ -60,7 +62,7 @@ class FrontRequest:
         """Timings seen from the front end (the pipe hops included): no queue/prefill split."""
         first = self.first_token or self.arrival
         end = time.monotonic()
-        cached = int(self.final["num_cached_prompt_tokens"]) if self.final else 0
+        cached = self.final.num_cached_prompt_tokens if self.final else 0
         return RequestMetrics(queue_time=0.0, ttft=first - self.arrival, prefill_time=first - self.arrival,
                               decode_time=(self.last_token or first) - first, e2e=end - self.arrival,
                               inter_token_latencies=list(self.inter_token), num_preemptions=0,
@@ -116,7 +118,7 @@ class DisaggStream:
         """The finished request as AsyncEngine.generate returns it."""
         fr = self._request
         assert fr is not None and self._reason is not None, "the stream has not finished"
-        prompt = list(fr.final["prompt_token_ids"]) if fr.final else []
+        prompt = list(fr.final.prompt_token_ids) if fr.final else []
         lps = self._logprobs if self._params.logprobs is not None else None
         return GenerateOutput(prompt, [Choice(0, "".join(self._text), self._ids, self._reason, lps)], fr.metrics())
 

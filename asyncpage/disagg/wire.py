@@ -1,64 +1,60 @@
-"""The KV hand-over between the prefill and the decode worker: what crosses torch.distributed, in
-what order, and how a block's bytes are laid out. No engine state here; the workers call these.
+"""The KV hand-over between the prefill and the decode worker: what crosses the transport
+(transport.py: an authenticated socket), in what order, and how a block's bytes are laid out. No
+engine state here; the workers call these.
 
-One transfer, prefill (rank 0) -> decode (rank 1), strictly in turn (one transfer at a time, so
-point-to-point messages never interleave):
+One transfer, prefill -> decode, strictly in turn (one transfer at a time, so messages never
+interleave):
 
-    P -> D  int64[1]  header length;  uint8[len]  the pickled Header
-    D -> P  int64[1]  how many leading blocks the decode side already holds (a prefix-cache hit:
-                      those are not sent), or -1: drop it (aborted meanwhile, or the decode side
-                      is closing); the prefill side then sends nothing more for it
-    P -> D  uint8[(n - skip) * block_bytes]  the payload, when skip < n
+    P -> D  frame   the Header, msgspec msgpack (at most MAX_HEADER_BYTES; decoded as a Header or refused)
+    D -> P  int     how many leading blocks the decode side already holds (a prefix-cache hit:
+                    those are not sent), or -1: drop it (aborted meanwhile, invalid, or the decode
+                    side is closing); the prefill side then sends nothing more for it
+    P -> D  buffer  (n - skip) * block_bytes raw bytes, when skip < n: received straight into a
+                    buffer the decode side sized from its own layout (any other length is refused)
 
 Payload layout: for each layer, for each tensor of its cache tuple (K, V[, K scales, V scales]), the
-rows of the blocks sent, in table order. Both sides derive the layout from their own caches and
-check `block_bytes` in the header, so a model or KV dtype mismatch fails loudly instead of decoding
-garbage.
+rows of the blocks sent, in table order. Both sides derive the layout from their own caches (the front
+end compares the two at start, and the header carries `block_bytes`), so a model or KV dtype mismatch
+fails loudly instead of decoding garbage. Nothing here unpickles: a header is typed data or an error.
 """
 
 from __future__ import annotations
 
-import pickle
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
+import msgspec
 import torch
 
 from asyncpage.outputs import TokenLogprob
 from asyncpage.params import SamplingParams
 
-PREFILL_RANK = 0
-DECODE_RANK = 1
 DROP = -1
+# A header holds a prompt's token ids and the caller's params: 16 MiB is ~3M ids, far past any context.
+MAX_HEADER_BYTES = 16 << 20
 
 
 class Transport(Protocol):
-    """Blocking point-to-point send/recv of a contiguous CPU tensor to/from the one peer."""
+    """What the hand-over needs of a transport (transport.KVTransport; another, e.g. across nodes,
+    must give the same guarantees: an authenticated peer, lengths checked before allocating)."""
 
-    def send(self, tensor: torch.Tensor) -> None: ...
+    def send_frame(self, data: bytes) -> None: ...
 
-    def recv(self, tensor: torch.Tensor) -> None: ...
+    def recv_frame(self, limit: int) -> bytes: ...
 
+    def send_int(self, value: int) -> None: ...
 
-class DistTransport:
-    """torch.distributed (gloo) to the peer rank: the process group must be initialized."""
+    def recv_int(self) -> int: ...
 
-    def __init__(self, peer: int) -> None:
-        self.peer = peer
+    def send_buffer(self, tensor: torch.Tensor) -> None: ...
 
-    def send(self, tensor: torch.Tensor) -> None:
-        import torch.distributed as dist
-
-        dist.send(tensor, self.peer)
-
-    def recv(self, tensor: torch.Tensor) -> None:
-        import torch.distributed as dist
-
-        dist.recv(tensor, self.peer)
+    def recv_buffer(self, into: torch.Tensor) -> None: ...
 
 
-@dataclass
-class Header:
+class HeaderError(ValueError):
+    """A header frame that is not a valid Header: the peer does not speak this protocol."""
+
+
+class Header(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rid: int  # the front end's id of the request
     prompt_token_ids: list[int]
     first_token: int  # sampled by the prefill worker from the prompt's last logits
@@ -68,36 +64,53 @@ class Header:
     block_bytes: int  # payload bytes per block (all layers): a layout check
 
 
+class Row(msgspec.Struct, frozen=True):
+    shape: tuple[int, ...]  # one block's row of a cache tensor
+    dtype: str
+
+
+class Layout(msgspec.Struct, frozen=True):
+    """What the two workers compare at start: they must agree on every cache tensor's row."""
+
+    block_bytes: int
+    rows: list[list[Row]]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(Header)
+
+
 def block_bytes(caches: list[tuple[torch.Tensor, ...]]) -> int:
     """Bytes of one block row over every cache tensor of every layer."""
     return sum(t[0].numel() * t.element_size() for layer in caches for t in layer)
 
 
 def send_header(tr: Transport, header: Header) -> None:
-    data = torch.frombuffer(bytearray(pickle.dumps(header)), dtype=torch.uint8)
-    tr.send(torch.tensor([data.numel()], dtype=torch.int64))
-    tr.send(data)
+    data = _encoder.encode(header)
+    if len(data) > MAX_HEADER_BYTES:
+        raise HeaderError(f"a header of {len(data)} bytes, past the limit of {MAX_HEADER_BYTES}")
+    tr.send_frame(data)
 
 
 def recv_header(tr: Transport) -> Header:
-    size = torch.zeros(1, dtype=torch.int64)
-    tr.recv(size)
-    data = torch.empty(int(size.item()), dtype=torch.uint8)
-    tr.recv(data)
-    header = pickle.loads(data.numpy().tobytes())
-    if not isinstance(header, Header):
-        raise ValueError(f"expected a Header, got {type(header).__name__}")
-    return header
+    """The next header: its length is checked before it is read, its bytes decode as a Header
+    (SamplingParams validated as at submission) or HeaderError."""
+    return decode_header(tr.recv_frame(MAX_HEADER_BYTES))
+
+
+def decode_header(data: bytes) -> Header:
+    try:
+        return _header_decoder.decode(data)
+    except (msgspec.DecodeError, ValueError, TypeError) as exc:  # ValueError: SamplingParams' own checks
+        raise HeaderError(f"not a KV header: {exc}") from None
 
 
 def send_reply(tr: Transport, skip: int) -> None:
-    tr.send(torch.tensor([skip], dtype=torch.int64))
+    tr.send_int(skip)
 
 
 def recv_reply(tr: Transport) -> int:
-    skip = torch.zeros(1, dtype=torch.int64)
-    tr.recv(skip)
-    return int(skip.item())
+    return tr.recv_int()
 
 
 def pack_blocks(caches: list[tuple[torch.Tensor, ...]], block_ids: list[int]) -> torch.Tensor:
@@ -144,7 +157,7 @@ def send_blocks(tr: Transport, caches: list[tuple[torch.Tensor, ...]], block_ids
     if not block_ids:
         return 0
     payload = pack_blocks(caches, block_ids)
-    tr.send(payload)
+    tr.send_buffer(payload)
     return int(payload.numel())
 
 
@@ -153,12 +166,11 @@ def recv_blocks(tr: Transport, caches: list[tuple[torch.Tensor, ...]], block_ids
     if not block_ids:
         return 0
     payload = torch.empty(len(block_ids) * block_bytes(caches), dtype=torch.uint8)
-    tr.recv(payload)
+    tr.recv_buffer(payload)
     unpack_blocks(caches, block_ids, payload)
     return int(payload.numel())
 
 
-def describe(caches: list[tuple[torch.Tensor, ...]]) -> dict[str, Any]:
-    """What the two workers compare at start: they must agree on every cache tensor's row."""
-    return {"block_bytes": block_bytes(caches),
-            "rows": [[(tuple(t.shape[1:]), str(t.dtype)) for t in layer] for layer in caches]}
+def describe(caches: list[tuple[torch.Tensor, ...]]) -> Layout:
+    """This side's layout (the front end checks that both workers' are equal)."""
+    return Layout(block_bytes(caches), [[Row(tuple(t.shape[1:]), str(t.dtype)) for t in layer] for layer in caches])

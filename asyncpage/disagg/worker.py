@@ -1,6 +1,6 @@
 """A worker process of a disaggregated pair: one AsyncEngine (prefill or decode role) on its own
 asyncio loop, driven by control messages from the front end's pipe (messages.py), with one
-transfer thread moving KV blocks over torch.distributed (wire.py).
+transfer thread moving KV blocks over the pair's authenticated socket (transport.py, wire.py).
 
 Threads in a worker: the event loop (the engine loop, message handling, per-request tasks), the
 engine's compute thread, a pipe reader, and the transfer thread (sender on prefill, receiver on
@@ -8,6 +8,11 @@ decode). The transfer threads touch engine state only through `call_soon_threads
 write the KV tensors of blocks no step uses (pinned on prefill, allocated but not yet running on
 decode). A worker whose engine loop dies exits, so the front end sees it as a dead worker; so does
 a decode worker whose receive breaks (the pair can no longer hand KV over).
+
+Start-up: the prefill worker binds its KV listener first (loopback or a private AF_UNIX path, see
+transport.py) and says where (Listening); both load the model; the decode worker is told the address
+(Connect), joins, and both prove they hold the secret the front end gave them in Init before any KV
+frame is read. Then each says Ready.
 """
 
 from __future__ import annotations
@@ -18,72 +23,81 @@ import concurrent.futures
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, NoReturn, cast
 
 import msgspec
 
 from asyncpage.engine import AsyncEngine
-from asyncpage.errors import AsyncPageError, EngineDeadError
+from asyncpage.errors import AsyncPageError, EngineDeadError, RequestFailedError
 from asyncpage.kv_cache import BlockTable
 from asyncpage.outputs import TokenLogprob
 from asyncpage.params import SamplingParams
 from asyncpage.request import Request
 from asyncpage.validation import check_request
 
+from . import messages as m
 from . import wire
 from .cores import DecodeCore, DecodeEngine, PrefillCore, PrefillEngine
-from .messages import encode_error
+from .messages import Channel, encode_error
+from .transport import FrameError, KVListener, KVTransport, connect
 
 log = logging.getLogger("asyncpage.disagg")
 
 
-def main(role: str, conn: Any, model: Any, options: dict[str, Any], port: int, cpus: list[int] | None) -> None:
-    """A worker's life: load, join the transfer group, serve until told to stop (or orphaned)."""
-    if cpus:
-        os.sched_setaffinity(0, cpus)
+def main(chan: Channel, init: m.Init) -> None:
+    """A worker's life: load, join the KV pair, serve until told to stop (or orphaned)."""
+    listener: KVListener | None = None
     try:
-        engine = (PrefillEngine if role == "prefill" else DecodeEngine).from_pretrained(model, **options)
-        import torch.distributed as dist
-
-        # A group of the two workers only: the KV never passes through the front end, and keeping it
-        # out of the group means a crashed worker can never leave the front end blocked in gloo.
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2,
-                                rank=wire.PREFILL_RANK if role == "prefill" else wire.DECODE_RANK,
-                                timeout=timedelta(seconds=600))
+        if init.cpus:
+            os.sched_setaffinity(0, init.cpus)
+        if init.role == "prefill":
+            # Bound before the (slow) load, so the decode side can join as soon as it has loaded too.
+            listener = KVListener(init.kv_host)
+            chan.send(m.Listening(listener.address))
+        engine = (PrefillEngine if init.role == "prefill" else DecodeEngine).from_pretrained(
+            init.model, **init.options)
+        if listener is not None:
+            transport = listener.accept(init.secret, timeout=init.start_timeout, cancel=chan.sock)
+        else:
+            msg = chan.recv()
+            if not isinstance(msg, m.Connect):
+                os._exit(0)  # told to stop (or the front end is gone) before the pair was joined
+            transport = connect(msg.address, init.secret, timeout=init.start_timeout)
     except BaseException as exc:
-        conn.send(("failed", encode_error(exc)))
+        if listener is not None:
+            listener.close()
+        chan.send(m.Failed(encode_error(exc)))
         os._exit(1)
-    worker: Worker = PrefillWorker(engine, conn) if role == "prefill" else DecodeWorker(engine, conn)
-    conn.send(("ready", {"layout": wire.describe(engine._core.runner.caches), "stats": engine.stats(),
-                         "max_model_len": engine.config.max_model_len}))
+    worker: Worker = (PrefillWorker if init.role == "prefill" else DecodeWorker)(engine, chan, transport)
+    chan.send(m.Ready(wire.describe(engine._core.runner.caches), engine.stats(), engine.config.max_model_len))
     try:
         asyncio.run(worker.serve())
     finally:
-        os._exit(0)  # the transfer thread may sit in a gloo recv: do not wait for it
+        os._exit(0)  # the transfer thread may sit in a blocking receive: do not wait for it
 
 
 class Worker(abc.ABC):
-    def __init__(self, engine: AsyncEngine, conn: Any) -> None:
+    def __init__(self, engine: AsyncEngine, chan: Channel, transport: KVTransport) -> None:
         self.engine = engine
-        self.conn = conn
+        self.chan = chan
         self.caches = engine._core.runner.caches
-        self.transport: wire.Transport = wire.DistTransport(
-            wire.DECODE_RANK if isinstance(self, PrefillWorker) else wire.PREFILL_RANK)
-        self.xfer = {"bytes": 0, "seconds": 0.0, "blocks": 0, "skipped_blocks": 0, "transfers": 0}
+        self.transport: wire.Transport = transport
+        self.xfer: dict[str, int | float] = {"bytes": 0, "seconds": 0.0, "blocks": 0, "skipped_blocks": 0,
+                                             "transfers": 0}
         self._send_lock = threading.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
         self._done: asyncio.Event | None = None
 
-    def send(self, msg: tuple[Any, ...]) -> None:
+    def send(self, msg: msgspec.Struct) -> None:
         try:
             with self._send_lock:
-                self.conn.send(msg)
+                self.chan.send(msg)
         except OSError:
             os._exit(0)  # the front end is gone: nobody is left to serve
 
@@ -92,7 +106,7 @@ class Worker(abc.ABC):
         try:
             # Held to the exit: no other thread's message is cut off half-sent after "failed".
             with self._send_lock:
-                self.conn.send(("failed", encode_error(exc)))
+                self.chan.send(m.Failed(encode_error(exc)))
         finally:
             os._exit(1)
 
@@ -115,22 +129,22 @@ class Worker(abc.ABC):
         """Called once the engine is open, before any message is read."""
 
     @abc.abstractmethod
-    def handle(self, msg: tuple[Any, ...]) -> None:
-        """One message from the front end (or the peer), on the worker's loop."""
+    def handle(self, msg: Any) -> None:
+        """One message from the front end, on the worker's loop."""
 
     def _read(self) -> None:
         assert self.loop is not None
         while True:
             try:
-                msg = self.conn.recv()
-            except (EOFError, OSError):
-                msg = ("shutdown",)  # the front end is gone
+                msg = self.chan.recv()
+            except (EOFError, OSError):  # the front end is gone, or sent what is not a message
+                msg = m.Shutdown()
             self.loop.call_soon_threadsafe(self._dispatch, msg)
-            if msg[0] == "shutdown":
+            if isinstance(msg, m.Shutdown):
                 return
 
-    def _dispatch(self, msg: tuple[Any, ...]) -> None:
-        if msg[0] == "shutdown":
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, m.Shutdown):
             assert self._done is not None
             self._done.set()
         else:
@@ -142,9 +156,9 @@ class Worker(abc.ABC):
         while True:
             if not self.engine.healthy:
                 self.die(EngineDeadError(repr(self.engine._core.dead)))
-            st = (self.engine.stats(), dict(self.xfer))
+            st = m.Stats(self.engine.stats(), dict(self.xfer))
             if st != last:
-                self.send(("stats", *st))
+                self.send(st)
                 last = st
             await asyncio.sleep(0.02)
 
@@ -171,15 +185,14 @@ class PrefillWorker(Worker):
         self.peer_limits: dict[str, int] = {"pool_tokens": 1 << 62, "max_model_len": 1 << 62}  # the decode side's
         threading.Thread(target=self._sender, name="asyncpage-disagg-send", daemon=True).start()
 
-    def handle(self, msg: tuple[Any, ...]) -> None:
-        if msg[0] == "submit":
-            _, rid, prompt, params = msg
-            job = self.jobs[rid] = Job(rid, params)
-            self.spawn(self._run(job, prompt))
-        elif msg[0] == "abort":
-            self.spawn(self._abort(msg[1]))
-        elif msg[0] == "limits":
-            self.peer_limits = msg[1]
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, m.Submit):
+            job = self.jobs[msg.rid] = Job(msg.rid, msg.params)
+            self.spawn(self._run(job, msg.prompt))
+        elif isinstance(msg, m.Abort):
+            self.spawn(self._abort(msg.rid))
+        elif isinstance(msg, m.Limits):
+            self.peer_limits = {"pool_tokens": msg.pool_tokens, "max_model_len": msg.max_model_len}
 
     async def _run(self, job: Job, prompt: Any) -> None:
         eng = self.engine
@@ -204,7 +217,7 @@ class PrefillWorker(Worker):
                 pass
         except AsyncPageError as exc:
             if not job.aborted:
-                self.send(("error", job.rid, encode_error(exc)))
+                self.send(m.Error(job.rid, encode_error(exc)))
         finally:
             if job.req is not None:
                 await eng.wait_released(job.req)
@@ -246,7 +259,7 @@ class PrefillWorker(Worker):
                 if self.peer_dead is None:
                     log.error("KV transfer to the decode worker failed", exc_info=exc)
                     self.peer_dead = exc
-                self.send(("error", job.rid, encode_error(EngineDeadError(f"KV transfer failed: {exc!r}"))))
+                self.send(m.Error(job.rid, encode_error(EngineDeadError(f"KV transfer failed: {exc!r}"))))
             self.loop.call_soon_threadsafe(self._sent, job, pin)
 
     def _sent(self, job: Job, pin: BlockTable) -> None:
@@ -256,8 +269,8 @@ class PrefillWorker(Worker):
     def _finished(self, job: Job) -> None:
         self.jobs.pop(job.rid, None)
         job.done.set()
-        self.send(("stats", self.engine.stats(), dict(self.xfer)))  # the front end's stats() sees it now
-        self.send(("released", job.rid, "prefill", self.engine.stats()))  # its blocks (and pin) are back
+        self.send(m.Stats(self.engine.stats(), dict(self.xfer)))  # the front end's stats() sees it now
+        self.send(m.Released(job.rid, "prefill", self.engine.stats()))  # its blocks (and pin) are back
 
     async def _abort(self, rid: int) -> None:
         job = self.jobs.get(rid)
@@ -266,7 +279,7 @@ class PrefillWorker(Worker):
             if job.req is not None and not job.exporting:
                 self.engine.abort(job.req)
             await job.done.wait()
-        self.send(("released", rid, "prefill", self.engine.stats()))
+        self.send(m.Released(rid, "prefill", self.engine.stats()))
 
 
 # ---- decode --------------------------------------------------------------------------------------
@@ -280,15 +293,20 @@ class DecodeWorker(Worker):
         self.aborted: OrderedDict[int, None] = OrderedDict()
         threading.Thread(target=self._receiver, name="asyncpage-disagg-recv", daemon=True).start()
 
-    def handle(self, msg: tuple[Any, ...]) -> None:
-        if msg[0] == "abort":
-            self.spawn(self._abort(msg[1]))
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, m.Abort):
+            self.spawn(self._abort(msg.rid))
 
     def _receiver(self) -> None:
         assert self.loop is not None
         while True:
             try:
                 header = wire.recv_header(self.transport)
+            except (wire.HeaderError, FrameError) as exc:
+                # The stream can no longer be followed (a frame refused unread, or not a header):
+                # the pair is dead, as after a broken receive.
+                log.error("the prefill worker sent what is not a KV header", exc_info=exc)
+                self.die(EngineDeadError(f"KV transfer failed: {exc}"))
             except Exception as exc:
                 log.error("the prefill worker is gone; no more requests arrive", exc_info=exc)
                 return
@@ -311,7 +329,10 @@ class DecodeWorker(Worker):
 
     def _on_header(self, header: wire.Header, reply: concurrent.futures.Future[Any],
                    box: concurrent.futures.Future[Request | None]) -> None:
-        if header.rid in self.aborted or header.block_bytes != wire.block_bytes(self.caches):
+        invalid = self._invalid(header)
+        if invalid is not None or header.rid in self.aborted:
+            if invalid is not None and header.rid not in self.aborted:
+                self.send(m.Error(header.rid, encode_error(RequestFailedError(f"KV hand-over refused: {invalid}"))))
             self.aborted.pop(header.rid, None)
             reply.set_result(None)
             box.set_result(None)
@@ -321,6 +342,17 @@ class DecodeWorker(Worker):
         box.set_result(req)
         self.spawn(self._forward(header.rid, req))
 
+    def _invalid(self, header: wire.Header) -> str | None:
+        """Why this side cannot take `header` (its layout, its vocabulary), or None."""
+        if header.block_bytes != wire.block_bytes(self.caches):
+            return f"{header.block_bytes} bytes per block sent, this pool's are {wire.block_bytes(self.caches)}"
+        vocab, ids = self.engine.vocab_size, header.prompt_token_ids
+        if not ids or not all(0 <= t < vocab for t in ids) or not 0 <= header.first_token < vocab:
+            return "token ids outside the vocabulary"
+        if header.num_blocks != -(-len(ids) // self.engine.config.block_size):
+            return f"{header.num_blocks} blocks for a prompt of {len(ids)} tokens"
+        return None
+
     async def _forward(self, rid: int, req: Request) -> None:
         try:
             while True:
@@ -328,14 +360,13 @@ class DecodeWorker(Worker):
                 for c in chunks:
                     final = None
                     if c.finish_reason is not None:
-                        final = {"prompt_token_ids": req.prompt_token_ids,
-                                 "num_cached_prompt_tokens": req.num_cached_prompt_tokens,
-                                 "stats": self.engine.stats()}  # blocks already freed: exact
-                    self.send(("chunk", rid, c, final))
+                        final = m.Final(list(req.prompt_token_ids), req.num_cached_prompt_tokens,
+                                        self.engine.stats())  # blocks already freed: exact
+                    self.send(m.Chunk(rid, c, final))
                 if any(c.finish_reason is not None for c in chunks):
                     break
         except AsyncPageError as exc:
-            self.send(("error", rid, encode_error(exc)))
+            self.send(m.Error(rid, encode_error(exc)))
         finally:
             await self.engine.wait_released(req)
             self.live.pop(rid, None)
@@ -349,13 +380,22 @@ class DecodeWorker(Worker):
         else:
             self.engine.abort(req)
             await self.engine.wait_released(req)
-        self.send(("released", rid, "decode", self.engine.stats()))
+        self.send(m.Released(rid, "decode", self.engine.stats()))
+
+
+def run(fd: int) -> None:
+    """The process entry: `fd` is this worker's end of the front end's control socketpair."""
+    chan = Channel(socket.socket(fileno=fd), m.ToWorker)
+    try:
+        init = chan.recv()
+    except (EOFError, OSError):
+        os._exit(1)
+    if not isinstance(init, m.Init):
+        os._exit(1)
+    main(chan, init)
 
 
 if __name__ == "__main__":  # python -m asyncpage.disagg.worker FD (started by DisaggEngine.from_pretrained)
     import sys
-    from multiprocessing.connection import Connection
 
-    _conn = Connection(int(sys.argv[1]))
-    _, _role, _model, _options, _port, _cpus = _conn.recv()
-    main(_role, _conn, _model, _options, _port, _cpus)
+    run(int(sys.argv[1]))
