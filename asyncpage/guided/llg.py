@@ -19,6 +19,7 @@ from asyncpage.guided.backend import (
     enum_of_valid_candidates,
     exclusive_one_of,
     grammar_error,
+    refuse_outside_refs,
 )
 from asyncpage.guided.budget import Closer, CloseState, Planner, StartPlan, sequence_closer
 from asyncpage.guided.guards import Guards
@@ -120,7 +121,9 @@ def refuse_unproductive(spec: GuidedSpec, template: Any) -> None:
     the tokens it forces (llguidance bounds that run), instead of failing each request that uses it."""
     m = template.deep_copy()
     forced = list(m.compute_ff_tokens())
-    if forced and not m.consume_tokens(forced):
+    # One token at a time: llguidance's consume_tokens() refuses a forced run of special-token
+    # terminals (`<[236840]> <[107]>`: "forced bytes: got 'ÿ'") that consume_token() takes one by one.
+    if forced and not all(m.consume_token(t) for t in forced):
         why = (str(m.get_error()).splitlines() or ["a dead end"])[0]  # its first line; a state dump follows
         raise GrammarError(spec.kind, f"the {spec.kind} has no finite instance: {why}")
 
@@ -147,8 +150,12 @@ class LLGuidanceBackend:
         from llguidance.gbnf_to_lark import any_to_lark
 
         if spec.kind == "json_schema":
+            original = json.loads(spec.value)
+            # llguidance fetches nothing itself, but the fallback's jsonschema would: a reference out of
+            # the schema is refused first, by name, whichever of them would have met it.
+            refuse_outside_refs(original)
             try:
-                schema = exclusive_one_of(drop_custom_formats(json.loads(spec.value), deadline), deadline)
+                schema = exclusive_one_of(drop_custom_formats(original, deadline), deadline)
                 grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
             except ValueError as exc:
                 raise grammar_error(spec, str(exc)) from exc
@@ -165,7 +172,7 @@ class LLGuidanceBackend:
         if error and not error.startswith("WARNING") and spec.kind == "json_schema":
             # A schema that only ever matches a few listed values compiles as exactly those values.
             deadline.check()
-            finite = enum_of_valid_candidates(json.loads(spec.value), deadline)
+            finite = enum_of_valid_candidates(original, deadline)
             if finite is not None and finite["enum"]:
                 grammar = LLMatcher.grammar_from_json_schema(finite, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
                 error = LLMatcher.validate_grammar(grammar, self._tok)
