@@ -129,6 +129,8 @@ async def test_refuses_what_it_does_not_run(pair: DisaggEngine) -> None:
             await pair.generate([3 + i % 300 for i in range(600)], GREEDY)
         with pytest.raises(InvalidRequestError, match=r"^prompt:"):
             await pair.generate("", GREEDY)
+        with pytest.raises(InvalidRequestError, match=r"^prompt:"):  # a frame the worker could not decode
+            await pair.generate([3, "x"], GREEDY)
         assert (await pair.generate("ok", GREEDY)).finish_reason == "length"  # still serving
 
 
