@@ -198,15 +198,8 @@ def enable(model: Any, dtype: torch.dtype, threads: Sequence[int] = (), block_si
         return 0.0
     if model.compiled is not None:  # already (another engine on the same weights)
         return 0.0
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        # Inductor writes the C++ it compiles, and loads it back, under /tmp/torchinductor_<user> by
-        # default: a name another local user can create first. The per-user root instead (process-wide:
-        # the host's own torch.compile follows; triton's cache defaults to under it). A user's choice stands.
-        try:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir.subdir("inductor"))
-        except cache_dir.UnsafeCacheError as exc:
-            log.warning("compile=True: %s; running eager", exc)
-            return 0.0
+    if not _private_inductor_cache():
+        return 0.0
     model.compiled = CompiledDecode(model)  # warm-up compiles by running the model's forward through it
     try:
         return model.compiled.warm_up(dtype, block_size, threads)
@@ -222,3 +215,23 @@ def _torch_attention() -> Callable[..., torch.Tensor]:
     from asyncpage.attention import paged_attention
 
     return paged_attention
+
+
+def _private_inductor_cache() -> bool:
+    """Point inductor's cache at the per-user root unless the user chose one; False (and a warning)
+    where that root is unsafe. Inductor writes the C++ it compiles, and loads it back, under
+    /tmp/torchinductor_<user> by default: a name another local user can create first. Process-wide:
+    the host's own torch.compile follows (triton's cache defaults to under it too)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    # Inductor writes its default into the variable the first time anything asks (transformers'
+    # imports can, before this runs): that value is torch's, not a choice of the user's.
+    if current is not None and os.path.abspath(current) != os.path.abspath(default_cache_dir()):
+        return True
+    try:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir.subdir("inductor"))
+    except cache_dir.UnsafeCacheError as exc:
+        log.warning("compile=True: %s; running eager", exc)
+        return False
+    return True
