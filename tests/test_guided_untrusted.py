@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 from referencing.exceptions import Unresolvable
 
 from asyncpage import AsyncEngine, GrammarError
+from asyncpage.guided import GrammarManager
 from asyncpage.guided.backend import Deadline, GuidedSpec, bounded_validator, enum_of_valid_candidates
 
 # The repo's refused shape (llguidance has no `not`): its listed values go through the fallback.
@@ -159,3 +161,106 @@ async def test_a_redos_pattern_compiles_within_the_bound_and_the_loop_keeps_tick
     assert all(m.accept(t) for t in tok.encode('"aaa"', add_special_tokens=False)) and m.is_accepting()
     m = compiled.new_matcher()
     assert not all(m.accept(t) for t in tok.encode('"' + "a" * 27 + '!"', add_special_tokens=False))
+
+
+def big_schema(i: int, size: int, refused: bool = False) -> str:
+    """A JSON Schema of about `size` bytes (a long description), distinct per `i`."""
+    schema: dict[str, Any] = {"type": "string", "maxLength": 3, "description": f"{i} " + "x" * size}
+    if refused:
+        schema["not"] = {"const": "a"}  # llguidance refuses `not`: the refusal is cached
+    return json.dumps(schema)
+
+
+async def test_cached_refusals_keep_no_copy_of_their_spec_text(tiny_llama: Path) -> None:
+    import gc
+    import tracemalloc
+
+    manager = tiny_engine(tiny_llama).guided
+    manager.backend()
+    tracemalloc.start()
+    try:
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(12):
+            with pytest.raises(GrammarError, match="not"):
+                await manager.compile(GuidedSpec("json_schema", big_schema(i, 200_000, refused=True)))
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    print(f"12 refused 200 KB schemas: the cache keeps {kept / 1e3:.0f} KB ({len(manager._cache)} entries)")
+    assert len(manager._cache) == 12  # all remembered (a refusal is refused again at once) ...
+    assert kept < 12 * 200_000 // 4  # ... without their text
+    with pytest.raises(GrammarError, match="not"):
+        await manager.compile(GuidedSpec("json_schema", big_schema(3, 200_000, refused=True)))
+
+
+async def test_the_grammar_cache_is_bounded_by_bytes(tiny_llama: Path) -> None:
+    manager = GrammarManager(*_tiny_tokenizer(tiny_llama), cache_bytes=1 << 20)
+    compiled = []
+    for i in range(10):
+        spec = GuidedSpec("json_schema", big_schema(i, 60_000))
+        compiled.append(await manager.compile(spec))
+        assert manager.cached_bytes <= 1 << 20
+    print(f"10 compiled 60 KB schemas: {len(manager._cache)} cached, {manager.cached_bytes / 1e3:.0f} KB estimated")
+    assert 1 <= len(manager._cache) < 10
+    assert await manager.compile(GuidedSpec("json_schema", big_schema(9, 60_000))) is compiled[9]  # still a hit
+    manager.forget(GuidedSpec("json_schema", big_schema(9, 60_000)))
+    assert await manager.compile(GuidedSpec("json_schema", big_schema(9, 60_000))) is not compiled[9]
+
+
+def _tiny_tokenizer(path: Path) -> tuple[Any, int, list[int]]:
+    engine = tiny_engine(path)
+    return engine.tokenizer, engine.guided.vocab_size, sorted(engine.eos_token_ids)
+
+
+async def test_a_spec_past_its_size_cap_is_refused_naming_its_kind(tiny_llama: Path) -> None:
+    from asyncpage import SamplingParams
+
+    engine = tiny_engine(tiny_llama)
+    big = "x" * (300 << 10)
+    cases = {"json_schema": SamplingParams(json_schema={"type": "string", "description": big}),
+             "regex": SamplingParams(regex="a|" + big),
+             "choice": SamplingParams(choice=["a", big]),
+             "grammar": SamplingParams(grammar='start: "a" | "' + "x" * (3 << 20) + '"')}
+    for kind, params in cases.items():
+        spec = GuidedSpec.from_params(params)
+        assert spec is not None
+        t = time.perf_counter()
+        with pytest.raises(GrammarError) as err:
+            await engine.guided.compile(spec)
+        print(f"{kind}: {len(spec.value)} bytes refused in {(time.perf_counter() - t) * 1000:.1f} ms: {err.value}")
+        assert err.value.field == kind and "bytes" in err.value.message
+    # under the caps: a 200 KB schema and a grounded-size grammar of 1 MiB still compile
+    await engine.guided.compile(GuidedSpec("json_schema", big_schema(0, 200_000)))
+    await engine.guided.compile(GuidedSpec("grammar", 'start: "a" | "' + "x" * (1 << 20) + '"'))
+
+
+async def test_specs_waiting_to_compile_are_bounded_by_bytes(tiny_llama: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncpage.guided import manager as manager_module
+
+    monkeypatch.setattr(manager_module, "MAX_FLIGHT_BYTES", 1 << 20)
+    manager = GrammarManager(*_tiny_tokenizer(tiny_llama), compile_timeout=30.0)
+    backend = manager.backend()
+    release = threading.Event()
+    real = backend.compile
+
+    def held(spec: GuidedSpec, deadline: Any = None) -> Any:
+        release.wait(30)
+        return real(spec, deadline)
+
+    backend.compile = held  # type: ignore[method-assign]
+    tasks = [asyncio.create_task(manager.compile(GuidedSpec("json_schema", big_schema(i, 200_000))))
+             for i in range(8)]
+    await asyncio.sleep(0.2)
+    refused = [t for t in tasks if t.done()]
+    print(f"{len(tasks) - len(refused)} of 8 200 KB schemas wait to compile ({manager.flight_bytes / 1e3:.0f} KB)")
+    assert manager.flight_bytes <= 1 << 20
+    assert len(refused) == 3  # five fit in 1 MiB
+    for t in refused:
+        with pytest.raises(GrammarError, match="already compiling"):
+            t.result()
+    release.set()
+    assert len([await t for t in tasks if t not in refused]) == 5
+    assert manager.flight_bytes == 0

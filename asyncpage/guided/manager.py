@@ -9,7 +9,11 @@ A schema is untrusted input, so a hostile one must cost a bounded amount of CPU 
   costs at most one core until the last of their deadlines; a compile nobody waits for any more is
   cancelled before it starts, and at most MAX_QUEUED specs may wait (more are refused at once);
 - refusals are cached like successes (a spec the engine refused is refused again instantly); a
-  timeout is not (GrammarTimeoutError): it may be the load of the moment, so a later ask compiles again.
+  timeout is not (GrammarTimeoutError): it may be the load of the moment, so a later ask compiles again;
+- memory is bounded by bytes, not by count alone: a spec's text is at most MAX_SPEC_BYTES (MAX_GRAMMAR_BYTES
+  for grammar text), the cache is keyed by a SHA-256 of the spec and never keeps its text, and holds
+  outcomes up to `cache_bytes` of estimated size (entry_bytes); the specs compiling or waiting to
+  hold at most MAX_FLIGHT_BYTES of text (more are refused at once, as past MAX_QUEUED).
 The cache and the in-flight table are touched on the event loop only; the compile thread only
 compiles and reports back through the loop.
 
@@ -24,6 +28,7 @@ its sequences close without a start completion (budget.CloseState.adopt_anchor).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -53,6 +58,50 @@ BACKENDS = ("llguidance", "xgrammar")
 MAX_QUEUED = 256
 START_SLICE = 0.02  # seconds of start search between two looks for waiting compiles
 MAX_PLANS = 256  # start searches waiting at once
+# One spec's text. A JSON Schema, regex or choice list past 256 KiB is no request's honest need. Grammar
+# text is allowed more: grounded extraction's per-record grammar holds the record's words (about 2.5
+# bytes of grammar per byte of text, so 2 MiB is a record of ~200k tokens), and it is dropped from the
+# cache when its record ends.
+MAX_SPEC_BYTES = 256 << 10
+MAX_GRAMMAR_BYTES = 2 << 20
+CACHE_BYTES = 64 << 20  # the default budget of the cache's outcomes (entry_bytes each)
+MAX_FLIGHT_BYTES = 64 << 20  # spec text compiling or waiting to, all specs together
+# A compiled grammar's size where its library does not say: about 3x its spec text with llguidance
+# (measured: a 240 KB schema's grammar and matchers took 0.6 MB), plus what every entry costs anyway.
+COMPILED_PER_BYTE = 4
+ENTRY_OVERHEAD = 16 << 10
+
+
+def spec_key(spec: GuidedSpec) -> bytes:
+    """What the cache and the in-flight table key a spec by: a digest, never the text itself."""
+    h = hashlib.sha256(spec.kind.encode())
+    h.update(b"\0")
+    h.update(spec.value.encode("utf-8", "surrogatepass"))  # a lone surrogate in a regex still hashes
+    return h.digest()
+
+
+def spec_bytes(spec: GuidedSpec) -> int:
+    return len(spec.value.encode("utf-8", "surrogatepass"))
+
+
+def check_spec_size(spec: GuidedSpec) -> None:
+    """GrammarError naming the spec's kind (json_schema, regex, choice, grammar) when its text is
+    larger than it may be."""
+    limit = MAX_GRAMMAR_BYTES if spec.kind == "grammar" else MAX_SPEC_BYTES
+    if len(spec.value) > limit or spec_bytes(spec) > limit:  # a str's length is at most its UTF-8 size
+        raise GrammarError(spec.kind, f"the {spec.kind} is {spec_bytes(spec)} bytes; at most {limit} are accepted")
+
+
+def entry_bytes(spec: GuidedSpec, outcome: CompiledGrammar | GrammarError) -> int:
+    """An estimate of what caching `outcome` keeps alive: a refusal its message; a compiled grammar
+    its library's own figure where it gives one (xgrammar's memory_size_bytes), else COMPILED_PER_BYTE
+    per byte of spec text."""
+    if isinstance(outcome, GrammarError):
+        return ENTRY_OVERHEAD + len(outcome.message) + len(outcome.field)
+    reported = getattr(outcome, "memory_size_bytes", None)
+    if isinstance(reported, int) and reported >= 0:
+        return ENTRY_OVERHEAD + reported
+    return ENTRY_OVERHEAD + COMPILED_PER_BYTE * spec_bytes(spec)
 
 
 def _ignore_errors(fn: Any) -> None:
@@ -65,14 +114,15 @@ def _ignore_errors(fn: Any) -> None:
 class _Flight:
     """One compile in progress and the callers waiting for it."""
 
-    def __init__(self, future: Future[CompiledGrammar]) -> None:
+    def __init__(self, future: Future[CompiledGrammar], nbytes: int) -> None:
         self.future = future
         self.waiters = 0
+        self.nbytes = nbytes  # its spec's text, counted against MAX_FLIGHT_BYTES
 
 
 class GrammarManager:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], backend: str = "llguidance",
-                 compile_timeout: float = 5.0, cache_size: int = 256) -> None:
+                 compile_timeout: float = 5.0, cache_size: int = 256, cache_bytes: int = CACHE_BYTES) -> None:
         if backend not in BACKENDS:
             raise InvalidRequestError("guided_backend", f"must be one of {BACKENDS}, got {backend!r}")
         self.backend_name = backend
@@ -83,9 +133,13 @@ class GrammarManager:
         self._backend: GrammarBackend | None = None
         self._backend_error: GrammarError | None = None
         self._backend_lock = threading.Lock()
-        self._cache: OrderedDict[GuidedSpec, CompiledGrammar | GrammarError] = OrderedDict()
+        # spec_key -> (outcome, entry_bytes): at most `cache_size` entries and `cache_bytes` of them.
+        self._cache: OrderedDict[bytes, tuple[CompiledGrammar | GrammarError, int]] = OrderedDict()
         self._cache_size = cache_size
-        self._flights: dict[GuidedSpec, _Flight] = {}
+        self._cache_bytes = cache_bytes
+        self.cached_bytes = 0  # the estimated size of what the cache holds now
+        self._flights: dict[bytes, _Flight] = {}
+        self.flight_bytes = 0  # the spec text compiling or waiting to
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="asyncpage-grammar")
         # Start searches (compile thread only, but for the count of compiles waiting, under the lock).
         self._plans: deque[weakref.ref[StartPlan]] = deque()
@@ -135,10 +189,14 @@ class GrammarManager:
 
     async def compile(self, spec: GuidedSpec) -> CompiledGrammar:
         """The compiled grammar for `spec`, from the cache or the compile thread. Past
-        `compile_timeout` seconds the caller gets a GrammarError; the engine is unaffected."""
-        hit = self._cache.get(spec)
-        if hit is not None:
-            self._cache.move_to_end(spec)
+        `compile_timeout` seconds the caller gets a GrammarError; the engine is unaffected. A spec
+        larger than MAX_SPEC_BYTES (MAX_GRAMMAR_BYTES for grammar text) is refused at once."""
+        check_spec_size(spec)
+        key = spec_key(spec)
+        entry = self._cache.get(key)
+        if entry is not None:
+            self._cache.move_to_end(key)
+            hit = entry[0]
             if isinstance(hit, GrammarError):
                 raise GrammarError(hit.field, hit.message)
             return hit
@@ -150,20 +208,27 @@ class GrammarManager:
             self._executor.submit(_ignore_errors, self.backend).add_done_callback(
                 lambda _: loop.call_soon_threadsafe(built.set))
             await built.wait()
-        flight = self._flights.get(spec)
+        flight = self._flights.get(key)
         if flight is None:
             if len(self._flights) >= MAX_QUEUED:
                 raise GrammarError(spec.kind, f"{MAX_QUEUED} grammars are already compiling; try again shortly")
+            nbytes = spec_bytes(spec)
+            if self._flights and self.flight_bytes + nbytes > MAX_FLIGHT_BYTES:
+                raise GrammarError(spec.kind, f"{self.flight_bytes} bytes of grammars are already compiling; "
+                                              "try again shortly")
             with self._waiting_lock:
                 self._compiles_waiting += 1
             try:
-                flight = _Flight(self._executor.submit(self._compile_job, spec, Deadline(self.compile_timeout)))
+                flight = _Flight(self._executor.submit(self._compile_job, spec, Deadline(self.compile_timeout)),
+                                 nbytes)
             except BaseException:
                 with self._waiting_lock:
                     self._compiles_waiting -= 1
                 raise
-            self._flights[spec] = flight
-            flight.future.add_done_callback(lambda _: loop.call_soon_threadsafe(lambda: self._settle(spec, flight)))
+            self._flights[key] = flight
+            self.flight_bytes += nbytes
+            flight.future.add_done_callback(
+                lambda _: loop.call_soon_threadsafe(lambda: self._settle(spec, key, flight)))
         flight.waiters += 1
         done = anyio.Event()
         flight.future.add_done_callback(lambda _: loop.call_soon_threadsafe(done.set))
@@ -175,7 +240,7 @@ class GrammarManager:
             self._waiters.discard(done)
             flight.waiters -= 1
             if flight.waiters == 0 and not flight.future.done() and flight.future.cancel():
-                self._flights.pop(spec, None)  # nobody wants it and it never started: it never will
+                self._unfly(key, flight)  # nobody wants it and it never started: it never will
                 with self._waiting_lock:
                     self._compiles_waiting -= 1
                 self._executor.submit(self._schedule_plans)  # searches that gave way to it go on
@@ -249,26 +314,42 @@ class GrammarManager:
                 self._plan_running = None
         self._schedule_plans()
 
-    def _settle(self, spec: GuidedSpec, flight: _Flight) -> None:
+    def _unfly(self, key: bytes, flight: _Flight) -> None:
+        if self._flights.get(key) is flight:
+            del self._flights[key]
+            self.flight_bytes -= flight.nbytes
+
+    def _settle(self, spec: GuidedSpec, key: bytes, flight: _Flight) -> None:
         """On the loop, once a compile ends: cache its outcome (success or GrammarError)."""
-        if self._flights.get(spec) is flight:
-            del self._flights[spec]
+        self._unfly(key, flight)
         if flight.future.cancelled():
             return
         exc = flight.future.exception()
         if exc is None:
-            self._remember(spec, flight.future.result())
+            self._remember(spec, key, flight.future.result())
         elif isinstance(exc, GrammarError):
-            self._remember(spec, exc)
+            # A fresh one: the raised error's traceback holds the compile's frames, and with them the
+            # spec's text and its parsed schema.
+            self._remember(spec, key, GrammarError(exc.field, exc.message))
 
     def forget(self, spec: GuidedSpec | None) -> None:
         """Drop `spec` from the cache (on the loop): a grammar made for one record (grounded
         extraction embeds its text) is of no use once that record is done."""
         if spec is not None:
-            self._cache.pop(spec, None)
+            entry = self._cache.pop(spec_key(spec), None)
+            if entry is not None:
+                self.cached_bytes -= entry[1]
 
-    def _remember(self, spec: GuidedSpec, outcome: CompiledGrammar | GrammarError) -> None:
-        self._cache[spec] = outcome
-        while len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
+    def _remember(self, spec: GuidedSpec, key: bytes, outcome: CompiledGrammar | GrammarError) -> None:
+        cost = entry_bytes(spec, outcome)
+        old = self._cache.pop(key, None)
+        if old is not None:
+            self.cached_bytes -= old[1]
+        if cost > self._cache_bytes:
+            return  # larger than the whole budget: it would only evict everything else
+        self._cache[key] = (outcome, cost)
+        self.cached_bytes += cost
+        while len(self._cache) > self._cache_size or self.cached_bytes > self._cache_bytes:
+            _, (_, gone) = self._cache.popitem(last=False)
+            self.cached_bytes -= gone
 
