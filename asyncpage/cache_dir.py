@@ -4,8 +4,12 @@
 created 0700. What is read back from it (the native kernels' .so, which is loaded as code; the GGUF
 index and tokenizer, which are trusted as written) must be something only this user could have put
 there, so a folder or file is refused (`UnsafeCacheError`) when it is a symlink, not owned by this
-uid, or group/other-writable. Writes go to a fresh name in the same folder (mkstemp / mkdtemp,
-created by us with O_EXCL, so a planted symlink is never followed) and are renamed into place.
+uid, or group/other-writable. One exception: a folder of ours that is group-writable only for this
+user's own private group (what a umask of 002 leaves, the default on user-private-group systems such
+as Ubuntu, and how earlier versions created these folders) is writable by no one else: it is
+tightened to 0700, not refused. Writes go to a fresh name in the same folder (mkstemp / mkdtemp,
+created by us with O_EXCL, so a planted symlink is never followed), made 0600 / 0700 whatever the
+umask, and renamed into place.
 
 This module owns paths and their checks only; what is cached, and under which key, is its callers'
 (native.py, weights.py, models/compiled.py)."""
@@ -32,9 +36,11 @@ class UnsafeCacheError(ModelLoadError):
     it; the message says how to fix it."""
 
     def __init__(self, path: Path, why: str) -> None:
-        super().__init__(f"refusing the asyncpage cache {path}: {why} (another user could have written it; "
-                         f"use a folder only you own, mode 0700, e.g. via ASYNCPAGE_CACHE)")
+        super().__init__(f"refusing the asyncpage cache {path}: {why}")
         self.path = path
+
+
+_HINT = "another user could have written it; use a folder only you own, mode 0700 (ASYNCPAGE_CACHE names one)"
 
 
 def root() -> Path:
@@ -43,7 +49,11 @@ def root() -> Path:
     if configured:
         path = Path(configured).expanduser()
     else:
-        path = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "asyncpage"
+        try:
+            base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        except RuntimeError as exc:  # no HOME and no passwd entry
+            raise UnsafeCacheError(Path("~/.cache/asyncpage"), f"{exc}; set ASYNCPAGE_CACHE") from exc
+        path = base / "asyncpage"
     path = Path(os.path.abspath(path))
     path.parent.mkdir(parents=True, exist_ok=True)  # ~/.cache and the like: not ours to tighten
     if os.path.islink(path):
@@ -142,6 +152,7 @@ def fresh_dir(dest: Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp"))
     try:
         yield tmp
+        _make_private(tmp)
         try:
             os.replace(tmp, dest)
         except OSError:
@@ -168,21 +179,55 @@ def _make_dir(path: Path) -> None:
         os.mkdir(path, 0o700)
         os.chmod(path, 0o700)  # whatever the umask took off or left on
     except FileExistsError:
-        pass
+        st = os.lstat(path)
+        if (stat.S_ISDIR(st.st_mode) and _is_own(st) and st.st_mode & _SHARED_WRITE == stat.S_IWGRP
+                and _is_private_group(st.st_gid)):
+            os.chmod(path, 0o700)  # writable by no one else: see the module's docstring
     check_dir(path)
+
+
+def _make_private(path: Path) -> None:
+    """Folders 0700 and files 0600 under a fresh folder of ours (tools such as save_pretrained
+    create theirs under the process umask), so that they pass the checks when read back."""
+    os.chmod(path, 0o700)
+    for top, dirs, files in os.walk(path):
+        for name in dirs:
+            os.chmod(os.path.join(top, name), 0o700, follow_symlinks=False)
+        for name in files:
+            full = os.path.join(top, name)
+            if not os.path.islink(full):  # a link is left for check_tree to refuse
+                os.chmod(full, 0o600)
+
+
+def _is_own(st: os.stat_result) -> bool:
+    return not hasattr(os, "getuid") or st.st_uid == os.getuid()
+
+
+def _is_private_group(gid: int) -> bool:
+    """Whether `gid` is this user's own private group: their primary group, named after them,
+    listing no other member (the user-private-group scheme)."""
+    try:
+        import grp
+        import pwd
+
+        me = pwd.getpwuid(os.getuid())
+        group = grp.getgrgid(gid)
+    except (ImportError, KeyError):
+        return False
+    return gid == me.pw_gid and group.gr_name == me.pw_name and all(m == me.pw_name for m in group.gr_mem)
 
 
 def _check(path: Path, st: os.stat_result, kind_ok: Callable[[int], bool], kind: str,
            mode_matters: bool = True) -> None:
     if not kind_ok(st.st_mode):
-        raise UnsafeCacheError(path, "it is a symlink" if stat.S_ISLNK(st.st_mode) else f"it is not {kind}")
+        raise UnsafeCacheError(path, f"it is a symlink; {_HINT}" if stat.S_ISLNK(st.st_mode) else f"it is not {kind}")
     if not hasattr(os, "getuid"):
         return  # no POSIX owners (Windows): the folder's ACLs are the user's profile's
     uid = os.getuid()
     if st.st_uid != uid:
-        raise UnsafeCacheError(path, f"it is owned by uid {st.st_uid}, not by this process's uid {uid}")
+        raise UnsafeCacheError(path, f"it is owned by uid {st.st_uid}, not by this process's uid {uid}; {_HINT}")
     if mode_matters and st.st_mode & _SHARED_WRITE:
-        raise UnsafeCacheError(path, f"it is group/other-writable (mode {stat.S_IMODE(st.st_mode):04o})")
+        raise UnsafeCacheError(path, f"it is group/other-writable (mode {stat.S_IMODE(st.st_mode):04o}); {_HINT}")
 
 
 def _unlink(path: str) -> None:

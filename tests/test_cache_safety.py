@@ -90,6 +90,31 @@ def test_a_world_writable_cache_root_is_refused(cache: Path) -> None:
     assert isinstance(err.value, ModelLoadError) and err.value.path == cache
 
 
+@pytest.mark.parametrize("private_group", [True, False])
+def test_a_folder_left_group_writable_by_a_umask_of_002_is_tightened_only_for_a_private_group(
+        cache: Path, monkeypatch: pytest.MonkeyPatch, private_group: bool) -> None:
+    # Earlier versions made their folders under the umask: 0775 on user-private-group systems (Ubuntu's
+    # default), where the group is the user alone. A group with other members is refused.
+    monkeypatch.setattr(cache_dir, "_is_private_group", lambda gid: private_group)
+    cache.mkdir(mode=0o700)
+    cache.chmod(0o775)
+    if private_group:
+        assert cache_dir.root() == cache and stat.S_IMODE(cache.stat().st_mode) == 0o700
+    else:
+        with pytest.raises(cache_dir.UnsafeCacheError, match="group/other-writable"):
+            cache_dir.root()
+        assert stat.S_IMODE(cache.stat().st_mode) == 0o775
+
+
+def test_an_other_writable_folder_is_refused_even_with_a_private_group(cache: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cache_dir, "_is_private_group", lambda gid: True)
+    cache.mkdir(mode=0o700)
+    cache.chmod(0o777)
+    with pytest.raises(cache_dir.UnsafeCacheError, match="group/other-writable"):
+        cache_dir.root()
+
+
 def test_a_cache_root_owned_by_another_user_is_refused(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache.mkdir(mode=0o700)
     _owned_by_another_user(cache, monkeypatch)
@@ -246,6 +271,22 @@ def test_the_gguf_index_is_cached_under_asyncpage_cache(cache: Path, tiny_gguf: 
     assert len(entries) == 1 and (entries[0] / "index.json").is_file() and (entries[0] / "tokenizer").is_dir()
     cache_dir.check_tree(entries[0])
     assert config.model_type == "qwen2" and tokenizer.vocab_size > 0
+
+
+def test_an_index_written_under_a_umask_of_002_reads_back_without_indexing_again(
+        cache: Path, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    previous = os.umask(0o002)
+    try:
+        cached, index = weights._gguf_index(tiny_gguf)
+    finally:
+        os.umask(previous)
+    cache_dir.check_tree(cached)  # save_pretrained's files were made 0600 before the rename
+    monkeypatch.setattr(weights, "_index_gguf", _must_not_index)
+    assert weights._gguf_index(tiny_gguf) == (cached, index)
+
+
+def _must_not_index(path: Path, dest: Path) -> None:
+    raise AssertionError(f"{path} was indexed again")
 
 
 def test_two_concurrent_first_indexings_of_one_gguf_both_succeed(cache: Path, tiny_gguf: Path,
