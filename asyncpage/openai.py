@@ -35,6 +35,7 @@ import ipaddress
 import json
 import logging
 import math
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -174,6 +175,9 @@ def _params(body: dict[str, Any], default_max: int) -> SamplingParams:
         return SamplingParams(**kw)
     except TypeError as exc:  # a wrongly typed value msgspec could not even store
         raise InvalidRequestError(next(iter(kw), "body"), str(exc)) from exc
+    except OverflowError:  # JSON has integers of any size; a float field cannot take one past float's range
+        big = next((k for k, v in kw.items() if isinstance(v, int) and abs(v) > sys.float_info.max), "body")
+        raise InvalidRequestError(big, "is out of range") from None
 
 
 async def _json_body(request: Request, limit: int, timeout: float = BODY_TIMEOUT_S) -> dict[str, Any]:

@@ -182,6 +182,31 @@ async def test_a_full_queue_is_a_429_with_retry_after(tiny: AsyncEngine, monkeyp
             assert r.json()["error"]["code"] == "rate_limit_exceeded"
 
 
+async def test_past_max_queued_requests_the_app_answers_429_and_serves_again_after(tiny_dir: Path) -> None:
+    engine = AsyncEngine.from_pretrained(tiny_dir, dtype="float32", num_kv_blocks=32, max_num_seqs=1,
+                                         max_queued_requests=1)
+    long = {"prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True}
+    async with engine, _client(app(engine)) as hc:
+        async def wait_for(cond: Any) -> None:
+            while not cond(engine.stats()):
+                await asyncio.sleep(0.005)
+
+        running = asyncio.create_task(hc.post("/completions", json=long))
+        await asyncio.wait_for(wait_for(lambda s: s.num_running == 1), 30)
+        waiting = asyncio.create_task(hc.post("/completions", json=long))
+        await asyncio.wait_for(wait_for(lambda s: s.num_waiting == 1), 30)
+        for path, body in (("/completions", COMPLETION), ("/chat/completions", {**CHAT, "stream": True})):
+            r = await hc.post(path, json=body)
+            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1, r.text
+            assert r.json()["error"]["code"] == "rate_limit_exceeded"
+        running.cancel()
+        waiting.cancel()
+        await asyncio.gather(running, waiting, return_exceptions=True)
+        await asyncio.wait_for(wait_for(lambda s: s.num_running == 0 and s.num_waiting == 0), 30)
+        assert (await hc.post("/completions", json=COMPLETION)).status_code == 200
+        assert engine.healthy
+
+
 async def test_the_openai_client_reads_a_full_queue_as_a_rate_limit(tiny: AsyncEngine,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     import openai
