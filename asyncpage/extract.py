@@ -267,7 +267,7 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
                     if not isinstance(record, Mapping):
                         raise InvalidRequestError("record", f"must be a JSON object or a string, got "
                                                             f"{type(record).__name__}")
-                    text = render_prompt(prompt, record)
+                    text = _rendered(prompt, record)
                     ids = await engine.tokenize(text)
                     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
                         raise PromptTooLongError("prompt", f"{len(ids)} tokens > max_prompt_tokens={max_prompt_tokens}")
@@ -281,7 +281,9 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
                     own = grounded(params, marked, sources) if copying else params
                     beam = beam_for(engine, ids, own, beam_width, copying)
                     req = await engine.submit(ids, own, Mailbox(notify), beam=beam)
-                except (PromptTooLongError, GrammarTimeoutError, InvalidRequestError) as exc:
+                except (PromptTooLongError, GrammarTimeoutError, InvalidRequestError, RecursionError) as exc:
+                    # RecursionError: a record nested past what its own preparation (copy sources, its
+                    # grammar) can walk is that record's error, never the job's.
                     if own is not params:
                         _forget(engine, own)  # a refusal is cached too
                     decided_at.pop(index, None)
@@ -344,7 +346,22 @@ def _greedy_retry(req: Request) -> bool:
 _NO_BEAM = "none of the {} beams completed a value the grammar accepts"
 
 
+def _rendered(prompt: Prompt, record: Mapping[str, Any]) -> str:
+    """The record's prompt; a field the template writes as JSON that cannot be (nested past json's
+    depth limit, a set, a cycle: extract_many takes any mapping) is the record's InvalidRequestError."""
+    try:
+        return render_prompt(prompt, record)
+    except InvalidRequestError:
+        raise
+    except RecursionError:
+        raise InvalidRequestError("record", "nested too deeply to write into the prompt") from None
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError("record", f"cannot be written into the prompt: {exc}") from None
+
+
 def _submit_error(exc: Exception) -> ExtractError:
+    if isinstance(exc, RecursionError):
+        return ExtractError("invalid_input", "the record is nested too deeply to prepare")
     if isinstance(exc, PromptTooLongError):
         return ExtractError("prompt_too_long", exc.message)
     if isinstance(exc, GrammarTimeoutError):  # the engine's moment, not the record's: retriable

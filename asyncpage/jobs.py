@@ -5,6 +5,9 @@ Every non-blank input line gets exactly one output line, `{"id": ..., "value": .
 Lines are written whole and flushed one by one, so an interrupted job (Ctrl-C, a kill, a dead
 engine) leaves a valid file that `--resume` continues: input lines
 already in the output are skipped, and a torn last line from a hard kill is cut off first.
+A line that cannot be read as a record (bad bytes, not JSON, nested past what the parser takes) is
+that line's `invalid_input` row, and an output line that cannot be parsed is passed over: no single
+line ends a job, or every resume of it.
 """
 
 from __future__ import annotations
@@ -39,11 +42,17 @@ def load_schema(spec: str) -> Any:
             raise InvalidRequestError("schema", f"cannot read JSON Schema {spec}: {exc}") from exc
     if ":" in spec:
         module, _, name = spec.partition(":")
-        sys.path.insert(0, os.getcwd())
+        # The working directory only for this import: left on sys.path, a file there named like a
+        # module imported later (tqdm, jsonschema, llguidance) would be imported instead.
+        cwd = os.getcwd()
+        sys.path.insert(0, cwd)
         try:
             return getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as exc:
-            raise InvalidRequestError("schema", f"cannot import {spec}: {exc}") from exc
+        except Exception as exc:  # ImportError, AttributeError, or whatever the module's own code raised
+            raise InvalidRequestError("schema", f"cannot import {spec}: {exc!r}") from exc
+        finally:
+            if cwd in sys.path:
+                sys.path.remove(cwd)  # the first one: ours, unless the module moved it
     raise InvalidRequestError("schema", f"{spec!r} is neither a JSON Schema file nor module:Name")
 
 
@@ -51,9 +60,16 @@ def load_examples(path: Path) -> list[dict[str, Any]]:
     """Solved records for the default prompt: JSONL lines {"text": ..., "value": {...}}."""
     try:
         # utf-8-sig: files saved by Windows tools often start with a byte-order mark.
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
+        lines = path.read_text(encoding="utf-8-sig").splitlines()
     except (OSError, ValueError) as exc:
         raise InvalidRequestError("examples", f"cannot read {path}: {exc}") from exc
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except (ValueError, RecursionError) as exc:
+                raise InvalidRequestError("examples", f"{path}: line {n}: {_why_not_json(exc)}") from None
     if not all(isinstance(r, dict) and isinstance(r.get("text"), str) and "value" in r for r in rows):
         raise InvalidRequestError("examples", f"{path}: every line must be {{\"text\": ..., \"value\": ...}}")
     return rows
@@ -95,7 +111,10 @@ class DoneLines:
         when the output holds legacy id-only lines."""
         if line in self:
             return True
-        return bool(self.legacy_ids) and _key(parse_line(line, raw, id_field)[0]) in self.legacy_ids
+        if not self.legacy_ids:
+            return False
+        key = _key(parse_line(line, raw, id_field)[0])
+        return key is not None and key in self.legacy_ids
 
 
 def cut_torn_tail(output: Path) -> None:
@@ -126,7 +145,7 @@ def done_lines(output: Path) -> DoneLines:
         for raw in f:
             try:
                 row = json.loads(raw)
-            except ValueError:
+            except (ValueError, RecursionError):  # not one of ours (a foreign or corrupt line): passed over
                 continue
             if not isinstance(row, dict):
                 continue
@@ -137,12 +156,25 @@ def done_lines(output: Path) -> DoneLines:
             if type(line) is int and 1 <= line <= MAX_LINE:
                 done.add(line)
             elif "line" not in row and "id" in row:
-                done.legacy_ids.add(_key(row["id"]))
+                key = _key(row["id"])
+                if key is not None:
+                    done.legacy_ids.add(key)
     return done
 
 
-def _key(rid: Any) -> str:
-    return json.dumps(rid, sort_keys=True)
+def _key(rid: Any) -> str | None:
+    """A legacy id's key; None for an id too deep to write again (no input line can match it then)."""
+    try:
+        return json.dumps(rid, sort_keys=True)
+    except (ValueError, TypeError, RecursionError):
+        return None
+
+
+_TOO_DEEP = "nested too deeply to parse (past the JSON parser's depth limit)"
+
+
+def _why_not_json(exc: BaseException) -> str:
+    return _TOO_DEEP if isinstance(exc, RecursionError) else str(exc)
 
 
 def input_lines(f: IO[bytes]) -> Iterator[tuple[int, bytes]]:
@@ -168,6 +200,8 @@ def parse_line(n: int, raw: bytes, id_field: str) -> tuple[Any, dict[str, Any] |
         rec = json.loads(text)
     except ValueError as exc:
         return rid, None, str(exc)
+    except RecursionError:  # json.loads' depth limit: "[" * 100_000 is one bad line, not a dead job
+        return rid, None, f"line {n} is {_TOO_DEEP}"
     if not isinstance(rec, dict):
         return rid, None, f"a record must be a JSON object, got {type(rec).__name__}"
     rec.setdefault(id_field, rid)
@@ -251,6 +285,17 @@ def result_line(r: ExtractResult, line_no: int) -> dict[str, Any]:
     return msgspec.to_builtins(line)
 
 
+def _line_text(line: dict[str, Any]) -> str:
+    text = json.dumps(line, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        # A lone surrogate (json.loads accepts "\\ud800" in an id): written as its escape, valid
+        # JSON that reads back the same; unescaped it would kill the job on every resume.
+        text = json.dumps(line)
+    return text
+
+
 class ResultWriter:
     """Appends output lines, each whole and flushed (what makes an interrupted output resumable),
     and counts them into a JobSummary."""
@@ -260,14 +305,21 @@ class ResultWriter:
         self.summary = summary
 
     def write(self, r: ExtractResult, line_no: int) -> None:
-        line = result_line(r, line_no)
-        text = json.dumps(line, ensure_ascii=False)
         try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            # A lone surrogate (json.loads accepts "\\ud800" in an id): written as its escape, valid
-            # JSON that reads back the same; unescaped it would kill the job on every resume.
-            text = json.dumps(line)
+            text = _line_text(result_line(r, line_no))
+        except (ValueError, TypeError, RecursionError) as exc:
+            # An id nested just short of json.loads' limit can be past what writing it takes (a few
+            # frames deeper), an API caller's id may not be JSON at all, a recursive schema's value may
+            # nest past it too: that line's row says so, instead of ending the job (and every resume).
+            why = _why_not_json(exc) if isinstance(exc, RecursionError) else str(exc)
+            try:
+                _line_text({"id": msgspec.to_builtins(r.id)})
+                rid, reason = r.id, "invalid_output"  # the id writes: the value was the culprit
+            except (ValueError, TypeError, RecursionError):
+                rid, reason = f"line-{line_no}", "invalid_input"
+            r = ExtractResult(rid, error=ExtractError(reason, f"the result cannot be written as JSON: {why}"),
+                              prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens)
+            text = _line_text(result_line(r, line_no))
         self.f.write(text + "\n")
         self.f.flush()
         self.summary.closed_early += r.closed_early
