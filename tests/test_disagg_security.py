@@ -134,13 +134,14 @@ def test_the_proc_reader_sees_a_listening_socket_and_its_address() -> None:
 async def test_a_running_pair_listens_on_nothing_beyond_loopback(tiny_models: Any, kv_host: str | None) -> None:
     """Default: the KV goes over AF_UNIX, so no process of the pair holds any IP socket. With
     kv_host="127.0.0.1": the one KV connection, both ends on loopback, and nothing listens once joined."""
+    before = set(_inet_sockets(os.getpid()))  # the front end is this (shared) test process
     engine = DisaggEngine.from_pretrained(tiny_models["llama"][0], kv_host=kv_host, **OPTS)
     try:
         async with engine:
             out = await engine.generate([0, *range(3, 20)], GREEDY)
             assert len(out.token_ids) == 8 and engine.transfer_stats()["bytes"] > 0
-            pids = {"front end": os.getpid(), **{r: p.pid for r, p in engine._procs.items()}}
-            held = {who: _inet_sockets(pid) for who, pid in pids.items()}
+            held = {r: _inet_sockets(p.pid) for r, p in engine._procs.items()}
+            held["front end"] = sorted(set(_inet_sockets(os.getpid())) - before)
     finally:
         engine.close()
     for who, socks in held.items():

@@ -1,5 +1,6 @@
 """Disaggregated prefill and decode: `DisaggEngine` runs a prefill worker and a decode worker in two
-processes and hands each prompt's KV blocks from the first to the second (torch.distributed, gloo).
+processes and hands each prompt's KV blocks from the first to the second (one authenticated socket
+between the two: AF_UNIX in a private directory, or TCP on `kv_host`; typed msgspec frames, no pickle).
 
     engine = DisaggEngine.from_pretrained(dtype="float32")
     async with engine:
@@ -7,7 +8,7 @@ processes and hands each prompt's KV blocks from the first to the second (torch.
 
 Files: engine.py (the front end), stream.py (a request as the caller holds it), messages.py (the
 control messages), worker.py (a worker process), cores.py (the export and import paths of the two
-engine loops), wire.py (the KV hand-over protocol).
+engine loops), wire.py (the KV hand-over protocol), transport.py (its socket: bind, handshake, frames).
 """
 
 from .engine import DisaggEngine

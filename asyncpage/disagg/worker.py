@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import queue
@@ -71,7 +72,8 @@ def main(chan: Channel, init: m.Init) -> None:
     except BaseException as exc:
         if listener is not None:
             listener.close()
-        chan.send(m.Failed(encode_error(exc)))
+        with contextlib.suppress(OSError):  # the front end may be gone: nobody to tell
+            chan.send(m.Failed(encode_error(exc)))
         os._exit(1)
     worker: Worker = (PrefillWorker if init.role == "prefill" else DecodeWorker)(engine, chan, transport)
     chan.send(m.Ready(wire.describe(engine._core.runner.caches), engine.stats(), engine.config.max_model_len))
@@ -321,7 +323,7 @@ class DecodeWorker(Worker):
                     wire.recv_blocks(self.transport, self.caches, plan[1])
             except Exception as exc:
                 # The two sides no longer agree where the stream is: the prefill side would block in
-                # its next transfer until gloo's timeout, its blocks pinned. The pair is dead.
+                # its next transfer (the socket has no timeout), its blocks pinned. The pair is dead.
                 log.error("KV transfer from the prefill worker failed", exc_info=exc)
                 self.die(EngineDeadError(f"KV transfer failed: {exc!r}"))
             if plan is not None and req is not None:
