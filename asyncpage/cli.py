@@ -1,6 +1,7 @@
 """The `asyncpage` command: `asyncpage bench` (figures, optionally against transformers; also
 `bench-guided`, `bench-sharing`, `bench-eviction`), `asyncpage generate` (one streamed completion),
-`asyncpage extract` (a JSONL job) and `asyncpage soak` (a long random run with a verdict)."""
+`asyncpage extract` (a JSONL job), `asyncpage soak` (a long random run with a verdict) and
+`asyncpage serve` (the OpenAI-compatible server; its flags live in asyncpage/serve.py)."""
 
 from __future__ import annotations
 

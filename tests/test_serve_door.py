@@ -415,11 +415,15 @@ def test_asyncpage_serve_over_a_socket_has_a_door(served: str) -> None:
         assert s.recv(4096).startswith(b"HTTP/1.1 408")
 
 
-def test_serve_applies_the_chat_template_file(tiny_dir: Path, tmp_path: Path) -> None:
+async def test_serve_renders_chats_with_the_chat_template_file(tiny_dir: Path, tmp_path: Path) -> None:
+    from asyncpage import SamplingParams
     from asyncpage.serve import load_engine
 
     template = tmp_path / "t.jinja"
     template.write_text("{{ bos_token }}{% for m in messages %}<<{{ m.content }}>>{% endfor %}")
     engine = load_engine(_serve_args("--model", str(tiny_dir), "--dtype", "float32", "--num-kv-blocks", "16",
                                      "--chat-template", str(template)))
-    assert engine.tokenizer.chat_template == template.read_text()
+    async with engine:
+        res = await engine.chat([{"role": "user", "content": "hi there"}], params=SamplingParams(max_tokens=1))
+    expected = engine.tokenizer("<bos><<hi there>>", add_special_tokens=False)["input_ids"]
+    assert res.usage.prompt_tokens == len(expected)
