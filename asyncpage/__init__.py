@@ -12,6 +12,8 @@ from asyncpage.errors import (
     InvalidRequestError,
     ModelLoadError,
     PromptTooLongError,
+    QueueFullError,
+    RequestFailedError,
     SamplingError,
 )
 from asyncpage.outputs import Choice, EngineStats, GenerateOutput, RequestMetrics, StreamChunk, TokenLogprob
@@ -32,6 +34,8 @@ __all__ = [
     "InvalidRequestError",
     "ModelLoadError",
     "PromptTooLongError",
+    "QueueFullError",
+    "RequestFailedError",
     "RequestMetrics",
     "RequestStream",
     "SamplingError",

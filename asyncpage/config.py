@@ -34,13 +34,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     quantization: str | None = None  # weight-only: None, "int8", "int4" (quant.py)
     speculative: SpeculativeConfig | None = None  # n-gram speculative decoding (speculative.py)
     compiled: bool = False  # small decode steps run torch.compile'd layers (models/compiled.py)
+    # Requests handed over but not started past which submission raises QueueFullError (HTTP 429).
+    max_queued_requests: int = 2048
 
 
 def check_options(o: dict[str, Any]) -> None:
     bs = o["block_size"]
     if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1 or bs & (bs - 1):
         raise InvalidRequestError("block_size", f"must be a power of two, got {bs!r}")
-    for name in ("max_num_batched_tokens", "max_num_seqs"):
+    for name in ("max_num_batched_tokens", "max_num_seqs", "max_queued_requests"):
         if not isinstance(o[name], int) or isinstance(o[name], bool) or o[name] < 1:
             raise InvalidRequestError(name, f"must be an integer >= 1, got {o[name]!r}")
     for name in ("num_kv_blocks", "max_model_len", "kv_cache_memory"):

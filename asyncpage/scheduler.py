@@ -13,6 +13,7 @@ The scheduler never touches tensors; the runner turns its output into a batch.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections import deque
 from collections.abc import Callable
@@ -21,12 +22,15 @@ from dataclasses import dataclass, field
 import torch
 
 from asyncpage.beam import Choice
+from asyncpage.errors import AsyncPageError, RequestFailedError
 from asyncpage.kv_cache import KVCacheManager
 from asyncpage.outputs import FinishReason
 from asyncpage.params import SamplingParams
 from asyncpage.request import Request, SeqStatus, Sequence
 from asyncpage.spec_schedule import FORCED_RUN, Speculation
 from asyncpage.speculative import SpeculativeConfig
+
+log = logging.getLogger("asyncpage")
 
 
 @dataclass
@@ -254,7 +258,7 @@ class Scheduler:
                forced: dict[int, list[int]] | None = None, failed: dict[int, str] | None = None,
                beams: dict[int, tuple[list[int], list[float]]] | None = None,
                accepted: dict[int, int] | None = None,
-               ) -> tuple[list[tuple[Sequence, list[int]]], list[tuple[Sequence, str]]]:
+               ) -> tuple[list[tuple[Sequence, list[int]]], list[tuple[Sequence, str | AsyncPageError]]]:
         """Advance computed counts, append sampled tokens (and the tokens a grammar forces after
         them), apply token-level stops. `sampled` maps seq_id -> token; `grammar_done` holds the
         sequences whose grammar is complete; `failed` the sequences whose sampled token is invalid
@@ -264,7 +268,7 @@ class Scheduler:
         new tokens (beams excepted: they report once their search is done), and the failed
         sequences with the reason."""
         new_tokens: list[tuple[Sequence, list[int]]] = []
-        failures: list[tuple[Sequence, str]] = []
+        failures: list[tuple[Sequence, str | AsyncPageError]] = []
         searches: dict[int, Request] = {}
         for sched in out.scheduled:
             seq = sched.seq
@@ -304,7 +308,14 @@ class Scheduler:
         failed_requests = {seq.request.request_id for seq, _ in failures}
         for req_id, req in searches.items():
             if req_id not in failed_requests:
-                failures += self._step_beams(req, beams or {})
+                try:
+                    failures += self._step_beams(req, beams or {})
+                except Exception as exc:  # this search's own work (its grammars, its stop strings): it fails alone
+                    log.error("beam search %d failed; the engine goes on", req_id, exc_info=exc)
+                    error = RequestFailedError(f"this beam search failed while choosing its beams "
+                                               f"({type(exc).__name__}); the engine goes on")
+                    error.__cause__ = exc
+                    failures.append((req.seqs[0], error))
         return new_tokens, failures
 
     def _step_beams(self, req: Request, candidates: dict[int, tuple[list[int], list[float]]],
