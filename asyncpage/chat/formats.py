@@ -10,6 +10,8 @@ gets the generic JSON format, explained in its prompt.
 from __future__ import annotations
 
 import json
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -66,9 +68,36 @@ def detect(template_text: str, tokenizer: Any) -> ToolFormat:
         return MISTRAL
     if "<|python_tag|>" in template_text or ("ipython" in template_text and '"parameters"' in template_text):
         return LLAMA3
-    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    if "<tool_call>" in vocab:
+    markers = _vocab_markers(tokenizer)
+    if "<tool_call>" in markers:
         return HERMES
-    if "[TOOL_CALLS]" in vocab:
+    if "[TOOL_CALLS]" in markers:
         return MISTRAL
     return GENERIC
+
+
+_MARKERS = ("<tool_call>", "[TOOL_CALLS]")
+# get_vocab() builds a fresh dict of the whole vocabulary (262k entries, 0.18 s for Gemma 3's):
+# what it says about the markers is read once per tokenizer, and forgotten with it.
+_MARKERS_OF: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
+_MARKERS_LOCK = threading.Lock()  # preparation runs in worker threads
+
+
+def _vocab_markers(tokenizer: Any) -> frozenset[str]:
+    """The call markers that are tokens of `tokenizer`'s vocabulary (computed once per tokenizer;
+    tokens added to it later are not seen)."""
+    try:
+        with _MARKERS_LOCK:
+            known = _MARKERS_OF.get(tokenizer)
+    except TypeError:  # not weakly referable (or not hashable): nothing to remember it by
+        known = None
+    if known is not None:
+        return known
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    found = frozenset(m for m in _MARKERS if m in vocab)
+    try:
+        with _MARKERS_LOCK:
+            _MARKERS_OF[tokenizer] = found
+    except TypeError:
+        pass
+    return found

@@ -17,7 +17,7 @@ from typing import Any
 
 from asyncpage.chat.formats import ToolFormat
 from asyncpage.chat.messages import Tool
-from asyncpage.guided.backend import drop_custom_formats, exclusive_one_of
+from asyncpage.guided.backend import NO_DEADLINE, Deadline, drop_custom_formats, exclusive_one_of
 
 # json.dumps' separators: what chat templates render with `tojson`, so calls stay in distribution.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -46,9 +46,12 @@ class TurnSpec:
         return [t for t in self.tools if t.name == self.mode]
 
 
-def json_rule(schema: dict[str, Any] | bool) -> str:
-    """`%json {...}` for a schema, with asyncpage's exact rewrites and the fixed JSON style."""
-    s: Any = exclusive_one_of(drop_custom_formats(copy.deepcopy(schema)))
+def json_rule(schema: dict[str, Any] | bool, deadline: Deadline = NO_DEADLINE) -> str:
+    """`%json {...}` for a schema, with asyncpage's exact rewrites and the fixed JSON style.
+    The rewrites check `deadline` as they go (the oneOf one is quadratic in a oneOf's branches):
+    past it they raise guided.backend.CompileTimeout."""
+    deadline.check()
+    s: Any = exclusive_one_of(drop_custom_formats(copy.deepcopy(schema), deadline), deadline)
     if s is True or s == {}:
         s = {}
     if not isinstance(s, dict):
@@ -94,8 +97,9 @@ class _Lit:
         return self(text)
 
 
-def build(spec: TurnSpec, tokenizer: Any) -> str | None:
-    """Lark text for the turn, or None when the turn is free text (no grammar at all)."""
+def build(spec: TurnSpec, tokenizer: Any, deadline: Deadline = NO_DEADLINE) -> str | None:
+    """Lark text for the turn, or None when the turn is free text (no grammar at all). Past
+    `deadline` it raises guided.backend.CompileTimeout (api.py turns it into a GrammarTimeoutError)."""
     lit = _Lit(tokenizer)
     fmt = spec.fmt
     rules: list[str] = []
@@ -105,19 +109,19 @@ def build(spec: TurnSpec, tokenizer: Any) -> str | None:
         rules.append("call: " + " | ".join(names))
         for rule, tool in zip(names, tools, strict=True):
             rules.append(f"{rule}: {lit(fmt.call_head(tool.name))} {rule}_args {lit('}')}")
-            rules.append(f"{rule}_args: {json_rule(tool.parameters)}")
+            rules.append(f"{rule}_args: {json_rule(tool.parameters, deadline)}")
         more = f" ({lit(fmt.sep)} call)*" if spec.parallel else ""
         rest_of_begin = fmt.begin[len(fmt.trigger):]
         rules.append(f"calls_after_trigger: {lit(rest_of_begin)} call{more} {lit(fmt.end)}".replace("  ", " "))
         trigger = lit(fmt.trigger)
         rules.append(f"calls: {trigger} calls_after_trigger" if trigger else "calls: calls_after_trigger")
     if spec.answer_schema is not None:
-        rules.append(f"answer: {json_rule(spec.answer_schema)}")
+        rules.append(f"answer: {json_rule(spec.answer_schema, deadline)}")
     if spec.calls_allowed and spec.mode == "auto":
         if spec.answer_schema is not None and fmt.at_start:
             # Both open with "{": one JSON Schema (anyOf) lets the JSON parser decide, where two
             # alternatives would make the lexer commit at the first "{".
-            rules.append(f"answer_or_calls: {_answer_or_calls(spec)}")
+            rules.append(f"answer_or_calls: {_answer_or_calls(spec, deadline)}")
             body = "answer_or_calls"
         elif spec.answer_schema is not None:
             body = "answer | calls"
@@ -159,7 +163,7 @@ def build(spec: TurnSpec, tokenizer: Any) -> str | None:
     return "%llguidance {}\n" + "\n".join(rules) + "\n"
 
 
-def _answer_or_calls(spec: TurnSpec) -> str:
+def _answer_or_calls(spec: TurnSpec, deadline: Deadline) -> str:
     """`%json` of anyOf [the answer, the format's calls as JSON], for JSON formats (generic, Llama 3).
     Properties are listed in the format's order, so the text is exactly what formats.py renders."""
     defs: dict[str, Any] = {}
@@ -185,7 +189,7 @@ def _answer_or_calls(spec: TurnSpec) -> str:
     root: dict[str, Any] = {"anyOf": [answer, calls]}
     if defs:
         root["$defs"] = defs
-    return json_rule(root)
+    return json_rule(root, deadline)
 
 
 # Keywords whose values are data, not schemas: a "$ref" inside them is a value to keep as written.

@@ -4,6 +4,11 @@ Owns the request side of chat(): messages, tools, tool_choice and response_forma
 shapes, and the chat template (the checkpoint's own through transformers' apply_chat_template, or
 the shipped Gemma 3 turn template for the default model, whose GGUF carries none). It does not
 build grammars (grammar.py) nor read output (parse.py).
+
+Every size here is bounded before any work that grows faster than the input (the limits below,
+each refused as an InvalidRequestError naming its field, which the HTTP app answers with a 400).
+Everything that is only linear (message count, content size) is bounded by the request body and
+the context instead: the rendered prompt must fit max_model_len anyway.
 """
 
 from __future__ import annotations
@@ -16,9 +21,25 @@ from typing import Any
 
 from asyncpage.chat.formats import ToolFormat
 from asyncpage.errors import InvalidRequestError
+from asyncpage.guided.backend import map_subschemas
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-_TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+# OpenAI's own limits: at most 128 tools, names of 1-64 characters from [A-Za-z0-9_.-].
+MAX_TOOLS = 128
+MAX_TOOL_NAME = 64
+_TOOL_NAME = re.compile(rf"[A-Za-z0-9_.\-]{{1,{MAX_TOOL_NAME}}}")
+# A schema (one tool's `parameters`, or response_format's schema) as compact JSON, and all the
+# tools' `parameters` together. A grammar of 64 KiB of schema is already far past any real tool's;
+# the bound keeps the rewrites (grammar.py) and the compile within the preparation deadline.
+MAX_SCHEMA_BYTES = 64 * 1024
+MAX_SCHEMAS_BYTES = 256 * 1024
+# Nesting of a schema or of a history call's arguments (JSON levels): the rewrites, copy.deepcopy
+# and the templates' `tojson` recurse, so a deeper value would end in a RecursionError (a 500).
+MAX_JSON_DEPTH = 128
+# Branches of one oneOf: the oneOf-to-anyOf rewrite compares every pair of branches (O(n^2): 1,000
+# branches cost 0.75 s here, 466k, which fit in 8 MiB, would take hours). 512 cost about 0.2 s.
+MAX_ONE_OF = 512
 
 
 @dataclass(frozen=True)
@@ -36,26 +57,86 @@ def bad(field: str, message: str) -> InvalidRequestError:
     return InvalidRequestError(field, message)
 
 
+def json_extent(value: Any, max_depth: int = MAX_JSON_DEPTH, max_size: float = float("inf")) -> tuple[int, int]:
+    """(nesting depth, a lower bound of the compact JSON size) of a JSON-shaped value, walked
+    without recursion and given up as soon as either is past its bound: a huge or cyclic value costs
+    only what the bounds allow (json.dumps would run to the end in C, holding the GIL)."""
+    deepest, size = 0, 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            size += 2 + sum(len(k) + 4 if isinstance(k, str) else 4 for k in v)
+            items: Any = v.values()
+        elif isinstance(v, list | tuple):
+            size += 2 + len(v)
+            items = v
+        else:
+            size += len(v) + 2 if isinstance(v, str) else 4
+            if size > max_size:
+                return deepest, size
+            continue
+        d += 1
+        deepest = max(deepest, d)
+        if d > max_depth or size > max_size:
+            return deepest, size
+        stack.extend((x, d) for x in items)
+    return deepest, size
+
+
+def check_schema(schema: Any, field: str) -> int:
+    """Refuse a schema past the limits above; its size in bytes (compact JSON) otherwise."""
+    depth, approx = json_extent(schema, MAX_JSON_DEPTH, MAX_SCHEMA_BYTES)
+    if depth > MAX_JSON_DEPTH:
+        raise bad(field, f"is nested more than {MAX_JSON_DEPTH} levels deep")
+    if approx <= MAX_SCHEMA_BYTES:  # a lower bound: the exact size is only taken of what may pass
+        try:
+            approx = len(json.dumps(schema, separators=(",", ":")))
+        except (TypeError, ValueError) as exc:
+            raise bad(field, f"must be JSON: {exc}") from exc
+    if approx > MAX_SCHEMA_BYTES:
+        raise bad(field, f"is over the limit of {MAX_SCHEMA_BYTES} bytes as JSON")
+
+    def count(s: dict[str, Any]) -> dict[str, Any]:
+        branches = s.get("oneOf")
+        if isinstance(branches, list) and len(branches) > MAX_ONE_OF:
+            raise bad(field, f"has a oneOf of {len(branches)} branches, over the limit of {MAX_ONE_OF}")
+        return s
+
+    map_subschemas(schema, count)  # recursion is safe: the depth is bounded above
+    return approx
+
+
 def parse_tools(tools: Any) -> list[Tool]:
     if tools is None:
         return []
     if not isinstance(tools, list):
         raise bad("tools", "must be a list of {'type': 'function', 'function': {...}} objects")
+    if len(tools) > MAX_TOOLS:
+        raise bad("tools", f"has {len(tools)} tools, over the limit of {MAX_TOOLS}")
     out: list[Tool] = []
+    seen: set[str] = set()
+    total = 0
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(fn, dict) or t.get("type", "function") != "function":
             raise bad(f"tools[{i}]", "must be {'type': 'function', 'function': {'name': ..., 'parameters': ...}}")
         name = fn.get("name")
         if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
-            raise bad(f"tools[{i}].function.name", f"must match [A-Za-z0-9_.-]{{1,64}}, got {name!r}")
-        if any(o.name == name for o in out):
+            shown = name if not isinstance(name, str) or len(name) <= 80 else name[:80] + "..."
+            raise bad(f"tools[{i}].function.name",
+                      f"must match [A-Za-z0-9_.-]{{1,{MAX_TOOL_NAME}}}, got {shown!r}")
+        if name in seen:
             raise bad(f"tools[{i}].function.name", f"duplicate tool name {name!r}")
+        seen.add(name)
         params = fn.get("parameters")
         if params is None:
             params = {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise bad(f"tools[{i}].function.parameters", "must be a JSON Schema object")
+        total += check_schema(params, f"tools[{i}].function.parameters")
+        if total > MAX_SCHEMAS_BYTES:
+            raise bad("tools", f"the tools' parameters are over {MAX_SCHEMAS_BYTES} bytes of JSON together")
         out.append(Tool(name, str(fn.get("description") or ""), params))
     return out
 
@@ -99,7 +180,10 @@ def parse_response_format(response_format: Any) -> dict[str, Any] | None:
             return {}  # OpenAI allows a json_schema without a schema: any JSON
         if not isinstance(schema, dict | bool):
             raise bad("response_format.json_schema.schema", "must be a JSON Schema object")
-        return schema if isinstance(schema, dict) else {}
+        if isinstance(schema, dict):
+            check_schema(schema, "response_format.json_schema.schema")
+            return schema
+        return {}
     raise bad("response_format.type", f"must be text, json_object or json_schema, got {kind!r}")
 
 
@@ -161,8 +245,13 @@ def _call(c: Any, field: str, names: dict[str, str]) -> dict[str, Any]:
     if isinstance(args, str):
         try:
             args = json.loads(args)
+        except RecursionError:  # json.loads' own depth limit: the caller's value, a 400 like the rest
+            raise bad(f"{field}.function.arguments", f"is nested more than {MAX_JSON_DEPTH} levels deep") from None
         except ValueError as exc:
             raise bad(f"{field}.function.arguments", f"is not JSON: {exc}") from exc
+    # The templates render arguments with `tojson`, which recurses: bound them as schemas are.
+    if json_extent(args)[0] > MAX_JSON_DEPTH:
+        raise bad(f"{field}.function.arguments", f"is nested more than {MAX_JSON_DEPTH} levels deep")
     cid = str(c.get("id") or "")
     names[cid] = fn["name"]
     return {"id": cid, "type": "function", "function": {"name": fn["name"], "arguments": args}}
@@ -172,7 +261,9 @@ def _plain(messages: list[dict[str, Any]], fmt: ToolFormat) -> list[dict[str, An
     """For templates that know nothing of tools: calls become the format's own text in the
     assistant turn, tool results become user turns, and consecutive turns of one role merge (some
     templates insist that user and assistant alternate)."""
-    out: list[dict[str, Any]] = []
+    # Runs of one role are gathered and joined once: concatenating turn by turn copied the run so
+    # far each time (quadratic in a run of many small messages).
+    runs: list[tuple[str, list[str]]] = []
     for m in messages:
         role, text = m["role"], m["content"]
         if role == "assistant" and m.get("tool_calls"):
@@ -180,11 +271,11 @@ def _plain(messages: list[dict[str, Any]], fmt: ToolFormat) -> list[dict[str, An
             text = (text + "\n" if text else "") + fmt.render(calls)
         if role == "tool":
             role, text = "user", f"Result of the tool call {m['name'] or m['tool_call_id']}: {text}"
-        if out and out[-1]["role"] == role and role != "system":
-            out[-1] = {"role": role, "content": out[-1]["content"] + "\n\n" + text}
+        if runs and runs[-1][0] == role and role != "system":
+            runs[-1][1].append(text)
         else:
-            out.append({"role": role, "content": text})
-    return out
+            runs.append((role, [text]))
+    return [{"role": role, "content": "\n\n".join(texts)} for role, texts in runs]
 
 
 @dataclass(frozen=True)

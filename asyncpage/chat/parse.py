@@ -1,18 +1,30 @@
 """Reading a turn back: reasoning, content and tool calls, from the text the grammar shaped.
 
 The parser knows the exact format the grammar imposed (formats.py), so it reads fields at fixed
-places rather than guessing with per-model regexes. It re-reads the whole text on each call (a
-turn is a few thousand characters at most) and is prefix-stable: with `final=False` it holds back
-whatever a later token could still turn into a marker, so what it has returned never changes.
+places rather than guessing with per-model regexes. It is prefix-stable: before the end it holds
+back whatever a later token could still turn into a marker, so what it has returned never changes.
+
+StreamParser reads a stream chunk by chunk and keeps its place (the phase it is in, where each
+search stopped, the JSON scanner's depth and string state), so each chunk costs work in
+proportion to its own text: re-reading the whole text after every chunk, on the event loop, was
+quadratic in a long turn. It keeps the text once and says where each field lies in it (spans), so
+a streaming caller slices only what is new. parse() is one StreamParser fed the whole text.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from asyncpage.chat.formats import ToolFormat
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+_SPACES = re.compile(r"\s*")  # what str.lstrip() strips (the same Unicode whitespace)
+_NEWLINES = re.compile(r"\n*")
+_OUTSIDE_STRING = re.compile(r'["{}\[\]]')
+_INSIDE_STRING = re.compile(r'["\\]')
+_SCALAR_END = re.compile(r"[,}\] \n]")
 
 
 @dataclass
@@ -37,103 +49,285 @@ def held(text: str, marker: str) -> int:
     return 0
 
 
+class _JsonScan:
+    """Where the JSON value starting at `start` ends, found across calls as the text grows."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.pos = start
+        self.depth = 0
+        self.in_str = False
+        self.esc = False  # the last character read was a backslash inside a string
+        self.scalar: bool | None = None  # undecided until the first character is there
+
+    def end(self, s: str) -> tuple[int | None, int]:
+        """(index just past the value or None if not complete yet, characters looked at now)."""
+        n, p0 = len(s), self.pos
+        if self.scalar is None:
+            if self.start >= n:
+                return None, 0
+            self.scalar = s[self.start] not in "{[\""
+        if self.scalar:
+            # A scalar ends where the call's closing brace starts (more digits could still come).
+            m = _SCALAR_END.search(s, self.pos)
+            self.pos = n if m is None else m.start()
+            return (None if m is None else m.start()), self.pos - p0
+        p = self.pos
+        if self.esc:
+            if p >= n:
+                return None, 0
+            p, self.esc = p + 1, False
+        while True:
+            m = (_INSIDE_STRING if self.in_str else _OUTSIDE_STRING).search(s, p)
+            if m is None:
+                p = n
+                break
+            k = m.start()
+            c, p = s[k], k + 1
+            if self.in_str:
+                if c == "\\":
+                    if p >= n:
+                        self.esc = True
+                        break
+                    p += 1
+                    continue
+                self.in_str = False
+                if self.depth == 0:
+                    self.pos = p
+                    return p, p - p0
+            elif c == '"':
+                self.in_str = True
+            elif c in "{[":
+                self.depth += 1
+            else:
+                self.depth -= 1
+                if self.depth == 0:
+                    self.pos = p
+                    return p, p - p0
+        self.pos = p
+        return None, p - p0
+
+
 def json_end(s: str, i: int) -> int | None:
     """Index just past the JSON value starting at s[i], or None if it is not complete yet."""
-    if i >= len(s):
-        return None
-    if s[i] not in "{[\"":
-        # A scalar: it ends where the call's closing brace starts (more digits could still come).
-        j = i
-        while j < len(s) and s[j] not in ",}] \n":
-            j += 1
-        return j if j < len(s) else None
-    depth, in_str, esc = 0, False, False
-    for j in range(i, len(s)):
-        c = s[j]
-        if in_str:
-            if esc:
-                esc = False
-            elif c == "\\":
-                esc = True
-            elif c == '"':
-                in_str = False
-                if depth == 0:
-                    return j + 1
-        elif c == '"':
-            in_str = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return j + 1
-    return None
+    return _JsonScan(i).end(s)[0]
+
+
+@dataclass
+class _Call:
+    name: str
+    args_at: int  # where its arguments start; -1 before the key is complete
+    arguments: str | None = None  # set once complete
+
+
+class StreamParser:
+    """The incremental parser of one turn. feed() each piece of text as it comes (`final` on the
+    last); then `reasoning`, `content` (spans into `text`), `calls` (the complete ones, in order)
+    and `has_calls` (a call has started, complete or not) describe what parse() would return for
+    the text so far. `scanned` counts the characters its searches and scanners looked at."""
+
+    def __init__(self, fmt: ToolFormat, *, calls_allowed: bool, reasoning: bool, in_reasoning: bool,
+                 forced: bool = False) -> None:
+        self.fmt, self.calls_allowed, self.forced = fmt, calls_allowed, forced
+        self.text = ""
+        self.final = False
+        self.scanned = 0
+        self.reasoning = (0, 0)
+        self.content = (0, 0)
+        self.calls: list[ParsedCall] = []
+        self._pending: _Call | None = None  # the call being read (not complete yet)
+        # phases: "lead" (a reasoning block may still open), "reasoning", "gap" (newlines after it),
+        # "body" (content may still come), "calls", "done" (nothing more can be read)
+        self._phase = "reasoning" if in_reasoning else "lead" if reasoning else "body"
+        self._lead_from = 0  # where the whitespace before a possible <think> resumes
+        self._r_open = 0  # the reasoning's first character (after <think>)
+        self._nl_from = 0  # where the newlines opening the reasoning resume
+        self._r_lead: int | None = None  # its first character that is not a newline
+        self._r_end = 0  # just past its last character that is not a newline (so far)
+        self._r_scanned = 0  # how far the reasoning was read for newlines
+        self._close_from = 0  # where the search for </think> resumes
+        self._body = 0  # where the body (after reasoning) starts
+        self._head_from = 0  # where the search for the format's head resumes
+        self._name_from = 0  # start of the call name being read
+        self._quote_from = 0
+        self._name_end = 0  # its closing quote
+        self._json: _JsonScan | None = None
+        self._after = 0  # just past the last complete call's arguments
+        self._next_head = fmt.sep + '{"name": "'
+        self._key = '", "' + fmt.key + '": '
+
+    @property
+    def has_calls(self) -> bool:
+        return bool(self.calls) or self._pending is not None
+
+    def feed(self, piece: str, final: bool = False) -> StreamParser:
+        if self.final:
+            raise RuntimeError("this turn's text has ended")
+        # The text lives in a local while it grows: CPython then extends it in place, where
+        # `self.text += piece` would copy it whole on every chunk.
+        text = self.text
+        self.text = ""
+        text += piece
+        self.text = text
+        self.final = final
+        self._advance()
+        return self
+
+    def parsed(self) -> Parsed:
+        """What was read so far, as strings (this copies the fields: once at the end, not per chunk)."""
+        s = self.text
+        calls = list(self.calls)
+        if self._pending is not None:
+            p = self._pending
+            calls.append(ParsedCall(p.name, "" if p.args_at < 0 else s[p.args_at:], False))
+        return Parsed(s[self.reasoning[0]:self.reasoning[1]], s[self.content[0]:self.content[1]], calls)
+
+    # ---- the phases, each resuming where it stopped -----------------------------------------------
+    def _advance(self) -> None:
+        s = self.text
+        if self._phase == "lead":
+            lead = self._lead_from = _SPACES.match(s, self._lead_from).end()
+            rest = s[lead:lead + len(THINK_OPEN)]
+            if rest == THINK_OPEN:
+                self._phase, self._r_open = "reasoning", lead + len(THINK_OPEN)
+                self._r_scanned = self._close_from = self._nl_from = self._r_end = self._r_open
+            elif not self.final and THINK_OPEN.startswith(rest):
+                return  # maybe the start of a reasoning block (whitespace included: it may precede one)
+            else:
+                self._phase = "body"
+        if self._phase == "reasoning":
+            self._read_reasoning(s)
+        if self._phase == "gap":
+            at = self._body = _NEWLINES.match(s, self._body).end()
+            if at == len(s):
+                return  # only newlines after </think> so far: the body has not started
+            self._head_from = at
+            self._phase = "body"
+        if self._phase == "body":
+            self._read_body(s)
+        elif self._phase == "free":
+            self.content = (self._body, len(s))
+        if self._phase == "between":
+            self._resume_between(s)
+        if self._phase == "calls":
+            self._read_calls(s)
+
+    def _read_reasoning(self, s: str) -> None:
+        if self._r_lead is None:
+            at = self._nl_from = _NEWLINES.match(s, self._nl_from).end()
+            if at < len(s):
+                self._r_lead = at
+        end = s.find(THINK_CLOSE, max(self._r_open, self._close_from - len(THINK_CLOSE) + 1))
+        self.scanned += len(s) - self._close_from + len(THINK_CLOSE)
+        self._close_from = len(s)
+        if end < 0:
+            cut = len(s) if self.final else len(s) - held(s[-len(THINK_CLOSE):], THINK_CLOSE)
+            # Trailing newlines wait: if the block closes next, they are not part of the reasoning.
+            self._newlines_to(s, cut)
+            stop = cut if self.final else self._r_end
+        else:
+            self._newlines_to(s, end)
+            stop = self._r_end
+            self._phase, self._body = "gap", end + len(THINK_CLOSE)
+        if self._r_lead is None:  # only newlines so far: no reasoning yet
+            self.reasoning = (self._r_open, self._r_open)
+        else:
+            self.reasoning = (self._r_lead, max(self._r_lead, stop))
+
+    def _newlines_to(self, s: str, cut: int) -> None:
+        """Move the reasoning's end past its last character that is not a newline, before `cut`."""
+        if cut > self._r_scanned:
+            kept = s[self._r_scanned:cut].rstrip("\n")
+            if kept:
+                self._r_end = self._r_scanned + len(kept)
+            self.scanned += cut - self._r_scanned
+            self._r_scanned = cut
+
+    def _read_body(self, s: str) -> None:
+        b, fmt = self._body, self.fmt
+        if not self.calls_allowed:
+            self.content = (b, len(s))
+            return
+        head = fmt.head
+        if self.forced or fmt.at_start:
+            # The head can only open the body: decided once the body is as long as the head.
+            if s.startswith(head, b):
+                self._start_calls(b + len(head))
+            elif len(s) - b < len(head) and head.startswith(s[b:]):
+                pass  # undecided yet, or at the end a call cut before its name: markup, not content
+            elif self.forced:
+                self._phase = "done"  # every character is forced markup: not a call, no content either
+            else:
+                self.content = (b, len(s))
+                self._phase = "free"
+            return
+        at = s.find(head, max(b, self._head_from - len(head) + 1))
+        self.scanned += len(s) - self._head_from + len(head)
+        self._head_from = len(s)
+        if at >= 0:
+            self.content = (b, at)
+            self._start_calls(at + len(head))
+            return
+        if not self.final:
+            self.content = (b, len(s) - held(s[max(b, len(s) - len(head)):], head))
+            return
+        # Under the grammar the trigger always opens a call: after it, a call cut before its name.
+        cut = s.find(fmt.trigger, b) if fmt.trigger else -1  # once, at the end
+        self.content = (b, len(s) if cut < 0 else cut)
+
+    def _start_calls(self, name_at: int) -> None:
+        self._phase = "calls"
+        self._name_from = self._quote_from = name_at
+
+    def _read_calls(self, s: str) -> None:
+        while self._phase == "calls":
+            if self._json is None and self._pending is None:  # reading a call's name
+                q = s.find('"', self._quote_from)
+                self.scanned += len(s) - self._quote_from
+                if q < 0:
+                    self._quote_from = len(s)
+                    return  # the name is not complete yet
+                self._name_end = q
+                self._pending = _Call(s[self._name_from:q], -1)
+            p = self._pending
+            assert p is not None
+            if p.args_at < 0:
+                key, q = self._key, self._name_end
+                rest = s[q:q + len(key)]
+                if rest != key:
+                    if not key.startswith(rest):
+                        self._pending, self._phase = None, "done"
+                    return
+                p.args_at = q + len(key)
+                self._json = _JsonScan(p.args_at)
+            assert self._json is not None
+            end, looked = self._json.end(s)
+            self.scanned += looked
+            if end is None:
+                return
+            self.calls.append(ParsedCall(p.name, s[p.args_at:end], True))
+            self._pending, self._json, self._after = None, None, end
+            # The next call, if any, after the closing brace and the separator.
+            nxt = s[end + 1:end + 1 + len(self._next_head)]
+            if nxt != self._next_head:
+                if not (len(nxt) < len(self._next_head) and self._next_head.startswith(nxt)):
+                    self._phase = "done"
+                else:
+                    self._phase = "between"
+                return
+            self._start_calls(end + 1 + len(self._next_head))
+
+    def _resume_between(self, s: str) -> None:
+        end = self._after
+        nxt = s[end + 1:end + 1 + len(self._next_head)]
+        if nxt == self._next_head:
+            self._start_calls(end + 1 + len(self._next_head))
+        elif not (len(nxt) < len(self._next_head) and self._next_head.startswith(nxt)):
+            self._phase = "done"
 
 
 def parse(text: str, fmt: ToolFormat, *, calls_allowed: bool, reasoning: bool, in_reasoning: bool,
           final: bool, forced: bool = False) -> Parsed:
     """`forced`: tool_choice "required" or a named tool, where the grammar writes nothing but calls."""
-    out = Parsed()
-    body = text
-    if in_reasoning or (reasoning and text.lstrip().startswith(THINK_OPEN)):
-        start = 0 if in_reasoning else text.index(THINK_OPEN) + len(THINK_OPEN)
-        end = text.find(THINK_CLOSE, start)
-        if end < 0:
-            cut = len(text) if final else len(text) - held(text, THINK_CLOSE)
-            # Trailing newlines wait: if the block closes next, they are not part of the reasoning.
-            out.reasoning = text[start:cut].lstrip("\n") if final else text[start:cut].strip("\n")
-            return out
-        out.reasoning = text[start:end].strip("\n")
-        body = text[end + len(THINK_CLOSE):].lstrip("\n")
-    elif reasoning and not final and THINK_OPEN.startswith(text.lstrip()):
-        return out  # maybe the start of a reasoning block (whitespace included: it may precede one)
-    if not calls_allowed:
-        out.content = body
-        return out
-    head = fmt.head
-    if forced and not body.startswith(head):
-        return out  # every character is forced markup: a call cut before its name (by max_tokens) is no content
-    if fmt.at_start:
-        if not body.startswith(head):
-            if body and head.startswith(body):
-                return out  # undecided yet, or at the end a call cut before its name: markup, not content
-            out.content = body
-            return out
-        at = 0
-    else:
-        at = body.find(head)
-        if at < 0:
-            if not final:
-                out.content = body[: len(body) - held(body, head)]
-                return out
-            # Under the grammar the trigger always opens a call: after it, a call cut before its name.
-            cut = body.find(fmt.trigger) if fmt.trigger else -1
-            out.content = body if cut < 0 else body[:cut]
-            return out
-        out.content = body[:at]
-    _calls(body, at + len(head), fmt, out.calls)
-    return out
-
-
-def _calls(body: str, j: int, fmt: ToolFormat, calls: list[ParsedCall]) -> None:
-    next_head = fmt.sep + '{"name": "'
-    key = '", "' + fmt.key + '": '
-    while True:
-        q = body.find('"', j)
-        if q < 0:
-            return  # the name is not complete yet
-        name = body[j:q]
-        rest = body[q : q + len(key)]
-        if rest != key:
-            if key.startswith(rest):
-                calls.append(ParsedCall(name, "", False))
-            return
-        a = q + len(key)
-        end = json_end(body, a)
-        if end is None:
-            calls.append(ParsedCall(name, body[a:], False))
-            return
-        calls.append(ParsedCall(name, body[a:end], True))
-        if not body.startswith(next_head, end + 1):
-            return
-        j = end + 1 + len(next_head)
+    return StreamParser(fmt, calls_allowed=calls_allowed, reasoning=reasoning, in_reasoning=in_reasoning,
+                        forced=forced).feed(text, final).parsed()
