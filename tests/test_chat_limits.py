@@ -97,7 +97,7 @@ async def test_each_chat_limit_is_a_typed_error_naming_its_field(engine: AsyncEn
 async def test_the_limits_are_400s_naming_the_field_over_http(engine: AsyncEngine) -> None:
     from asyncpage.openai import app
 
-    body = {"model": "m", "messages": ASK, "tools": [tool(f"t{i}") for i in range(MAX_TOOLS + 1)]}
+    body: dict[str, Any] = {"model": "m", "messages": ASK, "tools": [tool(f"t{i}") for i in range(MAX_TOOLS + 1)]}
     async with engine, httpx.AsyncClient(transport=httpx.ASGITransport(app(engine)), base_url="http://t") as c:
         r = await c.post("/v1/chat/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
@@ -107,7 +107,7 @@ async def test_the_limits_are_400s_naming_the_field_over_http(engine: AsyncEngin
         assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.json_schema.schema", r.text
 
 
-class _Untouchable(dict):  # type: ignore[type-arg]
+class _Untouchable(dict[str, Any]):
     def get(self, *a: Any) -> Any:
         raise AssertionError("a tool was read before the count was checked")
 
@@ -144,7 +144,7 @@ async def test_history_call_arguments_nested_100k_deep_are_a_400_not_a_recursion
         deep = []
         for _ in range(100_000):
             deep = [deep]
-    msgs = [{"role": "user", "content": "hi"},
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "hi"},
             {"role": "assistant", "content": "", "tool_calls": [
                 {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
@@ -259,7 +259,7 @@ def test_the_vocabulary_is_read_once_per_tokenizer(hermes_dir: Path) -> None:
         calls += 1
         return real()
 
-    tok.get_vocab = counted
+    tok.get_vocab = counted  # type: ignore[method-assign]
     for _ in range(5):
         assert formats.detect("{{ messages }}", tok) is GENERIC  # no markers in the template: the vocabulary says
     assert calls == 1

@@ -41,6 +41,12 @@ class Parsed:
     calls: list[ParsedCall] = field(default_factory=list)
 
 
+def _past(run: re.Pattern[str], s: str, pos: int) -> int:
+    """Index just past the run of `run` (which matches the empty string too) at `pos`."""
+    m = run.match(s, pos)
+    return pos if m is None else m.end()
+
+
 def held(text: str, marker: str) -> int:
     """Length of the longest proper suffix of `text` that starts `marker`."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -186,7 +192,7 @@ class StreamParser:
     def _advance(self) -> None:
         s = self.text
         if self._phase == "lead":
-            lead = self._lead_from = _SPACES.match(s, self._lead_from).end()
+            lead = self._lead_from = _past(_SPACES, s, self._lead_from)
             rest = s[lead:lead + len(THINK_OPEN)]
             if rest == THINK_OPEN:
                 self._phase, self._r_open = "reasoning", lead + len(THINK_OPEN)
@@ -198,7 +204,7 @@ class StreamParser:
         if self._phase == "reasoning":
             self._read_reasoning(s)
         if self._phase == "gap":
-            at = self._body = _NEWLINES.match(s, self._body).end()
+            at = self._body = _past(_NEWLINES, s, self._body)
             if at == len(s):
                 return  # only newlines after </think> so far: the body has not started
             self._head_from = at
@@ -214,7 +220,7 @@ class StreamParser:
 
     def _read_reasoning(self, s: str) -> None:
         if self._r_lead is None:
-            at = self._nl_from = _NEWLINES.match(s, self._nl_from).end()
+            at = self._nl_from = _past(_NEWLINES, s, self._nl_from)
             if at < len(s):
                 self._r_lead = at
         end = s.find(THINK_CLOSE, max(self._r_open, self._close_from - len(THINK_CLOSE) + 1))
