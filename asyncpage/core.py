@@ -274,17 +274,20 @@ class EngineCore:
                         self._fail(req, exc)
                         continue
                     self._release(req)
+        failed_here: set[int] = set()
         for seq, tokens in updates:
             req = seq.request
-            if req.request_id not in self._requests:
-                continue  # failed earlier in this loop (another of its samples)
+            if req.request_id in failed_here:
+                continue  # another of its samples failed just now: the request is over
             try:
                 # Logprobs exist only for sampled tokens; fast-forward is off for requests that ask for them.
                 self.output.process(seq, tokens, logprobs.get(seq.seq_id), now)
             except Exception as exc:
+                failed_here.add(req.request_id)
                 self._fail(req, exc)
                 continue
-            if req.finished:
+            # (Released after its first sample when all ended in this step; its other samples still post.)
+            if req.finished and req.request_id in self._requests:
                 self._release(req)
         for seq, reason in failed:
             req = seq.request
@@ -295,6 +298,8 @@ class EngineCore:
         """End one request whose own work failed (its detokenizer, stop strings, grammar, sampling):
         its blocks are freed, its reader gets a typed error, and nothing else in the step is touched.
         This is the fence that keeps a per-request fault from becoming the engine's death."""
+        if req.request_id not in self._requests:
+            return  # already over (released): its reader has had every end
         if not isinstance(error, AsyncPageError):
             log.error("request %d failed on the engine loop; the engine goes on", req.request_id, exc_info=error)
             wrapped = RequestFailedError(f"this request failed while its output was processed "

@@ -100,7 +100,12 @@ def _is_int(x: object) -> bool:
 
 def _is_num(x: object) -> bool:
     # Finite only: NaN and inf in any sampling field turn logits into NaN rows downstream.
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+    if not isinstance(x, int | float) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int past float's range (10**400): not a usable number either
+        return False
 
 
 def _check(p: SamplingParams) -> None:

@@ -170,3 +170,8 @@ def test_stop_strings_are_bounded_in_count_and_length() -> None:
 def test_a_temperature_past_float32_range_is_refused() -> None:
     with pytest.raises(InvalidRequestError, match="temperature"):
         SamplingParams(temperature=3.5e38)
+
+
+def test_an_integer_past_floats_range_is_refused_naming_its_field() -> None:
+    with pytest.raises(InvalidRequestError, match="frequency_penalty"):
+        SamplingParams(frequency_penalty=10**400)
