@@ -122,15 +122,22 @@ class LLGuidanceGrammar:
 
 def refuse_unproductive(spec: GuidedSpec, template: Any) -> None:
     """A grammar with no finite instance (`start: "a" start`, a required self-reference) compiles,
-    and its mask allows tokens its matcher then refuses: refused here when a fresh matcher cannot take
-    the tokens it forces (llguidance bounds that run), instead of failing each request that uses it."""
-    forced = list(template.deep_copy().compute_ff_tokens())
-    m = template.deep_copy()  # a fresh one: see LLGuidanceMatcher.forced_tokens
-    # One token at a time: llguidance's consume_tokens() refuses a forced run of single-token
-    # terminals (`<[236840]> <[107]>`: "forced bytes: got 'ÿ'") that consume_token() takes one by one.
-    if forced and not all(m.consume_token(t) for t in forced):
-        why = (str(m.get_error()).splitlines() or ["a dead end"])[0]  # its first line; a state dump follows
-        raise GrammarError(spec.kind, f"the {spec.kind} has no finite instance: {why}")
+    and its mask allows tokens its matcher then refuses: refused here when a matcher cannot take the
+    tokens it forces (llguidance bounds that run), instead of failing each request that uses it."""
+    whole = template.deep_copy()
+    forced = list(whole.compute_ff_tokens())
+    if not forced or whole.consume_tokens(forced):
+        return
+    # consume_tokens() refused the run. It also refuses a forced run of single-token terminals
+    # (`<[236840]> <[107]>`: "forced bytes: got 'ÿ'") that a fresh matcher takes one token at a time,
+    # as the engine feeds it (see LLGuidanceMatcher.forced_tokens); such a grammar is fine when that
+    # run ends. A required self-reference forces `{"next":{"next":...` up to llguidance's bound ("Too
+    # many items"), and after it forces as much again: no finite instance.
+    m = template.deep_copy()
+    if all(m.consume_token(t) for t in forced) and not m.deep_copy().compute_ff_tokens():
+        return
+    why = (str(whole.get_error()).splitlines() or ["a dead end"])[0]  # its first line; a state dump follows
+    raise GrammarError(spec.kind, f"the {spec.kind} has no finite instance: {why}")
 
 
 class LLGuidanceBackend:
