@@ -13,7 +13,8 @@ expensive step). Two schemas:
 
 For each it prints the start search's time (the grammar compile thread), the start completion's
 length in bytes and tokens (or that budget closing is off for the grammar), and the closer's time per
-step (p50 / p99 / max) with the tokenizer and model-matcher calls per step.
+step (p50 / p99 / max) with the most tokenizer calls (and bytes) and model-matcher tokens checked in
+one step. `PYTHONPATH=<an older checkout>` measures that one.
 
     .venv/bin/python scripts/budget_cost.py            # the three schemas
     .venv/bin/python scripts/budget_cost.py --steps 8 --only hostile
@@ -110,7 +111,7 @@ def measure(label: str, schema: dict[str, Any], manager: GrammarManager, eos: li
     counting_tok = Counting(tok, ("tokenize_bytes",))
     closer.p.tok = counting_tok
     raw = closer.m
-    counting_m = Counting(raw, ("try_consume_tokens",))
+    counting_m = Counting(raw, ("try_consume_tokens", "validate_tokens"))
     closer.m = counting_m
     rng = random.Random(seed)
     vocab = manager.vocab_size
@@ -143,7 +144,7 @@ def measure(label: str, schema: dict[str, Any], manager: GrammarManager, eos: li
     matched = sorted(n for _, _, n in per_step)
     print(f"  {len(times)} steps: per step p50 {times[len(times) // 2] * 1e3:.2f} ms, "
           f"p99 {times[int(0.99 * (len(times) - 1))] * 1e3:.2f} ms, max {times[-1] * 1e3:.2f} ms; "
-          f"tokenizer calls max {calls[-1]} ({tokenized[-1]} bytes), model-matcher tokens tried max {matched[-1]}")
+          f"tokenizer calls max {calls[-1]} ({tokenized[-1]} bytes), model-matcher tokens checked max {matched[-1]}")
 
 
 def main() -> None:

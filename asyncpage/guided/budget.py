@@ -24,9 +24,31 @@ shortest completion, the output walks to a valid end instead of being cut. The r
 
 The searches run on `CloseState.shadow`, the sequence's state in the grammar compiled for a 256-byte
 vocabulary (search.byte_tokenizer), fed the bytes of every token the sequence takes: probing it is
-~1 us where the model's mask is 25 us to 0.7 ms. Cost: the repair is a few microseconds; a repair
-search ~1-2 ms (at most search.MAX_NODES states, then a short walk). Over the dev-set schemas driven
-by a random policy (tests/test_budget_close.py) a step takes 0.6 ms at the median, 45 ms at p99.
+~1 us where the model's mask is 25 us to 0.7 ms.
+
+Bounded cost per step (issue 31: a schema whose shortest value was ~22k tokens made every engine step
+take 1-4 s, for every request in the batch). No completion is longer than L = search.MAX_COMPLETION
+(8 KiB): a grammar whose start search finds none within L (the walk runs past it) has
+`StartPlan.too_long`, and its requests run without budget closing, as with budget_close=False (cut
+at max_tokens, finish_reason "length"); a repair search never returns one longer either. A
+completion's tokens are kept, not recomputed: a step that keeps to its completion (or to a suffix of
+one known) drops the tokens it passed and spells again only the one token it split. So one step,
+whatever the completion's length, does at most:
+- ALTERNATIVES + 5 tries of a token (the sampled one; a quote and the sampled one again where the
+  repetition guard refused it; the alternatives; the completion's first token; last the model's own);
+- per try: one token's bytes (and forced tokens) through the model's matcher and the byte matcher;
+  the tokenizer and the model's matcher on at most the bytes of the token it split; O(L) byte and
+  tuple copies (memcpy, ~1 us at L) and, where it came back to a suffix, a walk over the tokens
+  between it and the completion's nearer end (Planner.rest; a dict look-up a token);
+- in all tries together: the byte matcher checks at most search.SUFFIX_BYTES (4 L) bytes, plus one
+  L a try, finding the suffix the model came back to (search.suffix_at, at most SUFFIX_TRIES
+  positions a try);
+- at most SEARCHES_PER_STEP repair searches (search.MAX_NODES states, a WALK_STEPS walk, GOALS goals
+  of at most GOALS bytes each), each result (at most L bytes) tokenized and validated once.
+Measured (scripts/budget_cost.py, a random policy with max_tokens 2 above the shortest value, so
+most tokens do not fit and every try runs): a 7 KB completion 1.9 ms per step at the median (35 ms
+before), a ten-field extraction schema 0.14 ms (0.41 ms); the dev-set schemas under the random
+policy of tests/test_budget_close.py 0.18 ms at the median, 10 ms at p99.
 Only the worker thread touches a CloseState (as it does the matchers it belongs to).
 """
 
@@ -39,7 +61,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncpage.guided.guards import Guards, guards_for, lex, refusal
-from asyncpage.guided.search import Steps, completes, run, search, start_search
+from asyncpage.guided.search import GOALS, MAX_COMPLETION, SUFFIX_BYTES, Steps, run, search, start_search, suffix_at
 
 __all__ = ["ALTERNATIVES", "CloseState", "Closer", "Guards", "MatcherError", "Planner", "StartPlan", "guards_for",
            "matcher_error"]
@@ -55,6 +77,7 @@ ALTERNATIVES = 8  # model's best allowed tokens tried when its sampled token doe
 # A start search's own time bound: a hostile grammar's cost on the compile thread, on top of its
 # compile. The search's node bounds end it well before on every dev-set schema but one.
 START_SECONDS = 2.0
+SEARCHES_PER_STEP = 2  # repair searches one step may run, whatever the number of tokens it tries
 
 
 class MatcherError(RuntimeError):
@@ -93,19 +116,53 @@ class Planner:
             b = self._bytes[t] = bytes(self.tok.decode_bytes([t]))
         return b
 
-    def tokens_for(self, m: Any, path: bytes) -> list[int]:
-        """A short tokenization of `path` that `m` (a model-vocabulary matcher) accepts to the end,
-        else its byte tokens (m is unchanged)."""
+    def tokens_for(self, m: Any, path: bytes, whole: bool = True) -> tuple[int, ...]:
+        """A short tokenization of `path` that `m` (a model-vocabulary matcher) accepts (to an
+        accepting state when `whole`; else `path` begins a completion), else its byte tokens (m is
+        unchanged). Work: len(path)."""
         if not path:
-            return []
+            return ()
         ids = list(self.tok.tokenize_bytes(path))
         if len(ids) < len(path):
-            n = m.try_consume_tokens(ids)
-            ok = n == len(ids) and m.is_accepting()
-            m.rollback(n)
+            if not whole or self.eos >= 0:
+                # Validated, not consumed (~10x cheaper a token); the end token, which the matcher
+                # allows only where it accepts, stands for is_accepting.
+                ends = [self.eos] if whole else []
+                ok = m.validate_tokens(ids + ends) == len(ids) + len(ends)
+            else:
+                n = m.try_consume_tokens(ids)
+                ok = n == len(ids) and m.is_accepting()
+                m.rollback(n)
             if ok:
-                return ids
-        return [self.byte_token[b] for b in path]
+                return tuple(ids)
+        return tuple(self.byte_token[b] for b in path)
+
+    def rest(self, m: Any, path: bytes, tokens: tuple[int, ...], i: int) -> tuple[int, ...]:
+        """A tokenization of path[i:] from `tokens`, one of `path`, for `m` at the state before
+        path[i:] (m is unchanged): the tokens wholly past byte i as they are, and the rest of the
+        token byte i falls in spelled again. Work: the tokens between byte i and the nearer end of
+        `path` (a step that keeps to its completion: its own tokens), never a tokenization of the
+        whole of path[i:] (issue 31: that ran through the tokenizer and the model's matcher up to
+        ten times a step, seconds for a 22k-token completion). Byte tokens are the tokens' own
+        bytes, so what the byte matcher accepted the model's matcher accepts as well."""
+        n = len(path)
+        if i <= 0:
+            return tokens
+        if i >= n:
+            return ()
+        if i <= n - i:
+            k = at = 0
+            while at < i and k < len(tokens):
+                at += len(self.token_bytes(tokens[k]))
+                k += 1
+        else:
+            k, at = len(tokens), n
+            while k and at - len(self.token_bytes(tokens[k - 1])) >= i:
+                k -= 1
+                at -= len(self.token_bytes(tokens[k]))
+        if at < i or at > n:  # pragma: no cover - `tokens` are not a tokenization of `path`
+            return self.tokens_for(m, path[i:])
+        return (*self.tokens_for(m, path[i:at], whole=at == n), *tokens[k:])
 
 
 class StartPlan:
@@ -118,15 +175,19 @@ class StartPlan:
         self.planner = planner
         self._template = template  # the grammar's matchers at the start state, never consumed into:
         self._bytes = byte_template  # the model's vocabulary, and the byte one the search runs on
-        self.result: tuple[bytes, list[int]] | None = None
+        self.result: tuple[bytes, tuple[int, ...]] | None = None
         self.done = False  # searched (result None: nothing found within the search's bounds)
+        # The shortest value found is longer than search.MAX_COMPLETION: no budget closing for
+        # this grammar (sequence_closer), whose every step would cost what its length does.
+        self.too_long = False
 
     def steps(self, seconds: float = START_SECONDS) -> Steps:
         """The search as a generator (see search.start_search), given up after `seconds` of its own
         time (not counting the pauses between slices); publishes the result at the end."""
         if self.done:
             return self.path
-        inner = start_search(self._bytes.deep_copy(), self._tokens)
+        reached: list[bytes] = []
+        inner = start_search(self._bytes.deep_copy(), self._tokens, reached)
         path: bytes | None = None
         spent = 0.0
         try:
@@ -143,6 +204,8 @@ class StartPlan:
             inner.close()
             if path is not None:
                 self.result = (path, self.planner.tokens_for(self._template.deep_copy(), path))
+            else:
+                self.too_long = bool(reached) and len(reached[0]) > MAX_COMPLETION
             self.done = True
         return path
 
@@ -161,16 +224,17 @@ class StartPlan:
 
 @dataclass
 class CloseState:
-    """Per sequence: a valid completion from the current matcher state (None: unknown or stale),
-    the grammar's byte matcher at the same state (what the searches run on; None if it ever fell
-    out of step), the JSON lexical position for the guards, and whether the budget ever replaced a
-    token."""
+    """Per sequence: a valid completion from the current matcher state (None: unknown or stale) and
+    its tokens, the grammar's byte matcher at the same state (what the searches run on; None if it
+    ever fell out of step), the JSON lexical position for the guards, and whether the budget ever
+    replaced a token. Tokens are tuples: a snapshot (copy) shares them."""
 
     shadow: Any = None
     path: bytes | None = None
-    tokens: list[int] | None = None
+    tokens: tuple[int, ...] | None = None
     known_at: int = 0  # the completion length when last known (to tell when a stale one gets close)
     anchor: bytes = b""  # the last known completion (its suffixes guide searches once it is stale)
+    anchor_tokens: tuple[int, ...] = ()  # its tokens
     retry_below: int = 1 << 62  # after a failed search: no other until the budget is below this
     forced: bool = False
     guards: Guards | None = None
@@ -183,9 +247,9 @@ class CloseState:
     def copy(self, fork: bool = False) -> CloseState:
         """A copy; `fork`: for another sequence (its own byte matcher), else a snapshot to restore."""
         shadow = self.shadow.deep_copy() if fork and self.shadow is not None else self.shadow
-        return CloseState(shadow, self.path, None if self.tokens is None else list(self.tokens), self.known_at,
-                          self.anchor, self.retry_below, self.forced, self.guards, self.in_string, self.escape,
-                          self.digit_run, self.exponent, list(self.string_tokens))
+        return CloseState(shadow, self.path, self.tokens, self.known_at, self.anchor, self.anchor_tokens,
+                          self.retry_below, self.forced, self.guards, self.in_string, self.escape, self.digit_run,
+                          self.exponent, list(self.string_tokens))
 
     @property
     def length(self) -> float:
@@ -195,63 +259,89 @@ class CloseState:
         """At the grammar's start state: take its start completion when it is ready."""
         r = plan.result if plan is not None else None
         if r is not None:
-            self.path, self.tokens, self.known_at, self.anchor = r[0], list(r[1]), len(r[1]), r[0]
+            self.path, self.tokens, self.known_at = r[0], r[1], len(r[1])
+            self.anchor, self.anchor_tokens = r
 
     def adopt_anchor(self, plan: StartPlan | None) -> None:
         """A sequence that started before its grammar's start completion was ready: the completion's
         tail (`"}]}` and the like) still guides its repairs once it is there."""
         r = plan.result if plan is not None else None
         if r is not None and self.path is None and not self.anchor:
-            self.anchor = r[0]
+            self.anchor, self.anchor_tokens = r
+
+
+def _string_window(guards: Guards | None) -> int:
+    """The string tokens the repetition guard looks back on (guards.refusal): all a state keeps."""
+    return 8 * (guards.max_repeats + 1) + 1 if guards is not None and guards.max_repeats else 0
 
 
 class Closer:
-    """One sequence's step: keep the sampled token when it fits, else the best token that does."""
+    """One sequence's step: keep the sampled token when it fits, else the best token that does. One
+    Closer is made per step (the matcher's `closer()`), so its counters are the step's."""
 
     def __init__(self, planner: Planner, matcher: Any, state: CloseState) -> None:
         self.p = planner
         self.m = matcher  # the raw matcher of the sequence (llguidance's, or one with its methods)
         self.s = state
+        self.searches = 0  # repair searches run in this step (at most SEARCHES_PER_STEP)
+        self.checked = 0  # bytes the byte matcher checked finding suffixes in this step (SUFFIX_BYTES)
 
     def _near(self, budget: int) -> bool:
         return budget - self.s.known_at <= FAR
 
-    def _search(self, budget: int, goals: list[bytes]) -> bytes | None:
-        """A bounded search, not repeated every step where one just failed (a state the search cannot
-        close costs one search per RETRY_EVERY tokens, not one per token)."""
+    def _search(self, budget: int, base: bytes) -> bytes | None:
+        """A bounded search, aiming at the last GOALS suffixes of `base` (a completion known before),
+        not repeated every step where one just failed (a state the search cannot close costs one
+        search per RETRY_EVERY tokens, not one per token), and at most SEARCHES_PER_STEP a step. The
+        goals are built only once the search runs: GOALS of them, GOALS bytes at most (it was every
+        suffix of `base`, n^2/2 bytes, made before asking whether to search)."""
         s = self.s
-        if budget > s.retry_below or s.shadow is None:
+        if budget > s.retry_below or s.shadow is None or self.searches >= SEARCHES_PER_STEP:
             return None
-        path = search(s.shadow, goals)
+        self.searches += 1
+        path = search(s.shadow, [base[-k:] for k in range(1, min(GOALS, len(base)) + 1)])
         s.retry_below = budget if path is not None else budget - RETRY_EVERY
         return path
 
-    def _refresh(self, prev: bytes | None, consumed: bytes, budget: int) -> None:
+    def _refresh(self, prev: bytes | None, prev_tokens: tuple[int, ...] | None, consumed: bytes,
+                 budget: int) -> None:
         """After `consumed` joined the matcher: a completion from the new state, from the previous
         one when the model kept to it (or to a suffix of it), else by a search if the budget is near
         (far from it, the completion is left stale and searched for once it gets near)."""
-        shadow = self.s.shadow
-        path: bytes | None = None
-        if prev is not None and prev.startswith(consumed):
-            path = prev[len(consumed):]
-        elif shadow is not None:
-            # A stale completion (skipped while far) still lends its closing tail: `"}]}` outlives it.
-            base = prev if prev is not None else self.s.anchor
-            for i in range(len(base) + 1):
-                if completes(shadow, base[i:]):
-                    path = base[i:]
-                    break
-            if path is None and self._near(budget):
-                path = self._search(budget, [base[i:] for i in range(len(base))])
-        self._set(path)
+        s = self.s
+        if prev is not None and prev_tokens is not None and prev.startswith(consumed):
+            self._keep(prev, prev_tokens, len(consumed))
+            return
+        if s.shadow is None:
+            self._set(None)
+            return
+        # A stale completion (skipped while far) still lends its closing tail: `"}]}` outlives it.
+        base, tokens = (prev, prev_tokens) if prev is not None and prev_tokens is not None \
+            else (s.anchor, s.anchor_tokens)
+        i, checked = suffix_at(s.shadow, base, max_bytes=SUFFIX_BYTES - self.checked)
+        self.checked += checked
+        if i is not None:
+            self._keep(base, tokens, i)
+        else:
+            self._set(self._search(budget, base) if self._near(budget) else None)
+
+    def _keep(self, base: bytes, tokens: tuple[int, ...], i: int) -> None:
+        """The completion is base[i:], a suffix of one known before (with its tokens)."""
+        s = self.s
+        s.path = base[i:]
+        s.tokens = self.p.rest(self.m, base, tokens, i)
+        s.known_at = len(s.tokens)
+        s.anchor, s.anchor_tokens = s.path, s.tokens
 
     def _set(self, path: bytes | None) -> None:
+        """A completion found by a search (None: unknown), tokenized whole: at most MAX_COMPLETION
+        bytes (search.search returns nothing longer), SEARCHES_PER_STEP times a step at most."""
         s = self.s
         s.path = path
         s.tokens = None if path is None else self.p.tokens_for(self.m, path)
         if path is not None and s.tokens is not None:
             s.known_at = len(s.tokens)
-            s.anchor = path
+            s.anchor, s.anchor_tokens = path, s.tokens
 
     def _try(self, token: int, budget: int, fast_forward: bool, check: bool,
              guard: bool = True) -> tuple[str | None, list[int], bool]:
@@ -277,11 +367,11 @@ class Closer:
         stopped = bool(m.is_stopped())
         consumed = data + b"".join(p.token_bytes(t) for t in ff)
         if stopped:
-            s.path, s.tokens = b"", []  # the end token's bytes are no text: the byte matcher stays behind
+            s.path, s.tokens = b"", ()  # the end token's bytes are no text: the byte matcher stays behind
         else:
             if s.shadow is not None and not s.shadow.consume_tokens(list(consumed)):  # pragma: no cover
                 s.shadow = None  # out of step with the grammar (never seen): closing goes on without searches
-            self._refresh(saved.path, consumed, budget - 1 - len(ff))
+            self._refresh(saved.path, saved.tokens, consumed, budget - 1 - len(ff))
         if check:
             rest = budget - 1 - len(ff)
             if s.tokens is None:
@@ -298,11 +388,14 @@ class Closer:
                 s.shadow = shadow
                 s.retry_below = min(s.retry_below, retry_below)
                 return "budget", [], False
+        keep = _string_window(s.guards)
         for t in [token, *ff]:
             d = p.token_bytes(t)
             lex(s, d)
-            if s.in_string and 0x22 not in d:
+            if keep and s.in_string and 0x22 not in d:
                 s.string_tokens.append(t)
+        if keep and len(s.string_tokens) > 2 * keep:
+            del s.string_tokens[:-keep]  # bounded (each try copies it), in amortized O(1)
         return None, ff, stopped
 
     def step(self, sampled: int, budget: int, fast_forward: bool,
@@ -312,7 +405,7 @@ class Closer:
         ended). `budget`: the tokens this sequence may still emit, this one included."""
         s = self.s
         if s.path is None and self._near(budget):
-            self._set(self._search(budget, [s.anchor[i:] for i in range(len(s.anchor))]))
+            self._set(self._search(budget, s.anchor))
         why, ff, stopped = self._try(sampled, budget, fast_forward, check=True)
         if why is None:
             return sampled, ff, stopped
@@ -330,7 +423,7 @@ class Closer:
                 return sampled, ff, stopped
         # The known completion's first token; where the value is already complete, the end token
         # (a top-level number past the digit limit ends there).
-        fallback = list(s.tokens[:1]) if s.tokens else [self.p.eos] if s.tokens == [] and self.p.eos >= 0 else []
+        fallback = list(s.tokens[:1]) if s.tokens else [self.p.eos] if s.tokens == () and self.p.eos >= 0 else []
         options = [c for c in alternatives() if c != sampled]
         tries = [(c, True) for c in options] + [(c, False) for c in fallback]
         for c, check in tries:
@@ -350,7 +443,7 @@ def sequence_closer(plan: StartPlan | None, byte_template: Any, state: CloseStat
     the grammar has no byte-level copy or start plan (budget closing unavailable for it). A new
     state starts at the grammar's start (every token of a budget-closing sequence goes through its
     closer, from the first); a kept one takes the start plan's anchor once the search has it."""
-    if plan is None or byte_template is None:
+    if plan is None or byte_template is None or plan.too_long:
         return None, state
     if state is None:
         state = CloseState(shadow=byte_template.deep_copy(), guards=guards())

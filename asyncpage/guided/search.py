@@ -13,13 +13,18 @@ mask takes 25 us, and 0.7 ms inside an email address; a search probes thousands 
   already met) to an accepting state, or to a state from which one of a few goal byte strings
   completes (suffixes of a completion known before). The closer runs it on the compute thread to
   repair a completion the model moved away from, with a small node bound.
+- `suffix_at`: where a sequence that left its completion comes back to one of its suffixes, tried
+  at the positions the state allows, with a bounded number of checks.
 - `start_search`: the completion from a grammar's start state, searched once per compiled grammar on
   the grammar compile thread (GrammarManager), never on the compute thread: a greedy walk that
   prefers closing bytes (`walk_steps`) gets through what a bounded search cannot (long required
   objects, fixed-length patterns, minLength), then the search with a larger bound, bounded by the
   walk's length and aiming at the rest of the walk, finds the shortest where it can.
 
-All are generators that yield every few nodes, so the compile thread can interleave them with
+No search returns, or grows, a completion longer than MAX_COMPLETION bytes: budget closing's cost per
+step is bounded by it (asyncpage.guided.budget states the bound).
+
+The searches are generators that yield every few nodes, so the compile thread can interleave them with
 compiles (a compile never waits more than one slice of a search); `run` drives one to the end.
 """
 
@@ -37,7 +42,19 @@ START_NODES = 1500  # expanded states of the start search (compile thread)
 START_WALK_STEPS = 4096  # steps of the start walk
 HOP_PROBES = 400  # states a walk step probes looking for a new one
 WALK_PROBES = 4000  # states a walk probes in all before it gives up
-GOALS = 24  # suffixes of the previous completion tried as goals by a repair search
+GOALS = 24  # suffixes of the previous completion tried as goals by a repair search (its last GOALS bytes)
+# The longest completion any search returns (issue 31: a schema whose shortest value was ~22k tokens
+# made every step of every request take seconds). Budget closing keeps no completion longer than this,
+# so what a step costs is bounded by it (asyncpage.guided.budget). Dev-set start completions are 554
+# bytes at most; a ten-field extraction schema's ~120.
+MAX_COMPLETION = 8192
+# suffix_at's bounds: the positions it tries, and the bytes the byte matcher checks in all (most tries
+# fail within a few bytes: a key's name that is not the one expected). The closer gives SUFFIX_BYTES
+# to a whole step, not to each token it tries.
+SUFFIX_TRIES = 256
+SUFFIX_BYTES = 4 * MAX_COMPLETION
+PREFIX_CHECK = 64
+END = 256  # the byte matchers' end token (byte_tokenizer, and xgr.BYTE_VOCAB's last)
 REPEAT_PENALTY = 1  # search priority cost of coming back to a fingerprint already met
 NOVELTY_TRIES = 16  # candidate bytes a walk step tries before it settles for the first allowed
 REVISITS = 4  # places a walk step moves back to, in its order of preference, before it looks elsewhere
@@ -150,16 +167,52 @@ def probe(m: Any) -> tuple[Mask, tuple[Any, ...]]:
     return info, (bool(m.is_accepting()), bytes(m.compute_ff_bytes()), mask)
 
 
-def completes(m: Any, data: bytes) -> bool:
+def completes(m: Any, data: bytes | memoryview) -> bool:
     """Does `data` take m to an accepting state? (m is unchanged.)"""
+    return _checks(m, data)[0]
+
+
+def _checks(m: Any, data: bytes | memoryview) -> tuple[bool, int]:
+    """completes, and the bytes the matcher checked. Validated, never consumed (consuming costs ~5x
+    as much a byte): `data` then the end token, which a byte matcher allows only where it accepts.
+    Its first PREFIX_CHECK bytes first, so that a long `data` refused early costs no more than that."""
+    n = len(data)
+    if n > PREFIX_CHECK:
+        k = m.validate_tokens(list(data[:PREFIX_CHECK]))
+        if k < PREFIX_CHECK:
+            return False, k + 1
     toks = list(data)
-    if m.validate_tokens(toks) < len(toks):
-        return False
-    if not m.consume_tokens(toks):
-        return False  # pragma: no cover - validated just above
-    ok = bool(m.is_accepting())
-    m.rollback(len(toks))
-    return ok
+    toks.append(END)
+    k = m.validate_tokens(toks)
+    return k == n + 1, min(k + 1, n)
+
+
+def suffix_at(m: Any, data: bytes, max_tries: int = SUFFIX_TRIES, max_bytes: int = SUFFIX_BYTES
+              ) -> tuple[int | None, int]:
+    """Where the longest suffix of `data` that takes m to an accepting state starts (len(data): m
+    accepts as it is; None: none found), and the bytes checked (m is unchanged). Only positions
+    whose byte m allows next (where m forces bytes: where they follow) are tried, first to last, at
+    most `max_tries` of them and about `max_bytes` checked bytes in all (the last check may go one
+    `data` over): bounded whatever the length of `data` (it was a check at every position, each
+    copying its suffix: O(n^2))."""
+    a, (accepting, forced, _) = probe(m)
+    tries = checked = 0
+    if forced:
+        i = data.find(forced)
+        again: Callable[[int], int] = lambda j: data.find(forced, j + 1)  # noqa: E731
+    else:
+        allowed = data.translate(a.allowed)  # 1 where m allows the byte next
+        i = allowed.find(1)
+        again = lambda j: allowed.find(1, j + 1)  # noqa: E731
+    view = memoryview(data)
+    while i >= 0 and tries < max_tries and checked < max_bytes:
+        ok, n = _checks(m, view[i:])
+        if ok:
+            return i, checked + n
+        tries += 1
+        checked += n
+        i = again(i)
+    return (len(data) if accepting else None), checked
 
 
 def search(m: Any, goals: Iterable[bytes] = (), max_nodes: int = MAX_NODES) -> bytes | None:
@@ -168,8 +221,8 @@ def search(m: Any, goals: Iterable[bytes] = (), max_nodes: int = MAX_NODES) -> b
 
 
 def search_steps(m: Any, goals: Iterable[bytes] = (), max_nodes: int = MAX_NODES, best: bytes | None = None,
-                 goals_at: dict[tuple[Any, ...], list[bytes]] | None = None,
-                 walk_limit: int = WALK_STEPS) -> Steps:
+                 goals_at: dict[tuple[Any, ...], list[memoryview]] | None = None,
+                 walk_limit: int = WALK_STEPS, max_bytes: int = MAX_COMPLETION) -> Steps:
     """The shortest byte path found (best first) from m's state to an accepting state, or to a
     state from which a goal completes: one of `goals` (tried where its first byte is allowed),
     or one of `goals_at[fingerprint]` (tried where the state has that fingerprint). `best`, a
@@ -178,7 +231,8 @@ def search_steps(m: Any, goals: Iterable[bytes] = (), max_nodes: int = MAX_NODES
     often since them, was seen: a free string's letters are one node, `0,` and `-0,` merge once
     the next key is forced, while counted repeats (minLength, minItems) still advance, last in
     line. One byte per class is tried (a letter, a digit, ...). Out of nodes without a
-    completion: the walk. m is unchanged (nodes are copies)."""
+    completion: the walk. Nothing longer than `max_bytes` is returned (or grown: a path past it is
+    dropped). m is unchanged (nodes are copies)."""
     goal_list = [g for g in sorted(set(goals), key=len)[:GOALS] if g]
     # A node: (priority, tie, path, penalty, forced runs on the path, the last two of them,
     # fingerprints met since the last of them, the matcher of its parent, bytes from there).
@@ -193,6 +247,8 @@ def search_steps(m: Any, goals: Iterable[bytes] = (), max_nodes: int = MAX_NODES
         prio, _, path, pen, runs, last_forced, since, parent, step = heapq.heappop(heap)
         if best is not None and prio >= len(best):
             break
+        if len(path) > max_bytes:
+            continue
         if parent is None:
             cur = m
         else:
@@ -207,7 +263,7 @@ def search_steps(m: Any, goals: Iterable[bytes] = (), max_nodes: int = MAX_NODES
         if forced:
             # The only way on: no mask needed (most bytes of a JSON schema's shortest value are these).
             for g in goal_list:
-                if g[: len(forced)] == forced[: len(g)] and (best is None or len(path) + len(g) < len(best)) \
+                if g[: len(forced)] == forced[: len(g)] and len(path) + len(g) < _limit(best, max_bytes) \
                         and completes(cur, g):
                     best = path + g
                     break
@@ -223,7 +279,7 @@ def search_steps(m: Any, goals: Iterable[bytes] = (), max_nodes: int = MAX_NODES
             continue  # checked before the goals: most nodes end here, cheaply
         seen.add(key)
         for g in [*(goals_at or {}).get(fp, ()), *goal_list]:
-            if a.allowed[g[0]] and (best is None or len(path) + len(g) < len(best)) and completes(cur, g):
+            if a.allowed[g[0]] and len(path) + len(g) < _limit(best, max_bytes) and completes(cur, g):
                 best = path + g
                 break
         nodes += 1
@@ -236,12 +292,17 @@ def search_steps(m: Any, goals: Iterable[bytes] = (), max_nodes: int = MAX_NODES
             step = _BYTE[b]
             heapq.heappush(heap, (len(path) + 1 + pen, tie, path + step, pen, runs, last_forced, since, cur, step))
     if best is None and walk_limit:
-        best = yield from walk_steps(m, walk_limit)
+        best = yield from walk_steps(m, walk_limit, max_bytes=max_bytes)
     return best
 
 
+def _limit(best: bytes | None, max_bytes: int) -> int:
+    """A completion a search may still take must be shorter than this."""
+    return len(best) if best is not None else max_bytes + 1
+
+
 def walk_steps(m: Any, max_steps: int = WALK_STEPS, trail: list[tuple[tuple[Any, ...], int]] | None = None,
-               reached: list[bytes] | None = None) -> Steps:
+               reached: list[bytes] | None = None, max_bytes: int = MAX_COMPLETION) -> Steps:
     """A greedy walk to an accepting state (m is unchanged). A place is a state's fingerprint with
     the forced bytes that led to it (`,"name":"` is progress even where the state after it looks
     like one met before). Forced bytes as they come; else a byte that ends the grammar; else, in
@@ -252,7 +313,8 @@ def walk_steps(m: Any, max_steps: int = WALK_STEPS, trail: list[tuple[tuple[Any,
     bytes are never tried (a place they open looks new at every step and closes nothing). Not
     shortest, but it gets through what a bounded search cannot (long required objects, fixed-length
     patterns, minLength) in a few probes per byte. `trail` receives (fingerprint, offset in the
-    path) of the states passed through, and `reached` the path where the walk gave up."""
+    path) of the states passed through, and `reached` the path where the walk gave up (it gives up
+    once its path is longer than `max_bytes`)."""
     w = m.deep_copy()
     path = b""
     visits: dict[tuple[Any, ...], int] = {}
@@ -268,6 +330,8 @@ def walk_steps(m: Any, max_steps: int = WALK_STEPS, trail: list[tuple[tuple[Any,
             if not w.consume_tokens(list(forced)):  # pragma: no cover - forced bytes are allowed
                 return None
             path += forced
+        if len(path) > max_bytes:
+            break  # longer than any completion budget closing keeps
         if w.is_accepting():
             return path
         a, fp = probe(w)
@@ -367,18 +431,22 @@ def _hop(m: Any, key: tuple[Any, ...], met: dict[tuple[Any, ...], int], max_prob
     return None, probes
 
 
-def start_search(m: Any, cost: Callable[[bytes], int] = len) -> Steps:
+def start_search(m: Any, cost: Callable[[bytes], int] = len, reached: list[bytes] | None = None,
+                 max_bytes: int = MAX_COMPLETION) -> Steps:
     """The completion from a grammar's start state (m is unchanged): the walk's, and a search within
     START_NODES that finds the shortest where it can, bounded by the walk's length and aiming at the
     rest of the walk from every state of it that it meets (kept when `cost`, the completion's token
-    count, is lower: fewer bytes are not always fewer tokens)."""
+    count, is lower: fewer bytes are not always fewer tokens). None past `max_bytes`; `reached`
+    receives the walk's path where it gave up (longer than `max_bytes`: the walk ran past it)."""
     trail: list[tuple[tuple[Any, ...], int]] = []
-    walked = yield from walk_steps(m, START_WALK_STEPS, trail)
-    goals_at: dict[tuple[Any, ...], list[bytes]] = {}
+    walked = yield from walk_steps(m, START_WALK_STEPS, trail, reached, max_bytes)
+    goals_at: dict[tuple[Any, ...], list[memoryview]] = {}
     if walked is not None:
+        view = memoryview(walked)  # the rest of the walk from each state: views, not copies (n^2/2 bytes)
         for fp, at in trail:
-            goals_at.setdefault(fp, []).append(walked[at:])
-    found = yield from search_steps(m, (), START_NODES, best=walked, goals_at=goals_at, walk_limit=0)
+            goals_at.setdefault(fp, []).append(view[at:])
+    found = yield from search_steps(m, (), START_NODES, best=walked, goals_at=goals_at, walk_limit=0,
+                                    max_bytes=max_bytes)
     if found is None or walked is None or found == walked:
         return found
     return found if cost(found) < cost(walked) else walked
