@@ -83,6 +83,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 except TypeError:
                     raise InvalidRequestError(name, f"must be a list, got {type(value).__name__}") from None
         _check(self)
+        # Stored as floats: an int (10**30 from a JSON body) would reach torch as int64 and overflow in
+        # the sampler, which runs for the whole batch (one request's value must never stop the engine).
+        for name in _FLOAT_FIELDS:
+            msgspec.structs.force_setattr(self, name, float(getattr(self, name)))
 
     @property
     def greedy(self) -> bool:
@@ -92,6 +96,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     @property
     def guided(self) -> bool:
         return any(x is not None for x in (self.json_schema, self.regex, self.choice, self.grammar))
+
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 def _is_int(x: object) -> bool:

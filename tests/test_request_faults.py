@@ -175,3 +175,9 @@ def test_a_temperature_past_float32_range_is_refused() -> None:
 def test_an_integer_past_floats_range_is_refused_naming_its_field() -> None:
     with pytest.raises(InvalidRequestError, match="frequency_penalty"):
         SamplingParams(frequency_penalty=10**400)
+
+
+def test_numeric_sampling_fields_are_stored_as_floats() -> None:
+    # An int past int64 (from a JSON body) reached torch as int64 and overflowed in the batch's sampler.
+    p = SamplingParams(repetition_penalty=10**30, temperature=1, presence_penalty=2)
+    assert all(isinstance(v, float) for v in (p.repetition_penalty, p.temperature, p.presence_penalty))

@@ -38,10 +38,12 @@ class LLGuidanceMatcher:
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         v = bitmask[row]
-        # On a copy (0.6 us; the mask costs the same, measured): computing a mask or forced tokens leaves
-        # llguidance 1.9's matcher refusing the token a single-token terminal of an ordinary token
-        # (`<[236840]>`) allows ("forced bytes: got 'ÿ'"). A matcher that only consumes takes them all.
-        self._m.deep_copy().unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+        # For token-terminal grammars, on a copy (0.6 us; the mask costs the same, measured): computing a
+        # mask or forced tokens leaves llguidance 1.9's matcher refusing the token a single-token terminal
+        # of an ordinary token (`<[236840]>`) allows ("forced bytes: got 'ÿ'"). A matcher that only
+        # consumes takes them all. Elsewhere on the matcher itself (its stop token is taken after its mask).
+        m = self._m.deep_copy() if self._grammar is not None and self._grammar.token_terminals else self._m
+        m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
 
     def accept(self, token: int) -> bool:
         return bool(self._m.consume_token(token))
@@ -66,7 +68,8 @@ class LLGuidanceMatcher:
     def forced_tokens(self) -> list[int]:
         # On a copy, as fill_bitmask: compute_ff_tokens() leaves the matcher refusing a forced run of
         # single-token terminals (`<[236840]> <[107]> <[138]> <[236782]>`: the 3rd is refused after).
-        return list(self._m.deep_copy().compute_ff_tokens())
+        m = self._m.deep_copy() if self._grammar is not None and self._grammar.token_terminals else self._m
+        return list(m.compute_ff_tokens())
 
     def fork(self) -> Matcher:
         return LLGuidanceMatcher(self._m.deep_copy(), self._grammar,
@@ -99,8 +102,10 @@ class LLGuidanceMatcher:
 
 
 class LLGuidanceGrammar:
-    def __init__(self, template: Any, planner: Planner, byte_template: Any | None = None) -> None:
+    def __init__(self, template: Any, planner: Planner, byte_template: Any | None = None,
+                 token_terminals: bool = False) -> None:
         self._template = template  # compiled once; each sequence gets a cheap deep copy
+        self.token_terminals = token_terminals  # the grammar names token ids (`<[236840]>`): see fill_bitmask
         self.planner = planner
         self.byte_template = byte_template  # the same grammar over bytes (search.byte_tokenizer)
         # Budget closing needs both; its start completion is searched by the GrammarManager's
@@ -196,4 +201,5 @@ class LLGuidanceBackend:
             raise grammar_error(spec, matcher.get_error())
         refuse_unproductive(spec, matcher)
         byte_matcher = LLMatcher(self._byte_tok, grammar, log_level=0)  # a fraction of the compile above
-        return LLGuidanceGrammar(matcher, self.planner, None if byte_matcher.is_error() else byte_matcher)
+        return LLGuidanceGrammar(matcher, self.planner, None if byte_matcher.is_error() else byte_matcher,
+                                 token_terminals=spec.kind == "grammar" and "<[" in spec.value)
