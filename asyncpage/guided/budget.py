@@ -46,9 +46,10 @@ whatever the completion's length, does at most:
 - at most SEARCHES_PER_STEP repair searches (search.MAX_NODES states, a WALK_STEPS walk, GOALS goals
   of at most GOALS bytes each), each result (at most L bytes) tokenized and validated once.
 Measured (scripts/budget_cost.py, a random policy with max_tokens 2 above the shortest value, so
-most tokens do not fit and every try runs): a 7 KB completion 1.9 ms per step at the median (35 ms
-before), a ten-field extraction schema 0.14 ms (0.41 ms); the dev-set schemas under the random
-policy of tests/test_budget_close.py 0.18 ms at the median, 10 ms at p99.
+most tokens do not fit and every try runs): a 7 KB completion 2-4 ms per step at the median, 6-10 ms
+at most (35-39 ms and 207-275 ms before), a ten-field extraction schema 0.15 ms (0.4-0.55 ms); the
+dev-set schemas under the random policy of tests/test_budget_close.py 0.2 ms at the median, 11 ms at
+p99 (0.6 ms and 45 ms before).
 Only the worker thread touches a CloseState (as it does the matchers it belongs to).
 """
 
