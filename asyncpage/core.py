@@ -298,14 +298,17 @@ class EngineCore:
         """End one request whose own work failed (its detokenizer, stop strings, grammar, sampling):
         its blocks are freed, its reader gets a typed error, and nothing else in the step is touched.
         This is the fence that keeps a per-request fault from becoming the engine's death."""
-        if req.request_id not in self._requests:
-            return  # already over (released): its reader has had every end
         if not isinstance(error, AsyncPageError):
             log.error("request %d failed on the engine loop; the engine goes on", req.request_id, exc_info=error)
             wrapped = RequestFailedError(f"this request failed while its output was processed "
                                          f"({type(error).__name__}); the engine goes on")
             wrapped.__cause__ = error
             error = wrapped
+        if req.request_id not in self._requests:
+            # Released in this step after another sample ended it (n > 1): its blocks are free and its hooks
+            # have run, but this sample's reader still waits for an end; the error is that end.
+            req.mailbox.fail(error)
+            return
         for s in req.seqs:
             self.scheduler.finish(s, "abort")
         req.mailbox.fail(error)
