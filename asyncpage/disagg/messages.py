@@ -31,7 +31,7 @@ from asyncpage import errors
 from asyncpage.outputs import EngineStats, StreamChunk
 from asyncpage.params import SamplingParams
 
-from .transport import FrameError, KVAddress
+from .transport import FrameError, KVAddress, recv_into_exact
 from .wire import Layout
 
 # A Submit carries the caller's prompt text: 64 MiB is far past any context (DisaggEngine.submit
@@ -171,12 +171,7 @@ class Channel:
 
     def _recv_exact(self, n: int) -> bytes:
         buf = bytearray(n)
-        view, got = memoryview(buf), 0
-        while got < n:
-            k = self.sock.recv_into(view[got:])
-            if k == 0:
-                raise EOFError("the other end of the control channel is gone")
-            got += k
+        recv_into_exact(self.sock, memoryview(buf), EOFError("the other end of the control channel is gone"))
         return bytes(buf)
 
 

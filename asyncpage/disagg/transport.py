@@ -112,12 +112,7 @@ class KVTransport:
         (n,) = _U64.unpack(self._recv_exact(_U64.size))
         if n != len(view):
             raise FrameError(f"a buffer of {n} bytes where {len(view)} were expected")
-        got = 0
-        while got < n:
-            k = self.sock.recv_into(view[got:])
-            if k == 0:
-                raise TransportError("the peer closed the KV connection")
-            got += k
+        recv_into_exact(self.sock, view, TransportError("the peer closed the KV connection"))
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -126,13 +121,19 @@ class KVTransport:
 
     def _recv_exact(self, n: int) -> bytes:
         buf = bytearray(n)
-        view, got = memoryview(buf), 0
-        while got < n:
-            k = self.sock.recv_into(view[got:])
-            if k == 0:
-                raise TransportError("the peer closed the KV connection")
-            got += k
+        recv_into_exact(self.sock, memoryview(buf), TransportError("the peer closed the KV connection"))
         return bytes(buf)
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview, eof: Exception) -> None:
+    """Fill `view` from `sock` (the KV connection and the control channel both frame this way);
+    `eof` is raised when the peer closes before it is full."""
+    got = 0
+    while got < len(view):
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise eof
+        got += k
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
