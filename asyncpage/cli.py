@@ -10,7 +10,7 @@ import asyncio
 import logging
 import sys
 
-from asyncpage import cli_bench
+from asyncpage.bench import commands as cli_bench
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +157,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 async def _soak(args: argparse.Namespace) -> int:
     from asyncpage import AsyncEngine
-    from asyncpage.soak import soak
+    from asyncpage.bench.soak import soak
 
     engine = AsyncEngine.from_pretrained(args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
                                          num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
@@ -189,9 +189,9 @@ def _extract(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from asyncpage import AsyncEngine, AsyncPageError
-    from asyncpage.extract import beams_per_record
-    from asyncpage.jobs import JobSummary, check_paths, load_examples, load_schema, run_job
-    from asyncpage.speculative import cli_config
+    from asyncpage.decoding.speculative import cli_config
+    from asyncpage.extract.jobs import JobSummary, check_paths, load_examples, load_schema, run_job
+    from asyncpage.extract.run import beams_per_record
 
     summary: JobSummary | None = None
 

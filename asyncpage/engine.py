@@ -25,11 +25,14 @@ import anyio
 import msgspec
 import sniffio
 
-from asyncpage import loading
-from asyncpage.beam import BeamParams, EarlyStopping
-from asyncpage.compute import ComputeThread
-from asyncpage.config import EngineConfig
-from asyncpage.core import EngineCore
+from asyncpage.core import loading
+from asyncpage.core.config import EngineConfig
+from asyncpage.core.loop import EngineCore
+from asyncpage.core.output import request_metrics
+from asyncpage.core.request import Request
+from asyncpage.core.stream import Mailbox, RequestStream
+from asyncpage.core.validation import check_beam_search, check_request, check_token_ids
+from asyncpage.decoding.beam import BeamParams, EarlyStopping
 from asyncpage.errors import (
     EngineDeadError,
     EngineLoopError,
@@ -38,9 +41,9 @@ from asyncpage.errors import (
     InvalidRequestError,
     QueueFullError,
 )
-from asyncpage.extract import ExtractResult, extract_many, extract_one
+from asyncpage.extract.run import ExtractResult, extract_many, extract_one
 from asyncpage.guided import GrammarManager, GuidedSpec
-from asyncpage.output_processor import request_metrics
+from asyncpage.model.weights import LoadedModel
 from asyncpage.outputs import (
     Beam,
     BeamSearchOutput,
@@ -52,10 +55,7 @@ from asyncpage.outputs import (
     TokenLogprob,
 )
 from asyncpage.params import SamplingParams
-from asyncpage.request import Request
-from asyncpage.streams import Mailbox, RequestStream
-from asyncpage.validation import check_beam_search, check_request, check_token_ids
-from asyncpage.weights import LoadedModel
+from asyncpage.runtime.compute import ComputeThread
 
 Prompt = str | list[int]
 
@@ -74,7 +74,7 @@ class AsyncEngine:
                  guided: GrammarManager, draft: LoadedModel | None = None,
                  options: dict[str, Any] | None = None) -> None:
         """Prefer `from_pretrained` (which calls this on the compute thread, where the KV pool is
-        allocated; asyncpage.loading). `options`: the pool and scheduling options it was built with,
+        allocated; asyncpage.core.loading). `options`: the pool and scheduling options it was built with,
         what `clone` may override. Binds to no event loop: that happens in `async with`."""
         self.config = config
         self.compute = compute
@@ -88,7 +88,7 @@ class AsyncEngine:
         self.model_config = loaded.config
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = int(loaded.config.vocab_size)  # the logits width
-        # A yes/no reading's mean score on the reference records (asyncpage.flags.offsets), by reading
+        # A yes/no reading's mean score on the reference records (asyncpage.extract.booleans.offsets), by reading
         # (None: they do not fit): a property of the model and the context, measured once per engine.
         self.reading_offsets: dict[str, float | None] = {}
         self._core = self.core_class(config, loaded.model, loaded.tokenizer, compute, guided.vocab_size,
@@ -151,10 +151,10 @@ class AsyncEngine:
         (with a scale per token and head): about twice the tokens of bfloat16 in the same memory.
         `speculative_config={"method": "ngram", "num_speculative_tokens": 4}`: a decoding sequence
         proposes up to that many tokens from its own earlier text and the model verifies them in one
-        step (same output; asyncpage.speculative); `{"method": "draft", "model": PATH}` has a second,
-        smaller model with the same tokenizer propose them (asyncpage.draft).
+        step (same output; asyncpage.decoding.speculative); `{"method": "draft", "model": PATH}` has a second,
+        smaller model with the same tokenizer propose them (asyncpage.core.draft).
         `compile=True` (or ASYNCPAGE_COMPILE=1): decode steps of up to 8 sequences run the layers
-        compiled by torch.compile (CPU, torch attention; asyncpage.models.compiled), compiled at load.
+        compiled by torch.compile (CPU, torch attention; asyncpage.model.compiled), compiled at load.
         `max_queued_requests` (default 2048): requests submitted but not yet started (being prepared,
         queued, or waiting for room in the batch) past which a new one raises QueueFullError at once
         (HTTP 429 with Retry-After): a flood waits in the caller, not in the engine's memory."""
@@ -180,7 +180,7 @@ class AsyncEngine:
         core = self._core
         core.dead = None
         core.stopping = False
-        from asyncpage.eventloop import LoopHandle
+        from asyncpage.runtime.eventloop import LoopHandle
 
         core.loop = LoopHandle.current()
         self._limiter = anyio.CapacityLimiter(2)
@@ -288,7 +288,7 @@ class AsyncEngine:
         token); by default 4 when `copy_from` has a field copied, else 1 (greedy).
         `score_booleans` (default: on with `copy_from`): each top-level boolean property is decided by
         how likely its statement is after the source text (its name as a heading, without a description),
-        against the same after four reference records, not generated (asyncpage.flags).
+        against the same after four reference records, not generated (asyncpage.extract.booleans).
 
             class Invoice(msgspec.Struct):
                 number: str
@@ -318,7 +318,7 @@ class AsyncEngine:
         position), its value or its own error. `score_booleans` (default: on when a field is copied):
         each top-level boolean property is decided by how likely its statement is after the record's
         text (the fields its prompt shows; its name as a heading, without a description), against the
-        same after four reference records, not generated (asyncpage.flags).
+        same after four reference records, not generated (asyncpage.extract.booleans).
 
             async for r in engine.extract_many(docs, Invoice, concurrency=16):
                 print(r.id, r.value if r.ok else r.error)
@@ -348,7 +348,7 @@ class AsyncEngine:
 
     def openai_client(self, **kwargs: Any) -> Any:
         """An `openai.AsyncOpenAI` talking to this engine in-process (no socket). Needs asyncpage[openai]."""
-        from asyncpage.openai import client
+        from asyncpage.openai.routes import client
 
         return client(self, **kwargs)
 

@@ -15,7 +15,7 @@ import msgspec
 from asyncpage.errors import InvalidRequestError
 
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
-# Stop strings are matched on the engine loop after every token (asyncpage.detokenizer): their work per
+# Stop strings are matched on the engine loop after every token (asyncpage.decoding.detokenizer): their work per
 # token grows with count x length, so both are bounded (OpenAI takes 4; vLLM no bound at all).
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 256

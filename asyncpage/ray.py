@@ -4,7 +4,7 @@ Owns the Ray side of extraction: `extract_dataset` (a `ray.data.Dataset` in, a D
 out) and `run_job` (`asyncpage extract --ray`: a JSONL file in, one JSONL file out). Each actor loads
 the model once and runs `extract_many` over every batch Ray hands it, so it batches continuously like
 the in-process engine. Record parsing, ids, output lines, resume and error reasons are
-asyncpage.jobs' and asyncpage.extract's; this module only moves them across Ray and must not grow its
+asyncpage.extract.jobs' and asyncpage.extract.run's; this module only moves them across Ray and must not grow its
 own versions. Needs the optional extra: `pip install 'asyncpage[ray]'`.
 
     ds = ray.data.read_json("s3://bucket/records/")
@@ -29,9 +29,8 @@ import msgspec
 
 from asyncpage.engine import AsyncEngine
 from asyncpage.errors import InvalidRequestError
-from asyncpage.extract import ExtractError, ExtractResult, Prompt, beams_per_record, check_job, extract_many
-from asyncpage.extract_beams import refuse_asked_beams
-from asyncpage.jobs import (
+from asyncpage.extract.beams import refuse_asked_beams
+from asyncpage.extract.jobs import (
     DoneLines,
     JobSummary,
     ResultWriter,
@@ -42,6 +41,7 @@ from asyncpage.jobs import (
     parse_line,
     unfinished,
 )
+from asyncpage.extract.run import ExtractError, ExtractResult, Prompt, beams_per_record, check_job, extract_many
 from asyncpage.params import SamplingParams
 
 try:
@@ -227,7 +227,7 @@ def run_job(input_path: Path, output_path: Path, schema: Any, *, num_actors: int
             id_field: str = "id", max_prompt_tokens: int | None = None,
             copy_fields: Sequence[str] | str | None = None, examples: Sequence[Mapping[str, Any]] = (),
             beam_width: int | None = None, score_booleans: bool | None = None, **engine_options: Any) -> JobSummary:
-    """`asyncpage extract --ray`: asyncpage.jobs.run_job's contract (one output line per non-blank
+    """`asyncpage extract --ray`: asyncpage.extract.jobs.run_job's contract (one output line per non-blank
     input line across interrupted runs, `resume` skipping the lines already answered) with the records
     read by Ray Data and extracted by `num_actors` actors. The output is written here, by the driver,
     as results arrive: one file, flushed line by line, as resumable as the in-process one. Connects

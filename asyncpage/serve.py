@@ -1,10 +1,10 @@
-"""`asyncpage serve`: the OpenAI-compatible app (asyncpage.openai) under uvicorn, for those who want
+"""`asyncpage serve`: the OpenAI-compatible app (asyncpage.openai.routes) under uvicorn, for those who want
 a server. The engine is loaded before uvicorn starts and run by the app's lifespan; uvicorn owns
 the signals here (this is the one place asyncpage is the host process, not a guest in one).
 
 Owns the serve flags: every AsyncEngine.from_pretrained option (ENGINE_FLAGS; a flag not given
 leaves the engine's own default), the door (--api-key or ASYNCPAGE_API_KEY, --allowed-origins,
---allowed-hosts; see asyncpage.openai) and uvicorn's limits (--limit-concurrency,
+--allowed-hosts; see asyncpage.openai.routes) and uvicorn's limits (--limit-concurrency,
 --timeout-keep-alive, --h11-max-incomplete-event-size, --body-timeout)."""
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from asyncpage.errors import AsyncPageError
-    from asyncpage.openai import BODY_TIMEOUT_S, MAX_REQUEST_BYTES, app
+    from asyncpage.openai.routes import BODY_TIMEOUT_S, MAX_REQUEST_BYTES, app
 
     try:
         engine = load_engine(args)

@@ -14,22 +14,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from asyncpage.attention import AttentionMetadata
+from asyncpage.model.attention import AttentionMetadata
 
 if TYPE_CHECKING:
-    from asyncpage.runner import ModelRunner
+    from asyncpage.core.runner import ModelRunner
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     window: int | None, kv_scales: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-    """Drop-in for asyncpage.attention.paged_attention, with every step in Triton (a quantized
+    """Drop-in for asyncpage.model.attention.paged_attention, with every step in Triton (a quantized
     pool's writes excepted: quantizing the new tokens is elementwise torch work)."""
     from asyncpage.kernels.attention_kernels import paged_decode, paged_prefill
     from asyncpage.kernels.cache_ops import write_kv
 
     if kv_scales:
-        from asyncpage.attention import write_kv as write_quantized
+        from asyncpage.model.attention import write_kv as write_quantized
 
         write_quantized(k_cache, v_cache, k, v, meta.slot_mapping, kv_scales)
     else:

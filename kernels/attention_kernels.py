@@ -1,5 +1,5 @@
 """Triton kernels for paged attention: decode (one query per sequence) and prefill chunks that
-continue cached context. Same contract as asyncpage.attention's torch backend: causal, sliding
+continue cached context. Same contract as asyncpage.model.attention's torch backend: causal, sliding
 window (key > query - window), GQA/MQA, K/V read through block tables. Both read everything from
 the cache, so the new tokens' K/V are written first (write_kv)."""
 

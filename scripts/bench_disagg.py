@@ -89,7 +89,7 @@ async def run_config(name: str, a: argparse.Namespace) -> dict[str, Any]:
             await engine.generate("warm up", None)
             return await workload(engine, engine.tokenize, a)
     from asyncpage.disagg import DisaggEngine
-    from asyncpage.weights import load_tokenizer
+    from asyncpage.model.weights import load_tokenizer
 
     tok = load_tokenizer(a.model)[0]
     pair = DisaggEngine.from_pretrained(a.model, prefill_cpus=[0], decode_cpus=[1], **opts)

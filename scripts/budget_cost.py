@@ -33,7 +33,7 @@ import numpy as np
 from asyncpage.guided import GrammarManager, GuidedSpec
 from asyncpage.guided.budget import ALTERNATIVES, guards_for
 from asyncpage.guided.search import run
-from asyncpage.weights import load_tokenizer
+from asyncpage.model.weights import load_tokenizer
 
 WORDS = ("customer shipping address billing invoice account payment status reference number total amount "
          "currency region country contact primary secondary verified approved pending archived").split()

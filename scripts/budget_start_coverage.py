@@ -19,7 +19,7 @@ from asyncpage.errors import GrammarError
 from asyncpage.guided import GrammarManager, GuidedSpec
 from asyncpage.guided.budget import START_SECONDS
 from asyncpage.guided.search import START_NODES, START_WALK_STEPS, run, walk_steps
-from asyncpage.weights import load_tokenizer
+from asyncpage.model.weights import load_tokenizer
 
 
 def reason(grammar: Any) -> str:

@@ -13,8 +13,8 @@ import asyncio
 from typing import Any
 
 from asyncpage import AsyncEngine
-from asyncpage.bench_spec import format_rows, speculative_figures
-from asyncpage.weights import resolve
+from asyncpage.bench.spec import format_rows, speculative_figures
+from asyncpage.model.weights import resolve
 
 
 async def main(args: argparse.Namespace) -> None:

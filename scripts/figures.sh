@@ -16,5 +16,5 @@ $A bench-guided --data ../shared/data --dtype bfloat16
 $A bench --workload mixed --dtype bfloat16 --sweep 1,4,16,64 --plot docs/concurrency.png
 $A bench --dtype float32 --speculative ngram:8
 $A bench --workload single --settings float32,bfloat16,int8,int4,int4+kv=int8
-.venv/bin/python -m asyncpage.quality
+.venv/bin/python -m asyncpage.bench.quality
 .venv/bin/python -m pytest -q -s tests/test_beam_search.py -k long_prompt

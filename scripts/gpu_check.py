@@ -11,7 +11,7 @@ import time
 import torch
 
 from asyncpage import AsyncEngine, SamplingParams
-from asyncpage.bench import make_workload, run_engine
+from asyncpage.bench.throughput import make_workload, run_engine
 
 
 def decode_attention_bandwidth() -> None:

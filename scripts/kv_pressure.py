@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from asyncpage import AsyncEngine, SamplingParams
-from asyncpage.quality import agreeing_prefix
-from asyncpage.runner import kv_bytes_per_block
+from asyncpage.bench.quality import agreeing_prefix
+from asyncpage.core.runner import kv_bytes_per_block
 
 REFERENCE = Path(__file__).parents[1] / "tests/data/gemma3_270m_reference.json"
 

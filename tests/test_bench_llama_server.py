@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncpage.bench import Item
-from asyncpage.bench_llama_server import LlamaServerError, find_llama_server, run_llama_server, server_command
+from asyncpage.bench.llama_server import LlamaServerError, find_llama_server, run_llama_server, server_command
+from asyncpage.bench.throughput import Item
 
 FAKE = r'''
 import json, os, sys, time

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncpage.bench_quant import parse_setting
+from asyncpage.bench.quant import parse_setting
 from asyncpage.cli import main
 from asyncpage.errors import InvalidRequestError
 

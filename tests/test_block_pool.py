@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from asyncpage.kv_cache import BlockPool, BlockTable, KVCacheManager
+from asyncpage.kv.cache import BlockPool, BlockTable, KVCacheManager
 
 BS = 4
 N = 24

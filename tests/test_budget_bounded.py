@@ -23,7 +23,7 @@ import pytest
 from asyncpage import AsyncEngine, SamplingParams
 from asyncpage.guided import GrammarManager, GuidedSpec, budget, search
 from asyncpage.guided.budget import ALTERNATIVES, SEARCHES_PER_STEP, guards_for
-from asyncpage.weights import load_tokenizer
+from asyncpage.model.weights import load_tokenizer
 
 WORDS = "customer shipping address billing invoice account payment status reference total currency region".split()
 

@@ -28,7 +28,7 @@ from asyncpage.guided import GrammarManager, GuidedSpec, budget
 from asyncpage.guided.budget import guards_for
 from asyncpage.guided.guards import lex, refusal
 from asyncpage.guided.xgr import XGrammarMatcher, XgrRaw
-from asyncpage.weights import load_tokenizer
+from asyncpage.model.weights import load_tokenizer
 from tests.conftest import SHARED
 
 # Disagreements between llguidance and jsonschema that exist without budget closing (a random policy

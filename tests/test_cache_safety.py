@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
-from asyncpage import cache_dir, native, weights
 from asyncpage.errors import ModelLoadError
+from asyncpage.model import native, weights
+from asyncpage.runtime import cache_dir
 from tests.conftest import build_tiny
 from tests.gguf_writer import write_qwen2_gguf
 
@@ -226,7 +227,7 @@ def test_compile_puts_inductors_cache_under_the_per_user_root(cache: Path, monke
                                                               before: str) -> None:
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from asyncpage.models import compiled
+    from asyncpage.model import compiled
 
     # Recorded, so that what enable() sets is undone. Inductor writes its default (/tmp/torchinductor_<user>)
     # into the variable the first time anything asks, as transformers' imports can before enable() runs.
@@ -242,7 +243,7 @@ def test_compile_puts_inductors_cache_under_the_per_user_root(cache: Path, monke
 
 def test_compile_keeps_a_users_own_inductor_cache(cache: Path, monkeypatch: pytest.MonkeyPatch,
                                                   tmp_path: Path) -> None:
-    from asyncpage.models import compiled
+    from asyncpage.model import compiled
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     monkeypatch.setattr(compiled, "CompiledDecode", _NoCompile)

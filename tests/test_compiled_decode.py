@@ -1,4 +1,4 @@
-"""compile=True (asyncpage.models.compiled): decode steps of up to 8 sequences run torch.compile'd
+"""compile=True (asyncpage.model.compiled): decode steps of up to 8 sequences run torch.compile'd
 layers. In float32, the same greedy tokens and (within float rounding) the same logits as the eager
 forward, on tiny models of the families that have the compiled path; every variant compiled at load,
 none later. (In bfloat16 the fused loops round differently, so greedy tokens may part after a while.)"""
@@ -12,11 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from asyncpage import AsyncEngine, SamplingParams, native
-from asyncpage.attention import paged_attention
-from asyncpage.loading import env_flag
-from asyncpage.models import compiled as compiled_module
-from asyncpage.runner import FlatBatch
+from asyncpage import AsyncEngine, SamplingParams
+from asyncpage.core.loading import env_flag
+from asyncpage.core.runner import FlatBatch
+from asyncpage.model import compiled as compiled_module
+from asyncpage.model import native
+from asyncpage.model.attention import paged_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -98,7 +99,7 @@ def test_one_stream_reads_its_context_as_one_slice_of_the_pool_where_its_blocks_
 def test_with_the_native_kernel_every_compiled_step_attends_in_one_call_and_gives_the_eager_logits(
         tiny_models: dict[str, tuple[Path, Any]], arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """One row on consecutive or scattered blocks (a shared prefix block first), and steps of
-    several rows: each layer's attention is one native call (asyncpage.native), and the logits are
+    several rows: each layer's attention is one native call (asyncpage.model.native), and the logits are
     the eager forward's."""
     kernels = native.load()
     assert kernels is not None  # a C compiler is part of this project's setup (torch.compile needs one)
@@ -193,7 +194,7 @@ def test_default_model_compiled_matches_transformers_greedy(reference: dict[str,
 def test_a_failed_compile_leaves_a_working_eager_engine(tiny_models: dict[str, tuple[Path, Any]],
                                                         monkeypatch: pytest.MonkeyPatch,
                                                         caplog: pytest.LogCaptureFixture) -> None:
-    from asyncpage.models import compiled as compiled_module
+    from asyncpage.model import compiled as compiled_module
 
     def no_compiler(*args: Any, **kwargs: Any) -> float:
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")

@@ -358,8 +358,8 @@ async def test_a_stop_string_completed_on_the_last_allowed_token_is_a_stop(tiny_
 
 def test_an_unread_stream_keeps_one_logprob_list() -> None:
     """Defect 12: the mailbox copied the logprob list on every put (quadratic for an unread stream)."""
+    from asyncpage.core.stream import Mailbox
     from asyncpage.outputs import TokenLogprob
-    from asyncpage.streams import Mailbox
 
     box = Mailbox()
     box.put(0, "a", [1], TokenLogprob(1, -0.1, {}), None)
@@ -371,7 +371,7 @@ def test_an_unread_stream_keeps_one_logprob_list() -> None:
 
 async def test_a_blocked_waiting_head_hashes_its_prompt_once(tiny_llama: Path, monkeypatch: Any) -> None:
     """Defect 12: a waiting head blocked by the pool re-hashed its whole prompt every step."""
-    import asyncpage.kv_cache as kvc
+    import asyncpage.kv.cache as kvc
 
     calls = 0
     real = kvc.chain_digest

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncpage.cpu_share import PERIOD_S, CpuShare
+from asyncpage.runtime.cpu_share import PERIOD_S, CpuShare
 
 
 def _share(samples: list[tuple[float, float, float]]) -> CpuShare:

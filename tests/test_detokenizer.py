@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from asyncpage import AsyncEngine, SamplingParams
-from asyncpage.detokenizer import IncrementalDetokenizer
+from asyncpage.decoding.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

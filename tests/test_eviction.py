@@ -9,8 +9,8 @@ from hypothesis import settings
 from hypothesis.stateful import invariant
 
 from asyncpage import AsyncEngine, InvalidRequestError, SamplingParams
-from asyncpage.bench import eviction_workload
-from asyncpage.kv_cache import BlockPool, BlockTable, KVCacheManager
+from asyncpage.bench.throughput import eviction_workload
+from asyncpage.kv.cache import BlockPool, BlockTable, KVCacheManager
 from tests.test_block_pool import N, PoolMachine
 
 BS = 4

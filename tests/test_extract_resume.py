@@ -12,7 +12,7 @@ import pytest
 
 from asyncpage import AsyncEngine, EngineDeadError, InvalidRequestError
 from asyncpage.cli import main as cli
-from asyncpage.jobs import done_lines, run_job
+from asyncpage.extract.jobs import done_lines, run_job
 
 from .conftest import fail_at_step
 
@@ -149,7 +149,7 @@ def test_missing_or_wrong_files_are_refused_before_the_model_loads(
         assert cli(["extract", "--schema", str(schema), "--input", str(src), "--output", str(dst),
                     "--model", str(tmp_path / "no-model"), "--no-progress"]) == 2
         assert why in capsys.readouterr().err
-    from asyncpage.jobs import check_paths
+    from asyncpage.extract.jobs import check_paths
 
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)

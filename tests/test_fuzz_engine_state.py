@@ -53,9 +53,9 @@ from hypothesis.stateful import (
 )
 
 from asyncpage import AsyncEngine, SamplingParams, StreamChunk
+from asyncpage.core.stream import RequestStream
 from asyncpage.errors import EngineLoopError
 from asyncpage.outputs import FinishedRequest
-from asyncpage.streams import RequestStream
 
 T = TypeVar("T")
 

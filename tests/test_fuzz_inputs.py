@@ -33,9 +33,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from asyncpage import AsyncEngine, SamplingParams
+from asyncpage.core.request import Request
 from asyncpage.errors import AsyncPageError, GrammarError, InvalidRequestError, SamplingError
 from asyncpage.guided import GuidedSpec
-from asyncpage.request import Request
 
 from .conftest import SHARED
 

@@ -28,8 +28,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from asyncpage import AsyncEngine
-from asyncpage.asgi_transport import make_transport_class
 from asyncpage.openai import app
+from asyncpage.openai.transport import make_transport_class
 
 SCALE = float(os.environ.get("ASYNCPAGE_FUZZ_SCALE", "1"))
 

@@ -134,7 +134,7 @@ def test_a_backend_that_cannot_use_the_tokenizer_fails_once_and_stays_failed() -
 
 def test_triton_refuses_block_sizes_the_gpu_would_reject() -> None:
     """Defect 11: tl.dot needs K >= 16; block_size 1-8 used to be accepted and fail at the first step."""
-    from asyncpage.config import resolve_backend
+    from asyncpage.core.config import resolve_backend
 
     with pytest.raises(InvalidRequestError) as e:
         resolve_backend("triton", "cuda", 8)
@@ -147,7 +147,7 @@ def test_attention_masks_are_built_on_the_batch_device() -> None:
     """Defect 11: the torch backend built torch.arange masks on the CPU next to CUDA tensors."""
     import torch
 
-    from asyncpage.attention import AttentionMetadata, PrefillChunk
+    from asyncpage.model.attention import AttentionMetadata, PrefillChunk
 
     dev = torch.device("meta")  # any non-CPU device shows where the mask lives
     meta = AttentionMetadata(block_size=4, slot_mapping=torch.zeros(6, dtype=torch.long, device=dev),

@@ -13,8 +13,9 @@ from typing import Annotated, Any
 import msgspec
 import pytest
 
-from asyncpage import AsyncEngine, ExtractionError, InvalidRequestError, SamplingParams, grounding
-from asyncpage.extract_prompt import schema_prompt
+from asyncpage import AsyncEngine, ExtractionError, InvalidRequestError, SamplingParams
+from asyncpage.extract import grounding
+from asyncpage.extract.prompt import schema_prompt
 from asyncpage.guided.backend import closed_objects
 
 SOURCE = 'From: Fatima Khan\nI bought "CloudDesk Pro" (order ORD-48213) and want a refund.'

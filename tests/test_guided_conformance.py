@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
+from asyncpage.bench.guided_conformance import load_cases, outcome_map, run_all, summarize
 from asyncpage.guided import GrammarManager, GuidedSpec
-from asyncpage.guided.conformance import load_cases, outcome_map, run_all, summarize
-from asyncpage.weights import load_tokenizer
+from asyncpage.model.weights import load_tokenizer
 from tests.conftest import DATA, SHARED
 
 RATCHET = DATA / "guided_ratchet.json"

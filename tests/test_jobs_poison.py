@@ -14,7 +14,7 @@ import pytest
 
 from asyncpage import AsyncEngine, InvalidRequestError
 from asyncpage.cli import main as cli
-from asyncpage.jobs import done_lines, load_examples, load_schema
+from asyncpage.extract.jobs import done_lines, load_examples, load_schema
 
 SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 6}}, "required": ["word"],
           "additionalProperties": False}

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from asyncpage import AsyncEngine, SamplingParams
-from asyncpage.kv_cache import KVCacheManager
-from asyncpage.request import Request, Sequence
-from asyncpage.runner import ModelRunner
-from asyncpage.scheduler import Scheduler
-from asyncpage.weights import load
+from asyncpage.core.request import Request, Sequence
+from asyncpage.core.runner import ModelRunner
+from asyncpage.core.scheduler import Scheduler
+from asyncpage.kv.cache import KVCacheManager
+from asyncpage.model.weights import load
 from tests.conftest import ARCHS, TINY_VOCAB
 
 

@@ -1,4 +1,4 @@
-"""asyncpage.native: the C kernels of the one-stream decode step give what torch's ops give, and
+"""asyncpage.model.native: the C kernels of the one-stream decode step give what torch's ops give, and
 where they cannot be built the torch ops serve."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncpage import native
-from asyncpage.attention import AttentionMetadata, decode_only_attention
+from asyncpage.model import native
+from asyncpage.model.attention import AttentionMetadata, decode_only_attention
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "block", "window"), [
@@ -181,7 +181,7 @@ def test_linear_q8_refuses_what_it_cannot_read_safely() -> None:
 def test_the_native_linears_stay_finite_where_the_true_result_is(size: float) -> None:
     """Huge finite activations (mixed signs): a block's integer sums times its scale once overflowed
     to inf, and opposite lanes added to NaN."""
-    from asyncpage.native import pack_q4
+    from asyncpage.model.native import pack_q4
 
     kernels = native.load()
     assert kernels is not None and kernels.q8_granule
@@ -262,7 +262,7 @@ def test_quantized_layers_take_the_native_kernel_where_it_builds_and_torchs_with
         kind: str, k: int, odd_k: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """int8 layers take linear_q8 (k a multiple of the build's granule), int4 layers linear_q4 (k a
     multiple of 128); other shapes, and ASYNCPAGE_NATIVE=0, keep torch's kernels."""
-    from asyncpage.quant import QuantLinear
+    from asyncpage.model.quant import QuantLinear
 
     def native_of(layer: QuantLinear) -> object:
         return layer.q8 if kind == "int8" else layer.q4
@@ -292,8 +292,8 @@ def test_linear_q4_is_the_int4_weights_times_activations_rounded_in_blocks_of_32
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     import ctypes
 
-    from asyncpage.native import pack_q4, unpack_q4
-    from asyncpage.quant import dequantize_int4
+    from asyncpage.model.native import pack_q4, unpack_q4
+    from asyncpage.model.quant import dequantize_int4
 
     kernels = native.NativeKernels(ctypes.CDLL(str(native._build_with(flags))))
     gen = torch.Generator().manual_seed(2)

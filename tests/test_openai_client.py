@@ -174,8 +174,8 @@ async def test_unsupported_or_oversized_requests_are_refused_not_ignored(client:
     assert e.value.param == "prompt"
     import httpx2
 
-    from asyncpage.asgi_transport import make_transport_class
     from asyncpage.openai import app
+    from asyncpage.openai.transport import make_transport_class
 
     transport = make_transport_class(httpx2)(app(default_engine, max_request_bytes=1000))
     async with httpx2.AsyncClient(transport=transport, base_url="http://x/v1") as hc:

@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from asyncpage import AsyncEngine, SamplingParams, native
-from asyncpage.attention import AttentionMetadata, PrefillChunk, dequantize_kv, paged_attention, quantize_kv
-from asyncpage.quality import agreeing_prefix
-from asyncpage.quant import QuantLinear, dequantize_int4, int4_from_q4_k, quantize_int4
-from asyncpage.quant_kernels import prepack_w8a8, w8a8_for
-from asyncpage.runner import kv_bytes_per_block
-from asyncpage.weights import load
+from asyncpage import AsyncEngine, SamplingParams
+from asyncpage.bench.quality import agreeing_prefix
+from asyncpage.core.runner import kv_bytes_per_block
+from asyncpage.model import native
+from asyncpage.model.attention import AttentionMetadata, PrefillChunk, dequantize_kv, paged_attention, quantize_kv
+from asyncpage.model.quant import QuantLinear, dequantize_int4, int4_from_q4_k, quantize_int4
+from asyncpage.model.quant_calibrate import prepack_w8a8, w8a8_for
+from asyncpage.model.weights import load
 from tests.test_triton_kernels import _batch  # also sets TRITON_INTERPRET=1 off CUDA
 
 
@@ -90,7 +91,7 @@ def test_a_non_finite_row_of_a_strided_input_gives_non_finite_logits_from_the_ro
         monkeypatch: pytest.MonkeyPatch) -> None:
     # The weight-only kernel takes only rows contiguous in memory; with float32 activations (a CPU
     # without native bf16) nothing copied a strided row before it, and the call raised.
-    from asyncpage import quant
+    from asyncpage.model import quant
 
     monkeypatch.setattr(quant, "kernel_dtype", lambda layer, scales: torch.float32)
     layer = QuantLinear.from_float("int8", torch.randn(256, 64), torch.float32)
@@ -105,7 +106,7 @@ def test_a_head_whose_dense_copy_serves_one_row_holds_no_unused_int8_prepacked_c
         monkeypatch: pytest.MonkeyPatch) -> None:
     # forward() sends one row to the dense copy when the packed kernel lost to it even at one row
     # (max_rows 0): a prepacked w8a8 copy would never run, yet hold another int8 copy of the head.
-    from asyncpage import quant_kernels
+    from asyncpage.model import quant_calibrate as quant_kernels
 
     layer = QuantLinear.from_float("int8", torch.randn(256, 72), torch.float32)
     # Timings where the dynamic int8 linear wins by far (as for the default model's head here).
@@ -162,7 +163,7 @@ def test_a_gguf_q4_k_tensor_is_taken_over_exactly() -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from asyncpage.weights import _gguf_index, resolve
+    from asyncpage.model.weights import _gguf_index, resolve
 
     path = resolve(None)
     _, index = _gguf_index(path)
@@ -297,11 +298,11 @@ async def test_default_model_int4_greedy_agrees_with_float32_reference(reference
 
 def test_decode_perplexity_is_prefills_on_a_float_model_and_near_it_with_int8(
         tiny_models: dict[str, tuple[Path, Any]]) -> None:
-    """`python -m asyncpage.quality` reports perplexity both ways: teacher-forced one token a step
+    """`python -m asyncpage.bench.quality` reports perplexity both ways: teacher-forced one token a step
     through the decode path must give what prefill gives when both run the same kernels, and stay
     near it where the decode path's packed int8 kernel rounds its activations (linear_q8)."""
     from asyncpage import AsyncEngine
-    from asyncpage.quality import _decode_nll, _prefill_nll
+    from asyncpage.bench.quality import _decode_nll, _prefill_nll
 
     ids = list(range(3, 43))
     float_engine = AsyncEngine.from_pretrained(tiny_models["gemma3"][0], dtype="float32")
@@ -331,7 +332,7 @@ def test_an_int8_layer_without_a_dense_copy_dequantizes_to_its_rows_times_their_
 def test_int8_layers_keep_a_dense_copy_and_time_each_kernel_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     """A linear_q8 layer keeps its dense copy for big prefills (float activations, and a dense GEMM
     wins there), and a crossover measured for linear_q8 is never reused for torch's kernel."""
-    import asyncpage.quant_kernels as quant_kernels
+    import asyncpage.model.quant_calibrate as quant_kernels
 
     w = torch.randn(256, 1024)
     layer = QuantLinear.from_float("int8", w, torch.float32)

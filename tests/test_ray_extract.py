@@ -20,7 +20,7 @@ import ray.data
 from asyncpage import AsyncEngine, SamplingParams
 from asyncpage.cli import main as cli
 from asyncpage.errors import InvalidRequestError
-from asyncpage.jobs import run_job
+from asyncpage.extract.jobs import run_job
 from asyncpage.ray import extract_dataset
 
 from .conftest import CORPUS

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from asyncpage import AsyncEngine, InvalidRequestError, SamplingParams
-from asyncpage.sampling import SampleSpec, sample
+from asyncpage.decoding.sampling import SampleSpec, sample
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 LOGITS = PROBS.log()

@@ -1,4 +1,4 @@
-"""Boolean fields decided by scoring the record's text (asyncpage.flags): which fields, which statement,
+"""Boolean fields decided by scoring the record's text (asyncpage.extract.booleans): which fields, which statement,
 and that the value returned is the one the scores chose."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ from typing import Annotated, Any
 import msgspec
 import pytest
 
-from asyncpage import AsyncEngine, ExtractionError, InvalidRequestError, SamplingParams, flags
+from asyncpage import AsyncEngine, ExtractionError, InvalidRequestError, SamplingParams
+from asyncpage.extract import booleans as flags
 from asyncpage.extract import decode_value, json_params
-from asyncpage.extract_prompt import DEMOS
-from asyncpage.flags import Reading
+from asyncpage.extract.booleans import Reading
+from asyncpage.extract.prompt import DEMOS
 
 TICKET = {
     "type": "object",

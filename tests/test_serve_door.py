@@ -22,9 +22,9 @@ import httpx
 import pytest
 
 from asyncpage import AsyncEngine
-from asyncpage.asgi_transport import make_transport_class
 from asyncpage.errors import QueueFullError
 from asyncpage.openai import MAX_PROMPTS_PER_REQUEST, app
+from asyncpage.openai.transport import make_transport_class
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"prompt": "hi", "max_tokens": 2}

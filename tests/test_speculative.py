@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from asyncpage import AsyncEngine, InvalidRequestError, SamplingParams
-from asyncpage.bench_spec import RECORD, SCHEMA
-from asyncpage.sampling import SampleSpec
-from asyncpage.speculative import SpecState, SpeculativeConfig, Verify, verify
+from asyncpage.bench.spec import RECORD, SCHEMA
+from asyncpage.decoding.sampling import SampleSpec
+from asyncpage.decoding.speculative import SpecState, SpeculativeConfig, Verify, verify
 from tests.conftest import ARCHS
 from tests.test_engine_lifecycle import PROMPTS, _idle, tiny_engine
 
@@ -223,7 +223,7 @@ def test_a_speculative_config_object_with_bad_fields_is_refused_not_run_as_ngram
 
 
 def test_bench_speculative_refuses_a_bad_setting_before_loading_the_model() -> None:
-    from asyncpage.speculative import cli_config as parse
+    from asyncpage.decoding.speculative import cli_config as parse
 
     assert parse("ngram:5") == {"method": "ngram", "num_speculative_tokens": 5}
     for bad in ["ngram:x", "ngram:0", "medusa", "ngram:-2"]:  # "ngram:x" was a bare ValueError traceback

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from asyncpage import AsyncEngine, InvalidRequestError, SamplingParams
-from asyncpage.draft import DraftGate
+from asyncpage.core.draft import DraftGate
+from asyncpage.decoding.speculative import SpeculativeConfig, cli_config
 from asyncpage.errors import ModelLoadError
-from asyncpage.speculative import SpeculativeConfig, cli_config
 from tests.conftest import ARCHS, build_tiny
 from tests.test_engine_lifecycle import PROMPTS, _idle, tiny_engine
 from tests.test_speculative import _outputs, _workload

@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from asyncpage.attention import AttentionMetadata, PrefillChunk, paged_attention
 from asyncpage.guided.backend import apply_bitmask as torch_apply_bitmask
+from asyncpage.model.attention import AttentionMetadata, PrefillChunk, paged_attention
 
 # asyncpage.kernels is imported inside the tests, after this: @triton.jit reads the flag then.
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"

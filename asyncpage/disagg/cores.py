@@ -28,12 +28,12 @@ from typing import Any
 
 import torch
 
-from asyncpage.core import EngineCore
+from asyncpage.core.loop import EngineCore
+from asyncpage.core.request import Request, SeqStatus
 from asyncpage.engine import AsyncEngine
 from asyncpage.errors import EngineNotRunningError, PromptTooLongError
-from asyncpage.kv_cache import BlockTable
+from asyncpage.kv.cache import BlockTable
 from asyncpage.outputs import TokenLogprob
-from asyncpage.request import Request, SeqStatus
 
 from .wire import Header
 

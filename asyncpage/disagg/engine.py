@@ -34,9 +34,9 @@ from types import TracebackType
 from typing import Any, Self
 
 from asyncpage.errors import EngineDeadError, EngineLoopError, EngineNotRunningError, InvalidRequestError
-from asyncpage.eventloop import LoopHandle
 from asyncpage.outputs import EngineStats, GenerateOutput
 from asyncpage.params import SamplingParams
+from asyncpage.runtime.eventloop import LoopHandle
 
 from . import messages as m
 from .messages import Channel, decode_error

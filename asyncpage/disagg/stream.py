@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Self
 
 import anyio
 
+from asyncpage.core.stream import Mailbox
 from asyncpage.outputs import Choice, FinishReason, GenerateOutput, RequestMetrics, StreamChunk, TokenLogprob
 from asyncpage.params import SamplingParams
-from asyncpage.streams import Mailbox
 
 from .messages import Final
 

@@ -33,13 +33,13 @@ from typing import Any, NoReturn, cast
 
 import msgspec
 
+from asyncpage.core.request import Request
+from asyncpage.core.validation import check_request
 from asyncpage.engine import AsyncEngine
 from asyncpage.errors import AsyncPageError, EngineDeadError, RequestFailedError
-from asyncpage.kv_cache import BlockTable
+from asyncpage.kv.cache import BlockTable
 from asyncpage.outputs import TokenLogprob
 from asyncpage.params import SamplingParams
-from asyncpage.request import Request
-from asyncpage.validation import check_request
 
 from . import messages as m
 from . import wire

@@ -40,7 +40,6 @@ from typing import Any
 import anyio
 
 from asyncpage.errors import GrammarError, GrammarTimeoutError, InvalidRequestError
-from asyncpage.eventloop import LoopHandle
 from asyncpage.guided.backend import (
     NO_DEADLINE,
     CompiledGrammar,
@@ -51,6 +50,7 @@ from asyncpage.guided.backend import (
 )
 from asyncpage.guided.budget import StartPlan
 from asyncpage.guided.search import Steps
+from asyncpage.runtime.eventloop import LoopHandle
 
 log = logging.getLogger("asyncpage")
 

@@ -1,0 +1,413 @@
+"""Scheduler: which sequences run in the next step, and with how many tokens.
+
+Each step has a token budget (`max_num_batched_tokens`). Running sequences come first, in admission
+order: a decode takes one token, a partly prefilled prompt takes the next chunk. What budget is left
+admits waiting sequences, first come first served, as prefill chunks in the same step. A sequence
+that needs a block when none is free preempts the most recently admitted running sequence
+(recompute: its blocks are freed and it goes back to the head of the queue).
+A beam search's beams step together: each step chooses among all their continuations at once
+(beam.py), so their last tokens are scheduled in one step or not at all, a beam being recomputed
+holds its last token until its siblings catch up, and preempting one beam preempts them all.
+The scheduler never touches tensors; the runner turns its output into a batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncpage.core.request import Request, SeqStatus, Sequence
+from asyncpage.core.speculation import FORCED_RUN, Speculation
+from asyncpage.decoding.beam import Choice
+from asyncpage.decoding.speculative import SpeculativeConfig
+from asyncpage.errors import AsyncPageError, RequestFailedError
+from asyncpage.kv.cache import KVCacheManager
+from asyncpage.outputs import FinishReason
+from asyncpage.params import SamplingParams
+
+log = logging.getLogger("asyncpage")
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    # Sequences sampled from this row's logits (more than one when an n > 1 request forks).
+    samples: list[Sequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # its copy-on-write, before the forward
+    draft: list[int] = field(default_factory=list)  # speculated tokens computed after its last one
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    block_copies: list[tuple[int, int]]  # copy-on-write, done before the forward writes
+    max_model_len: int = 1 << 62  # the context bound a sampled sequence's budget also counts against
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+def _seats(seq: Sequence) -> int:
+    """Slots of max_num_seqs a sequence takes: every sample (or beam) counts, so a request that will
+    fork into n sequences holds n seats from its admission on."""
+    req = seq.request
+    return req.width if seq.index == 0 and req.width > 1 and not req.forked else 1
+
+
+def _beams(seq: Sequence) -> list[Sequence] | None:
+    """The beams of seq's beam search when there are several of them (they must step together)."""
+    req = seq.request
+    return req.seqs if req.beam is not None and len(req.seqs) > 1 else None
+
+
+def _partly_running(seq: Sequence) -> bool:
+    """A waiting beam some of whose siblings are running (they wait for it to catch up)."""
+    beams = _beams(seq)
+    return beams is not None and any(b.status is SeqStatus.RUNNING for b in beams)
+
+
+def _ready(beams: list[Sequence]) -> bool:
+    """Every beam is running with only its last token left: they can be stepped (together)."""
+    return all(b.status is SeqStatus.RUNNING and b.num_tokens - b.num_computed_tokens == 1 for b in beams)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_model_len: int, make_generator: Callable[[Request, int], torch.Generator | None],
+                 stop_string_hit: Callable[[list[int], SamplingParams], bool] | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.make_generator = make_generator
+        self.stop_string_hit = stop_string_hit  # beam search: does this output contain a stop string?
+        self.spec = Speculation(speculative, kv, max_model_len)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._preempted: set[int] = set()  # this step's preempted sequences
+        self._next_seq_id = 0
+        self._rng = random.Random()
+
+    def new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id
+
+    @property
+    def num_seats(self) -> int:
+        """Sequences running, counted as max_num_seqs counts them (an n > 1 request not yet forked: n)."""
+        return sum(_seats(s) for s in self.running)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        seen: set[int] = set()
+        self._preempted.clear()
+
+        speculate = self.spec.active(len(self.running))
+        # A snapshot: children forked during this loop join `running` but have nothing to compute yet.
+        for first in list(self.running):
+            if budget <= 0:
+                break
+            if first.status is not SeqStatus.RUNNING or first.seq_id in seen:
+                continue  # preempted a moment ago to make room for an earlier sequence, or a beam stepped
+            beams = _beams(first)
+            draft: list[int] = []
+            if beams is None:
+                remaining = first.num_tokens - first.num_computed_tokens
+                if speculate and remaining < budget and remaining <= FORCED_RUN:
+                    # A decode, or the short run a grammar forced: drafts may follow its last token.
+                    draft = self.spec.propose(first, budget - remaining)
+                todo = [(first, min(remaining + len(draft), budget))]
+            elif _ready(beams) and budget >= len(beams):
+                todo = [(b, 1) for b in beams]  # the step that chooses among all their continuations
+            else:
+                # Recomputing after a preemption: each beam computes all but its last token meanwhile.
+                todo = [(b, b.num_tokens - b.num_computed_tokens - 1) for b in beams
+                        if b.status is SeqStatus.RUNNING and b.num_tokens - b.num_computed_tokens > 1]
+            if beams is not None:
+                seen.update(b.seq_id for b in beams)
+            for seq, want in todo:
+                num_new = min(want, budget)
+                copies = self._grow(seq, num_new) if num_new > 0 else None
+                if copies is None:
+                    break
+                scheduled.append(self._scheduled(seq, num_new, copies, draft))
+                budget -= num_new
+            if first.status is not SeqStatus.RUNNING:
+                break  # it preempted itself: everything admitted after it is gone too
+        # A beam scheduled early and preempted with its siblings later in the loop computes nothing
+        # now (it may even be admitted again below, from scratch).
+        scheduled = [s for s in scheduled if s.seq.seq_id not in self._preempted]
+
+        seats = self.num_seats
+        while self.waiting and budget > 0 and seats + _seats(self.waiting[0]) <= self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = []
+            if seq.num_computed_tokens == 0 and not seq.request.scoring_prompt:
+                cached = self.kv.find_cached_prefix(seq.token_ids, seq.params.cache_salt, seq.prefix_digests)
+            start = len(cached) * self.kv.block_size
+            num_new = min(seq.num_tokens - start, budget)
+            if _beams(seq) is not None:
+                num_new = min(num_new, seq.num_tokens - start - 1)  # the last token waits for its siblings
+            # No watermark for the rest of a beam group partly admitted: its running beams cannot
+            # move (nor free anything) until it is in, and the group fits the pool (validation).
+            if not self.kv.can_allocate(seq.table, start, start + num_new, cached,
+                                        reserve=self.kv.watermark if self.running and not _partly_running(seq)
+                                        else 0):
+                break  # FCFS: later sequences wait behind this one rather than starve it
+            self.waiting.popleft()
+            copies = self.kv.allocate(seq.table, start, start + num_new, cached)
+            if start:
+                seq.num_computed_tokens = start
+            if seq.num_output_tokens == 0 and seq.index == 0 and not seq.request.times.first_scheduled:
+                # Count the prompt once per request, not once per preemption.
+                self.kv.record_query(seq.num_prompt_tokens, start)
+                seq.request.num_cached_prompt_tokens = start
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            seats += _seats(seq)
+            if num_new:
+                scheduled.append(self._scheduled(seq, num_new, copies))
+                budget -= num_new
+        # A child forked early in this step can be preempted later in it (a later sequence needed its
+        # block): it must not be sampled, or its grammar matcher and generator would run ahead of it.
+        for sched in scheduled:
+            sched.samples = [s for s in sched.samples if s.status is SeqStatus.RUNNING]
+        return SchedulerOutput(scheduled, [c for s in scheduled for c in s.copies], self.max_model_len)
+
+    def _grow(self, seq: Sequence, num_new: int) -> list[tuple[int, int]] | None:
+        """Give a running sequence blocks for `num_new` more tokens, preempting the most recently
+        admitted sequences as needed. Returns its copy-on-write pairs; None if `seq` was preempted."""
+        while not self.kv.can_allocate(seq.table, seq.num_computed_tokens, seq.num_computed_tokens + num_new):
+            self._preempt(self.running[-1])  # the most recently admitted
+            if seq.status is not SeqStatus.RUNNING:
+                return None
+        return self.kv.allocate(seq.table, seq.num_computed_tokens, seq.num_computed_tokens + num_new)
+
+    def _scheduled(self, seq: Sequence, num_new: int, copies: list[tuple[int, int]],
+                   draft: list[int] | None = None) -> ScheduledSeq:
+        sched = ScheduledSeq(seq, num_new, copies=copies, draft=draft or [])
+        if seq.num_computed_tokens + num_new - len(sched.draft) == seq.num_tokens:
+            sched.samples.append(seq)
+            req = seq.request
+            if req.params.n > 1 and not req.forked and req.beam is None:
+                sched.samples += self._fork(seq, req, seq.num_computed_tokens + num_new)
+        return sched
+
+    def _fork(self, parent: Sequence, req: Request, num_computed: int) -> list[Sequence]:
+        """Children share every block of the parent's prompt, the partly filled last one included;
+        the first write to a shared block copies it (KVCacheManager.allocate)."""
+        req.forked = True
+        children = []
+        for index in range(1, req.params.n):
+            child = Sequence(
+                seq_id=self.new_seq_id(), index=index, request=req, token_ids=list(parent.token_ids),
+                generator=self.make_generator(req, index),
+                detokenizer=parent.detokenizer.fork() if parent.detokenizer else None,
+                num_prompt_tokens=parent.num_prompt_tokens, num_computed_tokens=num_computed,
+                table=self.kv.fork(parent.table), status=SeqStatus.RUNNING,
+                matcher=parent.matcher.fork() if parent.matcher is not None else None)
+            req.seqs.append(child)
+            self.running.append(child)
+            children.append(child)
+        return children
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: `seq` (and, for a beam, every running beam of its search, since they only
+        step together) leaves `running` for the head of the queue with its blocks freed."""
+        group = [b for b in (_beams(seq) or [seq]) if b.status is SeqStatus.RUNNING]
+        for b in group:
+            self._preempted.add(b.seq_id)
+            self.running.remove(b)
+            self.kv.free(b.table)
+            b.num_computed_tokens = 0
+            b.status = SeqStatus.WAITING
+        # Ahead of the queue, but behind the rest of a beam group partly admitted before `seq`: its
+        # running beams wait for those to step, so nothing admitted after them may go first.
+        at = 0
+        while at < len(self.waiting) and _partly_running(self.waiting[at]):
+            at += 1
+        for b in reversed(group):  # the queue keeps them in beam order
+            self.waiting.insert(at, b)
+        self.num_preemptions += 1
+        seq.request.num_preemptions += 1
+
+    # ---- after the step ------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[int, int], grammar_done: frozenset[int] = frozenset(),
+               forced: dict[int, list[int]] | None = None, failed: dict[int, str] | None = None,
+               beams: dict[int, tuple[list[int], list[float]]] | None = None,
+               accepted: dict[int, int] | None = None,
+               ) -> tuple[list[tuple[Sequence, list[int]]], list[tuple[Sequence, str | AsyncPageError]]]:
+        """Advance computed counts, append sampled tokens (and the tokens a grammar forces after
+        them), apply token-level stops. `sampled` maps seq_id -> token; `grammar_done` holds the
+        sequences whose grammar is complete; `failed` the sequences whose sampled token is invalid
+        (no valid token, or one the grammar rejected): nothing is appended for them; `accepted` how
+        many drafts each speculating sequence kept (its tokens are sampled + forced); `beams` each
+        beam's best continuations (beam search steps here). Returns each sampled sequence with its
+        new tokens (beams excepted: they report once their search is done), and the failed
+        sequences with the reason."""
+        new_tokens: list[tuple[Sequence, list[int]]] = []
+        failures: list[tuple[Sequence, str | AsyncPageError]] = []
+        searches: dict[int, Request] = {}
+        for sched in out.scheduled:
+            seq = sched.seq
+            if seq.status is not SeqStatus.RUNNING or sched.draft:
+                continue  # aborted while the step ran; a speculating sequence is counted below
+            seq.num_computed_tokens += sched.num_new_tokens
+            self.kv.cache_full_blocks(seq.table, seq.token_ids, seq.num_computed_tokens,
+                                      seq.params.cache_salt)
+        for sched in out.scheduled:
+            for seq in sched.samples:
+                if seq.status is not SeqStatus.RUNNING or seq.seq_id not in sampled:
+                    continue
+                if failed and seq.seq_id in failed:
+                    failures.append((seq, failed[seq.seq_id]))
+                    continue
+                if seq.request.beam is not None:
+                    searches[seq.request.request_id] = seq.request
+                    continue
+                added: list[int] = []
+                reason: FinishReason | None = None
+                for token in [sampled[seq.seq_id], *(forced or {}).get(seq.seq_id, [])]:
+                    seq.token_ids.append(token)
+                    added.append(token)
+                    reason = self._stop_reason(seq, token)
+                    if reason is not None:
+                        break
+                new_tokens.append((seq, added))
+                if sched.draft:
+                    self.spec.verified(seq, sched.num_new_tokens - len(sched.draft), len(sched.draft),
+                                   (accepted or {}).get(seq.seq_id, 0))
+                if reason is None and seq.seq_id in grammar_done:
+                    reason = "stop"
+                if reason == "stop" and getattr(seq.matcher, "budget_forced", False):
+                    reason = "length"  # the value is complete because the budget closed it
+                if reason is not None:
+                    self.finish(seq, reason)
+        failed_requests = {seq.request.request_id for seq, _ in failures}
+        for req_id, req in searches.items():
+            if req_id not in failed_requests:
+                try:
+                    failures += self._step_beams(req, beams or {})
+                except Exception as exc:  # this search's own work (its grammars, its stop strings): it fails alone
+                    log.error("beam search %d failed; the engine goes on", req_id, exc_info=exc)
+                    error = RequestFailedError(f"this beam search failed while choosing its beams "
+                                               f"({type(exc).__name__}); the engine goes on")
+                    error.__cause__ = exc
+                    failures.append((req.seqs[0], error))
+        return new_tokens, failures
+
+    def _step_beams(self, req: Request, candidates: dict[int, tuple[list[int], list[float]]],
+                    ) -> list[tuple[Sequence, str]]:
+        """One beam-search step: choose the next beams among every beam's continuations, then fork
+        the chosen parents' block tables (shared blocks are referenced, not copied; a partly filled
+        last block is copied when first written) and free the beams nobody chose."""
+        search = req.beam
+        assert search is not None
+        beams = req.seqs
+        p = req.params
+        outputs = [b.output_token_ids for b in beams]
+
+        def ends(parent: int, token: int) -> tuple[FinishReason | None, bool] | None:
+            if token in req.stop_ids:
+                m = beams[parent].matcher
+                # EOS where the grammar is not complete: a copied field's opening quote where no span
+                # fits leaves only EOS. That is half a value, not a hypothesis: dropped. A caller's own
+                # stop id ends the beam as it ends a greedy sample; EOS stays a dead end when the
+                # caller also lists it among its stop ids (req.stop_token_ids: the EOS ids).
+                eos = not p.ignore_eos and token in req.stop_token_ids
+                dead_end = m is not None and not m.is_accepting() and eos
+                return (None if dead_end else "stop"), False
+            if p.stop and self.stop_string_hit is not None and self.stop_string_hit(outputs[parent] + [token], p):
+                return "stop", True
+            if beams[parent].num_tokens + 1 >= self.max_model_len:
+                return "length", True
+            return None
+
+        choices = search.step(outputs, [candidates.get(b.seq_id, ([], [])) for b in beams], ends)
+        nxt = self._follow(req, beams, choices)
+        failures = []
+        for i in range(len(nxt) - 1, -1, -1):  # from the end: retire() renumbers the beams after i
+            b = nxt[i]
+            if b.matcher is not None and not b.matcher.accept(b.token_ids[-1]):
+                failures.append((b, f"the grammar rejected token {b.token_ids[-1]} a beam search chose"))
+            elif b.matcher is not None and b.matcher.is_terminated():
+                # Its grammar is complete (the beam ends), or at a dead end: a copied field's opening
+                # quote where no span of the record fits, and no token can follow. That beam is not a
+                # value: it is dropped, never ranked against the complete ones.
+                search.retire(i, b.output_token_ids, "stop", valid=b.matcher.is_accepting())
+                nxt.pop(i)
+                self.finish(b, "stop")
+        req.seqs = nxt
+        for i, b in enumerate(nxt):
+            b.index = i
+        if failures or search.done:
+            for b in nxt:
+                self.finish(b, "stop")
+        return failures[:1]
+
+    def _follow(self, req: Request, beams: list[Sequence], choices: list[Choice]) -> list[Sequence]:
+        """The sequences of the chosen continuations: a parent chosen once goes on itself, one chosen
+        again is forked first (before its own token is appended); a parent nobody chose is freed."""
+        req.forked = True
+        taken: set[int] = set()
+        nxt: list[Sequence] = []
+        for c in choices:
+            parent = beams[c.parent]
+            if c.parent in taken:
+                nxt.append(Sequence(
+                    seq_id=self.new_seq_id(), index=len(nxt), request=req, token_ids=list(parent.token_ids),
+                    generator=None, detokenizer=None, num_prompt_tokens=parent.num_prompt_tokens,
+                    num_computed_tokens=parent.num_computed_tokens, table=self.kv.fork(parent.table),
+                    status=SeqStatus.RUNNING, matcher=parent.matcher.fork() if parent.matcher is not None else None))
+                self.running.append(nxt[-1])
+            else:
+                taken.add(c.parent)
+                nxt.append(parent)
+        for i, b in enumerate(beams):
+            if i not in taken:
+                self.finish(b, "stop")
+        for b, c in zip(nxt, choices, strict=True):
+            b.token_ids.append(c.token)
+        return nxt
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        if token in seq.request.stop_ids:
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a sequence now: its blocks go back to the pool (cached prefixes stay reusable)."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.kv.free(seq.table)

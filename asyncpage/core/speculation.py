@@ -1,0 +1,87 @@
+"""The scheduler's half of speculative decoding: which sequences speculate, with how many drafts,
+and what each verification did (the proposers are speculative.py's n-gram lookup and draft.py's
+model; verification is speculative.verify, on the compute thread)."""
+
+from __future__ import annotations
+
+from asyncpage.core.request import SeqStatus, Sequence
+from asyncpage.decoding.speculative import DraftAsk, SpecState, SpeculativeConfig
+from asyncpage.kv.cache import KVCacheManager
+
+# Speculate after a pending run of at most this many tokens (a decode has 1; grammar fast-forward
+# leaves a few): longer ones are prefill chunks, whose own cost dwarfs what drafts could save.
+FORCED_RUN = 16
+
+
+class Speculation:
+    def __init__(self, config: SpeculativeConfig | None, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config, self.kv, self.max_model_len = config, kv, max_model_len
+        self.proposed = 0  # drafts verified, over all sequences
+        self.accepted = 0  # drafts kept
+        self.verify_steps = 0  # sequence-steps that verified drafts
+
+    def active(self, num_running: int) -> bool:
+        """Drafts are off while more sequences run than `disable_by_batch_size` (speculative.py)."""
+        return self.config is not None and num_running <= self.config.disable_by_batch_size
+
+    def room(self, seq: Sequence) -> int:
+        """How many drafts a sequence may take now (0: it does not speculate)."""
+        req, p = seq.request, seq.params
+        if self.config is None or req.beam is not None or p.logprobs is not None:
+            return 0
+        if req.width > 1 and not req.forked:
+            return 0  # the step that forks its n samples: each speculates on its own from the next
+        if seq.spec is None:
+            seq.spec = SpecState(self.config)
+        return min(seq.spec.k, p.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+
+    def propose(self, seq: Sequence, room: int) -> list[int]:
+        """Drafts for a decoding sequence (n-gram lookup over its own tokens, or what the draft model
+        proposed): at most `room`, never past max_tokens or the context, cut where the grammar refuses
+        one or at a stop token."""
+        room = min(room, self.room(seq))
+        if room <= 0:
+            return []
+        assert seq.spec is not None
+        draft = seq.spec.propose(seq.token_ids, room)
+        cut = next((i for i, t in enumerate(draft) if t in seq.request.stop_ids), len(draft))
+        if seq.matcher is not None and cut:
+            cut = seq.matcher.valid_prefix(draft[:cut])
+        return draft[:cut]
+
+    def draft_asks(self, running: list[Sequence]) -> list[DraftAsk]:
+        """The running sequences that will decode next step and may speculate, for the draft model
+        (method "draft"; the engine loop runs it just before schedule())."""
+        if self.config is None or self.config.method != "draft" or not self.active(len(running)):
+            return []
+        asks = []
+        for seq in running:
+            pending = seq.num_tokens - seq.num_computed_tokens
+            if seq.status is not SeqStatus.RUNNING or pending <= 0 or (k := self.room(seq)) <= 0:
+                continue
+            # A prompt still prefilling: the draft reads it meanwhile (k=0), so it drafts from the first decode.
+            asks.append(DraftAsk(seq.seq_id, list(seq.token_ids), k if pending <= FORCED_RUN else 0,
+                                 seq.params.cache_salt))
+        return asks
+
+    def set_drafts(self, running: list[Sequence], drafts: dict[int, list[int]]) -> None:
+        for seq in running:
+            if seq.spec is not None:
+                seq.spec.pending = drafts.get(seq.seq_id, [])
+
+    def verified(self, seq: Sequence, computed: int, proposed: int, kept: int) -> None:
+        """A speculating sequence's step is over: its `computed` tokens and `kept` drafts are in the cache
+        (the slots written for rejected drafts are garbage, overwritten when those positions are
+        computed again); only their full blocks enter the prefix cache, and blocks holding nothing
+        but rejected drafts go back to the pool."""
+        seq.num_computed_tokens = min(seq.num_computed_tokens + computed + kept, seq.num_tokens)
+        self.kv.cache_full_blocks(seq.table, seq.token_ids, seq.num_computed_tokens, seq.params.cache_salt)
+        self.kv.trim(seq.table, seq.num_tokens)
+        assert seq.spec is not None
+        seq.spec.observe(proposed, kept)
+        seq.request.spec_proposed_tokens += proposed
+        seq.request.spec_accepted_tokens += kept
+        seq.request.spec_verify_steps += 1
+        self.proposed += proposed
+        self.accepted += kept
+        self.verify_steps += 1

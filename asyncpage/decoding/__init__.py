@@ -1,0 +1,1 @@
+"""decoding layer."""

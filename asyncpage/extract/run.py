@@ -1,0 +1,403 @@
+"""Extraction jobs: typed values from many records, with bounded concurrency.
+
+`extract_many` keeps at most `concurrency` requests in the engine and pulls the next record only
+when one finishes, so memory stays flat whatever the number of records. Results come in completion
+order, each tagged with its record's id, carrying the value or that record's own error; one bad
+record never stops the job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import msgspec
+
+from asyncpage.core.stream import Mailbox
+from asyncpage.core.validation import check_context
+from asyncpage.errors import (
+    ExtractionError,
+    GrammarTimeoutError,
+    InvalidRequestError,
+    PromptTooLongError,
+    SamplingError,
+)
+from asyncpage.extract import booleans as flags
+from asyncpage.extract import grounding
+from asyncpage.extract.beams import beam_for, beam_params, refuse_asked_beams
+from asyncpage.extract.prompt import Prompt, copy_sources, render_prompt, schema_prompt
+from asyncpage.guided import GuidedSpec
+from asyncpage.guided.backend import closed_objects
+from asyncpage.outputs import Beam, GenerateOutput
+from asyncpage.params import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncpage.core.request import Request
+    from asyncpage.engine import AsyncEngine
+
+DEMOS_MIN_CONTEXT = 2048  # below this context the default prompt's built-in solved records are left out
+
+
+class ExtractError(msgspec.Struct, frozen=True):
+    # invalid_input | prompt_too_long | truncated | invalid_output: the record's own outcome, final;
+    # engine_error: the engine died or closed under it: `asyncpage extract` writes no line, so a resume retries it.
+    reason: str
+    message: str
+
+
+class ExtractResult(msgspec.Struct, frozen=True, omit_defaults=True):
+    id: Any
+    value: Any = None
+    error: ExtractError | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    position: int = 0  # 1-based position of the record in the input: unique even when ids are not
+    # The budget (max_tokens) closed the value early: it validates, but may be shorter than the model's own.
+    closed_early: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+Record = Mapping[str, Any] | str
+
+
+def json_params(schema: Any, params: SamplingParams | None) -> tuple[SamplingParams, Any]:
+    """The sampling params for extracting `schema` (a msgspec type or a JSON Schema dict) and the
+    type to decode into (None for a dict schema). `params` defaults to greedy, max_tokens=1024; any
+    other guided-decoding field in it is replaced by the schema."""
+    if isinstance(schema, dict):
+        json_schema, target = schema, None
+    else:
+        try:
+            json_schema, target = closed_objects(msgspec.json.schema(schema)), schema
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError("schema", f"not a msgspec type or JSON Schema dict: {exc}") from exc
+    base = params or SamplingParams(max_tokens=1024, temperature=0)
+    return msgspec.structs.replace(base, json_schema=json_schema, regex=None, choice=None, grammar=None), target
+
+
+def beams_per_record(schema: Any, copy_fields: Sequence[str] | str | None, beam_width: int | None) -> int:
+    """The sequences each record of an extraction job runs at once (what a job sizes max_num_seqs by):
+    its beams, or 1 when it decodes greedy (nothing copied and no width asked). A bad width or an
+    unknown copied field is refused here, before anything loads."""
+    json_schema = json_params(schema, None)[0].json_schema
+    assert json_schema is not None
+    beam = beam_params(beam_width, grounding.copied(grounding.mark(json_schema, copy_fields)))
+    return 1 if beam is None else beam.beam_width
+
+
+def grounded(params: SamplingParams, schema: dict[str, Any], sources: list[str]) -> SamplingParams:
+    """`params` with the schema's grammar where its `x-copy` fields are spans of `sources`."""
+    return msgspec.structs.replace(params, json_schema=None, grammar=grounding.grammar(schema, sources))
+
+
+def check_job(prompt: Prompt | None, examples: Sequence[Mapping[str, Any]], concurrency: int, schema: Any,
+              copy_fields: Sequence[str] | str | None) -> None:
+    """A job's options that do not depend on the engine (the Ray driver checks them too, before a
+    cluster starts): the examples among them, each against the schema."""
+    if concurrency < 1:
+        raise InvalidRequestError("concurrency", "must be >= 1")
+    if examples and prompt is not None:
+        raise InvalidRequestError("examples", "examples go into the default prompt; a prompt of your own "
+                                              "carries its examples itself")
+    if examples:
+        json_schema = json_params(schema, None)[0].json_schema
+        if isinstance(json_schema, dict):
+            schema_prompt(grounding.mark(json_schema, copy_fields), examples=examples)  # refuses a bad one
+
+
+def closed_validly(matcher: Any, params: SamplingParams, token_ids: list[int]) -> bool:
+    """A request that ended by length has a complete value when budget closing brought its grammar to
+    an accepting state with the tokens it emitted (read once the sequence is finished: nothing else
+    touches its matcher then). They are replayed on a fresh matcher (`replays`): the sequence's own
+    may be ahead of its output, by forced tokens max_tokens cut (`{"const": 12345678}` cut at `123`)."""
+    if not params.budget_close or matcher is None:
+        return False
+    replays = getattr(matcher, "replays", None)
+    return bool(replays(token_ids) if replays is not None else matcher.is_accepting())
+
+
+async def closed_early_error(engine: AsyncEngine, params: SamplingParams, token_ids: list[int], text: str,
+                             target: Any, decided: dict[str, bool] | None = None) -> ExtractionError | None:
+    """For extract(): the ExtractionError("closed_early") carrying the value when an output cut by
+    max_tokens was closed validly by budget closing (its tokens take a fresh matcher of the same
+    grammar to an accepting state, and it decodes), else None."""
+    spec = GuidedSpec.from_params(params)
+    if not params.budget_close or spec is None:
+        return None
+    matcher = (await engine.guided.compile(spec)).new_matcher()
+    if not all(matcher.accept(t) for t in token_ids) or not matcher.is_accepting():
+        return None
+    try:
+        value = decode_value(text, target, decided)
+    except msgspec.DecodeError:
+        return None
+    return ExtractionError("closed_early", f"max_tokens={params.max_tokens} closed the value early (it is valid: "
+                           "see .value)", text, value, has_value=True)
+
+
+def decode_value(text: str, target: Any, decided: dict[str, bool] | None = None) -> Any:
+    """The generated JSON as `target` (or plain JSON values), with the `decided` booleans (flags.py) in
+    place of the model's own; raises msgspec.DecodeError."""
+    text = flags.applied(text, decided or {})
+    return msgspec.json.decode(text, type=target) if target is not None else msgspec.json.decode(text)
+
+
+async def extract_one(engine: AsyncEngine, prompt: str | list[int], schema: Any, params: SamplingParams | None, *,
+                      chat: bool, copy_from: str | Sequence[str] | None,
+                      copy_fields: Sequence[str] | str | None, beam_width: int | None = None,
+                      score_booleans: bool | None = None) -> Any:
+    """See AsyncEngine.extract."""
+    beam_params(beam_width, copying=False)  # a bad width fails first, before any grammar is made
+    params, target = json_params(schema, params)
+    copying = False  # a field is copied: the default is beams (beam_params)
+    decided: dict[str, bool] = {}  # booleans scored on the source (flags.py): they replace the model's own
+    if copy_from is None and score_booleans:
+        raise InvalidRequestError("score_booleans", "booleans are scored on the record's text: pass copy_from")
+    if copy_from is not None:
+        assert params.json_schema is not None
+        if copy_fields is None and not grounding.copied(params.json_schema):
+            copy_fields = "auto"
+        sources = [copy_from] if isinstance(copy_from, str) else list(copy_from)
+        marked = grounding.mark(params.json_schema, copy_fields)
+        copying = grounding.copied(marked)
+        params = grounded(params, marked, sources)
+        if score_booleans is not False and flags.statements(marked) and _joined(sources).strip():
+            decided = await flags.decide(engine, marked, _joined(sources), await flags.offsets(engine, marked))
+    if chat:
+        prompt = engine.apply_chat_template(prompt)
+    try:
+        out: GenerateOutput | Beam
+        ids = await engine.tokenize(prompt)
+        beam = beam_for(engine, ids, params, beam_width, copying)
+        if beam is None:
+            out = await engine.generate(ids, params)
+        else:
+            beams = (await engine.beam_search(ids, beam.beam_width, params.max_tokens, params=params)).beams
+            if beams and (beams[0].finish_reason == "stop" or beam_width is not None):
+                out = beams[0]
+            elif beam_width is None:
+                out = await engine.generate(ids, params)  # see _greedy_retry
+            else:
+                raise ExtractionError("invalid", _NO_BEAM.format(beam.beam_width), "")
+        if out.finish_reason == "length":
+            # Closed validly by the budget: raised with the value attached (see closed_early_error).
+            raise await closed_early_error(engine, params, out.token_ids, out.text, target, decided) or ExtractionError(
+                "truncated", f"output reached max_tokens={params.max_tokens} before the value was complete",
+                out.text)
+    finally:
+        if copy_from is not None:
+            _forget(engine, params)  # the grammar embeds this source only
+    try:
+        return decode_value(out.text, target, decided)
+    except msgspec.DecodeError as exc:
+        raise ExtractionError("invalid", str(exc), out.text) from exc
+
+
+def _joined(sources: Sequence[str]) -> str:
+    """The text booleans are scored on: every source the values may come from."""
+    return "\n\n".join(s for s in sources if s.strip())
+
+
+async def _aiter(items: Iterable[Record] | AsyncIterable[Record]) -> AsyncIterator[Record]:
+    if isinstance(items, AsyncIterable):
+        async for x in items:
+            yield x
+    else:
+        for x in items:
+            yield x
+
+
+async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncIterable[Record], schema: Any, *,
+                       prompt: Prompt | None = None, concurrency: int = 32, params: SamplingParams | None = None,
+                       id_field: str = "id", max_prompt_tokens: int | None = None,
+                       copy_fields: Sequence[str] | str | None = None,
+                       examples: Sequence[Mapping[str, Any]] = (), beam_width: int | None = None,
+                       score_booleans: bool | None = None) -> AsyncIterator[ExtractResult]:
+    """See AsyncEngine.extract_many."""
+    check_job(prompt, examples, concurrency, schema, copy_fields)
+    params, target = json_params(schema, params)
+    spec = GuidedSpec.from_params(params)
+    assert spec is not None and params.json_schema is not None
+    await engine.guided.compile(spec)  # an unsupported schema fails the call here, before any record
+    marked = grounding.mark(params.json_schema, copy_fields)
+    copying = grounding.copied(marked)
+    scoring = (copying if score_booleans is None else score_booleans) and bool(flags.statements(marked))
+    c = engine.config
+    refuse_asked_beams(params, beam_width, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens)
+    if copying:
+        # An x-copy the grammar cannot express (or a pattern llguidance refuses) fails the call here,
+        # not every record: compile the grammar once over a stand-in text.
+        probe = GuidedSpec.from_params(grounded(params, marked, ["x"]))
+        try:
+            await engine.guided.compile(probe)  # type: ignore[arg-type]  # never None: params are guided
+        finally:
+            engine.guided.forget(probe)
+    if prompt is None:
+        prompt = schema_prompt(marked, examples=examples, copied=grounding.copied_names(marked),
+                               demos=engine.config.max_model_len >= DEMOS_MIN_CONTEXT)
+
+    wake = anyio.Event()
+
+    def notify() -> None:
+        wake.set()
+
+    pending: dict[int, tuple[Any, int, Request]] = {}
+    decided_at: dict[int, dict[str, bool]] = {}  # a record's scored booleans, by its position
+    ready: list[ExtractResult] = []
+    source = _aiter(items).__aiter__()
+    exhausted = False
+    index = 0
+    try:
+        while True:
+            while not exhausted and len(pending) < concurrency and not ready:
+                try:
+                    record = await source.__anext__()
+                except StopAsyncIteration:
+                    exhausted = True
+                    break
+                index += 1
+                if isinstance(record, str):
+                    record = {"text": record}
+                rid = record.get(id_field, index) if isinstance(record, Mapping) else index
+                own = params
+                try:
+                    if not isinstance(record, Mapping):
+                        raise InvalidRequestError("record", f"must be a JSON object or a string, got "
+                                                            f"{type(record).__name__}")
+                    text = _rendered(prompt, record)
+                    ids = await engine.tokenize(text)
+                    if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+                        raise PromptTooLongError("prompt", f"{len(ids)} tokens > max_prompt_tokens={max_prompt_tokens}")
+                    # Before its grammar: a record too long for the context is refused at once, not
+                    # after seconds spent building the spans of megabytes of text.
+                    check_context(ids, engine.config.max_model_len)
+                    sources = copy_sources(prompt, record, id_field)
+                    if scoring:  # its booleans, decided on its text (flags.py), replace the model's in its value
+                        offset = await flags.offsets(engine, marked)  # measured once, kept on the engine
+                        decided_at[index] = await flags.decide(engine, marked, _joined(sources), offset)
+                    own = grounded(params, marked, sources) if copying else params
+                    beam = beam_for(engine, ids, own, beam_width, copying)
+                    req = await engine.submit(ids, own, Mailbox(notify), beam=beam)
+                except (PromptTooLongError, GrammarTimeoutError, InvalidRequestError, RecursionError) as exc:
+                    # RecursionError: a record nested past what its own preparation (copy sources, its
+                    # grammar) can walk is that record's error, never the job's.
+                    if own is not params:
+                        _forget(engine, own)  # a refusal is cached too
+                    decided_at.pop(index, None)
+                    ready.append(ExtractResult(rid, error=_submit_error(exc), position=index))
+                    continue
+                except BaseException:  # cancelled while compiling: the record's grammar leaves with it
+                    if own is not params:
+                        _forget(engine, own)
+                    raise
+                pending[req.request_id] = (rid, index, req)
+            for key in [k for k, (_, _, r) in pending.items() if r.finished or r.mailbox.error is not None]:
+                rid, position, req = pending.pop(key)
+                if beam_width is None and _greedy_retry(req):
+                    try:
+                        again = await engine.submit(list(req.prompt_token_ids), req.params, Mailbox(notify))
+                    except (PromptTooLongError, GrammarTimeoutError, InvalidRequestError):
+                        pass  # the beams' own outcome stands
+                    except BaseException:  # cancelled or the engine died: the grammar leaves with the record
+                        if copying:
+                            _forget(engine, req.params)
+                        raise
+                    else:
+                        pending[again.request_id] = (rid, position, again)
+                        continue
+                result = _result(rid, req, target, decided_at.pop(position, {}))
+                ready.append(msgspec.structs.replace(result, position=position))
+                if copying:
+                    _forget(engine, req.params)  # this record's grammar ends with it
+            if ready:
+                yield ready.pop(0)
+                continue
+            if exhausted and not pending:
+                return
+            await wake.wait()
+            wake = anyio.Event()
+    finally:
+        # The caller stopped early (break, cancel, error): abort what is still in flight.
+        for _, _, req in pending.values():
+            engine.abort(req)
+            if copying:
+                _forget(engine, req.params)
+
+
+def _forget(engine: AsyncEngine, params: SamplingParams) -> None:
+    """Drop a record's own grammar (its copied spans) from the engine's cache: it ends with the record."""
+    engine.guided.forget(GuidedSpec.from_params(params))
+
+
+def _greedy_retry(req: Request) -> bool:
+    """Whether a default beam search's record is decoded again, greedy: its best beam did not finish
+    the value (max_tokens, or every beam at a dead end). Beams have no budget closing, which closes a
+    value validly at max_tokens; greedy does, so the record gets what it got before beams."""
+    if req.beam is None or req.mailbox.error is not None:
+        return False
+    best = req.mailbox.peek(0)
+    return best is None or best.finish_reason != "stop"
+
+
+# Every beam stopped at a dead end (a copied field's opening quote where no span of the text fits).
+_NO_BEAM = "none of the {} beams completed a value the grammar accepts"
+
+
+def _rendered(prompt: Prompt, record: Mapping[str, Any]) -> str:
+    """The record's prompt; a field the template writes as JSON that cannot be (nested past json's
+    depth limit, a set, a cycle: extract_many takes any mapping) is the record's InvalidRequestError."""
+    try:
+        return render_prompt(prompt, record)
+    except InvalidRequestError:
+        raise
+    except RecursionError:
+        raise InvalidRequestError("record", "nested too deeply to write into the prompt") from None
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError("record", f"cannot be written into the prompt: {exc}") from None
+
+
+def _submit_error(exc: Exception) -> ExtractError:
+    if isinstance(exc, RecursionError):
+        return ExtractError("invalid_input", "the record is nested too deeply to prepare")
+    if isinstance(exc, PromptTooLongError):
+        return ExtractError("prompt_too_long", exc.message)
+    if isinstance(exc, GrammarTimeoutError):  # the engine's moment, not the record's: retriable
+        return ExtractError("engine_error", str(exc))
+    return ExtractError("invalid_input", str(exc))
+
+
+def _result(rid: Any, req: Request, target: Any, decided: dict[str, bool]) -> ExtractResult:
+    n_prompt = len(req.prompt_token_ids)
+    if isinstance(req.mailbox.error, SamplingError):  # this record's own failure
+        return ExtractResult(rid, error=ExtractError("invalid_output", str(req.mailbox.error)), prompt_tokens=n_prompt)
+    if req.mailbox.error is not None:  # the engine's failure, not the record's: a job retries these
+        return ExtractResult(rid, error=ExtractError("engine_error", str(req.mailbox.error)), prompt_tokens=n_prompt)
+    if req.beam is not None and req.beam.done and not req.beam.finished:
+        return ExtractResult(rid, error=ExtractError("invalid_output", _NO_BEAM.format(req.beam.width)),
+                             prompt_tokens=n_prompt)
+    out = req.mailbox.drain().get(0)
+    n_out = len(out.token_ids) if out else 0
+    text = out.text if out else ""
+    if out is not None and out.finish_reason == "length" and closed_validly(req.seqs[0].matcher if req.seqs else None,
+                                                                              req.params, out.token_ids):
+        try:
+            value = decode_value(text, target, decided)
+        except msgspec.DecodeError:
+            pass
+        else:
+            return ExtractResult(rid, value=value, prompt_tokens=n_prompt, output_tokens=n_out, closed_early=True)
+    if out is None or out.finish_reason != "stop":
+        reason = out.finish_reason if out else "abort"
+        return ExtractResult(rid, error=ExtractError(
+            "truncated", f"generation ended by {reason} after {n_out} tokens: {text[-80:]!r}"),
+            prompt_tokens=n_prompt, output_tokens=n_out)
+    try:
+        value = decode_value(text, target, decided)
+    except msgspec.DecodeError as exc:
+        return ExtractResult(rid, error=ExtractError("invalid_output", str(exc)), prompt_tokens=n_prompt,
+                             output_tokens=n_out)
+    return ExtractResult(rid, value=value, prompt_tokens=n_prompt, output_tokens=n_out)

@@ -1,0 +1,17 @@
+"""The OpenAI-compatible surface: `app(engine)` (an ASGI app: /v1/completions, /v1/chat/completions,
+/v1/models), `client(engine)` (an `openai.AsyncOpenAI` talking to it in-process) and `http_client(engine)`.
+
+Typed against `asyncpage.core.client.EngineClient`; `asyncpage serve` (asyncpage/serve.py) runs `app`.
+"""
+
+from asyncpage.openai.routes import (
+    BASE_URL,
+    MAX_PROMPTS_PER_REQUEST,
+    MAX_REQUEST_BYTES,
+    app,
+    client,
+    http_client,
+    model_id,
+)
+
+__all__ = ["BASE_URL", "MAX_PROMPTS_PER_REQUEST", "MAX_REQUEST_BYTES", "app", "client", "http_client", "model_id"]

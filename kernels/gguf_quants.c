@@ -1,0 +1,635 @@
+/* GGUF quantized blocks, read in place: matrix times activations, and rows dequantized
+   (asyncpage/model/native.py builds this file; asyncpage/model/gguf_kernels.py is its Python face).
+
+   Formats (ggml's block layouts, as the file stores them; ggml type numbers):
+     Q4_0 (2)  32 elems, 18 B: fp16 d, qs[16]; byte j low nibble = elem j, high = elem j+16; w = d*(q-8)
+     Q5_0 (6)  32 elems, 22 B: fp16 d, qh (32 bits, bit j = bit 4 of elem j), qs[16] as Q4_0; w = d*(q-16)
+     Q8_0 (8)  32 elems, 34 B: fp16 d, int8 q[32]; w = d*q
+     Q4_K (12) 256 elems, 144 B: fp16 d, fp16 dmin, scales[12] (8 six-bit scales, 8 six-bit mins),
+               qs[128]; 64-elem chunk c: low nibbles sub-block 2c, high 2c+1; w = d*sc*q - dmin*m
+     Q5_K (13) 256 elems, 176 B: as Q4_K with qh[32] before qs: bit j of qh[l] is bit 4 of elem 32j+l
+     Q6_K (14) 256 elems, 210 B: ql[128], qh[64], int8 scales[16] (one per 16 elems), fp16 d last;
+               w = d*sc*(q-32)
+
+   Why hand-written (figures in gguf_kernels.py's docstring): nothing torch or a maintained library
+   ships reads these blocks; torch's int4/int8 weight-only CPU matmuls need their own repacked copy
+   (a second copy of the weights, or a lossy requantize for Q5_0/Q6_K/Q8_0) and widen each weight to
+   float before multiplying.
+
+   How: each call rounds its activation rows to int8 once, shared by every output row (blocks of 32
+   with a float scale for the 32-element formats, blocks of 256 for the K-quants: d = max|x| / 127,
+   q = rint(x / d); plus each 16 values' integer sum). The weights are read as unsigned integers (the
+   format's offset -8 / -16 / -32 / -dmin*m, and Q8_0's +128 in the VNNI form, come back as the offset
+   times the activations' block sums), so every product is u8 x s8 and sums exactly in int32; one float
+   multiply-add per block (per 256 for the K-quants). Three forms of the same arithmetic:
+     2 VNNI     AVX-512 VNNI, 256-bit (VL) vpdpbusd
+     1 AVX2     vpmaddubsw + vpmaddwd (Q8_0 through the sign trick: |w| times x with w's sign)
+     0 portable plain C
+   gguf_form_best() says which this CPU runs (cpuid); any lower one can be asked for (the tests do).
+   Results of the three agree up to float rounding (their integer sums are equal).
+
+   Threads: OpenMP over chunks of output rows (torch's libgomp, see native.py), taken dynamically.
+   Within a chunk, activation rows go four at a time: each weight block is unpacked once and used for
+   all four, and a chunk's weight rows (a few KB) stay in L1 while every activation tile passes them.
+
+   No repacking: the kernels read the bytes of the GGUF's tensor as they are (rows are not vector
+   aligned: every load is unaligned). A NaN or infinity in an activation block gives NaN outputs. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define GQ_X86 1
+#else
+#define GQ_X86 0
+#endif
+
+enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+enum { FORM_PORTABLE = 0, FORM_AVX2 = 1, FORM_VNNI = 2 };
+enum { E_MEMORY = -1, E_SHAPE = -2, E_TYPE = -3, E_FORM = -4, E_INDEX = -5 };
+
+/* Elements and bytes per block; 0 for a type this file has no kernel for. */
+int gguf_block_elems(int type) {
+    switch (type) {
+    case T_Q4_0: case T_Q5_0: case T_Q8_0: return 32;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: return 256;
+    default: return 0;
+    }
+}
+
+int gguf_block_bytes(int type) {
+    switch (type) {
+    case T_Q4_0: return 18;
+    case T_Q5_0: return 22;
+    case T_Q8_0: return 34;
+    case T_Q4_K: return 144;
+    case T_Q5_K: return 176;
+    case T_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+/* The best form this CPU runs. */
+int gguf_form_best(void) {
+#if GQ_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma"))
+        return FORM_VNNI;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return FORM_AVX2;
+#endif
+    return FORM_PORTABLE;
+}
+
+static inline uint16_t rd16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+static inline uint32_t rd32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* IEEE half to float, exactly (subnormals, infinities and NaN included). */
+static inline float half(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    const uint32_t e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    uint32_t bits;
+    if (e == 0x1f)
+        bits = sign | 0x7f800000u | (m << 13);
+    else if (e != 0)
+        bits = sign | ((e + 112) << 23) | (m << 13);
+    else if (m == 0)
+        bits = sign;
+    else {
+        float f = ldexpf((float)m, -24);
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Q4_K / Q5_K: the 8 six-bit scales and mins of a block's 12 scale bytes. */
+static inline void k4_scales(const uint8_t *s, int *sc, int *mn) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 0x0f) | ((s[j] >> 6) << 4);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
+}
+
+/* One call's activations rounded to int8: q [rows, k]; d [rows, k / block]; s [rows, k / 16], the
+   integer sum of each 16 values of q. */
+typedef struct {
+    int8_t *q;
+    float *d;
+    int16_t *s;
+    long k, nb; /* nb: blocks of activation scale per row */
+} Act;
+
+static void quantize_rows(const float *x, long k, int block, int rows, int threads, Act *a) {
+    const long nb = k / block;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (long)r * k;
+        int8_t *q = a->q + (long)r * k;
+        for (long b = 0; b < nb; b++) {
+            float amax = 0.0f;
+            int finite = 1;
+            for (int i = 0; i < block; i++) {
+                const float v = fabsf(xr[b * block + i]);
+                amax = v > amax ? v : amax;
+                finite &= v <= 3.4028234663852886e38f; /* false for NaN and infinity */
+            }
+            float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            if (!finite || !(inv <= 3.4028234663852886e38f)) /* non-finite, or too small to scale */
+                inv = 0.0f;
+            a->d[(long)r * nb + b] = finite ? amax / 127.0f : NAN;
+            for (int i = 0; i < block; i++)
+                q[b * block + i] = (int8_t)lrintf(xr[b * block + i] * inv);
+        }
+        for (long g = 0; g < k / 16; g++) {
+            int sum = 0;
+            for (int i = 0; i < 16; i++)
+                sum += q[g * 16 + i];
+            a->s[(long)r * (k / 16) + g] = (int16_t)sum;
+        }
+    }
+}
+
+/* A row kernel: one weight row (nb blocks of its type) against activation rows r0 .. r0 + nr - 1
+   (nr <= 4): res[i] = dot of the weight row with activation row r0 + i. */
+typedef void (*row_kernel)(const uint8_t *w, long nb, const Act *a, int r0, int nr, float *res);
+
+/* ---------------- portable form ---------------- */
+
+static float dot32_c(int type, const uint8_t *w, long nb, const Act *a, int r) {
+    const int8_t *xq = a->q + (long)r * a->k;
+    const float *xd = a->d + (long)r * a->nb;
+    const int16_t *xs = a->s + (long)r * (a->k / 16);
+    const int bytes = gguf_block_bytes(type);
+    float acc = 0.0f;
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *p = w + b * bytes;
+        const int8_t *x = xq + b * 32;
+        int sum = 0, off = 0;
+        if (type == T_Q8_0) {
+            for (int i = 0; i < 32; i++)
+                sum += (int8_t)p[2 + i] * x[i];
+        } else {
+            const uint32_t qh = type == T_Q5_0 ? rd32(p + 2) : 0;
+            const uint8_t *qs = p + (type == T_Q5_0 ? 6 : 2);
+            for (int i = 0; i < 16; i++) {
+                const int lo = (qs[i] & 15) | (int)(((qh >> i) & 1) << 4);
+                const int hi = (qs[i] >> 4) | (int)(((qh >> (i + 16)) & 1) << 4);
+                sum += lo * x[i] + hi * x[i + 16];
+            }
+            off = (type == T_Q5_0 ? 16 : 8) * (xs[2 * b] + xs[2 * b + 1]);
+        }
+        acc += half(rd16(p)) * xd[b] * (float)(sum - off);
+    }
+    return acc;
+}
+
+static float dotk_c(int type, const uint8_t *w, long nb, const Act *a, int r) {
+    const int8_t *xq = a->q + (long)r * a->k;
+    const float *xd = a->d + (long)r * a->nb;
+    const int16_t *xs = a->s + (long)r * (a->k / 16);
+    const int bytes = gguf_block_bytes(type);
+    float acc = 0.0f;
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *p = w + b * bytes;
+        const int8_t *x = xq + b * 256;
+        const int16_t *s = xs + b * 16;
+        if (type == T_Q6_K) {
+            const uint8_t *ql = p, *qh = p + 128;
+            const int8_t *sc = (const int8_t *)(p + 192);
+            int sum = 0, off = 0;
+            for (int h = 0; h < 2; h++)
+                for (int c = 0; c < 4; c++) /* chunk c of half h: elements 128h + 32c + l */
+                    for (int l = 0; l < 32; l++) {
+                        const int lo = c & 1 ? ql[64 * h + 32 + l] : ql[64 * h + l];
+                        const int q = ((c & 2 ? lo >> 4 : lo & 15) | (((qh[32 * h + l] >> (2 * c)) & 3) << 4));
+                        const int e = 128 * h + 32 * c + l;
+                        sum += sc[e / 16] * q * x[e];
+                    }
+            for (int j = 0; j < 16; j++)
+                off += sc[j] * s[j];
+            acc += half(rd16(p + 208)) * xd[b] * (float)(sum - 32 * off);
+        } else {
+            int sc[8], mn[8];
+            k4_scales(p + 4, sc, mn);
+            const uint8_t *qh = p + 16, *qs = p + (type == T_Q5_K ? 48 : 16);
+            int sum = 0, msum = 0;
+            for (int j = 0; j < 8; j++) {
+                int dot = 0;
+                for (int l = 0; l < 32; l++) {
+                    const uint8_t byte = qs[32 * (j / 2) + l];
+                    int q = j & 1 ? byte >> 4 : byte & 15;
+                    if (type == T_Q5_K)
+                        q |= ((qh[l] >> j) & 1) << 4;
+                    dot += q * x[32 * j + l];
+                }
+                sum += sc[j] * dot;
+                msum += mn[j] * (s[2 * j] + s[2 * j + 1]);
+            }
+            acc += xd[b] * (half(rd16(p)) * (float)sum - half(rd16(p + 2)) * (float)msum);
+        }
+    }
+    return acc;
+}
+
+#define PORTABLE(NAME, DOT, TYPE)                                                                  \
+    static void NAME(const uint8_t *w, long nb, const Act *a, int r0, int nr, float *res) {        \
+        for (int i = 0; i < nr; i++)                                                               \
+            res[i] = DOT(TYPE, w, nb, a, r0 + i);                                                  \
+    }
+PORTABLE(k_q4_0_c, dot32_c, T_Q4_0)
+PORTABLE(k_q5_0_c, dot32_c, T_Q5_0)
+PORTABLE(k_q8_0_c, dot32_c, T_Q8_0)
+PORTABLE(k_q4_k_c, dotk_c, T_Q4_K)
+PORTABLE(k_q5_k_c, dotk_c, T_Q5_K)
+PORTABLE(k_q6_k_c, dotk_c, T_Q6_K)
+
+/* ---------------- the SIMD forms: the section below, compiled once per form ---------------- */
+
+#if GQ_X86
+#define GQ_SECTION
+#define GQ_FORM FORM_AVX2
+#include __FILE__
+#undef GQ_FORM
+#define GQ_FORM FORM_VNNI
+#include __FILE__
+#undef GQ_FORM
+#undef GQ_SECTION
+#endif
+
+static row_kernel kernel_for(int type, int form) {
+#if GQ_X86
+    if (form == FORM_VNNI)
+        switch (type) {
+        case T_Q4_0: return k_q4_0_vnni;
+        case T_Q5_0: return k_q5_0_vnni;
+        case T_Q8_0: return k_q8_0_vnni;
+        case T_Q4_K: return k_q4_k_vnni;
+        case T_Q5_K: return k_q5_k_vnni;
+        case T_Q6_K: return k_q6_k_vnni;
+        }
+    if (form == FORM_AVX2)
+        switch (type) {
+        case T_Q4_0: return k_q4_0_avx2;
+        case T_Q5_0: return k_q5_0_avx2;
+        case T_Q8_0: return k_q8_0_avx2;
+        case T_Q4_K: return k_q4_k_avx2;
+        case T_Q5_K: return k_q5_k_avx2;
+        case T_Q6_K: return k_q6_k_avx2;
+        }
+#endif
+    switch (type) {
+    case T_Q4_0: return k_q4_0_c;
+    case T_Q5_0: return k_q5_0_c;
+    case T_Q8_0: return k_q8_0_c;
+    case T_Q4_K: return k_q4_k_c;
+    case T_Q5_K: return k_q5_k_c;
+    case T_Q6_K: return k_q6_k_c;
+    }
+    return NULL;
+}
+
+/* out [rows, n] = x [rows, k] times w^T, w [n, k / block] blocks of `type` (rows of
+   k / block * bytes). form: 0..2 (see above), at most gguf_form_best(). Returns 0, or E_SHAPE (k not a
+   positive multiple of the block), E_TYPE, E_FORM, E_MEMORY (nothing written then). */
+int gguf_matmul(int type, int form, const float *x, const uint8_t *w, long n, long k, int rows, int threads,
+                float *out) {
+    const int block = gguf_block_elems(type);
+    if (block == 0)
+        return E_TYPE;
+    if (k <= 0 || k % block != 0 || n < 0 || rows < 0)
+        return E_SHAPE;
+    if (form < 0 || form > gguf_form_best())
+        return E_FORM;
+    row_kernel kern = kernel_for(type, form);
+    if (rows == 0 || n == 0)
+        return 0;
+    threads = threads > 0 ? threads : 1;
+    Act a = {malloc((size_t)rows * k), malloc((size_t)rows * (k / block) * sizeof(float)),
+             malloc((size_t)rows * (k / 16) * sizeof(int16_t)), k, k / block};
+    if (a.q == NULL || a.d == NULL || a.s == NULL) {
+        free(a.q);
+        free(a.d);
+        free(a.s);
+        return E_MEMORY;
+    }
+    quantize_rows(x, k, block, rows, threads, &a);
+    const long nb = k / block, row_bytes = nb * gguf_block_bytes(type);
+    /* Chunks of output rows: enough for every thread to take several (dynamic), small enough that a
+       chunk's weights stay in L1 while the activation tiles pass (at many rows). */
+    long chunk = rows > 8 ? 16 : 64;
+    while (chunk > 4 && (n + chunk - 1) / chunk < 4L * threads)
+        chunk /= 2;
+    const long chunks = (n + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && chunks > 1)
+    for (long c = 0; c < chunks; c++) {
+        const long i0 = c * chunk, i1 = i0 + chunk < n ? i0 + chunk : n;
+        float res[4];
+        for (int r0 = 0; r0 < rows; r0 += 4) {
+            const int nr = rows - r0 < 4 ? rows - r0 : 4;
+            for (long i = i0; i < i1; i++) {
+                kern(w + i * row_bytes, nb, &a, r0, nr, res);
+                for (int j = 0; j < nr; j++)
+                    out[(long)(r0 + j) * n + i] = res[j];
+            }
+        }
+    }
+    free(a.q);
+    free(a.d);
+    free(a.s);
+    return 0;
+}
+
+/* One row of nb blocks dequantized to float (what gguf's dequantize gives, up to its float rounding). */
+static void dequantize_row(int type, const uint8_t *w, long nb, float *out) {
+    const int bytes = gguf_block_bytes(type);
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *p = w + b * bytes;
+        if (type == T_Q8_0) {
+            const float d = half(rd16(p));
+            for (int i = 0; i < 32; i++)
+                out[32 * b + i] = d * (float)(int8_t)p[2 + i];
+        } else if (type == T_Q4_0 || type == T_Q5_0) {
+            const float d = half(rd16(p));
+            const uint32_t qh = type == T_Q5_0 ? rd32(p + 2) : 0;
+            const uint8_t *qs = p + (type == T_Q5_0 ? 6 : 2);
+            const int off = type == T_Q5_0 ? 16 : 8;
+            for (int i = 0; i < 16; i++) {
+                out[32 * b + i] = d * (float)(((qs[i] & 15) | (int)(((qh >> i) & 1) << 4)) - off);
+                out[32 * b + i + 16] = d * (float)(((qs[i] >> 4) | (int)(((qh >> (i + 16)) & 1) << 4)) - off);
+            }
+        } else if (type == T_Q6_K) {
+            const uint8_t *ql = p, *qh = p + 128;
+            const int8_t *sc = (const int8_t *)(p + 192);
+            const float d = half(rd16(p + 208));
+            for (int h = 0; h < 2; h++)
+                for (int c = 0; c < 4; c++)
+                    for (int l = 0; l < 32; l++) {
+                        const int lo = c & 1 ? ql[64 * h + 32 + l] : ql[64 * h + l];
+                        const int q = ((c & 2 ? lo >> 4 : lo & 15) | (((qh[32 * h + l] >> (2 * c)) & 3) << 4)) - 32;
+                        const int e = 128 * h + 32 * c + l;
+                        out[256 * b + e] = d * (float)sc[e / 16] * (float)q;
+                    }
+        } else {
+            int sc[8], mn[8];
+            k4_scales(p + 4, sc, mn);
+            const float d = half(rd16(p)), dmin = half(rd16(p + 2));
+            const uint8_t *qh = p + 16, *qs = p + (type == T_Q5_K ? 48 : 16);
+            for (int j = 0; j < 8; j++) {
+                const float dj = d * (float)sc[j], mj = dmin * (float)mn[j];
+                for (int l = 0; l < 32; l++) {
+                    const uint8_t byte = qs[32 * (j / 2) + l];
+                    int q = j & 1 ? byte >> 4 : byte & 15;
+                    if (type == T_Q5_K)
+                        q |= ((qh[l] >> j) & 1) << 4;
+                    out[256 * b + 32 * j + l] = dj * (float)q - mj;
+                }
+            }
+        }
+    }
+}
+
+/* out [nids, k] = rows ids of w [n, k] (blocks of `type`), dequantized. Returns 0, E_TYPE, E_SHAPE,
+   or E_INDEX (an id outside 0..n-1; nothing written then). */
+int gguf_get_rows(int type, const uint8_t *w, long n, long k, const long *ids, long nids, float *out) {
+    const int block = gguf_block_elems(type);
+    if (block == 0)
+        return E_TYPE;
+    if (k <= 0 || k % block != 0 || n < 0 || nids < 0)
+        return E_SHAPE;
+    for (long i = 0; i < nids; i++)
+        if (ids[i] < 0 || ids[i] >= n)
+            return E_INDEX;
+    const long nb = k / block, row_bytes = nb * gguf_block_bytes(type);
+    for (long i = 0; i < nids; i++)
+        dequantize_row(type, w + ids[i] * row_bytes, nb, out + i * k);
+    return 0;
+}
+
+#else /* GQ_SECTION: one SIMD form, GQ_FORM */
+
+#if GQ_FORM == FORM_VNNI
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+#define F(name) name##_vnni
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define F(name) name##_avx2
+#endif
+
+#define GQ_INLINE static inline __attribute__((always_inline))
+
+/* u8 x s8, each 4 neighbours summed into the 8 int32 lanes (lane t: bytes 4t..4t+3). */
+GQ_INLINE __m256i F(dot)(__m256i u, __m256i s) {
+#if GQ_FORM == FORM_VNNI
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* As dot, lanes 0-3 (the first 16 bytes) times lo and lanes 4-7 times hi (sub-block scales). */
+GQ_INLINE __m256i F(dot_scaled)(__m256i u, __m256i s, int lo, int hi) {
+#if GQ_FORM == FORM_VNNI
+    return _mm256_mullo_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s),
+                              _mm256_setr_m128i(_mm_set1_epi32(lo), _mm_set1_epi32(hi)));
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_setr_m128i(_mm_set1_epi16((short)lo),
+                                                                           _mm_set1_epi16((short)hi)));
+#endif
+}
+
+GQ_INLINE float F(hsum)(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 16 bytes of nibbles as 32 values: low nibbles first, then high. */
+GQ_INLINE __m256i F(nibbles16)(const uint8_t *p) {
+    const __m128i t = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_setr_m128i(t, _mm_srli_epi16(t, 4)), _mm256_set1_epi8(15));
+}
+
+/* The 32 bits of `bits` as 32 bytes: 16 where set, 0 where not (Q5_0's fifth bits). */
+GQ_INLINE __m256i F(bits16)(uint32_t bits) {
+#if GQ_FORM == FORM_VNNI
+    return _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(16));
+#else
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)bits),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i mask = _mm256_set1_epi64x(0x8040201008040201LL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask), _mm256_set1_epi8(16));
+#endif
+}
+
+/* The 32-element formats against NR activation rows. */
+GQ_INLINE void F(rows32)(const int type, const uint8_t *w, long nb, const Act *a, int r0, const int NR, float *res) {
+    const int bytes = type == T_Q4_0 ? 18 : type == T_Q5_0 ? 22 : 34;
+    const int offset = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : (GQ_FORM == FORM_VNNI ? 128 : 0);
+    __m256 acc[4];
+    float off[4];
+    const int8_t *xq[4];
+    const float *xd[4];
+    const int16_t *xs[4];
+    for (int r = 0; r < NR; r++) {
+        acc[r] = _mm256_setzero_ps();
+        off[r] = 0.0f;
+        xq[r] = a->q + (long)(r0 + r) * a->k;
+        xd[r] = a->d + (long)(r0 + r) * a->nb;
+        xs[r] = a->s + (long)(r0 + r) * (a->k / 16);
+    }
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *p = w + b * bytes;
+        const float dw = _cvtsh_ss(rd16(p));
+        __m256i u;
+        if (type == T_Q4_0)
+            u = F(nibbles16)(p + 2);
+        else if (type == T_Q5_0)
+            u = _mm256_or_si256(F(nibbles16)(p + 6), F(bits16)(rd32(p + 2)));
+        else if (GQ_FORM == FORM_VNNI)
+            u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 2)), _mm256_set1_epi8((char)0x80));
+        else
+            u = _mm256_loadu_si256((const __m256i *)(p + 2)); /* signed: the sign trick below */
+        const __m256i au = type == T_Q8_0 && GQ_FORM != FORM_VNNI ? _mm256_sign_epi8(u, u) : u;
+        for (int r = 0; r < NR; r++) {
+            __m256i x = _mm256_loadu_si256((const __m256i *)(xq[r] + 32 * b));
+            if (type == T_Q8_0 && GQ_FORM != FORM_VNNI)
+                x = _mm256_sign_epi8(x, u);
+            const float dd = dw * xd[r][b];
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(F(dot)(au, x)), acc[r]);
+            if (offset)
+                off[r] += dd * (float)(offset * (xs[r][2 * b] + xs[r][2 * b + 1]));
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        res[r] = F(hsum)(acc[r]) - off[r];
+}
+
+/* The K-quants against NR activation rows. */
+GQ_INLINE void F(rowsk)(const int type, const uint8_t *w, long nb, const Act *a, int r0, const int NR, float *res) {
+    const int bytes = type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210;
+    __m256 acc[4];
+    float off[4];
+    const int8_t *xq[4];
+    const float *xd[4];
+    const int16_t *xs[4];
+    for (int r = 0; r < NR; r++) {
+        acc[r] = _mm256_setzero_ps();
+        off[r] = 0.0f;
+        xq[r] = a->q + (long)(r0 + r) * a->k;
+        xd[r] = a->d + (long)(r0 + r) * a->nb;
+        xs[r] = a->s + (long)(r0 + r) * (a->k / 16);
+    }
+    const __m256i low = _mm256_set1_epi8(15);
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *p = w + b * bytes;
+        __m256i u[8];
+        int lo[8], hi[8], mn[8];
+        float dw, dmin = 0.0f;
+        if (type == T_Q6_K) {
+            const int8_t *sc = (const int8_t *)(p + 192);
+            dw = _cvtsh_ss(rd16(p + 208));
+            for (int h = 0; h < 2; h++) {
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
+                const __m256i three = _mm256_set1_epi8(3);
+                u[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, low),
+                                               _mm256_slli_epi16(_mm256_and_si256(qh, three), 4));
+                u[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, low),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), three), 4));
+                u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), three), 4));
+                u[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), three), 4));
+            }
+            for (int j = 0; j < 8; j++) {
+                lo[j] = sc[2 * j];
+                hi[j] = sc[2 * j + 1];
+            }
+        } else {
+            int sc[8];
+            k4_scales(p + 4, sc, mn);
+            dw = _cvtsh_ss(rd16(p));
+            dmin = _cvtsh_ss(rd16(p + 2));
+            const uint8_t *qs = p + (type == T_Q5_K ? 48 : 16);
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                u[2 * c] = _mm256_and_si256(v, low);
+                u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            }
+            if (type == T_Q5_K) {
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 16));
+                const __m256i one = _mm256_set1_epi8(1);
+                for (int j = 0; j < 8; j++)
+                    u[j] = _mm256_or_si256(u[j], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), one), 4));
+            }
+            for (int j = 0; j < 8; j++)
+                lo[j] = hi[j] = sc[j];
+        }
+        for (int r = 0; r < NR; r++) {
+            const int8_t *x = xq[r] + 256 * b;
+            const int16_t *s = xs[r] + 16 * b;
+            __m256i isum = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++)
+                isum = _mm256_add_epi32(isum, F(dot_scaled)(u[j], _mm256_loadu_si256((const __m256i *)(x + 32 * j)),
+                                                            lo[j], hi[j]));
+            int o = 0;
+            if (type == T_Q6_K) {
+                for (int j = 0; j < 8; j++)
+                    o += lo[j] * s[2 * j] + hi[j] * s[2 * j + 1];
+                off[r] += dw * xd[r][b] * (float)(32 * o);
+            } else {
+                for (int j = 0; j < 8; j++)
+                    o += mn[j] * (s[2 * j] + s[2 * j + 1]);
+                off[r] += dmin * xd[r][b] * (float)o;
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[r][b]), _mm256_cvtepi32_ps(isum), acc[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        res[r] = F(hsum)(acc[r]) - off[r];
+}
+
+/* Each (type, form) as a row_kernel, its row count a constant in each case so the loops unroll. */
+#define GQ_KERNEL(NAME, BODY, TYPE)                                                                \
+    static void F(NAME)(const uint8_t *w, long nb, const Act *a, int r0, int nr, float *res) {     \
+        switch (nr) {                                                                              \
+        case 1: F(BODY)(TYPE, w, nb, a, r0, 1, res); break;                                        \
+        case 2: F(BODY)(TYPE, w, nb, a, r0, 2, res); break;                                        \
+        case 3: F(BODY)(TYPE, w, nb, a, r0, 3, res); break;                                        \
+        default: F(BODY)(TYPE, w, nb, a, r0, 4, res); break;                                       \
+        }                                                                                          \
+    }
+GQ_KERNEL(k_q4_0, rows32, T_Q4_0)
+GQ_KERNEL(k_q5_0, rows32, T_Q5_0)
+GQ_KERNEL(k_q8_0, rows32, T_Q8_0)
+GQ_KERNEL(k_q4_k, rowsk, T_Q4_K)
+GQ_KERNEL(k_q5_k, rowsk, T_Q5_K)
+GQ_KERNEL(k_q6_k, rowsk, T_Q6_K)
+#undef GQ_KERNEL
+#undef GQ_INLINE
+#undef F
+#pragma GCC pop_options
+
+#endif /* GQ_SECTION */
