@@ -25,6 +25,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	$(BIN)/ruff check asyncpage kernels tests examples scripts
 	$(BIN)/mypy asyncpage
+	$(BIN)/lint-imports
 
 # The default model through the slow paths (Triton interpreted, int4 load): ~3 minutes more.
 test-heavy: $(STAMP)
@@ -33,6 +34,7 @@ test-heavy: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check asyncpage kernels tests examples scripts
 	$(BIN)/mypy asyncpage
+	$(BIN)/lint-imports
 
 bench: $(STAMP)
 	$(BIN)/asyncpage bench

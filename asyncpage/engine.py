@@ -25,12 +25,14 @@ import anyio
 import msgspec
 import sniffio
 
+from asyncpage.chat import chat, chat_stream
 from asyncpage.core import loading
 from asyncpage.core.config import EngineConfig
 from asyncpage.core.loop import EngineCore
+from asyncpage.core.mailbox import Mailbox
 from asyncpage.core.output import request_metrics
 from asyncpage.core.request import Request
-from asyncpage.core.stream import Mailbox, RequestStream
+from asyncpage.core.stream import RequestStream
 from asyncpage.core.validation import check_beam_search, check_request, check_token_ids
 from asyncpage.decoding.beam import BeamParams, EarlyStopping
 from asyncpage.errors import (
@@ -54,10 +56,8 @@ from asyncpage.outputs import (
     GenerateOutput,
     TokenLogprob,
 )
-from asyncpage.params import SamplingParams
+from asyncpage.params import Prompt, SamplingParams
 from asyncpage.runtime.compute import ComputeThread
-
-Prompt = str | list[int]
 
 # Prompts longer than this are tokenized in a worker thread: the event loop is never held for long.
 _INLINE_TOKENIZE_CHARS = 2000
@@ -98,12 +98,6 @@ class AsyncEngine:
         self._task_group: Any = None
         self._limiter: anyio.CapacityLimiter | None = None
         self._preparing = 0  # submit() calls tokenizing or compiling: they count against max_queued_requests
-        if config.attention_backend == "triton":
-            from asyncpage.kernels import use_triton_attention
-
-            use_triton_attention(self._core.runner)
-            if self._core.draft is not None:
-                use_triton_attention(self._core.draft.runner)
 
     @property
     def model(self) -> Any:
@@ -217,7 +211,7 @@ class AsyncEngine:
             await group.__aexit__(None, None, None)
 
     # ---- public API -------------------------------------------------------------------------
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestStream:
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestStream[Request]:
         """Stream a completion: `async for chunk in engine.stream(prompt, params)`. A prompt is a
         str (tokenized as the tokenizer's own call does, BOS included) or a list of token ids."""
         return RequestStream(self, prompt, params or SamplingParams())
@@ -304,21 +298,8 @@ class AsyncEngine:
                      max_prompt_tokens: int | None = None, copy_fields: Sequence[str] | str | None = None,
                      examples: Sequence[Mapping[str, Any]] = (), beam_width: int | None = None,
                      score_booleans: bool | None = None) -> AsyncIterator[ExtractResult]:
-        """Extract a typed value from each record, at most `concurrency` in flight.
-
-        `items`: records (dicts, or plain strings as {"text": ...}), sync or async iterable, read
-        lazily. `prompt`: a template over the record's fields, a function of the record, or by
-        default one written from the schema (each field, its description and allowed values) over
-        the record's "text", with `examples` (records with their labeled "value") as solved cases.
-        `copy_fields` (names, or "auto") or `"x-copy": true` in the schema: those string fields are
-        copied from the record (the fields its prompt shows), never invented. `beam_width`: each value
-        is the best of that many beams (up to concurrency x beam_width sequences run at once); by
-        default 4 when a field is copied (4x the time, more values right: see extract_beams.beam_params), else 1.
-        Yields ExtractResult in completion order, each with the record's `id_field` (or its 1-based
-        position), its value or its own error. `score_booleans` (default: on when a field is copied):
-        each top-level boolean property is decided by how likely its statement is after the record's
-        text (the fields its prompt shows; its name as a heading, without a description), against the
-        same after four reference records, not generated (asyncpage.extract.booleans).
+        """Extract a typed value from each record, at most `concurrency` in flight; yields ExtractResult
+        in completion order (asyncpage.extract.run.extract_many says what each option does).
 
             async for r in engine.extract_many(docs, Invoice, concurrency=16):
                 print(r.id, r.value if r.ok else r.error)
@@ -331,8 +312,6 @@ class AsyncEngine:
                    tool_choice: Any = "auto", parallel_tool_calls: bool = True,
                    response_format: dict[str, Any] | None = None, params: SamplingParams | None = None) -> Any:
         """OpenAI-shaped chat: messages (and tools) in, a typed ChatResult out. See asyncpage.chat."""
-        from asyncpage.chat import chat
-
         return await chat(self, messages, tools=tools, tool_choice=tool_choice,
                           parallel_tool_calls=parallel_tool_calls, response_format=response_format, params=params)
 
@@ -341,14 +320,12 @@ class AsyncEngine:
                     response_format: dict[str, Any] | None = None,
                     params: SamplingParams | None = None) -> AsyncIterator[Any]:
         """chat() as typed deltas: content, reasoning or tool-call fragments, then finish_reason and usage."""
-        from asyncpage.chat import chat_stream
-
         return chat_stream(self, messages, tools=tools, tool_choice=tool_choice,
                            parallel_tool_calls=parallel_tool_calls, response_format=response_format, params=params)
 
     def openai_client(self, **kwargs: Any) -> Any:
         """An `openai.AsyncOpenAI` talking to this engine in-process (no socket). Needs asyncpage[openai]."""
-        from asyncpage.openai.routes import client
+        from asyncpage.openai import client  # the 'openai' extra: imported when asked for
 
         return client(self, **kwargs)
 

@@ -24,6 +24,10 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_TEMPERATURE = 1e4
 
 
+# A prompt: text (tokenized as the tokenizer's own call does, BOS included) or token ids.
+Prompt = str | list[int]
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How to sample one request. `temperature=0` is greedy.
 

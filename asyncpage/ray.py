@@ -41,7 +41,8 @@ from asyncpage.extract.jobs import (
     parse_line,
     unfinished,
 )
-from asyncpage.extract.run import ExtractError, ExtractResult, Prompt, beams_per_record, check_job, extract_many
+from asyncpage.extract.prompt import PromptTemplate
+from asyncpage.extract.run import ExtractError, ExtractResult, beams_per_record, check_job, extract_many
 from asyncpage.params import SamplingParams
 
 try:
@@ -64,7 +65,7 @@ class _Job:
 
     schema: Any
     params: SamplingParams | None
-    prompt: Prompt | None
+    prompt: PromptTemplate | None
     concurrency: int
     id_field: str
     max_prompt_tokens: int | None
@@ -132,7 +133,7 @@ class _Extractor:
 
 
 def extract_dataset(ds: ray.data.Dataset, schema: Any, *, num_actors: int = 1, num_cpus_per_actor: float = 1,
-                    batch_size: int | None = None, prompt: Prompt | None = None, concurrency: int = 16,
+                    batch_size: int | None = None, prompt: PromptTemplate | None = None, concurrency: int = 16,
                     params: SamplingParams | None = None, id_field: str = "id", max_prompt_tokens: int | None = None,
                     copy_fields: Sequence[str] | str | None = None, examples: Sequence[Mapping[str, Any]] = (),
                     beam_width: int | None = None, score_booleans: bool | None = None,
@@ -223,7 +224,7 @@ def _result(row: dict[str, Any]) -> ExtractResult:
 
 
 def run_job(input_path: Path, output_path: Path, schema: Any, *, num_actors: int = 1, resume: bool = False,
-            progress: bool = True, prompt: Prompt | None = None, concurrency: int = 16, max_tokens: int = 512,
+            progress: bool = True, prompt: PromptTemplate | None = None, concurrency: int = 16, max_tokens: int = 512,
             id_field: str = "id", max_prompt_tokens: int | None = None,
             copy_fields: Sequence[str] | str | None = None, examples: Sequence[Mapping[str, Any]] = (),
             beam_width: int | None = None, score_booleans: bool | None = None, **engine_options: Any) -> JobSummary:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from asyncpage.errors import ModelLoadError
-from asyncpage.model import native, weights
+from asyncpage.model import gguf, native, weights
 from asyncpage.runtime import cache_dir
 from tests.conftest import build_tiny
 from tests.gguf_writer import write_qwen2_gguf
@@ -278,12 +278,12 @@ def test_an_index_written_under_a_umask_of_002_reads_back_without_indexing_again
         cache: Path, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     previous = os.umask(0o002)
     try:
-        cached, index = weights._gguf_index(tiny_gguf)
+        cached, index = gguf._gguf_index(tiny_gguf)
     finally:
         os.umask(previous)
     cache_dir.check_tree(cached)  # save_pretrained's files were made 0600 before the rename
-    monkeypatch.setattr(weights, "_index_gguf", _must_not_index)
-    assert weights._gguf_index(tiny_gguf) == (cached, index)
+    monkeypatch.setattr(gguf, "_index_gguf", _must_not_index)
+    assert gguf._gguf_index(tiny_gguf) == (cached, index)
 
 
 def _must_not_index(path: Path, dest: Path) -> None:
@@ -311,7 +311,7 @@ def test_two_concurrent_first_indexings_of_one_gguf_both_succeed(cache: Path, ti
 
     def first_load(i: int) -> None:
         try:
-            results[i] = weights._gguf_index(tiny_gguf)
+            results[i] = gguf._gguf_index(tiny_gguf)
         except BaseException as exc:  # reported by the assertion below
             results[i] = exc
 
@@ -384,7 +384,7 @@ def test_a_cached_index_that_is_not_what_we_wrote_is_rebuilt(cache: Path, tiny_g
     import json
     import shutil
 
-    cached, good = weights._gguf_index(tiny_gguf)
+    cached, good = gguf._gguf_index(tiny_gguf)
     bad = json.loads(json.dumps(good))
     if damage == "not json":
         (cached / "index.json").write_text("{")
@@ -397,7 +397,7 @@ def test_a_cached_index_that_is_not_what_we_wrote_is_rebuilt(cache: Path, tiny_g
     else:
         shutil.rmtree(cached / "tokenizer")
     with caplog.at_level(logging.WARNING, logger="asyncpage"):
-        again_dir, again = weights._gguf_index(tiny_gguf)
+        again_dir, again = gguf._gguf_index(tiny_gguf)
     assert "rebuilding the GGUF index" in caplog.text
     assert again == good and again_dir == cached and (cached / "tokenizer").is_dir()
 
@@ -412,7 +412,7 @@ def test_a_gguf_cache_owned_by_another_user_is_refused(cache: Path, tiny_gguf: P
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     _owned_by_another_user(cache_dir.subdir("gguf"), monkeypatch)
     with pytest.raises(cache_dir.UnsafeCacheError, match="owned by uid"):
-        weights._gguf_index(tiny_gguf)
+        gguf._gguf_index(tiny_gguf)
 
 
 # ---- the default model's file -----------------------------------------------------------------

@@ -15,8 +15,8 @@ import pytest
 
 from asyncpage.chat import GENERIC
 from asyncpage.chat.grammar import TurnSpec, build
-from asyncpage.chat.messages import Tool
 from asyncpage.chat.parse import parse
+from asyncpage.chat.types import Tool
 from tests.conftest import SHARED
 
 

@@ -14,10 +14,10 @@ import torch
 
 from asyncpage import AsyncEngine, SamplingParams
 from asyncpage.core.loading import env_flag
-from asyncpage.core.runner import FlatBatch
 from asyncpage.model import compiled as compiled_module
 from asyncpage.model import native
 from asyncpage.model.attention import paged_attention
+from asyncpage.model.batch import FlatBatch
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -358,7 +358,7 @@ async def test_a_stop_string_completed_on_the_last_allowed_token_is_a_stop(tiny_
 
 def test_an_unread_stream_keeps_one_logprob_list() -> None:
     """Defect 12: the mailbox copied the logprob list on every put (quadratic for an unread stream)."""
-    from asyncpage.core.stream import Mailbox
+    from asyncpage.core.mailbox import Mailbox
     from asyncpage.outputs import TokenLogprob
 
     box = Mailbox()

@@ -16,7 +16,8 @@ import pytest
 
 from asyncpage import AsyncEngine, GrammarError, InvalidRequestError, SamplingParams
 from asyncpage.errors import GrammarTimeoutError
-from asyncpage.guided.backend import Deadline, GuidedSpec, enum_of_valid_candidates
+from asyncpage.guided.backend import Deadline, GuidedSpec
+from asyncpage.guided.schema import enum_of_valid_candidates
 
 # jsonschema takes milliseconds per candidate here: 20k values with `not` took 87 s unbounded.
 HOSTILE = {"enum": list(range(20000)), "not": {"multipleOf": 7}, "uniqueItems": True}

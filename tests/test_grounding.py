@@ -16,7 +16,7 @@ import pytest
 from asyncpage import AsyncEngine, ExtractionError, InvalidRequestError, SamplingParams
 from asyncpage.extract import grounding
 from asyncpage.extract.prompt import schema_prompt
-from asyncpage.guided.backend import closed_objects
+from asyncpage.guided.schema import closed_objects
 
 SOURCE = 'From: Fatima Khan\nI bought "CloudDesk Pro" (order ORD-48213) and want a refund.'
 SCHEMA: dict[str, Any] = {

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncpage.bench.guided_conformance import load_cases
-from asyncpage.guided.backend import drop_custom_formats, exclusive_one_of
+from asyncpage.guided.schema import drop_custom_formats, exclusive_one_of
 
 from .conftest import SHARED
 

@@ -18,7 +18,9 @@ from referencing.exceptions import Unresolvable
 
 from asyncpage import AsyncEngine, GrammarError
 from asyncpage.guided import GrammarManager
-from asyncpage.guided.backend import Deadline, GuidedSpec, bounded_validator, enum_of_valid_candidates
+from asyncpage.guided.backend import Deadline, GuidedSpec
+from asyncpage.guided.schema import enum_of_valid_candidates
+from asyncpage.guided.untrusted import bounded_validator
 
 # The repo's refused shape (llguidance has no `not`): its listed values go through the fallback.
 REFUSED = {"not": {"const": 5}, "uniqueItems": True}

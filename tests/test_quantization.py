@@ -163,7 +163,8 @@ def test_a_gguf_q4_k_tensor_is_taken_over_exactly() -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from asyncpage.model.weights import _gguf_index, resolve
+    from asyncpage.model.gguf import _gguf_index
+    from asyncpage.model.weights import resolve
 
     path = resolve(None)
     _, index = _gguf_index(path)
@@ -234,7 +235,7 @@ def _quantized_pool(kc: torch.Tensor, vc: torch.Tensor, kv: torch.dtype) -> tupl
 
 @pytest.mark.parametrize("kv", [torch.int8, torch.float8_e4m3fn])
 def test_attention_over_a_one_byte_pool_is_close_to_float_in_torch_and_triton(kv: torch.dtype) -> None:
-    from asyncpage.kernels import paged_attention as triton_attention
+    from asyncpage.model.attention_triton import paged_attention as triton_attention
 
     # Decode rows, a chunk over cached context and a fresh chunk; GQA 2, a window across a block edge.
     q, k, v, kc, vc, meta = _batch([(5, 1), (40, 1), (20, 12), (0, 9)], 16, 2, 4, 64, num_blocks=12, seed=3)

@@ -180,7 +180,7 @@ def test_speculated_tokens_follow_the_target_distribution(params: SamplingParams
     for seed in range(draws):
         g = torch.Generator().manual_seed(seed)
         spec = SampleSpec(seq_id=1, params=params, generator=g)
-        out = verify(Verify(spec, draft, [0, 1, 2], frozenset()), logits, None, lambda *a: None)
+        out = verify(Verify(spec, draft, [0, 1, 2], frozenset()), logits, None)
         first[out.tokens[0]] += 1
         if out.tokens[0] == draft[0]:
             second[out.tokens[1]] += 1  # the position after a kept draft: sampled from row 1

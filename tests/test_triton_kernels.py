@@ -71,7 +71,7 @@ CASES = [
 @pytest.mark.parametrize(("bs", "d", "heads", "window", "seqs"), CASES)
 def test_triton_paged_attention_matches_torch(bs: int, d: int, heads: tuple[int, int], window: int | None,
                                               seqs: list[tuple[int, int]]) -> None:
-    from asyncpage.kernels import paged_attention as triton_attention
+    from asyncpage.model.attention_triton import paged_attention as triton_attention
 
     h, kvh = heads
     q, k, v, kc, vc, meta = _batch(seqs, bs, kvh, h, d, num_blocks=24, seed=bs + d + h)
@@ -117,14 +117,12 @@ async def test_engine_with_triton_attention_matches_transformers_on_the_default_
     for two short prompts and the 709-token one (chunked at 256, past the sliding window)."""
     import asyncio
 
-    from asyncpage.kernels import use_triton_attention
-
     from asyncpage import SamplingParams
 
     if CUDA:
         pytest.skip("on a GPU scripts/gpu_check.sh runs the engine with both backends")
-    engine = default_engine_unstarted.clone(max_num_batched_tokens=256, num_kv_blocks=128)
-    use_triton_attention(engine._core.runner)
+    engine = default_engine_unstarted.clone(max_num_batched_tokens=256, num_kv_blocks=128, attention_backend="triton")
+    assert engine.config.attention_backend == "triton"
     cases = [reference["cases"][0], reference["cases"][3], reference["cases"][8]]
     assert len(cases[2]["prompt_token_ids"]) == 709
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from asyncpage.errors import GrammarError
-from asyncpage.guided.backend import GuidedSpec, bitmask_width, ordered_instance
+from asyncpage.guided.backend import GuidedSpec, bitmask_width
 from asyncpage.guided.manager import GrammarManager
+from asyncpage.guided.schema import ordered_instance
 
 
 @dataclass

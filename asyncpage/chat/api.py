@@ -34,7 +34,7 @@ from asyncpage.guided.backend import CompileTimeout, Deadline
 from asyncpage.params import SamplingParams
 
 if TYPE_CHECKING:
-    from asyncpage.engine import AsyncEngine
+    from asyncpage.core.client import EngineClient
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Turn:
                             in_reasoning=s.in_reasoning, forced=s.calls_allowed and s.mode != "auto")
 
 
-def _model_type(engine: AsyncEngine) -> str:
+def _model_type(engine: EngineClient) -> str:
     return str(getattr(getattr(engine, "model_config", None), "model_type", "") or "")
 
 
@@ -77,12 +77,12 @@ def _limiter() -> anyio.CapacityLimiter:
         return limiter
 
 
-def _timeout(engine: AsyncEngine) -> float:
+def _timeout(engine: EngineClient) -> float:
     t = getattr(getattr(engine, "guided", None), "compile_timeout", None)
     return float(t) if isinstance(t, int | float) and 0 < t < math.inf else PREPARE_TIMEOUT
 
 
-def _prepare_sync(engine: AsyncEngine, msgs: Any, tools: Any, tool_choice: Any, parallel_tool_calls: bool,
+def _prepare_sync(engine: EngineClient, msgs: Any, tools: Any, tool_choice: Any, parallel_tool_calls: bool,
                   response_format: Any, params: SamplingParams | None, tool_format: str | None,
                   deadline: Deadline) -> Turn:
     """The whole preparation, checking `deadline` between its steps and inside the schema rewrites:
@@ -100,7 +100,7 @@ def _too_slow(field: str, deadline: Deadline) -> GrammarTimeoutError:
     return GrammarTimeoutError(field, f"preparing this chat turn took longer than {deadline.seconds:g} s")
 
 
-def _prepare_steps(engine: AsyncEngine, msgs: Any, tools: Any, tool_choice: Any, parallel_tool_calls: bool,
+def _prepare_steps(engine: EngineClient, msgs: Any, tools: Any, tool_choice: Any, parallel_tool_calls: bool,
                    response_format: Any, params: SamplingParams | None, tool_format: str | None,
                    deadline: Deadline) -> Turn:
     params = params if params is not None else SamplingParams()
@@ -209,7 +209,7 @@ class _StopCut:
         return False
 
 
-async def prepare(engine: AsyncEngine, msgs: Any, *, tools: Any = None, tool_choice: Any = "auto",
+async def prepare(engine: EngineClient, msgs: Any, *, tools: Any = None, tool_choice: Any = "auto",
                   parallel_tool_calls: bool = True, response_format: Any = None,
                   params: SamplingParams | None = None, tool_format: str | None = None) -> Turn:
     """The turn chat() and chat_stream() send: prompt ids, params with the turn's grammar, how to
@@ -266,7 +266,7 @@ def _grammar_field(turn: Turn, exc: GrammarError) -> GrammarError:
     return GrammarError(field, exc.message)
 
 
-async def _parsed(engine: AsyncEngine, turn: Turn) -> AsyncIterator[tuple[_Read, str | None, int]]:
+async def _parsed(engine: EngineClient, turn: Turn) -> AsyncIterator[tuple[_Read, str | None, int]]:
     """The turn as read after each chunk: (read so far, finish reason on the last one, tokens so far).
     The last item is always read as final; leaving early aborts the request and frees its blocks.
     One parser keeps its place across chunks: each chunk costs work in proportion to its own text."""
@@ -289,7 +289,7 @@ async def _parsed(engine: AsyncEngine, turn: Turn) -> AsyncIterator[tuple[_Read,
     yield _Read.of(parser.feed("", True)), "stop", n_tokens  # the stream ended without a finish (never expected)
 
 
-async def chat(engine: AsyncEngine, msgs: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+async def chat(engine: EngineClient, msgs: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                tool_choice: Any = "auto", parallel_tool_calls: bool = True,
                response_format: dict[str, Any] | None = None, params: SamplingParams | None = None,
                tool_format: str | None = None) -> ChatResult:
@@ -314,7 +314,7 @@ async def chat(engine: AsyncEngine, msgs: list[dict[str, Any]], *, tools: list[d
 _TEXT = re.compile(r"\S")  # a character str.strip() keeps
 
 
-async def chat_stream(engine: AsyncEngine, msgs: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+async def chat_stream(engine: EngineClient, msgs: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                       tool_choice: Any = "auto", parallel_tool_calls: bool = True,
                       response_format: dict[str, Any] | None = None, params: SamplingParams | None = None,
                       tool_format: str | None = None) -> AsyncIterator[ChatDelta]:

@@ -13,10 +13,9 @@ import json
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from asyncpage.chat.messages import Tool
+from asyncpage.chat.types import Tool
 
 
 @dataclass(frozen=True)

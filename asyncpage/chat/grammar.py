@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncpage.chat.formats import ToolFormat
-from asyncpage.chat.messages import Tool
-from asyncpage.guided.backend import NO_DEADLINE, Deadline, drop_custom_formats, exclusive_one_of
+from asyncpage.chat.types import Tool
+from asyncpage.guided.backend import NO_DEADLINE, Deadline
+from asyncpage.guided.schema import drop_custom_formats, exclusive_one_of
 
 # json.dumps' separators: what chat templates render with `tojson`, so calls stay in distribution.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

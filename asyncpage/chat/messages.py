@@ -20,8 +20,9 @@ from importlib import resources
 from typing import Any
 
 from asyncpage.chat.formats import ToolFormat
+from asyncpage.chat.types import Tool
 from asyncpage.errors import InvalidRequestError
-from asyncpage.guided.backend import map_subschemas
+from asyncpage.guided.schema import map_subschemas
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -40,17 +41,6 @@ MAX_JSON_DEPTH = 128
 # Branches of one oneOf: the oneOf-to-anyOf rewrite compares every pair of branches (O(n^2): 1,000
 # branches cost 0.75 s here, 466k, which fit in 8 MiB, would take hours). 512 cost about 0.2 s.
 MAX_ONE_OF = 512
-
-
-@dataclass(frozen=True)
-class Tool:
-    name: str
-    description: str
-    parameters: dict[str, Any]
-
-    def openai(self) -> dict[str, Any]:
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": self.parameters}}
 
 
 def bad(field: str, message: str) -> InvalidRequestError:

@@ -5,7 +5,8 @@ Owns only data shapes; no engine, template or grammar logic lives here.
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import msgspec
 
@@ -61,3 +62,14 @@ class ChatDelta(msgspec.Struct, frozen=True):
     tool_call: ToolCallDelta | None = None
     finish_reason: ChatFinishReason | None = None
     usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+    def openai(self) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}

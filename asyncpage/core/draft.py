@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asyncpage.core.runner import FlatBatch, ModelRunner
+from asyncpage.core.runner import ModelRunner
 from asyncpage.decoding.speculative import DraftAsk, SpeculativeConfig
 from asyncpage.errors import ModelLoadError
 from asyncpage.kv.cache import BlockTable, KVCacheManager
+from asyncpage.model.batch import FlatBatch
 from asyncpage.model.registry import CausalLM
 from asyncpage.model.weights import LoadedModel, load
 
@@ -105,11 +106,11 @@ class _DraftSeq:
 class DraftProposer:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, vocab_size: int, max_tokens_per_step: int,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, attention_backend: str = "torch") -> None:
         """`vocab_size`: the target's logits width (a draft token at or past it is never proposed);
         `max_tokens_per_step`: the most tokens one catch-up forward takes (the target's step budget)."""
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-        self.runner = ModelRunner(model, num_blocks, block_size, dtype, device)
+        self.runner = ModelRunner(model, num_blocks, block_size, dtype, device, attention_backend=attention_backend)
         self.vocab_size = vocab_size
         # Its embedding rows: a sequence holding a token past them (the target's vocabulary may be
         # wider) cannot be read by the draft, and does not speculate.

@@ -10,7 +10,8 @@ passed in, so subclasses (asyncpage.disagg's workers) are built as themselves.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -34,10 +35,8 @@ from asyncpage.model.compiled import enable as compile_decode
 from asyncpage.model.weights import LoadedModel, load
 from asyncpage.runtime.compute import ComputeThread
 
-if TYPE_CHECKING:
-    from asyncpage.engine import AsyncEngine
-
-E = TypeVar("E", bound="AsyncEngine")
+# The class built: AsyncEngine or a subclass (asyncpage.disagg's workers), never named here.
+E = TypeVar("E")
 
 
 def env_flag(name: str) -> bool:
@@ -52,7 +51,7 @@ def compiled_steps_can_run(options: dict[str, Any], dev: str, dt: str) -> bool:
             and resolve_kv_cache_dtype(options["kv_cache_dtype"], dt) == dt)
 
 
-def from_pretrained(cls: type[E], model: str | os.PathLike[str] | None, *, dtype: str, device: str,
+def from_pretrained(cls: Callable[..., E], model: str | os.PathLike[str] | None, *, dtype: str, device: str,
                     num_threads: int | None, quantization: str | None, debug_checks: bool | None,
                     speculative_config: dict[str, Any] | None, compile: bool | None,
                     **pool_options: Any) -> E:
@@ -87,7 +86,7 @@ def from_pretrained(cls: type[E], model: str | os.PathLike[str] | None, *, dtype
     return compute.run(build, cls, loaded, dt, dev, compute, options, None, draft)
 
 
-def clone(cls: type[E], loaded: LoadedModel, config: EngineConfig, compute: ComputeThread,
+def clone(cls: Callable[..., E], loaded: LoadedModel, config: EngineConfig, compute: ComputeThread,
           guided: GrammarManager, options: dict[str, Any], draft: LoadedModel | None,
           overrides: dict[str, Any]) -> E:
     """AsyncEngine.clone: a `cls` on the same weights, tokenizer, compute thread and prepared grammar
@@ -106,7 +105,7 @@ def clone(cls: type[E], loaded: LoadedModel, config: EngineConfig, compute: Comp
     return compute.run(build, cls, loaded, config.dtype, config.device, compute, options, guided, draft)
 
 
-def build(cls: type[E], loaded: LoadedModel, dt: str, dev: str, compute: ComputeThread,
+def build(cls: Callable[..., E], loaded: LoadedModel, dt: str, dev: str, compute: ComputeThread,
           options: dict[str, Any], parent_guided: GrammarManager | None = None,
           draft: LoadedModel | None = None) -> E:
     """The engine itself, on loaded weights (run on the compute thread: the KV pool is allocated)."""

@@ -27,11 +27,11 @@ import torch
 
 from asyncpage.core.config import EngineConfig
 from asyncpage.core.draft import DraftGate, DraftProposer
+from asyncpage.core.mailbox import Mailbox
 from asyncpage.core.output import OutputProcessor
 from asyncpage.core.request import Request, SeqStatus, Sequence
 from asyncpage.core.runner import ModelRunner, StepResult
 from asyncpage.core.scheduler import Scheduler, SchedulerOutput
-from asyncpage.core.stream import Mailbox
 from asyncpage.decoding.beam import BeamParams, BeamSearch
 from asyncpage.errors import (
     AsyncPageError,
@@ -66,11 +66,12 @@ class EngineCore:
                                  config.eviction_policy)
         self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size, getattr(torch, config.dtype),
                                   torch.device(config.device), mask_vocab_size,
-                                  kv_cache_dtype=getattr(torch, config.kv_cache_dtype or config.dtype))
+                                  kv_cache_dtype=getattr(torch, config.kv_cache_dtype or config.dtype),
+                                  attention_backend=config.attention_backend)
         self.draft = None if draft_model is None else DraftProposer(
             draft_model, config.num_kv_blocks, config.block_size, getattr(torch, config.dtype),
             torch.device(config.device), self.runner.vocab_size, config.max_num_batched_tokens,
-            config.enable_prefix_caching)
+            config.enable_prefix_caching, config.attention_backend)
         spec = config.speculative
         self.draft_gate = DraftGate() if self.draft is not None and spec is not None and spec.auto_disable else None
         self.output = OutputProcessor(tokenizer, lambda seq, reason: self.scheduler.finish(seq, reason))

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from asyncpage.core.mailbox import Mailbox
 from asyncpage.kv.cache import BlockTable
 from asyncpage.outputs import FinishReason, TokenLogprob
 from asyncpage.params import SamplingParams
 
 if TYPE_CHECKING:
-    from asyncpage.core.stream import Mailbox
     from asyncpage.decoding.beam import BeamSearch
     from asyncpage.decoding.detokenizer import IncrementalDetokenizer
     from asyncpage.decoding.speculative import SpecState
@@ -92,6 +92,13 @@ class Request:
     def width(self) -> int:
         """Sequences this request runs at once once forked: n samples, or W beams."""
         return self.beam.width if self.beam is not None else self.params.n
+
+    def aligned_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """params.prompt_logprobs aligned with the prompt (RequestStream.prompt_logprobs)."""
+        if self.params.prompt_logprobs is None:
+            return None
+        got = list(self.prompt_logprobs)  # written by the loop only while the prompt is computed
+        return [None, *got] + [None] * (len(self.prompt_token_ids) - 1 - len(got))
 
 
 @dataclass(eq=False)

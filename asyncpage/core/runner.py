@@ -17,12 +17,13 @@ import torch
 
 from asyncpage.core.request import Sequence
 from asyncpage.core.scheduler import SchedulerOutput
+from asyncpage.decoding.guided_step import fill_masks, grammar_failure, guided_step
 from asyncpage.decoding.sampling import SampleResult, SampleSpec, beam_candidates, needs_history, sample
 from asyncpage.decoding.speculative import Verify, draft_masks, verify
-from asyncpage.guided import Matcher
-from asyncpage.guided.backend import apply_bitmask, bitmask_width
-from asyncpage.guided.budget import ALTERNATIVES, Closer, Guards, MatcherError, guards_for, matcher_error
-from asyncpage.model.attention import KV_QMAX, AttentionMetadata, PrefillChunk, paged_attention
+from asyncpage.guided.backend import bitmask_width
+from asyncpage.guided.budget import matcher_error
+from asyncpage.model.attention import KV_QMAX, AttentionMetadata, paged_attention
+from asyncpage.model.batch import FlatBatch
 from asyncpage.model.registry import CausalLM
 from asyncpage.outputs import TokenLogprob
 
@@ -76,62 +77,13 @@ def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> 
     return int(per_token * block_size)
 
 
-class FlatBatch:
-    """A step's tokens from many sequences back to back (no padding between them), with the slots
-    their K/V go to and what attention needs: a sequence's run of one token is a decode row, a
-    longer run a prefill chunk over its cached context. Shared by the model runner and the draft
-    model (draft.py)."""
-
-    def __init__(self, block_size: int, pad_slot: int, device: torch.device,
-                 attention: Callable[..., torch.Tensor]) -> None:
-        self.block_size, self.pad_slot, self.device, self.attention = block_size, pad_slot, device, attention
-        self.input_ids: list[int] = []
-        self.positions: list[int] = []
-        self.slots: list[int] = []
-        self.decode_rows: list[int] = []
-        self.decode_tables: list[list[int]] = []
-        self.decode_lens: list[int] = []
-        self.prefills: list[PrefillChunk] = []
-
-    def add(self, tokens: list[int], num_computed: int, table: list[int]) -> int:
-        """Append a sequence's `tokens`, at positions from `num_computed` on; returns its first row."""
-        bs, start, n = self.block_size, len(self.input_ids), len(tokens)
-        self.input_ids += tokens
-        self.positions += range(num_computed, num_computed + n)
-        self.slots += [table[p // bs] * bs + p % bs for p in range(num_computed, num_computed + n)]
-        if n == 1:
-            self.decode_rows.append(start)
-            self.decode_tables.append(table)
-            self.decode_lens.append(num_computed + 1)
-        else:
-            self.prefills.append(PrefillChunk(start, start + n, num_computed, self._t(table)))
-        return start
-
-    def build(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """(input ids, positions, attention metadata). The batch is padded to a few bucket sizes: the
-        CPU matmul libraries build a kernel per new shape (~0.5 ms per matmul), which cost a cold
-        engine 30% of its throughput when every step had a new token count. Padding rows attend to
-        nothing and write their K/V to the pad slot."""
-        pad = _bucket(len(self.input_ids)) - len(self.input_ids)
-        meta = AttentionMetadata(block_size=self.block_size, slot_mapping=self._t(self.slots + [self.pad_slot] * pad),
-                                 prefills=self.prefills, attention=self.attention)
-        if self.decode_rows:
-            width = max(len(t) for t in self.decode_tables)
-            meta.decode_rows = self._t(self.decode_rows)
-            meta.decode_block_tables = self._t([t + [0] * (width - len(t)) for t in self.decode_tables])
-            meta.decode_context_lens = self._t(self.decode_lens)
-            meta.decode_tables_host, meta.decode_lens_host = self.decode_tables, self.decode_lens
-        return self._t(self.input_ids + [0] * pad), self._t(self.positions + [0] * pad), meta
-
-    def _t(self, xs: list[int] | list[list[int]]) -> torch.Tensor:
-        return torch.tensor(xs, dtype=torch.long, device=self.device)
-
-
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, mask_vocab_size: int | None = None,
-                 kv_cache_dtype: torch.dtype | None = None) -> None:
-        """`kv_cache_dtype` (default `dtype`): torch.int8 or torch.float8_e4m3fn make a quantized pool."""
+                 kv_cache_dtype: torch.dtype | None = None, attention_backend: str = "torch") -> None:
+        """`kv_cache_dtype` (default `dtype`): torch.int8 or torch.float8_e4m3fn make a quantized pool.
+        `attention_backend`: "torch" (model/attention.py) or "triton" (model/attention_triton.py), resolved
+        by core/config.py."""
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -158,10 +110,13 @@ class ModelRunner:
                 t.view(torch.uint8).zero_()  # as bytes: float8 has no CPU fill kernel
             self.caches.append(layer_cache)
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="asyncpage-masks")
-        # The attention backend (asyncpage.kernels.use_triton_attention swaps in the Triton kernels).
         self.attention: Callable[..., torch.Tensor] = paged_attention
         self.copy_blocks: Callable[[list[tuple[torch.Tensor, ...]], list[tuple[int, int]]], None] = \
             _copy_blocks
+        if attention_backend == "triton":  # imported only here: Triton is needed only for this backend
+            from asyncpage.model import attention_triton
+
+            self.attention, self.copy_blocks = attention_triton.paged_attention, attention_triton.copy_blocks
 
     # ---- on the event loop -----------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> StepBatch:
@@ -216,7 +171,7 @@ class ModelRunner:
         if guided:
             # Masks are filled on the CPU while the forward pass runs (the grammar engines release the GIL).
             bitmask = torch.full((len(batch.specs), bitmask_width(self.mask_vocab_size)), -1, dtype=torch.int32)
-            masks = self._mask_pool.submit(_fill_masks, guided, bitmask)
+            masks = self._mask_pool.submit(fill_masks, guided, bitmask)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.caches)
         every = self.model.compute_logits(hidden[batch.logit_rows]).cpu()
         prompt_logprobs = {r.seq_id: (r.first, _prompt_logprobs(self.model, hidden, r)) for r in batch.scored}
@@ -238,9 +193,9 @@ class ModelRunner:
                 continue  # a beam's matcher advances once the search has chosen its token (scheduler)
             assert bitmask is not None
             try:
-                stepped = _guided_step(m, spec, result, i, logits, bitmask)
+                stepped = guided_step(m, spec, result, i, logits, bitmask)
             except Exception as exc:  # this sequence's grammar work: its request fails, the engine goes on
-                failed[spec.seq_id] = _grammar_failure(exc)
+                failed[spec.seq_id] = grammar_failure(exc)
                 continue
             if stepped is None:
                 failed[spec.seq_id] = str(matcher_error(m, f"sampled token {result.tokens[i]}"))
@@ -255,12 +210,12 @@ class ModelRunner:
         for v in batch.verifies:
             sid = v.spec.seq_id
             try:
-                out = verify(v, every, draft_masks(v, self.mask_vocab_size), _guided_step)
+                out = verify(v, every, draft_masks(v, self.mask_vocab_size))
             except Exception as exc:  # as in the loop above: this sequence fails alone
                 seq_ids.append(sid)
                 result.tokens.append(-1)
                 result.logprobs.append(None)
-                failed[sid] = _grammar_failure(exc)
+                failed[sid] = grammar_failure(exc)
                 continue
             seq_ids.append(sid)
             result.tokens.append(out.tokens[0] if out.tokens else -1)
@@ -313,98 +268,6 @@ def _sample_spec(s: Sequence, max_model_len: int) -> SampleSpec:
         prompt_ids=list(s.token_ids[: s.num_prompt_tokens]) if p.repetition_penalty != 1 else None,
         output_ids=list(s.output_token_ids) if needs_history(p) else None, matcher=s.matcher, budget=budget,
         beam_k=beam.num_candidates if beam is not None else 0)
-
-
-def _guided_step(m: Matcher, spec: SampleSpec, result: SampleResult, i: int, logits: torch.Tensor,
-                 bitmask: torch.Tensor) -> tuple[list[int], bool] | None:
-    """Take row i's sampled token through the sequence's grammar (budget closing may replace it in
-    `result`). Returns (tokens the grammar forces next, grammar ended); None if it refuses the token."""
-    closer = _closer(m, spec) if spec.budget is not None else None
-    if closer is not None:
-        return _budget_step(closer, i, spec, result, logits, bitmask)
-    # A correct mask never lets the grammar reject the sampled token; if it ever does, the token is
-    # dropped and the request fails, rather than emitting text outside the grammar.
-    if not m.accept(result.tokens[i]):
-        return None
-    if m.is_terminated():
-        return [], True
-    ff = []
-    if spec.params.logprobs is None:
-        # Fast-forward: tokens the grammar leaves no choice about ('{"name":"' in a schema) join the
-        # sequence now and are computed next step as one chunk, not one step each.
-        for t in m.forced_tokens():
-            if not m.accept(t):  # llguidance's matcher is in its error state then, which reads as ended
-                raise matcher_error(m, f"token {t} it forced")
-            ff.append(t)
-    return ff, m.is_terminated()
-
-
-def _closer(m: Matcher, spec: SampleSpec) -> Closer | None:
-    make = getattr(m, "closer", None)  # matchers that support budget closing
-    if make is None:
-        return None
-    p = spec.params
-
-    def guards() -> Guards | None:  # asked once per sequence
-        return guards_for(p.json_schema, p.max_number_digits, p.max_string_repeats) if p.json_schema is not None \
-            else None
-
-    closer: Closer | None = make(guards)
-    return closer
-
-
-def _budget_step(closer: Closer, i: int, spec: SampleSpec, result: SampleResult, logits: torch.Tensor,
-                 bitmask: torch.Tensor) -> tuple[list[int], bool] | None:
-    """Take row i's token through budget closing (it may be replaced by one that keeps a valid
-    completion within the budget); returns (forced tokens, grammar ended), None if the grammar refuses."""
-    sampled = result.tokens[i]
-
-    def alternatives() -> list[int]:
-        row = logits[i : i + 1].clone()
-        apply_bitmask(row, bitmask[i : i + 1])
-        vals, ids = row[0].topk(min(ALTERNATIVES, row.shape[1]))
-        return [int(t) for t, v in zip(ids.tolist(), vals.tolist(), strict=True) if v != float("-inf")]
-
-    assert spec.budget is not None
-    out = closer.step(sampled, spec.budget, spec.params.logprobs is None, alternatives)
-    if out is None:
-        return None
-    token, ff, stopped = out
-    if token != sampled:
-        result.tokens[i] = token
-        old = result.logprobs[i]
-        if old is not None:
-            lp = float(torch.log_softmax(logits[i].float(), dim=-1)[token])
-            result.logprobs[i] = TokenLogprob(token, lp, old.top)
-    return ff, stopped
-
-
-def _fill_masks(guided: list[tuple[int, Matcher]], bitmask: torch.Tensor) -> dict[int, str]:
-    """Fill each guided row's mask; returns the rows whose matcher raised, and why (their requests
-    fail alone; the row keeps an all-allowed mask, and its sample is never used)."""
-    broken: dict[int, str] = {}
-    for row, matcher in guided:
-        try:
-            matcher.fill_bitmask(bitmask, row)
-        except Exception as exc:
-            broken[row] = _grammar_failure(exc)
-    return broken
-
-
-def _grammar_failure(exc: Exception) -> str:
-    """The failure of one sequence whose grammar work raised: logged with its traceback (a backend
-    bug shows there), reported to its caller as a SamplingError."""
-    log.warning("guided decoding failed for one sequence: %r", exc, exc_info=not isinstance(exc, MatcherError))
-    return f"guided decoding failed: {exc}"
-
-
-def _bucket(n: int) -> int:
-    """1..8 exactly (one stream must not pay for padding), then 16, 24, ..., 64, then multiples of 64."""
-    if n <= 8:
-        return n
-    if n <= 64:
-        return -(-n // 8) * 8
-    return -(-n // 64) * 64
 
 
 def _copy_blocks(caches: list[tuple[torch.Tensor, ...]], pairs: list[tuple[int, int]]) -> None:

@@ -1,111 +1,69 @@
-"""What a caller holds while a request runs: its Mailbox (filled by the engine loop) and the
-RequestStream that `engine.stream()` returns.
+"""What a caller holds while a request runs: the RequestStream that `engine.stream()` returns, reading
+the request's Mailbox (core/mailbox.py, filled by the engine loop).
 
-A stream never touches engine state: it submits through the engine's public `submit()` and leaves
-through `abort()`, which only queues (the loop applies aborts at its safe points). That is what makes
-a stream safe to drop anywhere: in a finalizer, inside a reference cycle collected mid-step, or on
-another thread.
+A stream never touches engine state: it submits through a Submitter's `submit()` (core/client.py:
+AsyncEngine and DisaggEngine are both one) and leaves through `abort()`, which only queues (the loop
+applies aborts at its safe points). That is what makes a stream safe to drop anywhere: in a finalizer,
+inside a reference cycle collected mid-step, or on another thread.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Self
+from typing import Generic, Protocol, Self, TypeVar
 
-import anyio
-
-from asyncpage.outputs import FinishReason, StreamChunk, TokenLogprob
-from asyncpage.params import SamplingParams
-
-if TYPE_CHECKING:
-    from asyncpage.core.request import Request
-    from asyncpage.engine import AsyncEngine, Prompt
+from asyncpage.core.mailbox import Mailbox
+from asyncpage.outputs import StreamChunk, TokenLogprob
+from asyncpage.params import Prompt, SamplingParams
 
 
-@dataclass
-class _Pending:
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: FinishReason | None = None
+class Handle(Protocol):
+    """A submitted request as its stream sees it: where its output arrives, what it asked for."""
+
+    @property
+    def mailbox(self) -> Mailbox: ...
+
+    @property
+    def params(self) -> SamplingParams: ...
+
+    def aligned_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """params.prompt_logprobs aligned with the prompt's tokens (None where not asked or offered)."""
+        ...
 
 
-class Mailbox:
-    """Single-slot mailbox per request: output that arrives before the consumer reads is merged into
-    one pending chunk per sample. Memory stays bounded by the request's own output and the engine
-    never waits for a slow reader. Written and read on the engine's loop only."""
-
-    def __init__(self, notify: Callable[[], None] | None = None) -> None:
-        self._pending: dict[int, _Pending] = {}
-        self._event: anyio.Event | None = None
-        self.error: BaseException | None = None
-        self._notify = notify  # extract_many: one wake-up shared by many requests
-
-    def put(self, index: int, text: str, token_ids: list[int], logprob: TokenLogprob | None,
-            finish_reason: FinishReason | None) -> None:
-        p = self._pending.setdefault(index, _Pending())
-        p.text += text
-        p.token_ids += token_ids
-        if logprob is not None:
-            if p.logprobs is None:
-                p.logprobs = []
-            p.logprobs.append(logprob)  # appended in place: an unread stream stays linear, not quadratic
-        if finish_reason is not None:
-            p.finish_reason = finish_reason
-        self._wake()
-
-    def fail(self, error: BaseException) -> None:
-        if self.error is None:
-            self.error = error
-        self._wake()
-
-    def _wake(self) -> None:
-        if self._event is not None:
-            self._event.set()
-        if self._notify is not None:
-            self._notify()
-
-    def peek(self, index: int = 0) -> _Pending | None:
-        """What sample `index` has pending, left in place."""
-        return self._pending.get(index)
-
-    def drain(self) -> dict[int, _Pending]:
-        """Everything pending, without waiting (for a reader that only looks once the request is done)."""
-        out, self._pending = self._pending, {}
-        return out
-
-    async def get(self) -> list[StreamChunk]:
-        while not self._pending and self.error is None:
-            self._event = anyio.Event()
-            await self._event.wait()
-            self._event = None
-        if self._pending:
-            chunks = [StreamChunk(i, p.text, p.token_ids, p.finish_reason, p.logprobs)
-                      for i, p in sorted(self._pending.items())]
-            self._pending.clear()
-            return chunks
-        assert self.error is not None
-        raise self.error
+H = TypeVar("H", bound=Handle)
 
 
-class RequestStream:
+class Submitter(Protocol[H]):
+    async def submit(self, prompt: Prompt, params: SamplingParams) -> H:
+        """Validate and queue a request; raises a typed error before anything is queued."""
+        ...
+
+    def abort(self, request: H) -> None:
+        """Queue an abort (safe from anywhere); the loop frees the request's blocks at a safe point."""
+        ...
+
+    async def wait_released(self, request: H) -> None:
+        """Return once the engine is done with `request` (its blocks are back)."""
+        ...
+
+
+class RequestStream(Generic[H]):
     """What `engine.stream()` returns: an async iterator of StreamChunk, and an async context
     manager. Leaving `async for` early, `aclose()`, cancelling the consuming task or dropping the
     object all abort the request; after `await aclose()` its blocks are back in the pool."""
 
-    def __init__(self, engine: AsyncEngine, prompt: Prompt, params: SamplingParams) -> None:
+    def __init__(self, engine: Submitter[H], prompt: Prompt, params: SamplingParams) -> None:
         self._engine = engine
         self._prompt = prompt
         self._params = params
-        self._request: Request | None = None
+        self._request: H | None = None
         self._buffer: deque[StreamChunk] = deque()
         self._open = 0  # samples not finished yet
         self._closed = False
 
     @property
-    def request(self) -> Request | None:
+    def request(self) -> H | None:
         return self._request
 
     @property
@@ -114,11 +72,7 @@ class RequestStream:
         with the prompt's token ids (the first is None, as is any the request did not get to: an abort
         before its prompt was computed). Whole once the first chunk has come: the prompt is computed
         before any token is sampled."""
-        req = self._request
-        if req is None or req.params.prompt_logprobs is None:
-            return None
-        got = list(req.prompt_logprobs)  # written by the loop only while the prompt is computed
-        return [None, *got] + [None] * (len(req.prompt_token_ids) - 1 - len(got))
+        return None if self._request is None else self._request.aligned_prompt_logprobs()
 
     def __aiter__(self) -> Self:
         return self

@@ -24,16 +24,15 @@ the same.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
 import torch
 
+from asyncpage.decoding.guided_step import guided_step
 from asyncpage.decoding.sampling import SampleResult, SampleSpec, needs_history, sample
 from asyncpage.errors import InvalidRequestError
-from asyncpage.guided import Matcher
 from asyncpage.guided.backend import apply_bitmask, bitmask_width
 
 # Each draft row costs compute (here ~7 ms a row on the default model in float32, LM head included),
@@ -180,12 +179,6 @@ class Verified:
     forced: list[int] = field(default_factory=list)  # tokens the grammar forces after them
 
 
-# Takes row i's sampled token in `result` through the sequence's grammar (it may replace it there):
-# (tokens the grammar forces next, grammar ended), or None when the grammar refuses the token.
-GuidedStep = Callable[[Matcher, SampleSpec, SampleResult, int, torch.Tensor, torch.Tensor],
-                      tuple[list[int], bool] | None]
-
-
 def draft_masks(v: Verify, mask_vocab: int) -> torch.Tensor | None:
     """The grammar's mask for each row of a speculating sequence: row i's is the state after the
     first i drafts (the only state in which row i matters), by walking the drafts and rolling back.
@@ -207,7 +200,7 @@ def draft_masks(v: Verify, mask_vocab: int) -> torch.Tensor | None:
     return masks
 
 
-def verify(v: Verify, logits: torch.Tensor, masks: torch.Tensor | None, guided_step: GuidedStep) -> Verified:
+def verify(v: Verify, logits: torch.Tensor, masks: torch.Tensor | None) -> Verified:
     """Sample each position of a speculating sequence in order, as plain decode steps would, while
     the sampled token equals the draft. `logits` holds the step's rows (v.rows index it), `masks`
     the grammar's mask of each of them (draft_masks)."""

@@ -33,14 +33,17 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Self
 
+import anyio
+
+from asyncpage.core.stream import RequestStream
 from asyncpage.errors import EngineDeadError, EngineLoopError, EngineNotRunningError, InvalidRequestError
-from asyncpage.outputs import EngineStats, GenerateOutput
+from asyncpage.outputs import Choice, EngineStats, FinishReason, GenerateOutput, TokenLogprob
 from asyncpage.params import SamplingParams
 from asyncpage.runtime.eventloop import LoopHandle
 
 from . import messages as m
+from .front import RELEASE_TIMEOUT_S, FrontRequest
 from .messages import Channel, decode_error
-from .stream import DisaggStream, FrontRequest
 from .transport import new_secret
 
 ROLES = ("prefill", "decode")
@@ -123,7 +126,7 @@ class DisaggEngine:
         """Requests still in flight are aborted on both workers and fail with EngineNotRunningError."""
         for rid, fr in list(self._requests.items()):
             fr.mailbox.fail(EngineNotRunningError("the engine was closed"))
-            self.abort(rid)
+            self._abort(rid)
         self._loop = None
 
     def close(self) -> None:
@@ -132,16 +135,28 @@ class DisaggEngine:
         self._finalizer()
 
     # ---- public API --------------------------------------------------------------------------
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> DisaggStream:
-        """As AsyncEngine.stream: `async for chunk in engine.stream(prompt, params)`."""
-        return DisaggStream(self, prompt, params or SamplingParams())
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> RequestStream[FrontRequest]:
+        """As AsyncEngine.stream: `async for chunk in engine.stream(prompt, params)` (the same stream type)."""
+        return RequestStream(self, prompt, params or SamplingParams())
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> GenerateOutput:
         """As AsyncEngine.generate (n=1)."""
+        params = params or SamplingParams()
+        text: list[str] = []
+        ids: list[int] = []
+        lps: list[TokenLogprob] = []
+        reason: FinishReason | None = None
         async with self.stream(prompt, params) as s:
-            async for _ in s:
-                pass
-            return s.output()
+            async for c in s:
+                text.append(c.text)
+                ids += c.token_ids
+                lps += c.logprobs or []
+                reason = c.finish_reason or reason
+            fr = s.request
+        assert fr is not None and reason is not None
+        prompt_ids = list(fr.final.prompt_token_ids) if fr.final else []
+        choice = Choice(0, "".join(text), ids, reason, lps if params.logprobs is not None else None)
+        return GenerateOutput(prompt_ids, [choice], fr.metrics())
 
     def stats(self) -> dict[str, EngineStats]:
         """{"prefill": EngineStats, "decode": EngineStats}: what each worker last published (it
@@ -158,8 +173,8 @@ class DisaggEngine:
         """False once a worker has died (new requests then fail with EngineDeadError)."""
         return not self._dead
 
-    # ---- submission (DisaggStream) -----------------------------------------------------------
-    def submit(self, prompt: str | list[int], params: SamplingParams) -> FrontRequest:
+    # ---- submission (core.client.Submitter: what RequestStream calls) ---------------------------
+    async def submit(self, prompt: str | list[int], params: SamplingParams) -> FrontRequest:
         self.check_usable()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params", f"must be SamplingParams, got {type(params).__name__}")
@@ -183,7 +198,22 @@ class DisaggEngine:
         self._send("prefill", frame)
         return fr
 
-    def abort(self, rid: int) -> None:
+    def abort(self, request: FrontRequest) -> None:
+        """Release a request on both workers, unless it has ended (each acknowledges; see
+        FrontRequest.released). Only sends."""
+        if not request.done:
+            self._abort(request.rid)
+
+    async def wait_released(self, request: FrontRequest) -> None:
+        """Wait (at most RELEASE_TIMEOUT_S) until both workers have let go of the request's blocks."""
+        if request.released.issuperset(ROLES):
+            return
+        if request.released_event is None:
+            request.released_event = anyio.Event()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT_S):
+            await request.released_event.wait()
+
+    def _abort(self, rid: int) -> None:
         """Release `rid` on both workers (each acknowledges; see FrontRequest.released). Only sends."""
         fr = self._requests.get(rid)
         if fr is None or fr.aborting:
@@ -270,7 +300,7 @@ class DisaggEngine:
         elif isinstance(msg, m.Error):
             fr.mailbox.fail(decode_error(msg.error))
             if not fr.aborting:
-                self.abort(rid)  # whatever the other side holds of it goes too
+                self._abort(rid)  # whatever the other side holds of it goes too
         else:
             fr.released.add(role)
             self._maybe_forget(fr)
@@ -292,7 +322,7 @@ class DisaggEngine:
                 fr.mailbox.fail(EngineNotRunningError("the engine was closed") if self._closed
                                 else EngineDeadError(f"the {role} worker died: {exc}"))
                 fr.released.add(role)
-                self.abort(fr.rid)
+                self._abort(fr.rid)
             else:
                 fr.released.add(role)
                 self._maybe_forget(fr)

@@ -15,7 +15,7 @@ from asyncpage.errors import InvalidRequestError, PromptTooLongError
 from asyncpage.params import SamplingParams
 
 if TYPE_CHECKING:
-    from asyncpage.engine import AsyncEngine
+    from asyncpage.core.client import EngineClient
 
 COPY_BEAMS = 4  # beams per value by default when a field is copied (see beam_params)
 
@@ -34,7 +34,7 @@ def beam_params(beam_width: int | None, copying: bool) -> BeamParams | None:
     return beam
 
 
-def beam_for(engine: AsyncEngine, ids: list[int], params: SamplingParams, beam_width: int | None,
+def beam_for(engine: EngineClient, ids: list[int], params: SamplingParams, beam_width: int | None,
              copying: bool) -> BeamParams | None:
     """The beams for one record's value. A width the caller chose is used as asked (what it cannot
     have is that record's typed error); the default's beams are only taken where the request can

@@ -44,7 +44,7 @@ from asyncpage.extract.prompt import DEMOS
 from asyncpage.params import SamplingParams
 
 if TYPE_CHECKING:
-    from asyncpage.engine import AsyncEngine
+    from asyncpage.core.client import EngineClient
 
 PLAIN = "Record.\n\n"
 AFTER = "\n\nIn this message,"
@@ -92,7 +92,7 @@ def _text(x: Any) -> str:
     return x if isinstance(x, str) else ""
 
 
-async def offsets(engine: AsyncEngine, schema: dict[str, Any]) -> dict[str, float]:
+async def offsets(engine: EngineClient, schema: dict[str, Any]) -> dict[str, float]:
     """Each scored boolean's mean score on the reference records (DEMOS: four short support messages),
     its threshold in `decide`. A reading's score has a level of its own (a long statement is less
     likely than a short one; a heading raises the likelihood of any support message a little), so a
@@ -117,7 +117,7 @@ async def offsets(engine: AsyncEngine, schema: dict[str, Any]) -> dict[str, floa
     return {name: bar for name, bar in found.items() if bar is not None}
 
 
-async def decide(engine: AsyncEngine, schema: dict[str, Any], text: str, offset: dict[str, float]) -> dict[str, bool]:
+async def decide(engine: EngineClient, schema: dict[str, Any], text: str, offset: dict[str, float]) -> dict[str, bool]:
     """The booleans of `schema` that have an `offset` (from `offsets`), for a record whose text is
     `text`: true when its score on the text beats its offset. {} when there is none, or the text does
     not fit the context with one of their readings (the model then generates them all)."""
@@ -128,7 +128,7 @@ async def decide(engine: AsyncEngine, schema: dict[str, Any], text: str, offset:
     return {name: g > offset[name] for name, g in gains.items()}
 
 
-async def _gains(engine: AsyncEngine, readings: dict[str, Reading], text: str) -> dict[str, float] | None:
+async def _gains(engine: EngineClient, readings: dict[str, Reading], text: str) -> dict[str, float] | None:
     """Each boolean's score on `text`: a described one, the log-likelihood of its statement after the
     text; a named one, how much its heading raises the log-likelihood of the text over the plain
     heading, per token of the text (a long record gains more in total from any heading). None when

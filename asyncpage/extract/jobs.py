@@ -26,9 +26,9 @@ from typing import IO, Any, TextIO
 
 import msgspec
 
-from asyncpage.engine import AsyncEngine
+from asyncpage.core.client import EngineClient
 from asyncpage.errors import EngineDeadError, InvalidRequestError
-from asyncpage.extract.run import ExtractError, ExtractResult
+from asyncpage.extract.run import ExtractError, ExtractResult, extract_many
 from asyncpage.params import SamplingParams
 
 
@@ -331,7 +331,7 @@ class ResultWriter:
         self.summary.output_tokens += r.output_tokens
 
 
-async def run_job(engine: AsyncEngine, schema: Any, input_path: Path, output_path: Path, *,
+async def run_job(engine: EngineClient, schema: Any, input_path: Path, output_path: Path, *,
                   prompt: str | None = None, concurrency: int = 16, max_tokens: int = 512, resume: bool = False,
                   id_field: str = "id", max_prompt_tokens: int | None = None, progress: bool = True,
                   copy_fields: Sequence[str] | str | None = None,
@@ -382,11 +382,11 @@ async def run_job(engine: AsyncEngine, schema: Any, input_path: Path, output_pat
         params = job_params(max_tokens)
         engine_error: ExtractResult | None = None
         try:
-            async for result in engine.extract_many(records(), schema, prompt=prompt, concurrency=concurrency,
-                                                    params=params, id_field=id_field,
-                                                    max_prompt_tokens=max_prompt_tokens, copy_fields=copy_fields,
-                                                    examples=examples, beam_width=beam_width,
-                                                    score_booleans=score_booleans):
+            async for result in extract_many(engine, records(), schema, prompt=prompt, concurrency=concurrency,
+                                             params=params, id_field=id_field,
+                                             max_prompt_tokens=max_prompt_tokens, copy_fields=copy_fields,
+                                             examples=examples, beam_width=beam_width,
+                                             score_booleans=score_booleans):
                 n = line_of.pop(result.position)
                 if result.error is not None and result.error.reason == "engine_error":
                     engine_error = engine_error or result  # not final: left for the resumed run

@@ -148,11 +148,11 @@ def _case(text: str, fields: str, value: Any) -> str:
 
 
 # A template with {field} placeholders, or a function of the record.
-Prompt = str | Callable[[Mapping[str, Any]], str]
+PromptTemplate = str | Callable[[Mapping[str, Any]], str]
 _FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
-def render_prompt(template: Prompt, record: Mapping[str, Any]) -> str:
+def render_prompt(template: PromptTemplate, record: Mapping[str, Any]) -> str:
     """Fill `{field}` placeholders from the record. Only `{identifier}` is a placeholder, so JSON
     examples in a prompt ({"name": ...}) need no escaping."""
     if callable(template):
@@ -176,7 +176,7 @@ def render_prompt(template: Prompt, record: Mapping[str, Any]) -> str:
     return _FIELD.sub(field, template)
 
 
-def copy_sources(prompt: Prompt | None, record: Mapping[str, Any], id_field: str) -> list[str]:
+def copy_sources(prompt: PromptTemplate | None, record: Mapping[str, Any], id_field: str) -> list[str]:
     """What a record's copied fields may copy from: the fields its prompt template shows, else its
     text field, else every string field but its id."""
     if isinstance(prompt, str):

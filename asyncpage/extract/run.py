@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 
-from asyncpage.core.stream import Mailbox
+from asyncpage.core.mailbox import Mailbox
 from asyncpage.core.validation import check_context
 from asyncpage.errors import (
     ExtractionError,
@@ -26,15 +26,15 @@ from asyncpage.errors import (
 from asyncpage.extract import booleans as flags
 from asyncpage.extract import grounding
 from asyncpage.extract.beams import beam_for, beam_params, refuse_asked_beams
-from asyncpage.extract.prompt import Prompt, copy_sources, render_prompt, schema_prompt
+from asyncpage.extract.prompt import PromptTemplate, copy_sources, render_prompt, schema_prompt
 from asyncpage.guided import GuidedSpec
-from asyncpage.guided.backend import closed_objects
+from asyncpage.guided.schema import closed_objects
 from asyncpage.outputs import Beam, GenerateOutput
 from asyncpage.params import SamplingParams
 
 if TYPE_CHECKING:
+    from asyncpage.core.client import EngineClient
     from asyncpage.core.request import Request
-    from asyncpage.engine import AsyncEngine
 
 DEMOS_MIN_CONTEXT = 2048  # below this context the default prompt's built-in solved records are left out
 
@@ -94,7 +94,7 @@ def grounded(params: SamplingParams, schema: dict[str, Any], sources: list[str])
     return msgspec.structs.replace(params, json_schema=None, grammar=grounding.grammar(schema, sources))
 
 
-def check_job(prompt: Prompt | None, examples: Sequence[Mapping[str, Any]], concurrency: int, schema: Any,
+def check_job(prompt: PromptTemplate | None, examples: Sequence[Mapping[str, Any]], concurrency: int, schema: Any,
               copy_fields: Sequence[str] | str | None) -> None:
     """A job's options that do not depend on the engine (the Ray driver checks them too, before a
     cluster starts): the examples among them, each against the schema."""
@@ -120,7 +120,7 @@ def closed_validly(matcher: Any, params: SamplingParams, token_ids: list[int]) -
     return bool(replays(token_ids) if replays is not None else matcher.is_accepting())
 
 
-async def closed_early_error(engine: AsyncEngine, params: SamplingParams, token_ids: list[int], text: str,
+async def closed_early_error(engine: EngineClient, params: SamplingParams, token_ids: list[int], text: str,
                              target: Any, decided: dict[str, bool] | None = None) -> ExtractionError | None:
     """For extract(): the ExtractionError("closed_early") carrying the value when an output cut by
     max_tokens was closed validly by budget closing (its tokens take a fresh matcher of the same
@@ -146,7 +146,7 @@ def decode_value(text: str, target: Any, decided: dict[str, bool] | None = None)
     return msgspec.json.decode(text, type=target) if target is not None else msgspec.json.decode(text)
 
 
-async def extract_one(engine: AsyncEngine, prompt: str | list[int], schema: Any, params: SamplingParams | None, *,
+async def extract_one(engine: EngineClient, prompt: str | list[int], schema: Any, params: SamplingParams | None, *,
                       chat: bool, copy_from: str | Sequence[str] | None,
                       copy_fields: Sequence[str] | str | None, beam_width: int | None = None,
                       score_booleans: bool | None = None) -> Any:
@@ -211,13 +211,32 @@ async def _aiter(items: Iterable[Record] | AsyncIterable[Record]) -> AsyncIterat
             yield x
 
 
-async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncIterable[Record], schema: Any, *,
-                       prompt: Prompt | None = None, concurrency: int = 32, params: SamplingParams | None = None,
+async def extract_many(engine: EngineClient, items: Iterable[Record] | AsyncIterable[Record], schema: Any, *,
+                       prompt: PromptTemplate | None = None, concurrency: int = 32,
+                       params: SamplingParams | None = None,
                        id_field: str = "id", max_prompt_tokens: int | None = None,
                        copy_fields: Sequence[str] | str | None = None,
                        examples: Sequence[Mapping[str, Any]] = (), beam_width: int | None = None,
                        score_booleans: bool | None = None) -> AsyncIterator[ExtractResult]:
-    """See AsyncEngine.extract_many."""
+    """Extract a typed value from each record, at most `concurrency` in flight.
+
+    `items`: records (dicts, or plain strings as {"text": ...}), sync or async iterable, read
+    lazily. `prompt`: a template over the record's fields, a function of the record, or by
+    default one written from the schema (each field, its description and allowed values) over
+    the record's "text", with `examples` (records with their labeled "value") as solved cases.
+    `copy_fields` (names, or "auto") or `"x-copy": true` in the schema: those string fields are
+    copied from the record (the fields its prompt shows), never invented. `beam_width`: each value
+    is the best of that many beams (up to concurrency x beam_width sequences run at once); by
+    default 4 when a field is copied (4x the time, more values right: see extract_beams.beam_params), else 1.
+    Yields ExtractResult in completion order, each with the record's `id_field` (or its 1-based
+    position), its value or its own error. `score_booleans` (default: on when a field is copied):
+    each top-level boolean property is decided by how likely its statement is after the record's
+    text (the fields its prompt shows; its name as a heading, without a description), against the
+    same after four reference records, not generated (asyncpage.extract.booleans).
+
+        async for r in engine.extract_many(docs, Invoice, concurrency=16):
+            print(r.id, r.value if r.ok else r.error)
+    """
     check_job(prompt, examples, concurrency, schema, copy_fields)
     params, target = json_params(schema, params)
     spec = GuidedSpec.from_params(params)
@@ -328,7 +347,7 @@ async def extract_many(engine: AsyncEngine, items: Iterable[Record] | AsyncItera
                 _forget(engine, req.params)
 
 
-def _forget(engine: AsyncEngine, params: SamplingParams) -> None:
+def _forget(engine: EngineClient, params: SamplingParams) -> None:
     """Drop a record's own grammar (its copied spans) from the engine's cache: it ends with the record."""
     engine.guided.forget(GuidedSpec.from_params(params))
 
@@ -347,7 +366,7 @@ def _greedy_retry(req: Request) -> bool:
 _NO_BEAM = "none of the {} beams completed a value the grammar accepts"
 
 
-def _rendered(prompt: Prompt, record: Mapping[str, Any]) -> str:
+def _rendered(prompt: PromptTemplate, record: Mapping[str, Any]) -> str:
     """The record's prompt; a field the template writes as JSON that cannot be (nested past json's
     depth limit, a set, a cycle: extract_many takes any mapping) is the record's InvalidRequestError."""
     try:

@@ -8,10 +8,9 @@ is worked out from the grammar itself through the matcher, never from JSON rules
 and it is an upper bound: whatever it finds is checked by the matcher, so it always closes.
 
 A new sequence starts from its grammar's start completion (`StartPlan`), searched once per compiled
-grammar on the grammar compile thread right after the compile (GrammarManager), outside the compile's
-time bound. The compute thread only reads it: until it is ready (or when the search found nothing),
-a sequence starts without a completion and gets one from a small repair search once its budget is
-near, as any sequence that wandered off its completion does.
+grammar on the grammar compile thread after the compile (GrammarManager). Until it is ready (or when
+the search found nothing), a sequence starts without one and gets one from a small repair search once
+its budget is near, as any sequence that wandered off its completion does.
 
 After each sampled token the completion is repaired incrementally (the model usually keeps to it, or
 to one of its suffixes); only when the model opens something new is a small search run, whose goal is
@@ -23,8 +22,7 @@ shortest completion, the output walks to a valid end instead of being cut. The r
 (asyncpage.guided.guards) refuse tokens on the same path.
 
 The searches run on `CloseState.shadow`, the sequence's state in the grammar compiled for a 256-byte
-vocabulary (search.byte_tokenizer), fed the bytes of every token the sequence takes: probing it is
-~1 us where the model's mask is 25 us to 0.7 ms.
+vocabulary (search.byte_tokenizer), fed every token's bytes: ~1 us a probe (the model's mask: 25 us+).
 
 Bounded cost per step (issue 31: a schema whose shortest value was ~22k tokens made every engine step
 take 1-4 s, for every request in the batch). No completion is longer than L = search.MAX_COMPLETION
@@ -45,11 +43,8 @@ whatever the completion's length, does at most:
   positions a try);
 - at most SEARCHES_PER_STEP repair searches (search.MAX_NODES states, a WALK_STEPS walk, GOALS goals
   of at most GOALS bytes each), each result (at most L bytes) tokenized and validated once.
-Measured (scripts/budget_cost.py, a random policy with max_tokens 2 above the shortest value, so
-most tokens do not fit and every try runs): a 7 KB completion 2-4 ms per step at the median, 6-10 ms
-at most (35-39 ms and 207-275 ms before), a ten-field extraction schema 0.15 ms (0.4-0.55 ms); the
-dev-set schemas under the random policy of tests/test_budget_close.py 0.2 ms at the median, 11 ms at
-p99 (0.6 ms and 45 ms before).
+Measured per step by scripts/budget_cost.py (a random policy, max_tokens 2 above the shortest value):
+a 7 KB completion 2-4 ms at the median, 6-10 ms at most; a ten-field extraction schema 0.15 ms.
 Only the worker thread touches a CloseState (as it does the matchers it belongs to).
 """
 

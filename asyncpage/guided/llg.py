@@ -9,21 +9,12 @@ from typing import Any
 import torch
 
 from asyncpage.errors import GrammarError
-from asyncpage.guided.backend import (
-    NO_DEADLINE,
-    Deadline,
-    GuidedSpec,
-    Matcher,
-    choice_regex,
-    drop_custom_formats,
-    enum_of_valid_candidates,
-    exclusive_one_of,
-    grammar_error,
-    refuse_outside_refs,
-)
+from asyncpage.guided.backend import NO_DEADLINE, Deadline, GuidedSpec, Matcher, choice_regex, grammar_error
 from asyncpage.guided.budget import Closer, CloseState, Planner, StartPlan, sequence_closer
 from asyncpage.guided.guards import Guards
+from asyncpage.guided.schema import drop_custom_formats, enum_of_valid_candidates, exclusive_one_of
 from asyncpage.guided.search import byte_tokenizer
+from asyncpage.guided.untrusted import refuse_outside_refs
 
 # Compact JSON: no whitespace between tokens. Runaway whitespace until max_tokens is the most
 # reported failure of constrained decoding; a compact policy makes it impossible.

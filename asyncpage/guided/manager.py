@@ -40,14 +40,7 @@ from typing import Any
 import anyio
 
 from asyncpage.errors import GrammarError, GrammarTimeoutError, InvalidRequestError
-from asyncpage.guided.backend import (
-    NO_DEADLINE,
-    CompiledGrammar,
-    CompileTimeout,
-    Deadline,
-    GrammarBackend,
-    GuidedSpec,
-)
+from asyncpage.guided.backend import NO_DEADLINE, CompiledGrammar, CompileTimeout, Deadline, GrammarBackend, GuidedSpec
 from asyncpage.guided.budget import StartPlan
 from asyncpage.guided.search import Steps
 from asyncpage.runtime.eventloop import LoopHandle

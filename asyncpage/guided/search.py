@@ -22,10 +22,8 @@ mask takes 25 us, and 0.7 ms inside an email address; a search probes thousands 
   walk's length and aiming at the rest of the walk, finds the shortest where it can.
 
 No search returns, or grows, a completion longer than MAX_COMPLETION bytes: budget closing's cost per
-step is bounded by it (asyncpage.guided.budget states the bound).
-
-The searches are generators that yield every few nodes, so the compile thread can interleave them with
-compiles (a compile never waits more than one slice of a search); `run` drives one to the end.
+step is bounded by it (asyncpage.guided.budget states the bound). The searches are generators that
+yield every few nodes, so the compile thread interleaves them with compiles; `run` drives one to the end.
 """
 
 from __future__ import annotations

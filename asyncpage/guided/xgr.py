@@ -18,17 +18,10 @@ from typing import Any
 import torch
 
 from asyncpage.errors import GrammarError
-from asyncpage.guided.backend import (
-    NO_DEADLINE,
-    Deadline,
-    GuidedSpec,
-    Matcher,
-    choice_regex,
-    grammar_error,
-    schema_keywords,
-)
+from asyncpage.guided.backend import NO_DEADLINE, Deadline, GuidedSpec, Matcher, choice_regex, grammar_error
 from asyncpage.guided.budget import Closer, CloseState, Planner, StartPlan, sequence_closer
 from asyncpage.guided.guards import Guards
+from asyncpage.guided.schema import schema_keywords
 from asyncpage.guided.search import FORCED_LIMIT
 
 log = logging.getLogger("asyncpage")

@@ -14,18 +14,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from asyncpage.kv.block import Block
 from asyncpage.kv.eviction import make_policy
-
-
-@dataclass(eq=False)
-class Block:
-    block_id: int
-    ref_count: int = 0
-    # Set once the block is full and its content is known: the chained digest (parent digest +
-    # token ids + salt) and the tokens themselves, compared on a hit so a digest collision can never
-    # hand out another prefix's KV.
-    digest: bytes | None = None
-    tokens: tuple[int, ...] | None = None
 
 
 class BlockPool:

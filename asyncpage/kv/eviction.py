@@ -15,10 +15,9 @@ import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from asyncpage.kv.cache import Block
+from asyncpage.kv.block import Block
 
 EVICTION_POLICIES: tuple[str | None, ...] = (None, "lru")
 

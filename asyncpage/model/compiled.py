@@ -176,7 +176,7 @@ class CompiledDecode:
         return self.compile_s
 
     def _run_variants(self, dtype: torch.dtype, block_size: int) -> None:
-        from asyncpage.core.runner import FlatBatch
+        from asyncpage.model.batch import FlatBatch
 
         blocks = MAX_ROWS + 1
         caches = [tuple(torch.zeros(blocks, block_size, layer.self_attn.num_kv_heads, layer.self_attn.head_dim,

@@ -28,13 +28,34 @@ import logging
 import time
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from asyncpage.model.quant import QuantLinear
+
+class QuantLinear(Protocol):
+    """What calibration reads of a quantized layer (model/quant.py's QuantLinear, which imports this)."""
+
+    kind: str
+    out_features: int
+    in_features: int
+    dtype: torch.dtype
+    act_dtype: torch.dtype
+    packed: torch.Tensor
+    scales: torch.Tensor
+    dense: torch.Tensor | None
+    max_rows: int
+    one_row: Any
+    q8: torch.Tensor | None
+    q4: tuple[torch.Tensor, torch.Tensor] | None
+
+    @property
+    def native(self) -> bool: ...
+
+    def kernel(self, x: torch.Tensor, /) -> torch.Tensor: ...
+
+    def rowwise(self, x: torch.Tensor, /) -> torch.Tensor: ...
 
 log = logging.getLogger("asyncpage")
 

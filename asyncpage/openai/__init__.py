@@ -4,14 +4,11 @@
 Typed against `asyncpage.core.client.EngineClient`; `asyncpage serve` (asyncpage/serve.py) runs `app`.
 """
 
-from asyncpage.openai.routes import (
-    BASE_URL,
-    MAX_PROMPTS_PER_REQUEST,
-    MAX_REQUEST_BYTES,
-    app,
-    client,
-    http_client,
-    model_id,
-)
+try:
+    from asyncpage.openai.convert import BASE_URL, MAX_PROMPTS_PER_REQUEST, MAX_REQUEST_BYTES, model_id
+    from asyncpage.openai.routes import app, client, http_client
+except ModuleNotFoundError as exc:  # starlette and the clients are the 'openai' extra
+    raise ModuleNotFoundError(f"asyncpage.openai needs the 'openai' extra (pip install 'asyncpage[openai]'): "
+                              f"{exc}", name=exc.name) from exc
 
 __all__ = ["BASE_URL", "MAX_PROMPTS_PER_REQUEST", "MAX_REQUEST_BYTES", "app", "client", "http_client", "model_id"]

@@ -1,0 +1,72 @@
+"""A step's input to a model's forward: the tokens of many sequences back to back, their KV slots and
+the attention metadata (model/attention.py) built from the block tables. Owns no KV storage and no
+scheduling; the runner (core/runner.py), the draft model (core/draft.py) and compiled decode's warm-up
+(model/compiled.py) fill it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from asyncpage.model.attention import AttentionMetadata, PrefillChunk
+
+
+class FlatBatch:
+    """A step's tokens from many sequences back to back (no padding between them), with the slots
+    their K/V go to and what attention needs: a sequence's run of one token is a decode row, a
+    longer run a prefill chunk over its cached context. Shared by the model runner and the draft
+    model (core/draft.py), and by compiled decode's warm-up (model/compiled.py)."""
+
+    def __init__(self, block_size: int, pad_slot: int, device: torch.device,
+                 attention: Callable[..., torch.Tensor]) -> None:
+        self.block_size, self.pad_slot, self.device, self.attention = block_size, pad_slot, device, attention
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []
+        self.slots: list[int] = []
+        self.decode_rows: list[int] = []
+        self.decode_tables: list[list[int]] = []
+        self.decode_lens: list[int] = []
+        self.prefills: list[PrefillChunk] = []
+
+    def add(self, tokens: list[int], num_computed: int, table: list[int]) -> int:
+        """Append a sequence's `tokens`, at positions from `num_computed` on; returns its first row."""
+        bs, start, n = self.block_size, len(self.input_ids), len(tokens)
+        self.input_ids += tokens
+        self.positions += range(num_computed, num_computed + n)
+        self.slots += [table[p // bs] * bs + p % bs for p in range(num_computed, num_computed + n)]
+        if n == 1:
+            self.decode_rows.append(start)
+            self.decode_tables.append(table)
+            self.decode_lens.append(num_computed + 1)
+        else:
+            self.prefills.append(PrefillChunk(start, start + n, num_computed, self._t(table)))
+        return start
+
+    def build(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input ids, positions, attention metadata). The batch is padded to a few bucket sizes: the
+        CPU matmul libraries build a kernel per new shape (~0.5 ms per matmul), which cost a cold
+        engine 30% of its throughput when every step had a new token count. Padding rows attend to
+        nothing and write their K/V to the pad slot."""
+        pad = _bucket(len(self.input_ids)) - len(self.input_ids)
+        meta = AttentionMetadata(block_size=self.block_size, slot_mapping=self._t(self.slots + [self.pad_slot] * pad),
+                                 prefills=self.prefills, attention=self.attention)
+        if self.decode_rows:
+            width = max(len(t) for t in self.decode_tables)
+            meta.decode_rows = self._t(self.decode_rows)
+            meta.decode_block_tables = self._t([t + [0] * (width - len(t)) for t in self.decode_tables])
+            meta.decode_context_lens = self._t(self.decode_lens)
+            meta.decode_tables_host, meta.decode_lens_host = self.decode_tables, self.decode_lens
+        return self._t(self.input_ids + [0] * pad), self._t(self.positions + [0] * pad), meta
+
+    def _t(self, xs: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.long, device=self.device)
+
+
+def _bucket(n: int) -> int:
+    """1..8 exactly (one stream must not pay for padding), then 16, 24, ..., 64, then multiples of 64."""
+    if n <= 8:
+        return n
+    if n <= 64:
+        return -(-n // 8) * 8
+    return -(-n // 64) * 64
