@@ -27,7 +27,7 @@ import sniffio
 
 from asyncpage.chat import chat, chat_stream
 from asyncpage.core import loading
-from asyncpage.core.config import EngineConfig
+from asyncpage.core.config import EngineConfig, EngineOptions
 from asyncpage.core.loop import EngineCore
 from asyncpage.core.mailbox import Mailbox
 from asyncpage.core.output import request_metrics
@@ -71,8 +71,8 @@ class AsyncEngine:
     core_class: type[EngineCore] = EngineCore
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, compute: ComputeThread,
-                 guided: GrammarManager, draft: LoadedModel | None = None,
-                 options: dict[str, Any] | None = None) -> None:
+                 guided: GrammarManager, draft: LoadedModel | None,
+                 options: EngineOptions) -> None:
         """Prefer `from_pretrained` (which calls this on the compute thread, where the KV pool is
         allocated; asyncpage.core.loading). `options`: the pool and scheduling options it was built with,
         what `clone` may override. Binds to no event loop: that happens in `async with`."""
@@ -81,7 +81,7 @@ class AsyncEngine:
         self.guided = guided
         self._loaded = loaded
         self._draft = draft  # the speculative "draft" method's model (shared with clones, as the target is)
-        self._options: dict[str, Any] = options if options is not None else {}
+        self._options = options
         self.model_source = loaded.source
         self.load_seconds = loaded.load_seconds
         self.tokenizer = loaded.tokenizer

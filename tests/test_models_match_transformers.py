@@ -27,7 +27,7 @@ def _teacher_forced_logits(path: Path, sequences: list[list[int]], prompt_lens: 
     token instead of sampling; return the logits of every (sequence, position) row computed."""
     loaded = load(path, torch.float32, torch.device("cpu"))
     kv = KVCacheManager(64, block_size, enable_prefix_caching=False)
-    sched = Scheduler(kv, budget, 8, 512, lambda r, i: None)
+    sched = Scheduler(kv, budget, 8, 512)
     runner = ModelRunner(loaded.model, 64, block_size, torch.float32, torch.device("cpu"))
     seqs = []
     for i, (toks, n) in enumerate(zip(sequences, prompt_lens, strict=True)):

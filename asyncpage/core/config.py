@@ -38,33 +38,63 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_queued_requests: int = 2048
 
 
-def check_options(o: dict[str, Any]) -> None:
-    bs = o["block_size"]
-    if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1 or bs & (bs - 1):
-        raise InvalidRequestError("block_size", f"must be a power of two, got {bs!r}")
-    for name in ("max_num_batched_tokens", "max_num_seqs", "max_queued_requests"):
-        if not isinstance(o[name], int) or isinstance(o[name], bool) or o[name] < 1:
-            raise InvalidRequestError(name, f"must be an integer >= 1, got {o[name]!r}")
-    for name in ("num_kv_blocks", "max_model_len", "kv_cache_memory"):
-        if o[name] is not None and (not isinstance(o[name], int) or isinstance(o[name], bool) or o[name] < 1):
-            raise InvalidRequestError(name, f"must be None or an integer >= 1, got {o[name]!r}")
-    for name in ("enable_prefix_caching", "debug_checks"):
-        # A truthy string ("no", "false") must not switch a feature on.
-        if not isinstance(o[name], bool):
-            raise InvalidRequestError(name, f"must be True or False, got {o[name]!r}")
-    if o["guided_backend"] not in ("llguidance", "xgrammar"):
-        raise InvalidRequestError("guided_backend", f"must be llguidance or xgrammar, got {o['guided_backend']!r}")
-    t = o["grammar_compile_timeout"]
-    if not isinstance(t, int | float) or isinstance(t, bool) or not 0 < t < math.inf:
-        raise InvalidRequestError("grammar_compile_timeout", f"must be > 0 seconds, got {t!r}")
-    if o["eviction_policy"] not in EVICTION_POLICIES:
-        raise InvalidRequestError("eviction_policy", f"must be None (the default, prefix-aware) or 'lru', "
-                                  f"got {o['eviction_policy']!r}")
-    if o.get("kv_cache_dtype", "auto") not in KV_CACHE_DTYPES:
-        raise InvalidRequestError("kv_cache_dtype", f"must be 'auto' (the model dtype), 'int8' or 'fp8', "
-                                  f"got {o.get('kv_cache_dtype')!r}")
-    if o["attention_backend"] not in ("auto", "torch", "triton"):
-        raise InvalidRequestError("attention_backend", f"must be torch, triton or auto, got {o['attention_backend']!r}")
+class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """The pool and scheduling options an engine was built with: what `AsyncEngine.clone` may change
+    (from_pretrained's signature holds their defaults and says what each does). Checked by `check`,
+    since a Struct built in code checks no types."""
+
+    block_size: int
+    num_kv_blocks: int | None
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    enable_prefix_caching: bool
+    attention_backend: str
+    max_model_len: int | None
+    kv_cache_memory: int | None
+    guided_backend: str
+    grammar_compile_timeout: float
+    debug_checks: bool
+    eviction_policy: str | None
+    kv_cache_dtype: str
+    speculative_config: SpeculativeConfig | None
+    max_queued_requests: int
+
+    @staticmethod
+    def names() -> frozenset[str]:
+        return frozenset(EngineOptions.__struct_fields__)
+
+    def check(self) -> None:
+        """Raise InvalidRequestError naming the first option that is out of range or of the wrong type."""
+        o = self
+        bs = o.block_size
+        if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1 or bs & (bs - 1):
+            raise InvalidRequestError("block_size", f"must be a power of two, got {bs!r}")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_queued_requests"):
+            v = getattr(o, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InvalidRequestError(name, f"must be an integer >= 1, got {v!r}")
+        for name in ("num_kv_blocks", "max_model_len", "kv_cache_memory"):
+            v = getattr(o, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise InvalidRequestError(name, f"must be None or an integer >= 1, got {v!r}")
+        for name in ("enable_prefix_caching", "debug_checks"):
+            # A truthy string ("no", "false") must not switch a feature on.
+            if not isinstance(getattr(o, name), bool):
+                raise InvalidRequestError(name, f"must be True or False, got {getattr(o, name)!r}")
+        if o.guided_backend not in ("llguidance", "xgrammar"):
+            raise InvalidRequestError("guided_backend", f"must be llguidance or xgrammar, got {o.guided_backend!r}")
+        t = o.grammar_compile_timeout
+        if not isinstance(t, int | float) or isinstance(t, bool) or not 0 < t < math.inf:
+            raise InvalidRequestError("grammar_compile_timeout", f"must be > 0 seconds, got {t!r}")
+        if o.eviction_policy not in EVICTION_POLICIES:
+            raise InvalidRequestError("eviction_policy", f"must be None (the default, prefix-aware) or 'lru', "
+                                      f"got {o.eviction_policy!r}")
+        if o.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError("kv_cache_dtype", f"must be 'auto' (the model dtype), 'int8' or 'fp8', "
+                                      f"got {o.kv_cache_dtype!r}")
+        if o.attention_backend not in ("auto", "torch", "triton"):
+            raise InvalidRequestError("attention_backend",
+                                      f"must be torch, triton or auto, got {o.attention_backend!r}")
 
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
@@ -132,14 +162,14 @@ def resolve_backend(backend: str, device: str, block_size: int) -> str:
     return backend
 
 
-def size_pool(options: dict[str, Any], per_block_bytes: int, max_len: int, device: str) -> int:
+def size_pool(options: EngineOptions, per_block_bytes: int, max_len: int, device: str) -> int:
     """Blocks in the KV pool: `num_kv_blocks` if given, else what `kv_cache_memory` bytes hold
     (default: 1 GiB on the CPU, 80% of free GPU memory on CUDA)."""
-    if options["num_kv_blocks"] is not None:
-        return int(options["num_kv_blocks"])
-    budget = options["kv_cache_memory"]
+    if options.num_kv_blocks is not None:
+        return int(options.num_kv_blocks)
+    budget = options.kv_cache_memory
     if budget is None:
         budget = int(torch.cuda.mem_get_info()[0] * 0.8) if device == "cuda" else 1 << 30
     blocks = max(1, budget // per_block_bytes)
     # A pool larger than max_num_seqs full contexts is memory nobody can use.
-    return int(min(blocks, options["max_num_seqs"] * math.ceil(max_len / options["block_size"])))
+    return int(min(blocks, options.max_num_seqs * math.ceil(max_len / options.block_size)))

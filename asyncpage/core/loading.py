@@ -13,12 +13,13 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import msgspec
 import torch
 
 from asyncpage.core.config import (
     EngineConfig,
+    EngineOptions,
     check_load_options,
-    check_options,
     check_quantization,
     resolve_backend,
     resolve_device,
@@ -44,11 +45,11 @@ def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def compiled_steps_can_run(options: dict[str, Any], dev: str, dt: str) -> bool:
+def compiled_steps_can_run(options: EngineOptions, dev: str, dt: str) -> bool:
     """Where compiled decode steps can run (compiled.CompiledDecode.applies): the CPU, torch attention,
     a pool of the model's dtype. Elsewhere compiling would cost its time and never be used."""
-    return (dev == "cpu" and resolve_backend(options["attention_backend"], dev, options["block_size"]) == "torch"
-            and resolve_kv_cache_dtype(options["kv_cache_dtype"], dt) == dt)
+    return (dev == "cpu" and resolve_backend(options.attention_backend, dev, options.block_size) == "torch"
+            and resolve_kv_cache_dtype(options.kv_cache_dtype, dt) == dt)
 
 
 def from_pretrained(cls: Callable[..., E], model: str | os.PathLike[str] | None, *, dtype: str, device: str,
@@ -63,10 +64,10 @@ def from_pretrained(cls: Callable[..., E], model: str | os.PathLike[str] | None,
     dt = resolve_dtype(dtype, dev)
     if debug_checks is None:
         debug_checks = env_flag("ASYNCPAGE_DEBUG_CHECKS")
-    options = dict(pool_options, debug_checks=debug_checks,
-                   speculative_config=SpeculativeConfig.parse(speculative_config))
-    check_options(options)
-    resolve_backend(options["attention_backend"], dev, options["block_size"])  # refuse before minutes of loading
+    options = EngineOptions(**pool_options, debug_checks=debug_checks,
+                            speculative_config=SpeculativeConfig.parse(speculative_config))
+    options.check()
+    resolve_backend(options.attention_backend, dev, options.block_size)  # refuse before minutes of loading
     threads = num_threads or len(os.sched_getaffinity(0))
     # All torch work on one thread with one deliberately sized pool (see compute.py); with the
     # default thread count it follows the cores other processes leave free (cpu_share.py).
@@ -87,49 +88,50 @@ def from_pretrained(cls: Callable[..., E], model: str | os.PathLike[str] | None,
 
 
 def clone(cls: Callable[..., E], loaded: LoadedModel, config: EngineConfig, compute: ComputeThread,
-          guided: GrammarManager, options: dict[str, Any], draft: LoadedModel | None,
+          guided: GrammarManager, options: EngineOptions, draft: LoadedModel | None,
           overrides: dict[str, Any]) -> E:
     """AsyncEngine.clone: a `cls` on the same weights, tokenizer, compute thread and prepared grammar
     tokenizer as the engine whose parts these are, with `overrides` of its `options`."""
-    bad = set(overrides) - set(options)
+    bad = set(overrides) - EngineOptions.names()
     if bad:
         raise InvalidRequestError(sorted(bad)[0], "cannot differ between engines sharing weights")
-    mine = options["speculative_config"]  # the draft model `draft` was loaded for, if any
-    options = {**options, **overrides}
-    check_options(options)
-    spec = SpeculativeConfig.parse(options["speculative_config"])
+    mine = options.speculative_config  # the draft model `draft` was loaded for, if any
+    options = msgspec.structs.replace(options, **overrides)
+    options = msgspec.structs.replace(options, speculative_config=SpeculativeConfig.parse(options.speculative_config))
+    options.check()
+    spec = options.speculative_config
     if spec is None or spec.method != "draft":
         draft = None
-    elif draft is None or (mine.model, mine.quantization) != (spec.model, spec.quantization):
+    elif draft is None or mine is None or (mine.model, mine.quantization) != (spec.model, spec.quantization):
         draft = compute.run(load_draft, spec, loaded, getattr(torch, config.dtype), torch.device(config.device))
     return compute.run(build, cls, loaded, config.dtype, config.device, compute, options, guided, draft)
 
 
 def build(cls: Callable[..., E], loaded: LoadedModel, dt: str, dev: str, compute: ComputeThread,
-          options: dict[str, Any], parent_guided: GrammarManager | None = None,
+          options: EngineOptions, parent_guided: GrammarManager | None = None,
           draft: LoadedModel | None = None) -> E:
     """The engine itself, on loaded weights (run on the compute thread: the KV pool is allocated)."""
     mc = loaded.config
     ctx = int(getattr(mc, "max_position_embeddings", 8192))
-    max_len = min(ctx, options["max_model_len"]) if options["max_model_len"] else ctx
-    kv_dt = resolve_kv_cache_dtype(options["kv_cache_dtype"], dt)
-    per_block = kv_bytes_per_block(loaded.model, options["block_size"], getattr(torch, kv_dt))
+    max_len = min(ctx, options.max_model_len) if options.max_model_len else ctx
+    kv_dt = resolve_kv_cache_dtype(options.kv_cache_dtype, dt)
+    per_block = kv_bytes_per_block(loaded.model, options.block_size, getattr(torch, kv_dt))
     config = EngineConfig(
-        dtype=dt, device=dev, block_size=options["block_size"],
+        dtype=dt, device=dev, block_size=options.block_size,
         num_kv_blocks=size_pool(options, per_block, max_len, dev),
-        max_num_batched_tokens=options["max_num_batched_tokens"], max_num_seqs=options["max_num_seqs"],
-        max_model_len=max_len, enable_prefix_caching=options["enable_prefix_caching"],
-        attention_backend=resolve_backend(options["attention_backend"], dev, options["block_size"]),
-        num_threads=compute.num_threads, debug_checks=options["debug_checks"],
-        eviction_policy=options["eviction_policy"], kv_cache_dtype=kv_dt,
-        max_queued_requests=options["max_queued_requests"],
-        quantization=loaded.quantization, speculative=SpeculativeConfig.parse(options["speculative_config"]),
+        max_num_batched_tokens=options.max_num_batched_tokens, max_num_seqs=options.max_num_seqs,
+        max_model_len=max_len, enable_prefix_caching=options.enable_prefix_caching,
+        attention_backend=resolve_backend(options.attention_backend, dev, options.block_size),
+        num_threads=compute.num_threads, debug_checks=options.debug_checks,
+        eviction_policy=options.eviction_policy, kv_cache_dtype=kv_dt,
+        max_queued_requests=options.max_queued_requests,
+        quantization=loaded.quantization, speculative=options.speculative_config,
         compiled=getattr(loaded.model, "compiled", None) is not None and compiled_steps_can_run(options, dev, dt))
     # Masks cover every id either side knows: some checkpoints' tokenizers have more entries than
     # the logits (Gemma 3 on the hub: 262,145 vs 262,144); masks are sliced to the logits at use.
     mask_vocab = max(int(mc.vocab_size), len(loaded.tokenizer))
     guided = GrammarManager(loaded.tokenizer, mask_vocab, sorted(loaded.eos_token_ids),
-                            options["guided_backend"], options["grammar_compile_timeout"])
+                            options.guided_backend, options.grammar_compile_timeout)
     # Adapting a tokenizer for the grammar engine holds the GIL for seconds at a time (2.1 s of a
     # 3.8 s build for the 262k vocabulary, measured): done lazily under a running loop it stalled the
     # host's event loop (a 4.4 s lag in the soak). So it is done here, at load, and shared by clones.

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import random
 import time
 from collections import deque
 from typing import Any
@@ -74,16 +73,15 @@ class EngineCore:
             config.enable_prefix_caching, config.attention_backend)
         spec = config.speculative
         self.draft_gate = DraftGate() if self.draft is not None and spec is not None and spec.auto_disable else None
-        self.output = OutputProcessor(tokenizer, lambda seq, reason: self.scheduler.finish(seq, reason))
+        self.output = OutputProcessor(tokenizer)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.max_model_len, self._make_generator, self.output.stop_string_hit,
+                                   config.max_model_len, self.output.stop_strings(),
                                    config.speculative)
         # The two queues outside code may touch (deque append/popleft are atomic in CPython).
         self._adds: deque[Request] = deque()
         self._aborts: deque[Request] = deque()
         self._requests: dict[int, Request] = {}
         self._ids = itertools.count(1)
-        self._seed_rng = random.SystemRandom()
         self._wake_event: anyio.Event | None = None
         self.loop: LoopHandle | None = None  # set while the loop runs
         self.stopping = False
@@ -103,7 +101,7 @@ class EngineCore:
             req.beam = BeamSearch(beam, params.max_tokens, len(req.stop_ids))
         seq = Sequence(
             seq_id=self.scheduler.new_seq_id(), index=0, request=req, token_ids=list(ids),
-            generator=self._make_generator(req, 0), detokenizer=self.output.detokenizer(ids, params),
+            generator=self.scheduler.generator(req, 0), detokenizer=self.output.detokenizer(ids, params),
             num_prompt_tokens=len(ids), matcher=compiled.new_matcher() if compiled is not None else None)
         req.seqs.append(seq)
         return req
@@ -282,7 +280,9 @@ class EngineCore:
                 continue  # another of its samples failed just now: the request is over
             try:
                 # Logprobs exist only for sampled tokens; fast-forward is off for requests that ask for them.
-                self.output.process(seq, tokens, logprobs.get(seq.seq_id), now)
+                dropped = self.output.process(seq, tokens, logprobs.get(seq.seq_id), now)
+                if dropped is not None:  # a stop string ended it
+                    self.scheduler.stop(seq, dropped)
             except Exception as exc:
                 failed_here.add(req.request_id)
                 self._fail(req, exc)
@@ -345,20 +345,6 @@ class EngineCore:
             self._drop_queued(self._adds.popleft(), error)
 
     # ---- helpers -----------------------------------------------------------------------------
-    def _make_generator(self, req: Request, index: int) -> torch.Generator | None:
-        p = req.params
-        if p.greedy:
-            return None
-        if p.seed is None:
-            seed = self._seed_rng.getrandbits(63)
-        else:
-            # Sample i of a seeded request gets its own stream, reproducible on its own.
-            seed = p.seed if index == 0 else hash((p.seed, index))
-            seed &= (1 << 64) - 1  # any Python int is a seed; torch takes 64 bits
-        g = torch.Generator()
-        g.manual_seed(seed)
-        return g
-
     def _publish_stats(self, force: bool = False) -> None:
         now = time.monotonic()
         if force or now - self._stats_at >= STATS_PERIOD_S:

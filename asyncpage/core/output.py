@@ -1,7 +1,9 @@
 """OutputProcessor: one step's new tokens -> what callers see. Incremental detokenization, stop
 strings, the request's mailbox, per-request timings, and the `on_request_finished` hooks.
 
-Runs on the engine loop only, called by EngineCore between `Scheduler.update()` and the next step.
+Runs on the engine loop only, called by EngineCore between `Scheduler.update()` and the next step. It
+never calls the scheduler: a stop string is its return value, which the loop hands to Scheduler.stop
+(vLLM's output processor returning the requests to abort).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncpage.core.request import Request, SeqStatus, Sequence
-from asyncpage.decoding.detokenizer import IncrementalDetokenizer
+from asyncpage.decoding.detokenizer import IncrementalDetokenizer, StopStrings
 from asyncpage.outputs import FinishedRequest, FinishReason, RequestMetrics, TokenLogprob
 from asyncpage.params import SamplingParams
 
@@ -20,9 +22,8 @@ log = logging.getLogger("asyncpage")
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, finish: Callable[[Sequence, FinishReason], None]) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._finish = finish  # Scheduler.finish: a stop string ends the sequence at once
         self.hooks: list[Callable[[FinishedRequest], None]] = []
         self.num_finished = 0
         self.num_generated = 0
@@ -30,8 +31,11 @@ class OutputProcessor:
     def detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens)
 
-    def process(self, seq: Sequence, tokens: list[int], logprob: TokenLogprob | None, now: float) -> None:
-        """Detokenize `tokens` (just appended to `seq`), apply stop strings, post to the mailbox."""
+    def process(self, seq: Sequence, tokens: list[int], logprob: TokenLogprob | None, now: float) -> int | None:
+        """Detokenize `tokens` (just appended to `seq`), apply stop strings, post to the mailbox. Returns
+        None, or where a stop string ended the sequence, how many of `tokens` came after the one that
+        completed it: the loop then has the scheduler drop them and finish it (Scheduler.stop). Touches
+        only the request's text, timings and mailbox, never the scheduler's state."""
         self.num_generated += len(tokens)
         req = seq.request
         t = req.times
@@ -44,30 +48,25 @@ class OutputProcessor:
         detok = seq.detokenizer
         assert detok is not None
         text = ""
+        dropped: int | None = None
         for i, token in enumerate(tokens):
-            is_stop = token in req.stop_ids
-            text += detok.add(token, is_stop_token=is_stop)
-            if detok.stopped and i + 1 < len(tokens):
+            text += detok.add(token, is_stop_token=token in req.stop_ids)
+            if detok.stopped:
                 # A stop string inside a run of tokens (speculation, grammar fast-forward): nothing
                 # after the token that completed it is emitted.
-                del seq.token_ids[len(seq.token_ids) - (len(tokens) - i - 1):]
-                self.num_generated -= len(tokens) - i - 1
+                dropped = len(tokens) - i - 1
+                self.num_generated -= dropped
                 tokens = tokens[: i + 1]
                 break
-        if detok.stopped:
-            if seq.status is SeqStatus.RUNNING:
-                self._finish(seq, "stop")
-            else:
-                # The stop string was completed by the last token the budget allowed: it is a stop.
-                seq.finish_reason = "stop"
-        if seq.status is SeqStatus.FINISHED:
+        reason: FinishReason | None = "stop" if dropped is not None else seq.finish_reason
+        if dropped is not None or seq.status is SeqStatus.FINISHED:
             text += detok.finish()
-        req.mailbox.put(seq.index, text, tokens, logprob, seq.finish_reason)
+        req.mailbox.put(seq.index, text, tokens, logprob, reason)
+        return dropped
 
-    def stop_string_hit(self, token_ids: list[int], params: SamplingParams) -> bool:
-        """Beam search: does this output's text contain one of the stop strings?"""
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
-        return any(s in text for s in params.stop)
+    def stop_strings(self) -> StopStrings:
+        """Beam search's stop-string check, on this tokenizer (handed to the scheduler)."""
+        return StopStrings(self.tokenizer)
 
     def beams(self, req: Request) -> None:
         """A beam search is over: its hypotheses, best first, go to the mailbox as samples 0..W-1."""

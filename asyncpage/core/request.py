@@ -122,6 +122,18 @@ class Sequence:
     prefix_digests: list[bytes] = field(default_factory=list)
     spec: SpecState | None = None  # speculative decoding: this sequence's n-gram proposer
 
+    def fork(self, seq_id: int, index: int, table: BlockTable, generator: torch.Generator | None, *,
+             detokenize: bool = True) -> Sequence:
+        """A running child at this sequence's point (n > 1 samples, a beam chosen twice): its tokens,
+        computed count, grammar state and (with `detokenize`) text so far; `table` is the parent's forked
+        by the KV manager (copy-on-write), `generator` the child's own random stream."""
+        return Sequence(
+            seq_id=seq_id, index=index, request=self.request, token_ids=list(self.token_ids),
+            generator=generator,
+            detokenizer=self.detokenizer.fork() if detokenize and self.detokenizer is not None else None,
+            num_prompt_tokens=self.num_prompt_tokens, num_computed_tokens=self.num_computed_tokens, table=table,
+            status=SeqStatus.RUNNING, matcher=self.matcher.fork() if self.matcher is not None else None)
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

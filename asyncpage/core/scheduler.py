@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import random
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,11 +23,12 @@ import torch
 from asyncpage.core.request import Request, SeqStatus, Sequence
 from asyncpage.core.speculation import FORCED_RUN, Speculation
 from asyncpage.decoding.beam import Choice
+from asyncpage.decoding.detokenizer import StopStrings
+from asyncpage.decoding.sampling import seeded_generator
 from asyncpage.decoding.speculative import SpeculativeConfig
 from asyncpage.errors import AsyncPageError, RequestFailedError
 from asyncpage.kv.cache import KVCacheManager
 from asyncpage.outputs import FinishReason
-from asyncpage.params import SamplingParams
 
 log = logging.getLogger("asyncpage")
 
@@ -83,15 +83,15 @@ def _ready(beams: list[Sequence]) -> bool:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int, make_generator: Callable[[Request, int], torch.Generator | None],
-                 stop_string_hit: Callable[[list[int], SamplingParams], bool] | None = None,
+                 max_model_len: int, stop_strings: StopStrings | None = None,
                  speculative: SpeculativeConfig | None = None) -> None:
+        """`stop_strings`: how beam search finds a stop string in a beam (none: beams ignore them)."""
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.make_generator = make_generator
-        self.stop_string_hit = stop_string_hit  # beam search: does this output contain a stop string?
+        self.stop_strings = stop_strings
+        self._seed_rng = random.SystemRandom()  # seeds of unseeded samples
         self.spec = Speculation(speculative, kv, max_model_len)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -221,13 +221,8 @@ class Scheduler:
         req.forked = True
         children = []
         for index in range(1, req.params.n):
-            child = Sequence(
-                seq_id=self.new_seq_id(), index=index, request=req, token_ids=list(parent.token_ids),
-                generator=self.make_generator(req, index),
-                detokenizer=parent.detokenizer.fork() if parent.detokenizer else None,
-                num_prompt_tokens=parent.num_prompt_tokens, num_computed_tokens=num_computed,
-                table=self.kv.fork(parent.table), status=SeqStatus.RUNNING,
-                matcher=parent.matcher.fork() if parent.matcher is not None else None)
+            child = parent.fork(self.new_seq_id(), index, self.kv.fork(parent.table), self.generator(req, index))
+            child.num_computed_tokens = num_computed
             req.seqs.append(child)
             self.running.append(child)
             children.append(child)
@@ -339,7 +334,7 @@ class Scheduler:
                 eos = not p.ignore_eos and token in req.stop_token_ids
                 dead_end = m is not None and not m.is_accepting() and eos
                 return (None if dead_end else "stop"), False
-            if p.stop and self.stop_string_hit is not None and self.stop_string_hit(outputs[parent] + [token], p):
+            if p.stop and self.stop_strings is not None and self.stop_strings.hit(outputs[parent] + [token], p):
                 return "stop", True
             if beams[parent].num_tokens + 1 >= self.max_model_len:
                 return "length", True
@@ -376,11 +371,8 @@ class Scheduler:
         for c in choices:
             parent = beams[c.parent]
             if c.parent in taken:
-                nxt.append(Sequence(
-                    seq_id=self.new_seq_id(), index=len(nxt), request=req, token_ids=list(parent.token_ids),
-                    generator=None, detokenizer=None, num_prompt_tokens=parent.num_prompt_tokens,
-                    num_computed_tokens=parent.num_computed_tokens, table=self.kv.fork(parent.table),
-                    status=SeqStatus.RUNNING, matcher=parent.matcher.fork() if parent.matcher is not None else None))
+                # Beams are detokenized whole when the search ends (OutputProcessor.beams), never as they go.
+                nxt.append(parent.fork(self.new_seq_id(), len(nxt), self.kv.fork(parent.table), None, detokenize=False))
                 self.running.append(nxt[-1])
             else:
                 taken.add(c.parent)
@@ -399,6 +391,20 @@ class Scheduler:
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def generator(self, req: Request, index: int) -> torch.Generator | None:
+        """Sample `index`'s random stream (decoding.sampling.seeded_generator)."""
+        return seeded_generator(req.params, index, self._seed_rng)
+
+    def stop(self, seq: Sequence, dropped: int) -> None:
+        """A stop string ended `seq` (OutputProcessor.process): the `dropped` tokens after it go, and the
+        sequence finishes "stop" (one the budget had just ended as "length" becomes a stop too)."""
+        if dropped:
+            del seq.token_ids[len(seq.token_ids) - dropped :]
+        if seq.status is SeqStatus.FINISHED:
+            seq.finish_reason = "stop"
+        else:
+            self.finish(seq, "stop")
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence now: its blocks go back to the pool (cached prefixes stay reusable)."""

@@ -20,6 +20,8 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
+from asyncpage.params import SamplingParams
+
 log = logging.getLogger("asyncpage")
 
 
@@ -143,3 +145,15 @@ class IncrementalDetokenizer:
             if stops and any(s.startswith(text[-n:]) for s in stops if len(s) > n):
                 return n
         return 0
+
+
+class StopStrings:
+    """Beam search's stop strings: whether a finished output's text holds one (a beam is detokenized
+    whole, not incrementally). Handed to the scheduler, which steps beams."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def hit(self, token_ids: list[int], params: SamplingParams) -> bool:
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
+        return any(s in text for s in params.stop)

@@ -11,6 +11,7 @@ logit) is reported in `SampleResult.invalid`, never turned into some token id.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -201,3 +202,18 @@ def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     target = (u * cdf[:, -1])[:, None]
     idx = torch.searchsorted(cdf, target, right=True)[:, 0]
     return idx.clamp_(max=p.shape[1] - 1)
+
+
+def seeded_generator(params: SamplingParams, index: int, rng: random.Random) -> torch.Generator | None:
+    """Sample `index`'s random stream: None when greedy; a seeded request's sample i gets its own
+    stream, reproducible on its own; an unseeded one a fresh seed from `rng`."""
+    if params.greedy:
+        return None
+    if params.seed is None:
+        seed = rng.getrandbits(63)
+    else:
+        seed = params.seed if index == 0 else hash((params.seed, index))
+        seed &= (1 << 64) - 1  # any Python int is a seed; torch takes 64 bits
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g

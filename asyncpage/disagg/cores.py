@@ -184,7 +184,8 @@ class DecodeCore(EngineCore):
             sched.finish(seq, "stop")
         elif seq.num_output_tokens >= req.params.max_tokens or seq.num_tokens >= sched.max_model_len:
             sched.finish(seq, "length")
-        self.output.process(seq, [h.first_token], h.first_logprob, now)
+        if self.output.process(seq, [h.first_token], h.first_logprob, now) is not None:  # a stop string
+            sched.stop(seq, 0)
         if req.finished:
             self._release(req)
 
