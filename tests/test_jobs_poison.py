@@ -115,3 +115,38 @@ def test_a_schema_module_does_not_leave_its_folder_on_sys_path(tmp_path: Path,
     with pytest.raises(InvalidRequestError):
         load_schema("poison_schema_mod:Nope")
     assert sys.path == before
+
+
+async def test_a_job_on_a_full_engine_waits_for_room_instead_of_ending(tiny_llama: Path) -> None:
+    """Another caller holds the batch and the job fills the queue (max_queued_requests=2): the job's
+    records wait for room (the job used to end with QueueFullError), each gets its own result, and the
+    other caller's requests finish too."""
+    from asyncpage import QueueFullError, SamplingParams
+
+    engine = AsyncEngine.from_pretrained(str(tiny_llama), dtype="float32", block_size=4, num_kv_blocks=256,
+                                         max_num_seqs=2, max_queued_requests=2)
+    records = [{"id": f"r{i}", "text": f"item {i}"} for i in range(6)]
+    async with engine:
+        other = [engine.stream("busy " * 8, SamplingParams(max_tokens=8, temperature=0)) for _ in range(2)]
+        firsts = [await s.__anext__() for s in other]  # running: the queue is the job's to fill
+        with pytest.raises(QueueFullError):  # the engine really is full for a plain submit
+            await asyncio_gather_submits(engine, 8)
+        seen = {r.id: r async for r in engine.extract_many(records, SCHEMA, prompt="{text}\nAs JSON: ",
+                                                            concurrency=4)}
+        rest = [[c async for c in s] for s in other]
+    assert set(seen) == {r["id"] for r in records}
+    assert all(r.error is None or r.error.reason != "engine_error" for r in seen.values()), seen
+    assert all(f.token_ids for f in firsts) and all(r for r in rest)
+
+
+async def asyncio_gather_submits(engine: AsyncEngine, n: int) -> None:
+    """Submit n requests at once without reading them (they are aborted after)."""
+    from asyncpage import SamplingParams
+
+    reqs = []
+    try:
+        for _ in range(n):
+            reqs.append(await engine.submit("x " * 4, SamplingParams(max_tokens=2)))
+    finally:
+        for r in reqs:
+            engine.abort(r)

@@ -16,11 +16,13 @@ import msgspec
 
 from asyncpage.core.mailbox import Mailbox
 from asyncpage.core.validation import check_context
+from asyncpage.decoding.beam import BeamParams
 from asyncpage.errors import (
     ExtractionError,
     GrammarTimeoutError,
     InvalidRequestError,
     PromptTooLongError,
+    QueueFullError,
     SamplingError,
 )
 from asyncpage.extract import booleans as flags
@@ -300,7 +302,7 @@ async def extract_many(engine: EngineClient, items: Iterable[Record] | AsyncIter
                         decided_at[index] = await flags.decide(engine, marked, _joined(sources), offset)
                     own = grounded(params, marked, sources) if copying else params
                     beam = beam_for(engine, ids, own, beam_width, copying)
-                    req = await engine.submit(ids, own, Mailbox(notify), beam=beam)
+                    req = await _submit_when_room(engine, ids, own, Mailbox(notify), beam)
                 except (PromptTooLongError, GrammarTimeoutError, InvalidRequestError, RecursionError) as exc:
                     # RecursionError: a record nested past what its own preparation (copy sources, its
                     # grammar) can walk is that record's error, never the job's.
@@ -318,7 +320,8 @@ async def extract_many(engine: EngineClient, items: Iterable[Record] | AsyncIter
                 rid, position, req = pending.pop(key)
                 if beam_width is None and _greedy_retry(req):
                     try:
-                        again = await engine.submit(list(req.prompt_token_ids), req.params, Mailbox(notify))
+                        again = await _submit_when_room(engine, list(req.prompt_token_ids), req.params,
+                                                        Mailbox(notify))
                     except (PromptTooLongError, GrammarTimeoutError, InvalidRequestError):
                         pass  # the beams' own outcome stands
                     except BaseException:  # cancelled or the engine died: the grammar leaves with the record
@@ -345,6 +348,20 @@ async def extract_many(engine: EngineClient, items: Iterable[Record] | AsyncIter
             engine.abort(req)
             if copying:
                 _forget(engine, req.params)
+
+
+async def _submit_when_room(engine: EngineClient, prompt: list[int], params: SamplingParams, mailbox: Mailbox,
+                            beam: BeamParams | None = None) -> Request:
+    """engine.submit, waiting while the engine's queue is full (QueueFullError, max_queued_requests): a
+    job shares its engine with other callers, and its records wait for room rather than fail. A dead
+    or stopped engine raises its own error, so this never waits on an engine that cannot serve."""
+    delay = 0.02
+    while True:
+        try:
+            return await engine.submit(prompt, params, mailbox, beam=beam)
+        except QueueFullError as exc:
+            await anyio.sleep(min(delay, exc.retry_after))
+            delay = min(delay * 2, 0.5)
 
 
 def _forget(engine: EngineClient, params: SamplingParams) -> None:
