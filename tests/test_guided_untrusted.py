@@ -266,3 +266,40 @@ async def test_specs_waiting_to_compile_are_bounded_by_bytes(tiny_llama: Path,
     release.set()
     assert len([await t for t in tasks if t not in refused]) == 5
     assert manager.flight_bytes == 0
+
+
+def test_an_extraction_examples_check_fetches_no_remote_ref_and_runs_patterns_in_linear_time() -> None:
+    """The solved examples of an extraction job are checked against its schema before anything
+    compiles: that check fetches nothing for a remote $ref (a local server counts the requests) and
+    a backtracking pattern is matched in linear time (RE2), each a typed error or a plain mismatch."""
+    import http.server
+    import threading
+
+    from asyncpage import InvalidRequestError
+    from asyncpage.extract.prompt import _check_example
+
+    hits: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            hits.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"type": "string"}')
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        remote = {"type": "object", "properties": {"a": {"$ref": f"http://127.0.0.1:{server.server_port}/a.json"}}}
+        with pytest.raises(InvalidRequestError, match="points outside") as info:
+            _check_example(remote, {"a": "v"}, 1)
+        assert info.value.field == "schema" and hits == []
+    finally:
+        server.shutdown()
+    evil = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(a+)+$"}}}
+    with pytest.raises(InvalidRequestError, match="example 1: a") as info:
+        _check_example(evil, {"a": "a" * 5000 + "!"}, 1)  # Python's re would run for ages
+    assert info.value.field == "examples"

@@ -19,8 +19,9 @@ import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from asyncpage.errors import InvalidRequestError
+from asyncpage.errors import GrammarError, InvalidRequestError
 from asyncpage.extract.grounding import resolve as _resolve
+from asyncpage.guided.untrusted import bounded_validator, refuse_outside_refs
 
 TEXT_FIELD = "text"
 _DEMO_FIELDS = [
@@ -89,12 +90,17 @@ def _check_example(schema: dict[str, Any], value: Any, number: int) -> None:
     """A solved case whose values the schema refuses would teach the model a wrong value: refused, by
     its number. Fields left out are allowed, at any depth (a partial label still shows the rest right)."""
     import jsonschema
+    from referencing.exceptions import Unresolvable
 
     lenient = _without_required(schema)
     try:
-        validator = jsonschema.validators.validator_for(lenient)(lenient)
+        # Bounded as a grammar's check is: nothing fetched for a $ref, patterns on RE2 (linear time).
+        refuse_outside_refs(lenient)
+        validator = bounded_validator(lenient)
         error = jsonschema.exceptions.best_match(validator.iter_errors(value))
-    except (jsonschema.exceptions.SchemaError, jsonschema.exceptions.UnknownType, re.error) as exc:
+    except GrammarError as exc:
+        raise InvalidRequestError("schema", f"cannot check the examples against it: {exc.message}") from exc
+    except (jsonschema.exceptions.SchemaError, jsonschema.exceptions.UnknownType, Unresolvable, re.error) as exc:
         raise InvalidRequestError("schema", f"cannot check the examples against it: {exc}") from exc
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "the value"
