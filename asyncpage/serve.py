@@ -192,6 +192,11 @@ def serve(args: argparse.Namespace) -> int:
     from asyncpage.errors import AsyncPageError
     from asyncpage.openai.routes import BODY_TIMEOUT_S, MAX_REQUEST_BYTES, app
 
+    if args.api_key is not None and not args.api_key.strip():
+        # `--api-key "$UNSET"` must not serve anyone with no key and no warning.
+        print("asyncpage serve: --api-key is empty; give a key, or leave the flag out to serve without one",
+              file=sys.stderr)
+        return 2
     try:
         engine = load_engine(args)
     except (AsyncPageError, ValueError) as exc:

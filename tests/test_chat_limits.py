@@ -202,6 +202,57 @@ async def test_a_cancelled_preparation_stops_its_thread(engine: AsyncEngine, mon
     assert api._limiter().borrowed_tokens == 0  # the thread's token came back with the thread
 
 
+async def test_waiting_for_a_preparation_thread_is_not_a_preparations_time_and_a_long_wait_is_a_429(
+        engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other callers hold both preparation threads: a chat waiting behind them still gets its whole
+    time bound once a thread is its own (it used to spend it waiting and time out), and one that
+    waits longer than the bound is a QueueFullError (HTTP 429), never a GrammarTimeoutError."""
+    from asyncpage.errors import QueueFullError
+
+    left: list[float] = []
+    real = api._prepare_sync
+
+    def timed(*a: Any) -> Any:
+        left.append(a[-1].at - time.monotonic())  # its deadline, as the thread starts
+        return real(*a)
+
+    monkeypatch.setattr(api, "_prepare_sync", timed)
+    monkeypatch.setattr(engine.guided, "compile_timeout", 1.0)
+    limiter = api._limiter()
+    holders = [object() for _ in range(int(limiter.total_tokens))]
+    for h in holders:
+        await limiter.acquire_on_behalf_of(h)
+
+    async def release_after(delay: float) -> None:
+        await anyio.sleep(delay)
+        for h in holders:
+            limiter.release_on_behalf_of(h)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(release_after, 0.6)
+        turn = await prepare(engine, ASK, tools=[tool("f")])  # waited 0.6 s of its 1 s
+    assert turn.prompt and left and left[0] > 0.9, left
+    for h in holders:
+        await limiter.acquire_on_behalf_of(h)
+    try:
+        with pytest.raises(QueueFullError) as info:
+            await prepare(engine, ASK, tools=[tool("f")])
+        assert info.value.retry_after > 0
+    finally:
+        for h in holders:
+            limiter.release_on_behalf_of(h)
+    assert limiter.borrowed_tokens == 0
+
+
+def test_a_conversation_past_the_message_limit_is_refused_before_it_is_rendered() -> None:
+    from asyncpage.chat.messages import MAX_MESSAGES, normalize
+
+    with pytest.raises(InvalidRequestError, match="over the limit") as info:
+        normalize([{"role": "user", "content": "hi"}] * (MAX_MESSAGES + 1))
+    assert info.value.field == "messages"
+    assert len(normalize([{"role": "user", "content": "hi"}] * MAX_MESSAGES)) >= 1
+
+
 def _big_allowed_request() -> dict[str, Any]:
     """Near every limit at once: the most tools, each with a sizeable schema, a oneOf answer of the
     most branches, and a long history."""

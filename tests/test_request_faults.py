@@ -99,6 +99,63 @@ async def test_a_detokenizer_that_raises_fails_only_its_request(tiny_llama: Path
         assert (await engine.generate("Others keep going", GREEDY)).token_ids == expected.token_ids
 
 
+async def test_a_request_whose_token_bookkeeping_raises_fails_alone(tiny_llama: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault in one sequence's step of Scheduler.update (its stop check here) fails that request
+    with RequestFailedError; the requests beside it and after it are served (it killed the engine)."""
+    async with tiny_engine(tiny_llama) as engine:
+        expected = await engine.generate("Others keep going", GREEDY)
+        sched = engine._core.scheduler
+        real = sched._stop_reason
+        victims: set[int] = set()
+
+        def broken(seq: Any, token: int) -> Any:
+            if seq.request.request_id in victims:
+                raise KeyError("injected")
+            return real(seq, token)
+
+        monkeypatch.setattr(sched, "_stop_reason", broken)
+        others = [asyncio.ensure_future(engine.generate("Others keep going", GREEDY)) for _ in range(3)]
+        req = await engine.submit("The victim", GREEDY)
+        victims.add(req.request_id)
+        with pytest.raises(RequestFailedError) as info:
+            while True:
+                await req.mailbox.get()
+        assert isinstance(info.value.__cause__, KeyError)
+        assert [o.token_ids for o in await asyncio.gather(*others)] == [expected.token_ids] * 3
+        assert engine.healthy and (await engine.generate("Others keep going", GREEDY)).token_ids == expected.token_ids
+        await idle(engine)
+
+
+async def test_a_finished_record_that_cannot_be_built_skips_its_hooks_only(tiny_llama: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """on_request_finished: a request whose record raises (its metrics here) is logged and its hooks
+    skipped; the hooks still hear every other request, and the engine stays healthy (it died)."""
+    import asyncpage.core.output as output
+
+    heard: list[int] = []
+    real = output.request_metrics
+    victims: set[int] = set()
+
+    def broken(req: Any) -> Any:
+        if req.request_id in victims:
+            raise ZeroDivisionError("injected")
+        return real(req)
+
+    monkeypatch.setattr(output, "request_metrics", broken)
+    async with tiny_engine(tiny_llama) as engine:
+        engine.on_request_finished(lambda f: heard.append(f.request_id))
+        req = await engine.submit("The victim", GREEDY)
+        victims.add(req.request_id)
+        bystanders = [asyncio.ensure_future(engine.generate("A bystander", GREEDY)) for _ in range(2)]
+        while not req.finished:
+            await req.mailbox.get()
+        outs = await asyncio.gather(*bystanders)
+        assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs) and engine.healthy
+        await idle(engine)
+        assert req.request_id not in heard and len(heard) == 2
+
+
 async def test_a_beam_search_whose_step_raises_fails_alone(tiny_llama: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     async with tiny_engine(tiny_llama) as engine:

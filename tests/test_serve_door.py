@@ -72,6 +72,20 @@ async def test_a_keyed_app_answers_401_without_the_bearer_key_and_200_with_it(ti
         assert (await hc.get("/models", headers=good)).status_code == 200
 
 
+def test_an_empty_api_key_is_refused_not_served_open(tiny: AsyncEngine, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--api-key "$UNSET_VAR"` (empty or blank): `asyncpage serve` exits 2 before loading anything, and
+    app() refuses it; it served everyone, with no warning."""
+    from asyncpage import InvalidRequestError
+    from asyncpage.serve import serve
+
+    for key in ("", "   "):
+        with pytest.raises(InvalidRequestError) as info:
+            app(tiny, api_key=key)
+        assert info.value.field == "api_key"
+        assert serve(_serve_args("--api-key", key, "--host", "0.0.0.0")) == 2
+        assert "--api-key is empty" in capsys.readouterr().err
+
+
 async def test_the_in_process_client_needs_no_key_unless_the_app_sets_one(tiny: AsyncEngine) -> None:
     import openai
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from anyio.lowlevel import RunVar
 from asyncpage.chat import formats, grammar, messages
 from asyncpage.chat.parse import THINK_CLOSE, THINK_OPEN, Parsed, StreamParser, held
 from asyncpage.chat.types import ChatDelta, ChatFinishReason, ChatResult, ToolCall, ToolCallDelta, Usage
-from asyncpage.errors import GrammarError, GrammarTimeoutError, InvalidRequestError
+from asyncpage.errors import GrammarError, GrammarTimeoutError, InvalidRequestError, QueueFullError
 from asyncpage.guided.backend import CompileTimeout, Deadline
 from asyncpage.params import SamplingParams
 
@@ -215,15 +216,38 @@ async def prepare(engine: EngineClient, msgs: Any, *, tools: Any = None, tool_ch
     """The turn chat() and chat_stream() send: prompt ids, params with the turn's grammar, how to
     read the output. Prepared in a worker thread (see the module's docstring); raises
     InvalidRequestError (GrammarTimeoutError past the deadline) for what the request got wrong."""
-    deadline = Deadline(_timeout(engine))
-    return await _in_worker(lambda: _prepare_sync(engine, msgs, tools, tool_choice, parallel_tool_calls,
-                                                  response_format, params, tool_format, deadline), deadline)
+    timeout = _timeout(engine)
+    deadline = Deadline(timeout)
+
+    def run() -> Turn:
+        if deadline.at != -math.inf:  # not expired by a cancelled caller: its time starts now
+            deadline.at = time.monotonic() + timeout
+        return _prepare_sync(engine, msgs, tools, tool_choice, parallel_tool_calls, response_format, params,
+                             tool_format, deadline)
+
+    return await _in_worker(run, deadline, timeout)
 
 
-async def _in_worker(fn: Callable[[], Turn], deadline: Deadline) -> Turn:
-    """`fn` in a thread of the preparation limiter. A caller that goes away (a client disconnect
-    cancels it) expires `deadline`, so the thread stops at its next check instead of running on
-    to the end; the limiter's token is held until the thread has really ended."""
+async def _in_worker(fn: Callable[[], Turn], deadline: Deadline, wait: float) -> Turn:
+    """`fn` in a thread of the preparation limiter, its deadline counted from when the thread starts
+    (time spent waiting behind other callers' preparations is not this one's). Waiting more than
+    `wait` s for a thread is a QueueFullError (HTTP 429 with Retry-After): the preparation threads are
+    busy. A caller that goes away (a client disconnect cancels it) expires `deadline`, so the thread
+    stops at its next check instead of running on to the end; the limiter's token is held until the
+    thread has really ended."""
+    limiter = _limiter()
+    with anyio.move_on_after(wait) as waiting:
+        await limiter.acquire()
+    if waiting.cancelled_caught:
+        raise QueueFullError(f"chat preparation is busy (its {limiter.total_tokens:g} threads were taken for "
+                             f"{wait:g} s); retry later", retry_after=1.0)
+    try:
+        return await _in_thread(fn, deadline)
+    finally:
+        limiter.release()
+
+
+async def _in_thread(fn: Callable[[], Turn], deadline: Deadline) -> Turn:
     result: list[Turn] = []
     failure: list[BaseException] = []
 
@@ -236,7 +260,7 @@ async def _in_worker(fn: Callable[[], Turn], deadline: Deadline) -> Turn:
     async with anyio.create_task_group() as tg:
         tg.start_soon(expire_on_cancel)
         try:
-            result.append(await anyio.to_thread.run_sync(fn, limiter=_limiter()))
+            result.append(await anyio.to_thread.run_sync(fn))  # not abandoned: the token outlives the thread
         except Exception as exc:  # raised below, outside the task group (no ExceptionGroup around it)
             failure.append(exc)
         finally:

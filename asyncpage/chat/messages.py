@@ -28,6 +28,9 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # OpenAI's own limits: at most 128 tools, names of 1-64 characters from [A-Za-z0-9_.-].
 MAX_TOOLS = 128
+# Messages in one conversation: an agent's longest turn has hundreds; rendering 240k of them took ~1.5 s
+# of a preparation thread before the prompt was refused as too long.
+MAX_MESSAGES = 4096
 MAX_TOOL_NAME = 64
 _TOOL_NAME = re.compile(rf"[A-Za-z0-9_.\-]{{1,{MAX_TOOL_NAME}}}")
 # A schema (one tool's `parameters`, or response_format's schema) as compact JSON, and all the
@@ -198,6 +201,8 @@ def normalize(messages: Any) -> list[dict[str, Any]]:
     tool-call arguments as dicts (templates apply `tojson` to them), tool results named."""
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "must be a non-empty list")
+    if len(messages) > MAX_MESSAGES:
+        raise bad("messages", f"has {len(messages)} messages, over the limit of {MAX_MESSAGES}")
     system: list[str] = []
     out: list[dict[str, Any]] = []
     names: dict[str, str] = {}

@@ -89,6 +89,18 @@ class OutputProcessor:
             self.num_finished += 1
         if not self.hooks:
             return
+        try:
+            done = self._finished(req)
+        except Exception:  # this request's own record (its timings, its samples): its hooks are skipped
+            log.exception("request %d: its on_request_finished record could not be built", req.request_id)
+            return
+        for hook in self.hooks:
+            try:
+                hook(done)
+            except Exception:
+                log.exception("on_request_finished callback failed")
+
+    def _finished(self, req: Request) -> FinishedRequest:
         reasons: list[FinishReason] = [s.finish_reason or "abort" for s in req.seqs]
         reasons += ["abort"] * (req.params.n - len(reasons))  # aborted before its samples forked
         generated = sum(s.num_output_tokens for s in req.seqs)
@@ -96,14 +108,9 @@ class OutputProcessor:
             # A finished search reports its beams (what beams() posted), not the sequences it last ran.
             reasons = [h.finish_reason for h in req.beam.finished] or ["length"]
             generated = sum(len(h.token_ids) for h in req.beam.finished)
-        done = FinishedRequest(
+        return FinishedRequest(
             request_id=req.request_id, num_prompt_tokens=len(req.prompt_token_ids),
             num_generated_tokens=generated, finish_reasons=reasons, metrics=request_metrics(req))
-        for hook in self.hooks:
-            try:
-                hook(done)
-            except Exception:
-                log.exception("on_request_finished callback failed")
 
 
 def request_metrics(req: Request) -> RequestMetrics:

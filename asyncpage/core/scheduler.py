@@ -282,24 +282,15 @@ class Scheduler:
                 if seq.request.beam is not None:
                     searches[seq.request.request_id] = seq.request
                     continue
-                added: list[int] = []
-                reason: FinishReason | None = None
-                for token in [sampled[seq.seq_id], *(forced or {}).get(seq.seq_id, [])]:
-                    seq.token_ids.append(token)
-                    added.append(token)
-                    reason = self._stop_reason(seq, token)
-                    if reason is not None:
-                        break
-                new_tokens.append((seq, added))
-                if sched.draft:
-                    self.spec.verified(seq, sched.num_new_tokens - len(sched.draft), len(sched.draft),
-                                   (accepted or {}).get(seq.seq_id, 0))
-                if reason is None and seq.seq_id in grammar_done:
-                    reason = "stop"
-                if reason == "stop" and getattr(seq.matcher, "budget_forced", False):
-                    reason = "length"  # the value is complete because the budget closed it
-                if reason is not None:
-                    self.finish(seq, reason)
+                try:
+                    new_tokens.append((seq, self._append(seq, sched, sampled, forced, grammar_done, accepted)))
+                except Exception as exc:  # this sequence's own bookkeeping: its request fails alone
+                    log.error("request %d failed while its tokens were appended; the engine goes on",
+                              seq.request.request_id, exc_info=exc)
+                    error = RequestFailedError(f"this request failed while its tokens were appended "
+                                               f"({type(exc).__name__}); the engine goes on")
+                    error.__cause__ = exc
+                    failures.append((seq, error))
         failed_requests = {seq.request.request_id for seq, _ in failures}
         for req_id, req in searches.items():
             if req_id not in failed_requests:
@@ -312,6 +303,29 @@ class Scheduler:
                     error.__cause__ = exc
                     failures.append((req.seqs[0], error))
         return new_tokens, failures
+
+    def _append(self, seq: Sequence, sched: ScheduledSeq, sampled: dict[int, int], forced: dict[int, list[int]] | None,
+                grammar_done: frozenset[int], accepted: dict[int, int] | None) -> list[int]:
+        """One sampled sequence's tokens (the sampled one, then what its grammar forced) up to a stop;
+        ends the sequence on a token, length or grammar stop. Returns the tokens appended."""
+        added: list[int] = []
+        reason: FinishReason | None = None
+        for token in [sampled[seq.seq_id], *(forced or {}).get(seq.seq_id, [])]:
+            seq.token_ids.append(token)
+            added.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                break
+        if sched.draft:
+            self.spec.verified(seq, sched.num_new_tokens - len(sched.draft), len(sched.draft),
+                               (accepted or {}).get(seq.seq_id, 0))
+        if reason is None and seq.seq_id in grammar_done:
+            reason = "stop"
+        if reason == "stop" and getattr(seq.matcher, "budget_forced", False):
+            reason = "length"  # the value is complete because the budget closed it
+        if reason is not None:
+            self.finish(seq, reason)
+        return added
 
     def _step_beams(self, req: Request, candidates: dict[int, tuple[list[int], list[float]]],
                     ) -> list[tuple[Sequence, str]]:

@@ -126,6 +126,8 @@ def app(engine: EngineClient, *, max_request_bytes: int = MAX_REQUEST_BYTES, api
     None: no key. `allowed_origins`: browser origins served (with CORS), e.g. "http://localhost:3000"
     ("*": any); a request with any other Origin is a 403. `allowed_hosts`: Host names served besides
     the loopback ones ("*": any); None checks Host only on loopback connections (DNS rebinding)."""
+    if api_key is not None and not api_key.strip():
+        raise InvalidRequestError("api_key", "must not be empty (None serves without a key)")
     served = model_id(engine)
     window = prompt_window(engine)
 
