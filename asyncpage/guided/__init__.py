@@ -4,6 +4,10 @@ backend.py    the small protocol (compile -> grammar; per-sequence matcher: mask
               accepting, terminated, fork) and the request-side spec
 llg.py        llguidance behind it (the default: ~10 ms compiles on a 262k vocabulary)
 xgr.py        xgrammar behind it
+schema.py     JSON Schema rewrites that make a schema compile to what it means (closed objects, formats,
+              exclusive oneOf, enums of valid candidates)
+untrusted.py  what an untrusted schema may not do (outside $refs, backtracking patterns) and a
+              validator on RE2
 manager.py    tokenizer adaptation once, compiled-grammar cache, compile off the loop with a time bound
 budget.py     budget closing: the closer between sampling and the grammar (a valid completion kept
               within max_tokens) and each grammar's start completion (searched on the compile thread)
