@@ -35,6 +35,8 @@
    No repacking: the kernels read the bytes of the GGUF's tensor as they are (rows are not vector
    aligned: every load is unaligned). A NaN or infinity in an activation block gives NaN outputs. */
 
+#ifndef GQ_SECTION /* the common part; the per-form section is at the end */
+
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -133,6 +135,7 @@ typedef struct {
     int8_t *q;
     float *d;
     int16_t *s;
+    float *fs; /* blocks of 32 only: d * the block's sum, [rows, k / 32] (what the offsets multiply) */
     long k, nb; /* nb: blocks of activation scale per row */
 } Act;
 
@@ -163,6 +166,10 @@ static void quantize_rows(const float *x, long k, int block, int rows, int threa
                 sum += q[g * 16 + i];
             a->s[(long)r * (k / 16) + g] = (int16_t)sum;
         }
+        if (block == 32)
+            for (long b = 0; b < nb; b++)
+                a->fs[(long)r * nb + b] = a->d[(long)r * nb + b] *
+                                          (float)(a->s[(long)r * (k / 16) + 2 * b] + a->s[(long)r * (k / 16) + 2 * b + 1]);
     }
 }
 
@@ -183,8 +190,11 @@ static float dot32_c(int type, const uint8_t *w, long nb, const Act *a, int r) {
         const int8_t *x = xq + b * 32;
         int sum = 0, off = 0;
         if (type == T_Q8_0) {
+            /* Read as int8 through its own pointer: gcc 12 at -O3 -march=native miscompiled the
+               form with a cast of each uint8 (as an unsigned-by-signed dot product, vpdpbusd). */
+            const int8_t *q = (const int8_t *)(p + 2);
             for (int i = 0; i < 32; i++)
-                sum += (int8_t)p[2 + i] * x[i];
+                sum += q[i] * x[i];
         } else {
             const uint32_t qh = type == T_Q5_0 ? rd32(p + 2) : 0;
             const uint8_t *qs = p + (type == T_Q5_0 ? 6 : 2);
@@ -264,11 +274,11 @@ PORTABLE(k_q6_k_c, dotk_c, T_Q6_K)
 
 #if GQ_X86
 #define GQ_SECTION
-#define GQ_FORM FORM_AVX2
-#include __FILE__
+#define GQ_FORM 1 /* FORM_AVX2 */
+#include "gguf_quants.c" /* this file again: the section below */
 #undef GQ_FORM
-#define GQ_FORM FORM_VNNI
-#include __FILE__
+#define GQ_FORM 2 /* FORM_VNNI */
+#include "gguf_quants.c" /* this file again: the section below */
 #undef GQ_FORM
 #undef GQ_SECTION
 #endif
@@ -322,11 +332,13 @@ int gguf_matmul(int type, int form, const float *x, const uint8_t *w, long n, lo
         return 0;
     threads = threads > 0 ? threads : 1;
     Act a = {malloc((size_t)rows * k), malloc((size_t)rows * (k / block) * sizeof(float)),
-             malloc((size_t)rows * (k / 16) * sizeof(int16_t)), k, k / block};
-    if (a.q == NULL || a.d == NULL || a.s == NULL) {
+             malloc((size_t)rows * (k / 16) * sizeof(int16_t)), malloc((size_t)rows * (k / 32) * sizeof(float)),
+             k, k / block};
+    if (a.q == NULL || a.d == NULL || a.s == NULL || a.fs == NULL) {
         free(a.q);
         free(a.d);
         free(a.s);
+        free(a.fs);
         return E_MEMORY;
     }
     quantize_rows(x, k, block, rows, threads, &a);
@@ -353,6 +365,7 @@ int gguf_matmul(int type, int form, const float *x, const uint8_t *w, long n, lo
     free(a.q);
     free(a.d);
     free(a.s);
+    free(a.fs);
     return 0;
 }
 
@@ -424,7 +437,7 @@ int gguf_get_rows(int type, const uint8_t *w, long n, long k, const long *ids, l
 
 #else /* GQ_SECTION: one SIMD form, GQ_FORM */
 
-#if GQ_FORM == FORM_VNNI
+#if GQ_FORM == 2
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
 #define F(name) name##_vnni
@@ -438,7 +451,7 @@ int gguf_get_rows(int type, const uint8_t *w, long n, long k, const long *ids, l
 
 /* u8 x s8, each 4 neighbours summed into the 8 int32 lanes (lane t: bytes 4t..4t+3). */
 GQ_INLINE __m256i F(dot)(__m256i u, __m256i s) {
-#if GQ_FORM == FORM_VNNI
+#if GQ_FORM == 2
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
@@ -447,9 +460,11 @@ GQ_INLINE __m256i F(dot)(__m256i u, __m256i s) {
 
 /* As dot, lanes 0-3 (the first 16 bytes) times lo and lanes 4-7 times hi (sub-block scales). */
 GQ_INLINE __m256i F(dot_scaled)(__m256i u, __m256i s, int lo, int hi) {
-#if GQ_FORM == FORM_VNNI
-    return _mm256_mullo_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s),
-                              _mm256_setr_m128i(_mm_set1_epi32(lo), _mm_set1_epi32(hi)));
+#if GQ_FORM == 2
+    /* Each lane's 4 products sum to at most 4 * 63 * 127 < 2^15: the int32 lanes are int16 values
+       (their high halves the sign), so one vpmaddwd by (scale, 0) pairs scales them. */
+    return _mm256_madd_epi16(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s),
+                             _mm256_setr_m128i(_mm_set1_epi32(lo & 0xffff), _mm_set1_epi32(hi & 0xffff)));
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_setr_m128i(_mm_set1_epi16((short)lo),
                                                                            _mm_set1_epi16((short)hi)));
@@ -471,7 +486,7 @@ GQ_INLINE __m256i F(nibbles16)(const uint8_t *p) {
 
 /* The 32 bits of `bits` as 32 bytes: 16 where set, 0 where not (Q5_0's fifth bits). */
 GQ_INLINE __m256i F(bits16)(uint32_t bits) {
-#if GQ_FORM == FORM_VNNI
+#if GQ_FORM == 2
     return _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(16));
 #else
     const __m256i spread = _mm256_shuffle_epi8(
@@ -490,13 +505,13 @@ GQ_INLINE void F(rows32)(const int type, const uint8_t *w, long nb, const Act *a
     float off[4];
     const int8_t *xq[4];
     const float *xd[4];
-    const int16_t *xs[4];
+    const float *fs[4];
     for (int r = 0; r < NR; r++) {
         acc[r] = _mm256_setzero_ps();
         off[r] = 0.0f;
         xq[r] = a->q + (long)(r0 + r) * a->k;
         xd[r] = a->d + (long)(r0 + r) * a->nb;
-        xs[r] = a->s + (long)(r0 + r) * (a->k / 16);
+        fs[r] = a->fs + (long)(r0 + r) * a->nb;
     }
     for (long b = 0; b < nb; b++) {
         const uint8_t *p = w + b * bytes;
@@ -518,7 +533,7 @@ GQ_INLINE void F(rows32)(const int type, const uint8_t *w, long nb, const Act *a
             const float dd = dw * xd[r][b];
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(F(dot)(au, x)), acc[r]);
             if (offset)
-                off[r] += dd * (float)(offset * (xs[r][2 * b] + xs[r][2 * b + 1]));
+                off[r] += dw * (float)offset * fs[r][b];
         }
     }
     for (int r = 0; r < NR; r++)
@@ -529,13 +544,13 @@ GQ_INLINE void F(rows32)(const int type, const uint8_t *w, long nb, const Act *a
 GQ_INLINE void F(rowsk)(const int type, const uint8_t *w, long nb, const Act *a, int r0, const int NR, float *res) {
     const int bytes = type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210;
     __m256 acc[4];
-    float off[4];
+    __m256 offv[4];
     const int8_t *xq[4];
     const float *xd[4];
     const int16_t *xs[4];
     for (int r = 0; r < NR; r++) {
         acc[r] = _mm256_setzero_ps();
-        off[r] = 0.0f;
+        offv[r] = _mm256_setzero_ps();
         xq[r] = a->q + (long)(r0 + r) * a->k;
         xd[r] = a->d + (long)(r0 + r) * a->nb;
         xs[r] = a->s + (long)(r0 + r) * (a->k / 16);
@@ -545,6 +560,7 @@ GQ_INLINE void F(rowsk)(const int type, const uint8_t *w, long nb, const Act *a,
         const uint8_t *p = w + b * bytes;
         __m256i u[8];
         int lo[8], hi[8], mn[8];
+        __m256i om; /* 16 int16 multipliers of the 16 bsums: the offsets' integer part is madd(om, bsums) */
         float dw, dmin = 0.0f;
         if (type == T_Q6_K) {
             const int8_t *sc = (const int8_t *)(p + 192);
@@ -567,6 +583,7 @@ GQ_INLINE void F(rowsk)(const int type, const uint8_t *w, long nb, const Act *a,
                 lo[j] = sc[2 * j];
                 hi[j] = sc[2 * j + 1];
             }
+            om = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
         } else {
             int sc[8];
             k4_scales(p + 4, sc, mn);
@@ -586,7 +603,12 @@ GQ_INLINE void F(rowsk)(const int type, const uint8_t *w, long nb, const Act *a,
             }
             for (int j = 0; j < 8; j++)
                 lo[j] = hi[j] = sc[j];
+            om = _mm256_setr_epi16((short)mn[0], (short)mn[0], (short)mn[1], (short)mn[1], (short)mn[2], (short)mn[2],
+                                   (short)mn[3], (short)mn[3], (short)mn[4], (short)mn[4], (short)mn[5], (short)mn[5],
+                                   (short)mn[6], (short)mn[6], (short)mn[7], (short)mn[7]);
         }
+        /* Q6_K: 32 * dw * sum(sc * bsums); Q4_K / Q5_K: dmin * sum(m * bsums). */
+        const float od = type == T_Q6_K ? 32.0f * dw : dmin;
         for (int r = 0; r < NR; r++) {
             const int8_t *x = xq[r] + 256 * b;
             const int16_t *s = xs[r] + 16 * b;
@@ -594,21 +616,13 @@ GQ_INLINE void F(rowsk)(const int type, const uint8_t *w, long nb, const Act *a,
             for (int j = 0; j < 8; j++)
                 isum = _mm256_add_epi32(isum, F(dot_scaled)(u[j], _mm256_loadu_si256((const __m256i *)(x + 32 * j)),
                                                             lo[j], hi[j]));
-            int o = 0;
-            if (type == T_Q6_K) {
-                for (int j = 0; j < 8; j++)
-                    o += lo[j] * s[2 * j] + hi[j] * s[2 * j + 1];
-                off[r] += dw * xd[r][b] * (float)(32 * o);
-            } else {
-                for (int j = 0; j < 8; j++)
-                    o += mn[j] * (s[2 * j] + s[2 * j + 1]);
-                off[r] += dmin * xd[r][b] * (float)o;
-            }
+            const __m256i o = _mm256_madd_epi16(om, _mm256_loadu_si256((const __m256i *)s));
+            offv[r] = _mm256_fmadd_ps(_mm256_set1_ps(od * xd[r][b]), _mm256_cvtepi32_ps(o), offv[r]);
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[r][b]), _mm256_cvtepi32_ps(isum), acc[r]);
         }
     }
     for (int r = 0; r < NR; r++)
-        res[r] = F(hsum)(acc[r]) - off[r];
+        res[r] = F(hsum)(_mm256_sub_ps(acc[r], offv[r]));
 }
 
 /* Each (type, form) as a row_kernel, its row count a constant in each case so the loops unroll. */

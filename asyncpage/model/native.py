@@ -9,7 +9,10 @@ fails them is rebuilt over (the folder is ours, so the rename replaces it), and 
 them turns the kernels off with a warning (nowhere safe to build). `load()` is None where they
 cannot be built or loaded (no compiler, another OS, an unsafe cache): torch's ops serve then, with
 the same results up to float rounding (the linears: up to their activations' rounding to int8).
-`ASYNCPAGE_NATIVE=0` turns them off."""
+`ASYNCPAGE_NATIVE=0` turns them off.
+
+`library(source, symbols)` builds and loads any other C file of kernels/ the same way (cached under
+its own name and key; OpenMP build first, serial second): gguf_kernels.py's kernels/gguf_quants.c."""
 
 from __future__ import annotations
 
@@ -209,19 +212,37 @@ def load() -> NativeKernels | None:
         return None
 
 
-def _load(flags: tuple[str, ...]) -> ctypes.CDLL:
+@functools.cache
+def library(source: str, symbols: tuple[str, ...]) -> ctypes.CDLL | None:
+    """kernels/`source` built (OpenMP first, else serial) and loaded, checked to export `symbols`;
+    None where that fails or ASYNCPAGE_NATIVE=0 (the reason logged)."""
+    if os.environ.get("ASYNCPAGE_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    errors: list[str] = []
+    for flags in (FLAGS, SERIAL_FLAGS):
+        try:
+            return _load(flags, source, symbols)
+        except (OSError, subprocess.SubprocessError, AttributeError, cache_dir.UnsafeCacheError) as exc:
+            errors.append(_why(exc))
+    log.warning("no native kernels from %s (%s)", source, "; ".join(errors))
+    return None
+
+
+def _load(flags: tuple[str, ...], source: str = SOURCE,
+          symbols: tuple[str, ...] = ("attend_rows_f32", "linear_q8", "linear_q4")) -> ctypes.CDLL:
     """The library built with `flags`; one that does not load (a truncated or foreign file left at
     its cache key) is removed and built once more, not left to disable the kernels for every later
     process."""
-    path = _build_with(flags)
+    path = _build_with(flags, source)
     try:
         lib = ctypes.CDLL(str(path))
-        lib.attend_rows_f32, lib.linear_q8, lib.linear_q4  # noqa: B018  (a missing symbol raises AttributeError here)
+        for name in symbols:
+            getattr(lib, name)  # a missing symbol raises AttributeError here
         return lib
     except (OSError, AttributeError) as exc:
         log.warning("rebuilding %s, which does not load: %s", path, exc)
         path.unlink(missing_ok=True)
-        return ctypes.CDLL(str(_build_with(flags)))
+        return ctypes.CDLL(str(_build_with(flags, source)))
 
 
 def _why(exc: BaseException) -> str:
@@ -230,7 +251,7 @@ def _why(exc: BaseException) -> str:
     return lines[-1] if lines else str(exc)
 
 
-def _build_with(flags: tuple[str, ...]) -> Path:
+def _build_with(flags: tuple[str, ...], source_name: str = SOURCE) -> Path:
     """The library built with `flags` at its cache key, built now if missing; checked to be this
     user's alone (cache_dir.check_file) before it is returned for ctypes to load."""
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
@@ -238,10 +259,10 @@ def _build_with(flags: tuple[str, ...]) -> Path:
         raise OSError("no C compiler (cc) on PATH")
     spec = importlib.util.find_spec("asyncpage.kernels")
     assert spec is not None and spec.submodule_search_locations
-    source = Path(next(iter(spec.submodule_search_locations))) / SOURCE
+    source = Path(next(iter(spec.submodule_search_locations))) / source_name
     text = source.read_bytes()
     key = hashlib.sha256(b"\0".join([text, compiler.encode(), " ".join(flags).encode(), _cpu().encode()]))
-    target = cache_dir.subdir("native") / f"cpu_decode-{key.hexdigest()[:16]}.so"  # UnsafeCacheError: off
+    target = cache_dir.subdir("native") / f"{source.stem}-{key.hexdigest()[:16]}.so"  # UnsafeCacheError: off
     try:
         cache_dir.check_file(target)
         return target

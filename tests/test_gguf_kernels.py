@@ -1,0 +1,130 @@
+"""The GGUF block kernels (asyncpage/model/gguf_kernels.py, kernels/gguf_quants.c): each format and each
+form this CPU runs (VNNI, AVX2, portable, forced) against a reference built from the `gguf` package's own
+(de)quantizers: the weights dequantized by gguf, the activations rounded to int8 blocks as the kernels
+do (scale max|x| / 127 per block of 32, or of 256 for the K-quants), their product in float64.
+
+Tolerance: the kernels' integer sums are exact, so what is left is float32 rounding of the block scales'
+products and of the sum over blocks: |out - ref| <= 1e-6 * (|x_q| @ |w|^T) elementwise (the sum of the
+magnitudes; the largest seen here was 6.6e-8 of it). The activation rounding itself (against float x) is
+what the model sees: 0.6-0.9% of the outputs' norm here, bounded at 3%."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from asyncpage.model import gguf_kernels as gk
+
+pytestmark = pytest.mark.skipif(not gk.available(), reason="no C compiler for the native kernels")
+
+T = gguf.GGMLQuantizationType
+TYPES = [T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+N = 37  # output rows: not a multiple of any chunk
+
+
+def _k(t: T) -> int:
+    return 512 if gk.BLOCKS[gk.GGMLType(t)][0] == 256 else 640
+
+
+def _weights(t: T, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Raw blocks [n, row bytes]: gguf's quantizer where it has one (Q4_0, Q5_0, Q8_0); otherwise random
+    bytes (every bit pattern is a valid K-quant block) with sane fp16 scales."""
+    rng = np.random.default_rng(seed)
+    if t in (T.Q4_0, T.Q5_0, T.Q8_0):
+        return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), t)
+    block, size = gk.BLOCKS[gk.GGMLType(t)]
+    raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+
+    def half(lo: float, hi: float) -> np.ndarray:
+        return rng.uniform(lo, hi, (n, k // block)).astype(np.float16).view(np.uint8).reshape(n, k // block, 2)
+
+    if t == T.Q6_K:
+        raw[:, :, 208:210] = half(1e-3, 1e-2)
+    else:
+        raw[:, :, 0:2] = half(1e-3, 1e-2)
+        raw[:, :, 2:4] = half(1e-3, 1e-2)
+    return raw.reshape(n, -1)
+
+
+def _round(x: np.ndarray, block: int) -> np.ndarray:
+    """x rounded to int8 blocks as the kernels round it, returned dequantized (float64)."""
+    b = x.reshape(x.shape[0], -1, block)
+    amax = np.abs(b).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(b * inv)
+    return (q * (amax / np.float32(127)).astype(np.float32)).reshape(x.shape).astype(np.float64)
+
+
+def _check(t: T, rows: int, form: str) -> None:
+    k = _k(t)
+    raw = _weights(t, N, k)
+    w = gguf.quants.dequantize(raw, t).astype(np.float64)
+    x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
+    out = gk.matmul(torch.from_numpy(x), torch.from_numpy(raw), t, form=form).numpy()
+    xq = _round(x, gk.BLOCKS[gk.GGMLType(t)][0])
+    ref, bound = xq @ w.T, np.abs(xq) @ np.abs(w).T
+    assert out.shape == (rows, N) and out.dtype == np.float32
+    assert np.all(np.abs(out - ref) <= 1e-6 * bound), float((np.abs(out - ref) / bound).max())
+    exact = x.astype(np.float64) @ w.T  # what rounding the activations costs, against float x
+    assert np.linalg.norm(out - exact) <= 0.03 * np.linalg.norm(exact)
+
+
+@pytest.mark.parametrize("form", gk.forms())
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_matmul_matches_the_dequantized_weights_in_every_form(t: T, form: str) -> None:
+    for rows in (1, 3, 8, 64):
+        _check(t, rows, form)
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_get_rows_dequantizes_only_the_rows_asked_for(t: T) -> None:
+    k = _k(t)
+    raw = _weights(t, N, k, seed=3)
+    w = gguf.quants.dequantize(raw, t)
+    ids = torch.tensor([[5, 0], [36, 5]])
+    got = gk.get_rows(ids, torch.from_numpy(raw), t)
+    assert got.shape == (2, 2, k)
+    np.testing.assert_allclose(got.numpy(), w[ids.numpy()], rtol=1e-6, atol=1e-7)
+    with pytest.raises(IndexError):
+        gk.get_rows(torch.tensor([N]), torch.from_numpy(raw), t)
+
+
+def test_k_not_a_multiple_of_the_block_is_refused() -> None:
+    with pytest.raises(ValueError, match="multiple of 256"):
+        gk.row_bytes(T.Q4_K, 640)
+    # 640 values of Q4_K would be 2.5 blocks a row: a weight of such rows is refused, not read past.
+    w = torch.zeros(4, 360, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="whole blocks of 144 bytes"):
+        gk.matmul(torch.zeros(1, 640), w, T.Q4_K)
+    with pytest.raises(ValueError, match=r"\[rows, 512\]"):
+        gk.matmul(torch.zeros(1, 640), torch.zeros(4, 288, dtype=torch.uint8), T.Q4_K)
+    with pytest.raises(ValueError, match="no GGUF kernel"):
+        gk.matmul(torch.zeros(1, 256), torch.zeros(4, 256, dtype=torch.uint8), T.Q2_K)
+
+
+def test_the_form_can_be_forced_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCPAGE_GGUF_FORM", "portable")
+    assert gk.default_form() == "portable"
+    monkeypatch.setenv("ASYNCPAGE_GGUF_FORM", "sse9")
+    with pytest.raises(ValueError, match="unknown kernel form"):
+        gk.default_form()
+    monkeypatch.delenv("ASYNCPAGE_GGUF_FORM")
+    assert gk.default_form() == gk.forms()[-1]
+
+
+def test_a_row_with_a_nan_gives_nan_only_in_its_own_outputs() -> None:
+    raw = torch.from_numpy(_weights(T.Q8_0, N, 640))
+    x = torch.randn(3, 640)
+    x[1, 7] = float("nan")
+    out = gk.matmul(x, raw, T.Q8_0)
+    assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
+
+
+def test_the_torch_operator_matches_the_function() -> None:
+    raw = torch.from_numpy(_weights(T.Q5_0, N, 640))
+    x = torch.randn(2, 640)
+    torch.testing.assert_close(torch.ops.asyncpage.gguf_matmul(x, raw, int(T.Q5_0)), gk.matmul(x, raw, T.Q5_0))
+    assert torch.ops.asyncpage.gguf_get_rows(torch.tensor([1]), raw, int(T.Q5_0)).shape == (1, 640)
