@@ -1,0 +1,66 @@
+"""The house's shape, as issue 32 states it: the public paths users and docs name keep resolving, the
+package root holds the public surface only, no module grows past 450 lines, and `import asyncpage`
+loads no measurement code. The layers themselves are import-linter's contract (pyproject.toml), run
+by `make lint` and `make test`."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import asyncpage
+
+PACKAGE = Path(asyncpage.__file__).parent
+
+# Every public name and module path that ../shared/DESIGN.md, the README or the docs name.
+PUBLIC = {
+    "asyncpage": ["AsyncEngine", "RequestStream", "SamplingParams", "Choice", "EngineStats", "GenerateOutput",
+                  "RequestMetrics", "StreamChunk", "TokenLogprob", "AsyncPageError", "EngineDeadError",
+                  "EngineLoopError", "EngineNotRunningError", "ExtractionError", "GrammarError",
+                  "GrammarTimeoutError", "InvalidRequestError", "ModelLoadError", "PromptTooLongError",
+                  "QueueFullError", "RequestFailedError", "SamplingError", "__version__"],
+    "asyncpage.engine": ["AsyncEngine"],
+    "asyncpage.errors": ["QueueFullError", "InvalidRequestError"],
+    "asyncpage.params": ["SamplingParams"],
+    "asyncpage.outputs": ["GenerateOutput", "StreamChunk"],
+    "asyncpage.openai": ["app", "client", "http_client", "MAX_REQUEST_BYTES"],
+    "asyncpage.metrics": ["PrometheusMetrics"],
+    "asyncpage.ray": ["extract_dataset", "run_job"],
+    "asyncpage.disagg": ["DisaggEngine"],
+    "asyncpage.chat": ["chat", "chat_stream", "ChatResult", "ChatDelta", "ToolCall", "Usage"],
+    "asyncpage.extract": ["ExtractResult", "ExtractError", "json_params", "decode_value", "beams_per_record"],
+    "asyncpage.kernels": [],
+    "asyncpage.grammars": [],
+    "asyncpage.cli": ["main"],
+}
+
+
+@pytest.mark.parametrize("module", sorted(PUBLIC))
+def test_every_public_path_resolves(module: str) -> None:
+    if module == "asyncpage.ray":
+        pytest.importorskip("ray")
+    mod = importlib.import_module(module)
+    missing = [name for name in PUBLIC[module] if not hasattr(mod, name)]
+    assert not missing, f"{module} lost {missing}"
+
+
+def test_the_package_root_is_the_public_surface_only() -> None:
+    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(root) <= 12, root
+
+
+def test_no_module_is_over_450_lines() -> None:
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 450}
+    assert not long, long
+
+
+def test_importing_asyncpage_loads_no_measurement_or_optional_code() -> None:
+    code = ("import sys, asyncpage; print(sorted(m for m in sys.modules if m.startswith('asyncpage.bench') "
+            "or m in ('asyncpage.openai', 'asyncpage.ray', 'matplotlib', 'starlette', 'ray')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
