@@ -122,3 +122,6 @@ class EngineStats(msgspec.Struct, frozen=True):
     prefix_cache_evictions: int = 0
     spec_proposed_tokens: int = 0  # speculative decoding: drafts verified...
     spec_accepted_tokens: int = 0  # ...and kept (each kept draft is a decode step saved)
+    # Running seats and waiting sequences by request priority (lower runs first; all 0 unless asked).
+    num_running_by_priority: dict[int, int] = msgspec.field(default_factory=dict)
+    num_waiting_by_priority: dict[int, int] = msgspec.field(default_factory=dict)

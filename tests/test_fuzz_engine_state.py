@@ -222,13 +222,13 @@ class EngineMachine(RuleBasedStateMachine):
         self.finished[done.request_id] += 1
 
     # ---- requests ----------------------------------------------------------------------------
-    def _start_consumer(self, rec: Rec) -> Rec:
+    def _start_consumer(self, rec: Rec, priority: int = 0) -> Rec:
         self.recs.append(rec)
 
         async def consume() -> None:
             with anyio.CancelScope() as scope:
                 rec.scope = scope
-                stream = self.eng().stream(rec.prompt, rec.params)
+                stream = self.eng().stream(rec.prompt, rec.params, priority=priority)
                 rec.stream_ref = weakref.ref(stream)
                 try:
                     async for chunk in stream:
@@ -244,17 +244,20 @@ class EngineMachine(RuleBasedStateMachine):
         rec.future = self.portal.start_task_soon(consume)
         return rec
 
-    @rule(target=consuming, prompt=prompts, params=sampling_params())
-    def submit_and_read_to_the_end(self, prompt: str | list[int], params: SamplingParams) -> Rec:
-        return self._start_consumer(Rec(len(self.recs), prompt, params))
+    # Priorities mixed in (lower first): admission by rank, preemption by a higher one; none of it may
+    # break the pool's invariants or what a request sees.
+    @rule(target=consuming, prompt=prompts, params=sampling_params(), priority=st.integers(-2, 2))
+    def submit_and_read_to_the_end(self, prompt: str | list[int], params: SamplingParams, priority: int) -> Rec:
+        return self._start_consumer(Rec(len(self.recs), prompt, params), priority)
 
-    @rule(target=parked, prompt=prompts, params=sampling_params(), reads=st.integers(1, 3))
-    def submit_read_a_little_then_park(self, prompt: str | list[int], params: SamplingParams, reads: int) -> Rec:
+    @rule(target=parked, prompt=prompts, params=sampling_params(), reads=st.integers(1, 3), priority=st.integers(-2, 2))
+    def submit_read_a_little_then_park(self, prompt: str | list[int], params: SamplingParams, reads: int,
+                                       priority: int) -> Rec:
         rec = Rec(len(self.recs), prompt, params)
         self.recs.append(rec)
 
         async def park() -> None:
-            stream = self.eng().stream(prompt, params)
+            stream = self.eng().stream(prompt, params, priority=priority)
             rec.stream, rec.stream_ref = stream, weakref.ref(stream)
             try:
                 for _ in range(reads):

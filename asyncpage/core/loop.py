@@ -93,10 +93,10 @@ class EngineCore:
     # ---- the only entry points from outside the loop -----------------------------------------
     def new_request(self, ids: list[int], params: SamplingParams, mailbox: Mailbox | None,
                     stop_token_ids: frozenset[int], compiled: CompiledGrammar | None,
-                    beam: BeamParams | None = None) -> Request:
+                    beam: BeamParams | None = None, priority: int = 0) -> Request:
         """A request object, not yet known to the scheduler (pure construction)."""
         req = Request(next(self._ids), ids, params, mailbox or Mailbox(),
-                      frozenset() if params.ignore_eos else stop_token_ids)
+                      frozenset() if params.ignore_eos else stop_token_ids, priority=priority)
         if beam is not None:
             req.beam = BeamSearch(beam, params.max_tokens, len(req.stop_ids))
         seq = Sequence(
@@ -362,6 +362,7 @@ class EngineCore:
                 if n > fill.get(b.block_id, 0):
                     fill[b.block_id] = n
         sched = self.scheduler
+        by_running, by_waiting = sched.counts_by_priority()
         return EngineStats(
             kv_blocks_total=pool.num_blocks, kv_blocks_used=pool.num_used,
             kv_blocks_cached=pool.num_cached_free, kv_blocks_free=pool.num_free, block_size=bs,
@@ -372,7 +373,8 @@ class EngineCore:
             num_requests_finished=self.output.num_finished, num_generated_tokens=self.output.num_generated,
             engine_error=repr(self.dead.__cause__) if self.dead is not None else None,
             prefix_cache_evictions=pool.num_evictions, spec_proposed_tokens=sched.spec.proposed,
-            spec_accepted_tokens=sched.spec.accepted)
+            spec_accepted_tokens=sched.spec.accepted, num_running_by_priority=by_running,
+            num_waiting_by_priority=by_waiting)
 
     def check_invariants(self) -> None:
         """The pool agrees with the block tables (raises AssertionError otherwise): run after every

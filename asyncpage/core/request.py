@@ -58,6 +58,7 @@ class Request:
     forked: bool = False  # n > 1: children are created when the prompt's last token is computed
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
+    priority: int = 0  # lower runs first (vLLM's convention); ties by arrival (Scheduler)
     abort_requested: bool = False  # set by abort() from anywhere; acted on by the loop only
     released: bool = False  # the loop is done with it: blocks freed, mailbox final
     released_event: Any = None  # an anyio.Event made by the first waiter (on the loop)
@@ -121,6 +122,8 @@ class Sequence:
     # append): a waiting sequence blocked at the head of the queue is looked up every step.
     prefix_digests: list[bytes] = field(default_factory=list)
     spec: SpecState | None = None  # speculative decoding: this sequence's n-gram proposer
+    queued_at: float = 0.0  # when it last joined the waiting queue (added or preempted): its aging
+    rank: float = 0.0  # its rank when last admitted (Scheduler: what a waiting one must beat to preempt it)
 
     def fork(self, seq_id: int, index: int, table: BlockTable, generator: torch.Generator | None, *,
              detokenize: bool = True) -> Sequence:
@@ -132,7 +135,8 @@ class Sequence:
             generator=generator,
             detokenizer=self.detokenizer.fork() if detokenize and self.detokenizer is not None else None,
             num_prompt_tokens=self.num_prompt_tokens, num_computed_tokens=self.num_computed_tokens, table=table,
-            status=SeqStatus.RUNNING, matcher=self.matcher.fork() if self.matcher is not None else None)
+            status=SeqStatus.RUNNING, matcher=self.matcher.fork() if self.matcher is not None else None,
+            queued_at=self.queued_at, rank=self.rank)
 
     @property
     def num_tokens(self) -> int:

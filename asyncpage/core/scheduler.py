@@ -4,9 +4,10 @@ Each step has a token budget (`max_num_batched_tokens`). Running sequences come 
 order: a decode takes one token, a partly prefilled prompt takes the next chunk. What budget is left
 admits waiting sequences, first come first served, as prefill chunks in the same step. A sequence
 that needs a block when none is free preempts the most recently admitted running sequence
-(recompute: its blocks are freed and it goes back to the head of the queue).
+(recompute: its blocks are freed and it goes back to the head of the queue). With priorities
+(core/priority.py) the queue goes by rank and the one preempted is the worst-ranked.
 A beam search's beams step together: each step chooses among all their continuations at once
-(beam.py), so their last tokens are scheduled in one step or not at all, a beam being recomputed
+(core/beams.py), so their last tokens are scheduled in one step or not at all, a beam being recomputed
 holds its last token until its siblings catch up, and preempting one beam preempts them all.
 The scheduler never touches tensors; the runner turns its output into a batch.
 """
@@ -15,14 +16,17 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
+from asyncpage.core.beams import BeamSteps
+from asyncpage.core.groups import beam_group, beams_ready, partly_running, seat_count
+from asyncpage.core.priority import Priorities, rank
 from asyncpage.core.request import Request, SeqStatus, Sequence
 from asyncpage.core.speculation import FORCED_RUN, Speculation
-from asyncpage.decoding.beam import Choice
 from asyncpage.decoding.detokenizer import StopStrings
 from asyncpage.decoding.sampling import seeded_generator
 from asyncpage.decoding.speculative import SpeculativeConfig
@@ -57,31 +61,7 @@ class SchedulerOutput:
         return bool(self.scheduled)
 
 
-def _seats(seq: Sequence) -> int:
-    """Slots of max_num_seqs a sequence takes: every sample (or beam) counts, so a request that will
-    fork into n sequences holds n seats from its admission on."""
-    req = seq.request
-    return req.width if seq.index == 0 and req.width > 1 and not req.forked else 1
-
-
-def _beams(seq: Sequence) -> list[Sequence] | None:
-    """The beams of seq's beam search when there are several of them (they must step together)."""
-    req = seq.request
-    return req.seqs if req.beam is not None and len(req.seqs) > 1 else None
-
-
-def _partly_running(seq: Sequence) -> bool:
-    """A waiting beam some of whose siblings are running (they wait for it to catch up)."""
-    beams = _beams(seq)
-    return beams is not None and any(b.status is SeqStatus.RUNNING for b in beams)
-
-
-def _ready(beams: list[Sequence]) -> bool:
-    """Every beam is running with only its last token left: they can be stepped (together)."""
-    return all(b.status is SeqStatus.RUNNING and b.num_tokens - b.num_computed_tokens == 1 for b in beams)
-
-
-class Scheduler:
+class Scheduler(Priorities, BeamSteps):
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, stop_strings: StopStrings | None = None,
                  speculative: SpeculativeConfig | None = None) -> None:
@@ -97,6 +77,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._preempted: set[int] = set()  # this step's preempted sequences
+        self._admitted: set[int] = set()  # ...and admitted ones
         self._next_seq_id = 0
         self._rng = random.Random()
 
@@ -107,7 +88,7 @@ class Scheduler:
     @property
     def num_seats(self) -> int:
         """Sequences running, counted as max_num_seqs counts them (an n > 1 request not yet forked: n)."""
-        return sum(_seats(s) for s in self.running)
+        return sum(seat_count(s) for s in self.running)
 
     @property
     def has_work(self) -> bool:
@@ -115,6 +96,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
+        seq.queued_at = time.monotonic()
         self.waiting.append(seq)
 
     # ---- one step ------------------------------------------------------------------------
@@ -123,6 +105,11 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         seen: set[int] = set()
         self._preempted.clear()
+        self._admitted.clear()
+        now = time.monotonic()
+        prioritized = self._prioritized()
+        if prioritized:
+            self._order(now)
 
         speculate = self.spec.active(len(self.running))
         # A snapshot: children forked during this loop join `running` but have nothing to compute yet.
@@ -131,7 +118,7 @@ class Scheduler:
                 break
             if first.status is not SeqStatus.RUNNING or first.seq_id in seen:
                 continue  # preempted a moment ago to make room for an earlier sequence, or a beam stepped
-            beams = _beams(first)
+            beams = beam_group(first)
             draft: list[int] = []
             if beams is None:
                 remaining = first.num_tokens - first.num_computed_tokens
@@ -139,7 +126,7 @@ class Scheduler:
                     # A decode, or the short run a grammar forced: drafts may follow its last token.
                     draft = self.spec.propose(first, budget - remaining)
                 todo = [(first, min(remaining + len(draft), budget))]
-            elif _ready(beams) and budget >= len(beams):
+            elif beams_ready(beams) and budget >= len(beams):
                 todo = [(b, 1) for b in beams]  # the step that chooses among all their continuations
             else:
                 # Recomputing after a preemption: each beam computes all but its last token meanwhile.
@@ -159,23 +146,34 @@ class Scheduler:
         # A beam scheduled early and preempted with its siblings later in the loop computes nothing
         # now (it may even be admitted again below, from scratch).
         scheduled = [s for s in scheduled if s.seq.seq_id not in self._preempted]
+        ran, before = len(scheduled), set(self._preempted)
 
         seats = self.num_seats
-        while self.waiting and budget > 0 and seats + _seats(self.waiting[0]) <= self.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if seq.seq_id in self._preempted and seq.seq_id not in before:
+                break  # preempted by a higher priority just now: not back in before the next step
+            if seats + seat_count(seq) > self.max_num_seqs:
+                if prioritized and self._make_room(seq, now):
+                    seats = self.num_seats
+                    continue
+                break
             cached = []
             if seq.num_computed_tokens == 0 and not seq.request.scoring_prompt:
                 cached = self.kv.find_cached_prefix(seq.token_ids, seq.params.cache_salt, seq.prefix_digests)
             start = len(cached) * self.kv.block_size
             num_new = min(seq.num_tokens - start, budget)
-            if _beams(seq) is not None:
+            if beam_group(seq) is not None:
                 num_new = min(num_new, seq.num_tokens - start - 1)  # the last token waits for its siblings
             # No watermark for the rest of a beam group partly admitted: its running beams cannot
             # move (nor free anything) until it is in, and the group fits the pool (validation).
             if not self.kv.can_allocate(seq.table, start, start + num_new, cached,
-                                        reserve=self.kv.watermark if self.running and not _partly_running(seq)
+                                        reserve=self.kv.watermark if self.running and not partly_running(seq)
                                         else 0):
-                break  # FCFS: later sequences wait behind this one rather than starve it
+                if prioritized and self._make_room(seq, now):
+                    seats = self.num_seats
+                    continue
+                break  # in order: later sequences wait behind this one rather than starve it
             self.waiting.popleft()
             copies = self.kv.allocate(seq.table, start, start + num_new, cached)
             if start:
@@ -186,10 +184,17 @@ class Scheduler:
                 seq.request.num_cached_prompt_tokens = start
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            seats += _seats(seq)
+            self._admitted.add(seq.seq_id)
+            seq.rank = rank(seq, now)
+            seats += seat_count(seq)
             if num_new:
                 scheduled.append(self._scheduled(seq, num_new, copies))
                 budget -= num_new
+        # Running sequences a waiting one of a higher priority preempted just now: their part of this
+        # step goes (what admission scheduled for them, if they came back in from scratch, stays).
+        late = self._preempted - before
+        if late:
+            scheduled = [s for i, s in enumerate(scheduled) if i >= ran or s.seq.seq_id not in late]
         # A child forked early in this step can be preempted later in it (a later sequence needed its
         # block): it must not be sampled, or its grammar matcher and generator would run ahead of it.
         for sched in scheduled:
@@ -231,17 +236,18 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: `seq` (and, for a beam, every running beam of its search, since they only
         step together) leaves `running` for the head of the queue with its blocks freed."""
-        group = [b for b in (_beams(seq) or [seq]) if b.status is SeqStatus.RUNNING]
+        group = [b for b in (beam_group(seq) or [seq]) if b.status is SeqStatus.RUNNING]
         for b in group:
             self._preempted.add(b.seq_id)
             self.running.remove(b)
             self.kv.free(b.table)
             b.num_computed_tokens = 0
             b.status = SeqStatus.WAITING
+            b.queued_at = time.monotonic()
         # Ahead of the queue, but behind the rest of a beam group partly admitted before `seq`: its
         # running beams wait for those to step, so nothing admitted after them may go first.
         at = 0
-        while at < len(self.waiting) and _partly_running(self.waiting[at]):
+        while at < len(self.waiting) and partly_running(self.waiting[at]):
             at += 1
         for b in reversed(group):  # the queue keeps them in beam order
             self.waiting.insert(at, b)
@@ -326,77 +332,6 @@ class Scheduler:
         if reason is not None:
             self.finish(seq, reason)
         return added
-
-    def _step_beams(self, req: Request, candidates: dict[int, tuple[list[int], list[float]]],
-                    ) -> list[tuple[Sequence, str]]:
-        """One beam-search step: choose the next beams among every beam's continuations, then fork
-        the chosen parents' block tables (shared blocks are referenced, not copied; a partly filled
-        last block is copied when first written) and free the beams nobody chose."""
-        search = req.beam
-        assert search is not None
-        beams = req.seqs
-        p = req.params
-        outputs = [b.output_token_ids for b in beams]
-
-        def ends(parent: int, token: int) -> tuple[FinishReason | None, bool] | None:
-            if token in req.stop_ids:
-                m = beams[parent].matcher
-                # EOS where the grammar is not complete: a copied field's opening quote where no span
-                # fits leaves only EOS. That is half a value, not a hypothesis: dropped. A caller's own
-                # stop id ends the beam as it ends a greedy sample; EOS stays a dead end when the
-                # caller also lists it among its stop ids (req.stop_token_ids: the EOS ids).
-                eos = not p.ignore_eos and token in req.stop_token_ids
-                dead_end = m is not None and not m.is_accepting() and eos
-                return (None if dead_end else "stop"), False
-            if p.stop and self.stop_strings is not None and self.stop_strings.hit(outputs[parent] + [token], p):
-                return "stop", True
-            if beams[parent].num_tokens + 1 >= self.max_model_len:
-                return "length", True
-            return None
-
-        choices = search.step(outputs, [candidates.get(b.seq_id, ([], [])) for b in beams], ends)
-        nxt = self._follow(req, beams, choices)
-        failures = []
-        for i in range(len(nxt) - 1, -1, -1):  # from the end: retire() renumbers the beams after i
-            b = nxt[i]
-            if b.matcher is not None and not b.matcher.accept(b.token_ids[-1]):
-                failures.append((b, f"the grammar rejected token {b.token_ids[-1]} a beam search chose"))
-            elif b.matcher is not None and b.matcher.is_terminated():
-                # Its grammar is complete (the beam ends), or at a dead end: a copied field's opening
-                # quote where no span of the record fits, and no token can follow. That beam is not a
-                # value: it is dropped, never ranked against the complete ones.
-                search.retire(i, b.output_token_ids, "stop", valid=b.matcher.is_accepting())
-                nxt.pop(i)
-                self.finish(b, "stop")
-        req.seqs = nxt
-        for i, b in enumerate(nxt):
-            b.index = i
-        if failures or search.done:
-            for b in nxt:
-                self.finish(b, "stop")
-        return failures[:1]
-
-    def _follow(self, req: Request, beams: list[Sequence], choices: list[Choice]) -> list[Sequence]:
-        """The sequences of the chosen continuations: a parent chosen once goes on itself, one chosen
-        again is forked first (before its own token is appended); a parent nobody chose is freed."""
-        req.forked = True
-        taken: set[int] = set()
-        nxt: list[Sequence] = []
-        for c in choices:
-            parent = beams[c.parent]
-            if c.parent in taken:
-                # Beams are detokenized whole when the search ends (OutputProcessor.beams), never as they go.
-                nxt.append(parent.fork(self.new_seq_id(), len(nxt), self.kv.fork(parent.table), None, detokenize=False))
-                self.running.append(nxt[-1])
-            else:
-                taken.add(c.parent)
-                nxt.append(parent)
-        for i, b in enumerate(beams):
-            if i not in taken:
-                self.finish(b, "stop")
-        for b, c in zip(nxt, choices, strict=True):
-            b.token_ids.append(c.token)
-        return nxt
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params

@@ -78,3 +78,12 @@ def check_request(ids: list[int], params: SamplingParams, *, vocab_size: int, ma
         raise PromptTooLongError(
             "max_tokens", f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the KV pool "
             f"({pool_tokens} tokens); lower max_tokens or raise num_kv_blocks")
+
+
+PRIORITY_RANGE = 1 << 31  # |priority| below this: any sensible scheme fits, nothing overflows a rank
+
+
+def check_priority(priority: object) -> None:
+    """`priority`: an int (lower runs first), not a bool, within +-2**31."""
+    if not isinstance(priority, int) or isinstance(priority, bool) or not -PRIORITY_RANGE < priority < PRIORITY_RANGE:
+        raise InvalidRequestError("priority", f"must be an integer within +-2**31 (lower runs first), got {priority!r}")
