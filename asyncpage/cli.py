@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     ev.set_defaults(dtype="float32")
 
     x = sub.add_parser("extract", help="typed JSON from every record of a JSONL file")
-    x.add_argument("--schema", required=True, help="a JSON Schema file or module:StructName")
+    x.add_argument("--schema", required=True, help="a JSON Schema file, or module:Name naming a msgspec Struct or a "
+                   "pydantic v2 model")
     x.add_argument("--input", required=True, help="JSONL: one JSON object per line")
     x.add_argument("--output", required=True, help="JSONL: one result line per input line")
     x.add_argument("--prompt", default=None, help="template over the record's fields, e.g. "
@@ -96,6 +97,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="decide each top-level boolean field by how likely its description is after the record's "
                         "text, against four reference records, not by generating it (default: on when a field "
                         "is copied)")
+    x.add_argument("--max-retries", type=int, default=0, metavar="N",
+                   help="a value the type's own validation refuses (a pydantic validator, a msgspec constraint or "
+                        "__post_init__) is decoded again up to N times, from its first refused field, the refused "
+                        "value excluded (the row's attempts says how many decodes)")
+    x.add_argument("--confidence", action="store_true",
+                   help="add to each row a probability per top-level field (confidence)")
     _model_args(x)
     x.add_argument("--max-tokens", type=int, default=512)
     x.add_argument("--max-prompt-tokens", type=int, default=None, help="refuse longer records (prompt_too_long)")
@@ -204,7 +211,8 @@ def _extract(args: argparse.Namespace) -> int:
             Path(args.input), Path(args.output), schema, num_actors=args.num_actors, resume=args.resume,
             progress=not args.no_progress, prompt=prompt, concurrency=args.concurrency, max_tokens=args.max_tokens,
             id_field=args.id_field, max_prompt_tokens=args.max_prompt_tokens, copy_fields=args.copy_fields,
-            examples=examples, beam_width=args.beam_width, score_booleans=args.score_booleans, model=args.model,
+            examples=examples, beam_width=args.beam_width, score_booleans=args.score_booleans,
+            max_retries=args.max_retries, confidence=args.confidence, model=args.model,
             dtype=args.dtype, device=args.device,
             num_threads=args.threads, speculative_config=speculative)
 
@@ -220,7 +228,7 @@ def _extract(args: argparse.Namespace) -> int:
                 concurrency=args.concurrency, max_tokens=args.max_tokens, resume=args.resume, id_field=args.id_field,
                 max_prompt_tokens=args.max_prompt_tokens, progress=not args.no_progress,
                 copy_fields=args.copy_fields, examples=examples, beam_width=args.beam_width,
-                score_booleans=args.score_booleans)
+                score_booleans=args.score_booleans, max_retries=args.max_retries, confidence=args.confidence)
 
     # Shell quoting makes real newlines awkward: "\n" and "\t" in --prompt are newline and tab.
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t") if args.prompt else None

@@ -33,7 +33,7 @@ from asyncpage.core.mailbox import Mailbox
 from asyncpage.core.output import request_metrics
 from asyncpage.core.request import Request
 from asyncpage.core.stream import RequestStream
-from asyncpage.core.validation import check_beam_search, check_request, check_token_ids
+from asyncpage.core.validation import check_beam_search, check_priority, check_request, check_token_ids
 from asyncpage.decoding.beam import BeamParams, EarlyStopping
 from asyncpage.errors import (
     EngineDeadError,
@@ -211,19 +211,24 @@ class AsyncEngine:
             await group.__aexit__(None, None, None)
 
     # ---- public API -------------------------------------------------------------------------
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestStream[Request]:
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
+               priority: int = 0) -> RequestStream[Request]:
         """Stream a completion: `async for chunk in engine.stream(prompt, params)`. A prompt is a
-        str (tokenized as the tokenizer's own call does, BOS included) or a list of token ids."""
-        return RequestStream(self, prompt, params or SamplingParams())
+        str (tokenized as the tokenizer's own call does, BOS included) or a list of token ids.
+        `priority`: lower runs first (vLLM's convention; default 0), ties by arrival; a waiting request
+        preempts running ones of a lower priority when seats or blocks are short, and a request's
+        priority rises one level for every 10 s it waits, so none starves."""
+        return RequestStream(self, prompt, params or SamplingParams(), priority=priority)
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> GenerateOutput:
-        """Run a request to the end and return all its samples."""
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                       priority: int = 0) -> GenerateOutput:
+        """Run a request to the end and return all its samples (`priority` as stream's)."""
         params = params or SamplingParams()
         texts: dict[int, list[str]] = {}
         ids: dict[int, list[int]] = {}
         lps: dict[int, list[TokenLogprob]] = {}
         reasons: dict[int, FinishReason] = {}
-        async with self.stream(prompt, params) as s:
+        async with self.stream(prompt, params, priority=priority) as s:
             async for c in s:
                 texts.setdefault(c.index, []).append(c.text)
                 ids.setdefault(c.index, []).extend(c.token_ids)
@@ -240,7 +245,7 @@ class AsyncEngine:
 
     async def beam_search(self, prompt: Prompt, beam_width: int = 4, max_tokens: int = 32,
                           length_penalty: float = 1.0, early_stopping: EarlyStopping = False,
-                          params: SamplingParams | None = None) -> BeamSearchOutput:
+                          params: SamplingParams | None = None, *, priority: int = 0) -> BeamSearchOutput:
         """The `beam_width` best continuations, best first, as transformers' `generate(num_beams=...,
         do_sample=False)` finds and ranks them. `params` carries guided decoding (each beam keeps its
         own grammar state), stop strings and ids, penalties, ignore_eos; its max_tokens is replaced by
@@ -251,7 +256,7 @@ class AsyncEngine:
         """
         beam = BeamParams(beam_width=beam_width, length_penalty=length_penalty, early_stopping=early_stopping)
         params = msgspec.structs.replace(params or SamplingParams(temperature=0), max_tokens=max_tokens)
-        req = await self.submit(prompt, params, beam=beam)
+        req = await self.submit(prompt, params, beam=beam, priority=priority)
         try:
             chunks = await req.mailbox.get()  # the loop posts every beam at once, when the search is done
         except BaseException:
@@ -265,11 +270,17 @@ class AsyncEngine:
     async def extract(self, prompt: Prompt, schema: Any, params: SamplingParams | None = None, *,
                       chat: bool = False, copy_from: str | Sequence[str] | None = None,
                       copy_fields: Sequence[str] | str | None = None, beam_width: int | None = None,
-                      score_booleans: bool | None = None) -> Any:
+                      score_booleans: bool | None = None, max_retries: int = 0, confidence: bool = False) -> Any:
         """Generate one JSON value constrained to `schema` and return it typed.
 
         `schema` is a msgspec.Struct type (or any type msgspec can describe: its JSON Schema is used and
-        the result is decoded into it) or a JSON Schema dict (the result is the decoded JSON). `params`
+        the result is decoded into it), a pydantic v2 model (or any type pydantic's TypeAdapter takes: the
+        value is validated by pydantic and returned as its instance) or a JSON Schema dict (the result is the
+        decoded JSON). `max_retries`: a value the type's own validation refuses is decoded again (at most
+        that many times) from its first refused field, the prompt's and the kept prefix's KV reused, the
+        refused value excluded by the grammar; after the last, ExtractionError("invalid") names the field.
+        `confidence=True`: returns the ExtractResult (`.value`, `.attempts`, `.confidence`: a probability per
+        top-level field) instead of the value. `params`
         defaults to greedy with max_tokens=1024; its json_schema is replaced by `schema`. With
         `chat=True` the prompt is wrapped in the model's chat template. Raises GrammarError for an
         unsupported schema, ExtractionError when the output is cut at max_tokens or does not decode.
@@ -290,14 +301,16 @@ class AsyncEngine:
             inv = await engine.extract("Invoice INV-7, total 12.50 EUR. JSON:", Invoice)
         """
         return await extract_one(self, prompt, schema, params, chat=chat, copy_from=copy_from,
-                                 copy_fields=copy_fields, beam_width=beam_width, score_booleans=score_booleans)
+                                 copy_fields=copy_fields, beam_width=beam_width, score_booleans=score_booleans,
+                                 max_retries=max_retries, confidence=confidence)
 
     def extract_many(self, items: Iterable[Any] | AsyncIterable[Any], schema: Any, *,
                      prompt: str | Callable[[Mapping[str, Any]], str] | None = None, concurrency: int = 32,
                      params: SamplingParams | None = None, id_field: str = "id",
                      max_prompt_tokens: int | None = None, copy_fields: Sequence[str] | str | None = None,
                      examples: Sequence[Mapping[str, Any]] = (), beam_width: int | None = None,
-                     score_booleans: bool | None = None) -> AsyncIterator[ExtractResult]:
+                     score_booleans: bool | None = None, max_retries: int = 0,
+                     confidence: bool = False) -> AsyncIterator[ExtractResult]:
         """Extract a typed value from each record, at most `concurrency` in flight; yields ExtractResult
         in completion order (asyncpage.extract.run.extract_many says what each option does).
 
@@ -306,7 +319,8 @@ class AsyncEngine:
         """
         return extract_many(self, items, schema, prompt=prompt, concurrency=concurrency, params=params,
                             id_field=id_field, max_prompt_tokens=max_prompt_tokens, copy_fields=copy_fields,
-                            examples=examples, beam_width=beam_width, score_booleans=score_booleans)
+                            examples=examples, beam_width=beam_width, score_booleans=score_booleans,
+                            max_retries=max_retries, confidence=confidence)
 
     async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                    tool_choice: Any = "auto", parallel_tool_calls: bool = True,
@@ -357,17 +371,18 @@ class AsyncEngine:
 
     # ---- submission: what extraction, chat and streams build on ------------------------------
     async def submit(self, prompt: Prompt, params: SamplingParams, mailbox: Mailbox | None = None, *,
-                     beam: BeamParams | None = None) -> Request:
+                     beam: BeamParams | None = None, priority: int = 0) -> Request:
         """Tokenize, validate, compile the grammar, and queue a request (a beam search with `beam`);
         its output arrives in `request.mailbox`. Raises a typed error naming the field, before
         anything is queued."""
         self.check_usable()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params", f"must be SamplingParams, got {type(params).__name__}")
+        check_priority(priority)
         self._admit()
         self._preparing += 1
         try:
-            return await self._submit(prompt, params, mailbox, beam)
+            return await self._submit(prompt, params, mailbox, beam, priority)
         finally:
             self._preparing -= 1
 
@@ -381,7 +396,7 @@ class AsyncEngine:
                                  "retry later", retry_after=1.0)
 
     async def _submit(self, prompt: Prompt, params: SamplingParams, mailbox: Mailbox | None,
-                      beam: BeamParams | None) -> Request:
+                      beam: BeamParams | None, priority: int) -> Request:
         ids = await self.tokenize(prompt)
         check_request(ids, params, vocab_size=self.vocab_size, max_model_len=self.config.max_model_len,
                       pool_tokens=self.config.num_kv_blocks * self.config.block_size,
@@ -399,7 +414,7 @@ class AsyncEngine:
             self.check_usable()  # the engine stopped meanwhile (GrammarManager.interrupt): that is the error
             raise
         self.check_usable()  # it may have stopped while the request was being prepared
-        req = self._core.new_request(ids, params, mailbox, self.eos_token_ids, compiled, beam)
+        req = self._core.new_request(ids, params, mailbox, self.eos_token_ids, compiled, beam, priority)
         self._core.add(req)
         return req
 

@@ -43,6 +43,7 @@ from asyncpage.extract.jobs import (
 )
 from asyncpage.extract.prompt import PromptTemplate
 from asyncpage.extract.run import ExtractError, ExtractResult, beams_per_record, check_job, extract_many
+from asyncpage.extract.types import enc_hook
 from asyncpage.params import SamplingParams
 
 try:
@@ -73,7 +74,9 @@ class _Job:
     examples: Sequence[Mapping[str, Any]]
     beam_width: int | None
     score_booleans: bool | None
-    jsonl: bool  # rows are (line, raw) input lines of a JSONL file, not records
+    jsonl: bool
+    max_retries: int = 0
+    confidence: bool = False  # rows are (line, raw) input lines of a JSONL file, not records
 
 
 class _Extractor:
@@ -111,7 +114,8 @@ class _Extractor:
                                     concurrency=job.concurrency, params=job.params, id_field=job.id_field,
                                     max_prompt_tokens=job.max_prompt_tokens, copy_fields=job.copy_fields,
                                     examples=job.examples, beam_width=job.beam_width,
-                                    score_booleans=job.score_booleans):
+                                    score_booleans=job.score_booleans, max_retries=job.max_retries,
+                                    confidence=job.confidence):
             results[slots[r.position - 1]] = r
         done = [r for r in results if r is not None]
         assert len(done) == len(rows)  # extract_many answers every record it is given
@@ -123,11 +127,15 @@ class _Extractor:
             ids, extra = batch.column(job.id_field), {}
         return pa.table({
             "id": ids,
-            "value": pa.array([None if r.error else msgspec.json.encode(r.value).decode() for r in done], pa.string()),
+            "value": pa.array([None if r.error else msgspec.json.encode(r.value, enc_hook=enc_hook).decode()
+                               for r in done], pa.string()),
             "error": pa.array([msgspec.to_builtins(r.error) if r.error else None for r in done], ERROR_TYPE),
             "closed_early": pa.array([r.closed_early for r in done], pa.bool_()),
             "prompt_tokens": pa.array([r.prompt_tokens for r in done], pa.int64()),
             "output_tokens": pa.array([r.output_tokens for r in done], pa.int64()),
+            "attempts": pa.array([r.attempts for r in done], pa.int64()),
+            "confidence": pa.array([None if r.confidence is None else json.dumps(r.confidence) for r in done],
+                                   pa.string()),
             **extra,
         })
 
@@ -136,8 +144,9 @@ def extract_dataset(ds: ray.data.Dataset, schema: Any, *, num_actors: int = 1, n
                     batch_size: int | None = None, prompt: PromptTemplate | None = None, concurrency: int = 16,
                     params: SamplingParams | None = None, id_field: str = "id", max_prompt_tokens: int | None = None,
                     copy_fields: Sequence[str] | str | None = None, examples: Sequence[Mapping[str, Any]] = (),
-                    beam_width: int | None = None, score_booleans: bool | None = None,
-                    model: str | os.PathLike[str] | None = None, **engine_options: Any) -> ray.data.Dataset:
+                    beam_width: int | None = None, score_booleans: bool | None = None, max_retries: int = 0,
+                    confidence: bool = False, model: str | os.PathLike[str] | None = None,
+                    **engine_options: Any) -> ray.data.Dataset:
     """Extract `schema` from every row of `ds` on `num_actors` actors, one engine each (the model and
     `engine_options` as AsyncEngine.from_pretrained takes them; `num_threads` defaults to the actor's
     CPUs). The other arguments are extract_many's. Rows are records: their fields fill the prompt and
@@ -146,10 +155,11 @@ def extract_dataset(ds: ray.data.Dataset, schema: Any, *, num_actors: int = 1, n
     Returns a Dataset with one row per input row, in no particular order: `id`, then `value` (the
     value as JSON text) or `error` (`{reason, message}`, the reasons of `asyncpage extract`: a
     record's own failure is its row, never the job's), `closed_early`, `prompt_tokens`,
-    `output_tokens`. Lazy, like every Dataset: nothing runs until it is consumed or written.
+    `output_tokens`, `attempts`, `confidence` (JSON text, or null without `confidence=True`). Lazy, like
+    every Dataset: nothing runs until it is consumed or written.
     """
     job = _Job(schema, params, prompt, concurrency, id_field, max_prompt_tokens, copy_fields, tuple(examples),
-               beam_width, score_booleans, jsonl=False)
+               beam_width, score_booleans, jsonl=False, max_retries=max_retries, confidence=confidence)
     options = {"model": model, **engine_options}
     _refuse(job, options, num_actors)  # here, not in every actor (a Ray task error, after the model loaded)
     return _map(ds, job, num_actors=num_actors, num_cpus_per_actor=num_cpus_per_actor, batch_size=batch_size,
@@ -220,14 +230,16 @@ def _result(row: dict[str, Any]) -> ExtractResult:
                          value=json.loads(row["value"]) if row["value"] is not None else None,
                          error=ExtractError(**error) if error is not None else None,
                          prompt_tokens=row["prompt_tokens"], output_tokens=row["output_tokens"],
-                         closed_early=row["closed_early"])
+                         closed_early=row["closed_early"], attempts=row["attempts"],
+                         confidence=json.loads(row["confidence"]) if row["confidence"] is not None else None)
 
 
 def run_job(input_path: Path, output_path: Path, schema: Any, *, num_actors: int = 1, resume: bool = False,
             progress: bool = True, prompt: PromptTemplate | None = None, concurrency: int = 16, max_tokens: int = 512,
             id_field: str = "id", max_prompt_tokens: int | None = None,
             copy_fields: Sequence[str] | str | None = None, examples: Sequence[Mapping[str, Any]] = (),
-            beam_width: int | None = None, score_booleans: bool | None = None, **engine_options: Any) -> JobSummary:
+            beam_width: int | None = None, score_booleans: bool | None = None, max_retries: int = 0,
+            confidence: bool = False, **engine_options: Any) -> JobSummary:
     """`asyncpage extract --ray`: asyncpage.extract.jobs.run_job's contract (one output line per non-blank
     input line across interrupted runs, `resume` skipping the lines already answered) with the records
     read by Ray Data and extracted by `num_actors` actors. The output is written here, by the driver,
@@ -237,7 +249,8 @@ def run_job(input_path: Path, output_path: Path, schema: Any, *, num_actors: int
     width = beams_per_record(schema, copy_fields, beam_width)
     check_paths(input_path, output_path)
     job = _Job(schema, job_params(max_tokens), prompt, concurrency, id_field, max_prompt_tokens, copy_fields,
-               tuple(examples), beam_width, score_booleans, jsonl=True)
+               tuple(examples), beam_width, score_booleans, jsonl=True, max_retries=max_retries,
+               confidence=confidence)
     options = {"max_num_seqs": max(concurrency * width, 1), **engine_options}
     _refuse(job, options, num_actors)
     done = open_output(output_path, resume)

@@ -29,11 +29,13 @@ import msgspec
 from asyncpage.core.client import EngineClient
 from asyncpage.errors import EngineDeadError, InvalidRequestError
 from asyncpage.extract.run import ExtractError, ExtractResult, extract_many
+from asyncpage.extract.types import enc_hook
 from asyncpage.params import SamplingParams
 
 
 def load_schema(spec: str) -> Any:
-    """A JSON Schema file, or `module:Name` naming a msgspec Struct (or any msgspec-describable type)."""
+    """A JSON Schema file, or `module:Name` naming a msgspec Struct (or any msgspec-describable type), or a
+    pydantic v2 model (asyncpage.extract.types)."""
     path = Path(spec)
     if path.suffix == ".json" or path.exists():
         try:
@@ -281,8 +283,12 @@ def result_line(r: ExtractResult, line_no: int) -> dict[str, Any]:
     line = {"id": r.id, "error": msgspec.to_builtins(r.error)} if r.error else {"id": r.id, "value": r.value}
     if r.closed_early:
         line["closed_early"] = True  # valid, but ended by --max-tokens: maybe shorter than the model's own
+    if r.attempts > 1:
+        line["attempts"] = r.attempts  # --max-retries decoded a refused value again
+    if r.confidence is not None:
+        line["confidence"] = r.confidence  # --confidence
     line["line"] = line_no  # the input line it answers: what --resume keys on (ids may repeat or be null)
-    return msgspec.to_builtins(line)
+    return msgspec.to_builtins(line, enc_hook=enc_hook)  # a pydantic value as its JSON dump
 
 
 def _line_text(line: dict[str, Any]) -> str:
@@ -336,7 +342,7 @@ async def run_job(engine: EngineClient, schema: Any, input_path: Path, output_pa
                   id_field: str = "id", max_prompt_tokens: int | None = None, progress: bool = True,
                   copy_fields: Sequence[str] | str | None = None,
                   examples: Sequence[Mapping[str, Any]] = (), beam_width: int | None = None,
-                  score_booleans: bool | None = None) -> JobSummary:
+                  score_booleans: bool | None = None, max_retries: int = 0, confidence: bool = False) -> JobSummary:
     """Every non-blank input line gets exactly one output line across any number of interrupted
     runs: a record is written once it has its final outcome; one whose engine died or closed under
     it is not written (the job stops with the error), so `resume=True` does it again."""
@@ -386,7 +392,8 @@ async def run_job(engine: EngineClient, schema: Any, input_path: Path, output_pa
                                              params=params, id_field=id_field,
                                              max_prompt_tokens=max_prompt_tokens, copy_fields=copy_fields,
                                              examples=examples, beam_width=beam_width,
-                                             score_booleans=score_booleans):
+                                             score_booleans=score_booleans, max_retries=max_retries,
+                                             confidence=confidence):
                 n = line_of.pop(result.position)
                 if result.error is not None and result.error.reason == "engine_error":
                     engine_error = engine_error or result  # not final: left for the resumed run

@@ -8,8 +8,9 @@ record never stops the job.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
 import msgspec
@@ -26,11 +27,11 @@ from asyncpage.errors import (
     SamplingError,
 )
 from asyncpage.extract import booleans as flags
-from asyncpage.extract import grounding
+from asyncpage.extract import grounding, types
+from asyncpage.extract import retry as redo
 from asyncpage.extract.beams import beam_for, beam_params, refuse_asked_beams
 from asyncpage.extract.prompt import PromptTemplate, copy_sources, render_prompt, schema_prompt
 from asyncpage.guided import GuidedSpec
-from asyncpage.guided.schema import closed_objects
 from asyncpage.outputs import Beam, GenerateOutput
 from asyncpage.params import SamplingParams
 
@@ -57,6 +58,10 @@ class ExtractResult(msgspec.Struct, frozen=True, omit_defaults=True):
     position: int = 0  # 1-based position of the record in the input: unique even when ids are not
     # The budget (max_tokens) closed the value early: it validates, but may be shorter than the model's own.
     closed_early: bool = False
+    attempts: int = 1  # decodes of the value: 1, or more where max_retries decoded a refused one again
+    # confidence=True: a probability per top-level field (asyncpage.extract.retry.field_confidence; a scored
+    # boolean's, its decision's share: see _decide)
+    confidence: dict[str, float] | None = None
 
     @property
     def ok(self) -> bool:
@@ -67,16 +72,10 @@ Record = Mapping[str, Any] | str
 
 
 def json_params(schema: Any, params: SamplingParams | None) -> tuple[SamplingParams, Any]:
-    """The sampling params for extracting `schema` (a msgspec type or a JSON Schema dict) and the
-    type to decode into (None for a dict schema). `params` defaults to greedy, max_tokens=1024; any
-    other guided-decoding field in it is replaced by the schema."""
-    if isinstance(schema, dict):
-        json_schema, target = schema, None
-    else:
-        try:
-            json_schema, target = closed_objects(msgspec.json.schema(schema)), schema
-        except (TypeError, ValueError) as exc:
-            raise InvalidRequestError("schema", f"not a msgspec type or JSON Schema dict: {exc}") from exc
+    """The sampling params for extracting `schema` (a msgspec type, a pydantic type or a JSON Schema dict:
+    asyncpage.extract.types) and the target to decode into (None for a dict schema). `params` defaults to
+    greedy, max_tokens=1024; any other guided-decoding field in it is replaced by the schema."""
+    json_schema, target = types.describe(schema)
     base = params or SamplingParams(max_tokens=1024, temperature=0)
     return msgspec.structs.replace(base, json_schema=json_schema, regex=None, choice=None, grammar=None), target
 
@@ -142,21 +141,107 @@ async def closed_early_error(engine: EngineClient, params: SamplingParams, token
 
 
 def decode_value(text: str, target: Any, decided: dict[str, bool] | None = None) -> Any:
-    """The generated JSON as `target` (or plain JSON values), with the `decided` booleans (flags.py) in
-    place of the model's own; raises msgspec.DecodeError."""
+    """The generated JSON as `target` (json_params' target: a msgspec type, a pydantic one, or None for plain
+    JSON values), with the `decided` booleans (flags.py) in place of the model's own; raises
+    msgspec.DecodeError (types.Refused, a msgspec.ValidationError, where the type's validation refuses it)."""
+    fields = redo.top_fields(text)
     text = flags.applied(text, decided or {})
-    return msgspec.json.decode(text, type=target) if target is not None else msgspec.json.decode(text)
+    return types.decode(text, target, [f.key for f in fields or ()])
+
+
+class Attempts:
+    """A record's decodes so far: how many, the kept prefix of its value (tokens, text, their log-probabilities)
+    the next decode continues, and the refused values of each field retried."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.ids: list[int] = []
+        self.text = ""
+        self.logprobs: list[float | None] = []
+        self.excluded: dict[str, list[Any]] = {}
+        self.output_tokens = 0
+
+
+def retry_params(engine: EngineClient, params: SamplingParams, state: Attempts, text: str,
+                 token_ids: Sequence[int], logprobs: Sequence[float | None],
+                 refused: types.Refused) -> SamplingParams | None:
+    """The params of the next decode of a refused value (asyncpage.extract.retry), with `state` moved to the
+    prefix it keeps; None when it cannot be decoded again (no field to retry, a value that cannot be
+    excluded). `params`: the record's first decode's, under its JSON schema."""
+    schema = params.json_schema
+    fields = redo.top_fields(text)
+    if not isinstance(schema, dict) or not fields:
+        return None
+    named = [f for f in fields if f.key == refused.field]
+    field = named[0] if named else fields[-1]
+    try:
+        value = msgspec.json.decode(text[field.start:field.end])
+    except msgspec.DecodeError:
+        return None
+    excluded = state.excluded.setdefault(field.key, [])
+    excluded.append(value)
+    if getattr(engine.guided, "backend_name", None) == "llguidance":
+        from asyncpage.guided.llg import JSON_OPTIONS
+
+        ends = redo.token_ends(engine.tokenizer, token_ids)
+        k = redo.kept_tokens(ends, field.start)
+        kept = engine.tokenizer.decode(list(token_ids[:k]), skip_special_tokens=True) if k else ""
+        lark = redo.rest_grammar(schema, field.key, text[len(kept):field.start], excluded, dict(JSON_OPTIONS)) \
+            if text.startswith(kept) else None
+        if lark is not None and params.max_tokens > k:
+            state.ids, state.text, state.logprobs = list(token_ids[:k]), kept, list(logprobs[:k])
+            return msgspec.structs.replace(params, json_schema=None, grammar=lark, max_tokens=params.max_tokens - k)
+    whole = redo.whole_schema(schema, field.key, excluded)
+    if whole is None:
+        return None
+    state.ids, state.text, state.logprobs = [], "", []
+    return msgspec.structs.replace(params, json_schema=whole)
+
+
+def _token_logprobs(logprobs: Sequence[Any] | None, n: int) -> list[float | None]:
+    return [e.logprob for e in logprobs] if logprobs is not None and len(logprobs) == n else [None] * n
+
+
+def confidence_of(engine: EngineClient, text: str, token_ids: Sequence[int], logprobs: Sequence[float | None],
+                  shares: dict[str, float]) -> dict[str, float]:
+    """Per top-level field: a scored boolean's decision share, else its value tokens' joint probability
+    (asyncpage.extract.retry.field_confidence); a field decoded without log-probabilities (beams) is left out."""
+    out = {}
+    if any(lp is not None for lp in logprobs):
+        out = redo.field_confidence(text, redo.token_ends(engine.tokenizer, token_ids), logprobs)
+    return {**out, **shares}
+
+
+async def _decide(engine: EngineClient, marked: dict[str, Any], text: str, offset: dict[str, float],
+                  confidence: bool) -> tuple[dict[str, bool], dict[str, float]]:
+    """flags.decide, and with `confidence` each decision's share: the logistic of its score's margin over its
+    offset (1/2 at the threshold; not calibrated beyond that: a bare name's per-token gains stay near 1/2)."""
+    if not confidence:
+        return await flags.decide(engine, marked, text, offset), {}
+    readings = {name: r for name, r in flags.statements(marked).items() if name in offset}
+    gains = await flags._gains(engine, readings, text)  # decide's own scores, kept
+    if not gains:
+        return {}, {}
+    return ({name: g > offset[name] for name, g in gains.items()},
+            {name: 1 / (1 + math.exp(-abs(g - offset[name]))) for name, g in gains.items()})
+
+
+def _check_retries(max_retries: int) -> None:
+    if type(max_retries) is not int or max_retries < 0:
+        raise InvalidRequestError("max_retries", f"must be an int >= 0, got {max_retries!r}")
 
 
 async def extract_one(engine: EngineClient, prompt: str | list[int], schema: Any, params: SamplingParams | None, *,
                       chat: bool, copy_from: str | Sequence[str] | None,
                       copy_fields: Sequence[str] | str | None, beam_width: int | None = None,
-                      score_booleans: bool | None = None) -> Any:
+                      score_booleans: bool | None = None, max_retries: int = 0, confidence: bool = False) -> Any:
     """See AsyncEngine.extract."""
+    _check_retries(max_retries)
     beam_params(beam_width, copying=False)  # a bad width fails first, before any grammar is made
     params, target = json_params(schema, params)
     copying = False  # a field is copied: the default is beams (beam_params)
     decided: dict[str, bool] = {}  # booleans scored on the source (flags.py): they replace the model's own
+    shares: dict[str, float] = {}
     if copy_from is None and score_booleans:
         raise InvalidRequestError("score_booleans", "booleans are scored on the record's text: pass copy_from")
     if copy_from is not None:
@@ -168,35 +253,68 @@ async def extract_one(engine: EngineClient, prompt: str | list[int], schema: Any
         copying = grounding.copied(marked)
         params = grounded(params, marked, sources)
         if score_booleans is not False and flags.statements(marked) and _joined(sources).strip():
-            decided = await flags.decide(engine, marked, _joined(sources), await flags.offsets(engine, marked))
+            decided, shares = await _decide(engine, marked, _joined(sources), await flags.offsets(engine, marked),
+                                            confidence)
     if chat:
         prompt = engine.apply_chat_template(prompt)
+    state = Attempts()
+    own = params  # this decode's params: the record's, or a retry's (retry_params)
     try:
         out: GenerateOutput | Beam
         ids = await engine.tokenize(prompt)
-        beam = beam_for(engine, ids, params, beam_width, copying)
-        if beam is None:
-            out = await engine.generate(ids, params)
-        else:
-            beams = (await engine.beam_search(ids, beam.beam_width, params.max_tokens, params=params)).beams
-            if beams and (beams[0].finish_reason == "stop" or beam_width is not None):
-                out = beams[0]
-            elif beam_width is None:
-                out = await engine.generate(ids, params)  # see _greedy_retry
+        while True:
+            state.n += 1
+            if state.n == 1:
+                beam = beam_for(engine, ids, params, beam_width, copying)
+                if beam is None:
+                    if confidence:
+                        own = msgspec.structs.replace(params, logprobs=0)
+                    out = await engine.generate(ids, own)
+                else:
+                    beams = (await engine.beam_search(ids, beam.beam_width, params.max_tokens, params=params)).beams
+                    if beams and (beams[0].finish_reason == "stop" or beam_width is not None):
+                        out = beams[0]
+                    elif beam_width is None:
+                        out = await engine.generate(ids, params)  # see _greedy_retry
+                    else:
+                        raise ExtractionError("invalid", _NO_BEAM.format(beam.beam_width), "")
             else:
-                raise ExtractionError("invalid", _NO_BEAM.format(beam.beam_width), "")
-        if out.finish_reason == "length":
-            # Closed validly by the budget: raised with the value attached (see closed_early_error).
-            raise await closed_early_error(engine, params, out.token_ids, out.text, target, decided) or ExtractionError(
-                "truncated", f"output reached max_tokens={params.max_tokens} before the value was complete",
-                out.text)
+                out = await engine.generate(ids + state.ids, own)
+            state.output_tokens += len(out.token_ids)
+            text = state.text + out.text
+            token_ids = state.ids + list(out.token_ids)
+            chosen = out.choices[0].logprobs if isinstance(out, GenerateOutput) else None  # beams have none
+            logprobs = state.logprobs + _token_logprobs(chosen, len(out.token_ids))
+            if out.finish_reason == "length":
+                # Closed validly by the budget: raised with the value attached (see closed_early_error).
+                raise await closed_early_error(engine, own, out.token_ids, text, target, decided) or ExtractionError(
+                    "truncated", f"output reached max_tokens={params.max_tokens} before the value was complete",
+                    text)
+            try:
+                value = decode_value(text, target, decided)
+            except types.Refused as exc:
+                nxt = None
+                if state.n <= max_retries and not copying:
+                    base = msgspec.structs.replace(params, logprobs=0) if confidence else params
+                    nxt = retry_params(engine, base, state, text, token_ids, logprobs, exc)
+                if nxt is None:
+                    raise ExtractionError("invalid", str(exc), text) from exc
+                if own is not params and state.n > 1:
+                    _forget(engine, own)
+                own = nxt
+                continue
+            except msgspec.DecodeError as exc:
+                raise ExtractionError("invalid", str(exc), text) from exc
+            break
     finally:
         if copy_from is not None:
             _forget(engine, params)  # the grammar embeds this source only
-    try:
-        return decode_value(out.text, target, decided)
-    except msgspec.DecodeError as exc:
-        raise ExtractionError("invalid", str(exc), out.text) from exc
+        if state.n > 1:
+            _forget(engine, own)  # a retry's grammar embeds the refused values
+    if confidence:
+        return ExtractResult(None, value=value, prompt_tokens=len(ids), output_tokens=state.output_tokens,
+                             attempts=state.n, confidence=confidence_of(engine, text, token_ids, logprobs, shares))
+    return value
 
 
 def _joined(sources: Sequence[str]) -> str:
@@ -219,7 +337,8 @@ async def extract_many(engine: EngineClient, items: Iterable[Record] | AsyncIter
                        id_field: str = "id", max_prompt_tokens: int | None = None,
                        copy_fields: Sequence[str] | str | None = None,
                        examples: Sequence[Mapping[str, Any]] = (), beam_width: int | None = None,
-                       score_booleans: bool | None = None) -> AsyncIterator[ExtractResult]:
+                       score_booleans: bool | None = None, max_retries: int = 0,
+                       confidence: bool = False) -> AsyncIterator[ExtractResult]:
     """Extract a typed value from each record, at most `concurrency` in flight.
 
     `items`: records (dicts, or plain strings as {"text": ...}), sync or async iterable, read
@@ -235,10 +354,16 @@ async def extract_many(engine: EngineClient, items: Iterable[Record] | AsyncIter
     each top-level boolean property is decided by how likely its statement is after the record's
     text (the fields its prompt shows; its name as a heading, without a description), against the
     same after four reference records, not generated (asyncpage.extract.booleans).
+    `max_retries`: a value the type's own validation refuses (a pydantic validator, a msgspec constraint or
+    `__post_init__`) is decoded again, up to that many times, from its first refused top-level field, with the
+    refused value excluded by the grammar (asyncpage.extract.retry; not for records with copied fields);
+    `.attempts` counts the decodes. `confidence`: each result's `.confidence`, a probability per top-level
+    field (`confidence_of`).
 
         async for r in engine.extract_many(docs, Invoice, concurrency=16):
             print(r.id, r.value if r.ok else r.error)
     """
+    _check_retries(max_retries)
     check_job(prompt, examples, concurrency, schema, copy_fields)
     params, target = json_params(schema, params)
     spec = GuidedSpec.from_params(params)
@@ -268,6 +393,10 @@ async def extract_many(engine: EngineClient, items: Iterable[Record] | AsyncIter
 
     pending: dict[int, tuple[Any, int, Request]] = {}
     decided_at: dict[int, dict[str, bool]] = {}  # a record's scored booleans, by its position
+    shares_at: dict[int, dict[str, float]] = {}  # their decisions' shares (confidence)
+    states: dict[int, Attempts] = {}  # a record's decodes, by its position
+    prompt_at: dict[int, list[int]] = {}  # its prompt's ids (a retry's prompt starts with them)
+    base = msgspec.structs.replace(params, logprobs=0) if confidence else params  # a retry's, before its grammar
     ready: list[ExtractResult] = []
     source = _aiter(items).__aiter__()
     exhausted = False
@@ -299,28 +428,36 @@ async def extract_many(engine: EngineClient, items: Iterable[Record] | AsyncIter
                     sources = copy_sources(prompt, record, id_field)
                     if scoring:  # its booleans, decided on its text (flags.py), replace the model's in its value
                         offset = await flags.offsets(engine, marked)  # measured once, kept on the engine
-                        decided_at[index] = await flags.decide(engine, marked, _joined(sources), offset)
+                        decided_at[index], shares_at[index] = await _decide(engine, marked, _joined(sources), offset,
+                                                                            confidence)
                     own = grounded(params, marked, sources) if copying else params
                     beam = beam_for(engine, ids, own, beam_width, copying)
+                    if beam is None and confidence:
+                        own = msgspec.structs.replace(own, logprobs=0)
                     req = await _submit_when_room(engine, ids, own, Mailbox(notify), beam)
                 except (PromptTooLongError, GrammarTimeoutError, InvalidRequestError, RecursionError) as exc:
                     # RecursionError: a record nested past what its own preparation (copy sources, its
                     # grammar) can walk is that record's error, never the job's.
-                    if own is not params:
+                    if copying and own is not params:
                         _forget(engine, own)  # a refusal is cached too
                     decided_at.pop(index, None)
+                    shares_at.pop(index, None)
                     ready.append(ExtractResult(rid, error=_submit_error(exc), position=index))
                     continue
                 except BaseException:  # cancelled while compiling: the record's grammar leaves with it
-                    if own is not params:
+                    if copying and own is not params:
                         _forget(engine, own)
                     raise
+                states[index] = Attempts()
+                states[index].n = 1
+                prompt_at[index] = ids
                 pending[req.request_id] = (rid, index, req)
             for key in [k for k, (_, _, r) in pending.items() if r.finished or r.mailbox.error is not None]:
                 rid, position, req = pending.pop(key)
                 if beam_width is None and _greedy_retry(req):
                     try:
-                        again = await _submit_when_room(engine, list(req.prompt_token_ids), req.params,
+                        greedy = msgspec.structs.replace(req.params, logprobs=0) if confidence else req.params
+                        again = await _submit_when_room(engine, list(req.prompt_token_ids), greedy,
                                                         Mailbox(notify))
                     except (PromptTooLongError, GrammarTimeoutError, InvalidRequestError):
                         pass  # the beams' own outcome stands
@@ -331,8 +468,32 @@ async def extract_many(engine: EngineClient, items: Iterable[Record] | AsyncIter
                     else:
                         pending[again.request_id] = (rid, position, again)
                         continue
-                result = _result(rid, req, target, decided_at.pop(position, {}))
-                ready.append(msgspec.structs.replace(result, position=position))
+                state = states[position]
+                outcome = _result(rid, req, target, decided_at.get(position, {}), state)
+                if state.n > 1:
+                    _forget(engine, req.params)  # a retry's grammar embeds the refused values
+                nxt = None
+                if outcome.refused is not None and state.n <= max_retries and not copying:
+                    nxt = retry_params(engine, base, state, outcome.text, outcome.token_ids, outcome.logprobs,
+                                       outcome.refused)
+                if nxt is not None:
+                    try:
+                        again = await _submit_when_room(engine, prompt_at[position] + state.ids, nxt,
+                                                        Mailbox(notify))
+                    except (PromptTooLongError, GrammarTimeoutError, InvalidRequestError):
+                        _forget(engine, nxt)  # the refusal stands
+                    else:
+                        state.n += 1
+                        pending[again.request_id] = (rid, position, again)
+                        continue
+                result = outcome.result
+                extra: dict[str, Any] = {"attempts": state.n, "position": position}
+                if confidence and result.ok:
+                    extra["confidence"] = confidence_of(engine, outcome.text, outcome.token_ids, outcome.logprobs,
+                                                        shares_at.get(position, {}))
+                ready.append(msgspec.structs.replace(result, **extra))
+                for at in (decided_at, shares_at, states, prompt_at):
+                    at.pop(position, None)
                 if copying:
                     _forget(engine, req.params)  # this record's grammar ends with it
             if ready:
@@ -344,9 +505,9 @@ async def extract_many(engine: EngineClient, items: Iterable[Record] | AsyncIter
             wake = anyio.Event()
     finally:
         # The caller stopped early (break, cancel, error): abort what is still in flight.
-        for _, _, req in pending.values():
+        for _, position, req in pending.values():
             engine.abort(req)
-            if copying:
+            if copying or (position in states and states[position].n > 1):
                 _forget(engine, req.params)
 
 
@@ -406,18 +567,35 @@ def _submit_error(exc: Exception) -> ExtractError:
     return ExtractError("invalid_input", str(exc))
 
 
-def _result(rid: Any, req: Request, target: Any, decided: dict[str, bool]) -> ExtractResult:
-    n_prompt = len(req.prompt_token_ids)
+class Outcome(NamedTuple):
+    """A finished request's result, and what a retry needs: the refusal, the whole value's text, tokens and
+    their log-probabilities (the kept prefix's included)."""
+
+    result: ExtractResult
+    refused: types.Refused | None = None
+    text: str = ""
+    token_ids: Sequence[int] = ()
+    logprobs: Sequence[float | None] = ()
+
+
+def _result(rid: Any, req: Request, target: Any, decided: dict[str, bool], state: Attempts) -> Outcome:
+    n_prompt = len(req.prompt_token_ids) - len(state.ids)
     if isinstance(req.mailbox.error, SamplingError):  # this record's own failure
-        return ExtractResult(rid, error=ExtractError("invalid_output", str(req.mailbox.error)), prompt_tokens=n_prompt)
+        return Outcome(ExtractResult(rid, error=ExtractError("invalid_output", str(req.mailbox.error)),
+                                     prompt_tokens=n_prompt))
     if req.mailbox.error is not None:  # the engine's failure, not the record's: a job retries these
-        return ExtractResult(rid, error=ExtractError("engine_error", str(req.mailbox.error)), prompt_tokens=n_prompt)
+        return Outcome(ExtractResult(rid, error=ExtractError("engine_error", str(req.mailbox.error)),
+                                     prompt_tokens=n_prompt))
     if req.beam is not None and req.beam.done and not req.beam.finished:
-        return ExtractResult(rid, error=ExtractError("invalid_output", _NO_BEAM.format(req.beam.width)),
-                             prompt_tokens=n_prompt)
+        return Outcome(ExtractResult(rid, error=ExtractError("invalid_output", _NO_BEAM.format(req.beam.width)),
+                                     prompt_tokens=n_prompt))
     out = req.mailbox.drain().get(0)
     n_out = len(out.token_ids) if out else 0
-    text = out.text if out else ""
+    state.output_tokens += n_out
+    n_all = state.output_tokens
+    text = state.text + (out.text if out else "")
+    token_ids = state.ids + (list(out.token_ids) if out else [])
+    logprobs = state.logprobs + _token_logprobs(out.logprobs if out else None, n_out)
     if out is not None and out.finish_reason == "length" and closed_validly(req.seqs[0].matcher if req.seqs else None,
                                                                               req.params, out.token_ids):
         try:
@@ -425,15 +603,18 @@ def _result(rid: Any, req: Request, target: Any, decided: dict[str, bool]) -> Ex
         except msgspec.DecodeError:
             pass
         else:
-            return ExtractResult(rid, value=value, prompt_tokens=n_prompt, output_tokens=n_out, closed_early=True)
+            return Outcome(ExtractResult(rid, value=value, prompt_tokens=n_prompt, output_tokens=n_all,
+                                         closed_early=True), None, text, token_ids, logprobs)
     if out is None or out.finish_reason != "stop":
         reason = out.finish_reason if out else "abort"
-        return ExtractResult(rid, error=ExtractError(
+        return Outcome(ExtractResult(rid, error=ExtractError(
             "truncated", f"generation ended by {reason} after {n_out} tokens: {text[-80:]!r}"),
-            prompt_tokens=n_prompt, output_tokens=n_out)
+            prompt_tokens=n_prompt, output_tokens=n_all))
     try:
         value = decode_value(text, target, decided)
     except msgspec.DecodeError as exc:
-        return ExtractResult(rid, error=ExtractError("invalid_output", str(exc)), prompt_tokens=n_prompt,
-                             output_tokens=n_out)
-    return ExtractResult(rid, value=value, prompt_tokens=n_prompt, output_tokens=n_out)
+        return Outcome(ExtractResult(rid, error=ExtractError("invalid_output", str(exc)), prompt_tokens=n_prompt,
+                                     output_tokens=n_all), exc if isinstance(exc, types.Refused) else None,
+                       text, token_ids, logprobs)
+    return Outcome(ExtractResult(rid, value=value, prompt_tokens=n_prompt, output_tokens=n_all), None, text,
+                   token_ids, logprobs)
