@@ -125,3 +125,4 @@ class EngineStats(msgspec.Struct, frozen=True):
     # Running seats and waiting sequences by request priority (lower runs first; all 0 unless asked).
     num_running_by_priority: dict[int, int] = msgspec.field(default_factory=dict)
     num_waiting_by_priority: dict[int, int] = msgspec.field(default_factory=dict)
+    kv_blocks_kept: int = 0  # held for keyed conversations between their turns (cache_key)

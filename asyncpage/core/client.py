@@ -34,7 +34,7 @@ class EngineClient(Protocol):
     reading_offsets: dict[str, float | None]  # asyncpage.extract.booleans' per-engine cache
 
     async def submit(self, prompt: Prompt, params: SamplingParams, mailbox: Mailbox | None = None, *,
-                     beam: BeamParams | None = None) -> Request:
+                     beam: BeamParams | None = None, priority: int = 0, cache_key: str | None = None) -> Request:
         """Tokenize, validate, compile the grammar and queue; raises a typed error before queueing."""
         ...
 
@@ -50,9 +50,11 @@ class EngineClient(Protocol):
 
     def apply_chat_template(self, prompt: Prompt) -> list[int]: ...
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestStream[Request]: ...
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0,
+               cache_key: str | None = None) -> RequestStream[Request]: ...
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> GenerateOutput: ...
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0,
+                       cache_key: str | None = None) -> GenerateOutput: ...
 
     async def beam_search(self, prompt: Prompt, beam_width: int = 4, max_tokens: int = 32,
                           length_penalty: float = 1.0, early_stopping: EarlyStopping = False,

@@ -93,10 +93,10 @@ class EngineCore:
     # ---- the only entry points from outside the loop -----------------------------------------
     def new_request(self, ids: list[int], params: SamplingParams, mailbox: Mailbox | None,
                     stop_token_ids: frozenset[int], compiled: CompiledGrammar | None,
-                    beam: BeamParams | None = None, priority: int = 0) -> Request:
+                    beam: BeamParams | None = None, priority: int = 0, cache_key: str | None = None) -> Request:
         """A request object, not yet known to the scheduler (pure construction)."""
         req = Request(next(self._ids), ids, params, mailbox or Mailbox(),
-                      frozenset() if params.ignore_eos else stop_token_ids, priority=priority)
+                      frozenset() if params.ignore_eos else stop_token_ids, priority=priority, cache_key=cache_key)
         if beam is not None:
             req.beam = BeamSearch(beam, params.max_tokens, len(req.stop_ids))
         seq = Sequence(
@@ -363,13 +363,17 @@ class EngineCore:
                     fill[b.block_id] = n
         sched = self.scheduler
         by_running, by_waiting = sched.counts_by_priority()
+        kept = self.kv.retention.num_blocks
+        # Blocks a live sequence holds: kept conversations' blocks are counted apart (kv_blocks_kept).
+        used = len({b.block_id for s in (*sched.running, *sched.waiting) for b in s.table.blocks}) if kept \
+            else pool.num_used
         return EngineStats(
-            kv_blocks_total=pool.num_blocks, kv_blocks_used=pool.num_used,
+            kv_blocks_total=pool.num_blocks, kv_blocks_used=used, kv_blocks_kept=kept,
             kv_blocks_cached=pool.num_cached_free, kv_blocks_free=pool.num_free, block_size=bs,
             num_running=sched.num_seats, num_waiting=len(sched.waiting),
             num_preemptions=sched.num_preemptions,
             prefix_cache_query_tokens=self.kv.query_tokens, prefix_cache_hit_tokens=self.kv.hit_tokens,
-            kv_token_slots_allocated=pool.num_used * bs, kv_token_slots_occupied=sum(fill.values()),
+            kv_token_slots_allocated=used * bs, kv_token_slots_occupied=sum(fill.values()),
             num_requests_finished=self.output.num_finished, num_generated_tokens=self.output.num_generated,
             engine_error=repr(self.dead.__cause__) if self.dead is not None else None,
             prefix_cache_evictions=pool.num_evictions, spec_proposed_tokens=sched.spec.proposed,

@@ -59,6 +59,7 @@ class Request:
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
     priority: int = 0  # lower runs first (vLLM's convention); ties by arrival (Scheduler)
+    cache_key: str | None = None  # a conversation whose blocks are kept past this request (kv/retention.py)
     abort_requested: bool = False  # set by abort() from anywhere; acted on by the loop only
     released: bool = False  # the loop is done with it: blocks freed, mailbox final
     released_event: Any = None  # an anyio.Event made by the first waiter (on the loop)

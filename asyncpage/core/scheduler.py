@@ -107,6 +107,7 @@ class Scheduler(Priorities, BeamSteps):
         self._preempted.clear()
         self._admitted.clear()
         now = time.monotonic()
+        self.kv.retention.release_idle(now)
         prioritized = self._prioritized()
         if prioritized:
             self._order(now)
@@ -173,6 +174,8 @@ class Scheduler(Priorities, BeamSteps):
                 if prioritized and self._make_room(seq, now):
                     seats = self.num_seats
                     continue
+                if not self.running and self.kv.retention.release_oldest():
+                    continue  # nothing runs and it cannot start: kept conversations give way
                 break  # in order: later sequences wait behind this one rather than starve it
             self.waiting.popleft()
             copies = self.kv.allocate(seq.table, start, start + num_new, cached)
@@ -182,6 +185,8 @@ class Scheduler(Priorities, BeamSteps):
                 # Count the prompt once per request, not once per preemption.
                 self.kv.record_query(seq.num_prompt_tokens, start)
                 seq.request.num_cached_prompt_tokens = start
+                if seq.request.cache_key is not None:
+                    self.kv.retention.touch(seq.request.cache_key, now)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             self._admitted.add(seq.seq_id)
@@ -356,9 +361,13 @@ class Scheduler(Priorities, BeamSteps):
             self.finish(seq, "stop")
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """End a sequence now: its blocks go back to the pool (cached prefixes stay reusable)."""
+        """End a sequence now: its blocks go back to the pool (cached prefixes stay reusable; a keyed
+        conversation's are kept for its next turn, kv/retention.py)."""
         if seq.status is SeqStatus.FINISHED:
             return
+        req = seq.request
+        if req.cache_key is not None and seq.index == 0 and req.beam is None and seq.status is SeqStatus.RUNNING:
+            self.kv.keep(req.cache_key, seq.table)
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:

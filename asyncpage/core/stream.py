@@ -35,7 +35,8 @@ H = TypeVar("H", bound=Handle)
 
 
 class Submitter(Protocol[H]):
-    async def submit(self, prompt: Prompt, params: SamplingParams, *, priority: int = 0) -> H:
+    async def submit(self, prompt: Prompt, params: SamplingParams, *, priority: int = 0,
+                     cache_key: str | None = None) -> H:
         """Validate and queue a request; raises a typed error before anything is queued."""
         ...
 
@@ -53,11 +54,13 @@ class RequestStream(Generic[H]):
     manager. Leaving `async for` early, `aclose()`, cancelling the consuming task or dropping the
     object all abort the request; after `await aclose()` its blocks are back in the pool."""
 
-    def __init__(self, engine: Submitter[H], prompt: Prompt, params: SamplingParams, *, priority: int = 0) -> None:
+    def __init__(self, engine: Submitter[H], prompt: Prompt, params: SamplingParams, *, priority: int = 0,
+                 cache_key: str | None = None) -> None:
         self._engine = engine
         self._prompt = prompt
         self._params = params
         self._priority = priority
+        self._cache_key = cache_key
         self._request: H | None = None
         self._buffer: deque[StreamChunk] = deque()
         self._open = 0  # samples not finished yet
@@ -83,7 +86,8 @@ class RequestStream(Generic[H]):
             raise StopAsyncIteration
         try:
             if self._request is None:
-                self._request = await self._engine.submit(self._prompt, self._params, priority=self._priority)
+                self._request = await self._engine.submit(self._prompt, self._params, priority=self._priority,
+                                                          cache_key=self._cache_key)
                 self._open = self._params.n
                 if self._closed:  # closed from elsewhere while it was being submitted: never run it
                     self._engine.abort(self._request)

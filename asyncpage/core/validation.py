@@ -87,3 +87,13 @@ def check_priority(priority: object) -> None:
     """`priority`: an int (lower runs first), not a bool, within +-2**31."""
     if not isinstance(priority, int) or isinstance(priority, bool) or not -PRIORITY_RANGE < priority < PRIORITY_RANGE:
         raise InvalidRequestError("priority", f"must be an integer within +-2**31 (lower runs first), got {priority!r}")
+
+
+MAX_CACHE_KEY_CHARS = 256
+
+
+def check_cache_key(key: object) -> None:
+    """`cache_key`: None, or a non-empty string of at most MAX_CACHE_KEY_CHARS characters."""
+    if key is not None and (not isinstance(key, str) or not key or len(key) > MAX_CACHE_KEY_CHARS):
+        raise InvalidRequestError("cache_key", f"must be None or a non-empty string of at most {MAX_CACHE_KEY_CHARS} "
+                                  f"characters, got {key!r:.80}")

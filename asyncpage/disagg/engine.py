@@ -174,12 +174,15 @@ class DisaggEngine:
         return not self._dead
 
     # ---- submission (core.client.Submitter: what RequestStream calls) ---------------------------
-    async def submit(self, prompt: str | list[int], params: SamplingParams, *, priority: int = 0) -> FrontRequest:
+    async def submit(self, prompt: str | list[int], params: SamplingParams, *, priority: int = 0,
+                     cache_key: str | None = None) -> FrontRequest:
         self.check_usable()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params", f"must be SamplingParams, got {type(params).__name__}")
         if priority != 0:
             raise InvalidRequestError("priority", "not offered by the disaggregated engine (its workers run FCFS)")
+        if cache_key is not None:
+            raise InvalidRequestError("cache_key", "not offered by the disaggregated engine")
         if params.n != 1:
             raise InvalidRequestError("n", "a disaggregated engine runs one sample per request (n=1)")
         if params.prompt_logprobs is not None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from asyncpage.kv.block import Block
 from asyncpage.kv.eviction import make_policy
+from asyncpage.kv.retention import Retention
 
 
 class BlockPool:
@@ -176,6 +177,13 @@ class KVCacheManager:
         # An admission keeps this many blocks free, so a freshly admitted sequence does not force a
         # preemption on the very next decode step.
         self.watermark = max(1, num_blocks // 100)
+        # Keyed conversations' blocks, kept between their turns (retention.py).
+        self.retention = Retention(num_blocks, self.pool)
+
+    def keep(self, key: str, table: BlockTable) -> None:
+        """Keep a keyed conversation's full blocks past its request (call before freeing the table)."""
+        if self.enable_prefix_caching:
+            self.retention.keep(key, table.blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -282,7 +290,8 @@ class KVCacheManager:
         pool = self.pool
         assert pool.num_free + pool.num_used == pool.num_blocks
         holders: dict[int, list[int]] = {}
-        for table, owner in tables:
+        kept = [(BlockTable(blocks), -1 - i) for i, blocks in enumerate(self.retention.tables())]
+        for table, owner in [*tables, *kept]:
             assert len({b.block_id for b in table.blocks}) == len(table.blocks), "a table holds a block twice"
             for b in table.blocks:
                 holders.setdefault(b.block_id, []).append(owner)
