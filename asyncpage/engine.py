@@ -33,7 +33,13 @@ from asyncpage.core.mailbox import Mailbox
 from asyncpage.core.output import request_metrics
 from asyncpage.core.request import Request
 from asyncpage.core.stream import RequestStream
-from asyncpage.core.validation import check_beam_search, check_priority, check_request, check_token_ids
+from asyncpage.core.validation import (
+    check_beam_search,
+    check_cache_key,
+    check_priority,
+    check_request,
+    check_token_ids,
+)
 from asyncpage.decoding.beam import BeamParams, EarlyStopping
 from asyncpage.errors import (
     EngineDeadError,
@@ -212,23 +218,27 @@ class AsyncEngine:
 
     # ---- public API -------------------------------------------------------------------------
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
-               priority: int = 0) -> RequestStream[Request]:
+               priority: int = 0, cache_key: str | None = None) -> RequestStream[Request]:
         """Stream a completion: `async for chunk in engine.stream(prompt, params)`. A prompt is a
         str (tokenized as the tokenizer's own call does, BOS included) or a list of token ids.
         `priority`: lower runs first (vLLM's convention; default 0), ties by arrival; a waiting request
         preempts running ones of a lower priority when seats or blocks are short, and a request's
-        priority rises one level for every 10 s it waits, so none starves."""
-        return RequestStream(self, prompt, params or SamplingParams(), priority=priority)
+        priority rises one level for every 10 s it waits, so none starves. `cache_key`: a conversation's
+        name; when the request ends its blocks (prompt and output) are kept for the key's next turn
+        through eviction pressure (within half the pool, least recently used key first, let go after
+        5 idle minutes; asyncpage.kv.retention), and `metrics.num_cached_prompt_tokens` says what the
+        next turn found."""
+        return RequestStream(self, prompt, params or SamplingParams(), priority=priority, cache_key=cache_key)
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                       priority: int = 0) -> GenerateOutput:
-        """Run a request to the end and return all its samples (`priority` as stream's)."""
+                       priority: int = 0, cache_key: str | None = None) -> GenerateOutput:
+        """Run a request to the end and return all its samples (`priority`, `cache_key` as stream's)."""
         params = params or SamplingParams()
         texts: dict[int, list[str]] = {}
         ids: dict[int, list[int]] = {}
         lps: dict[int, list[TokenLogprob]] = {}
         reasons: dict[int, FinishReason] = {}
-        async with self.stream(prompt, params, priority=priority) as s:
+        async with self.stream(prompt, params, priority=priority, cache_key=cache_key) as s:
             async for c in s:
                 texts.setdefault(c.index, []).append(c.text)
                 ids.setdefault(c.index, []).extend(c.token_ids)
@@ -371,7 +381,7 @@ class AsyncEngine:
 
     # ---- submission: what extraction, chat and streams build on ------------------------------
     async def submit(self, prompt: Prompt, params: SamplingParams, mailbox: Mailbox | None = None, *,
-                     beam: BeamParams | None = None, priority: int = 0) -> Request:
+                     beam: BeamParams | None = None, priority: int = 0, cache_key: str | None = None) -> Request:
         """Tokenize, validate, compile the grammar, and queue a request (a beam search with `beam`);
         its output arrives in `request.mailbox`. Raises a typed error naming the field, before
         anything is queued."""
@@ -379,10 +389,11 @@ class AsyncEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params", f"must be SamplingParams, got {type(params).__name__}")
         check_priority(priority)
+        check_cache_key(cache_key)
         self._admit()
         self._preparing += 1
         try:
-            return await self._submit(prompt, params, mailbox, beam, priority)
+            return await self._submit(prompt, params, mailbox, beam, priority, cache_key)
         finally:
             self._preparing -= 1
 
@@ -396,7 +407,7 @@ class AsyncEngine:
                                  "retry later", retry_after=1.0)
 
     async def _submit(self, prompt: Prompt, params: SamplingParams, mailbox: Mailbox | None,
-                      beam: BeamParams | None, priority: int) -> Request:
+                      beam: BeamParams | None, priority: int, cache_key: str | None) -> Request:
         ids = await self.tokenize(prompt)
         check_request(ids, params, vocab_size=self.vocab_size, max_model_len=self.config.max_model_len,
                       pool_tokens=self.config.num_kv_blocks * self.config.block_size,
@@ -414,7 +425,7 @@ class AsyncEngine:
             self.check_usable()  # the engine stopped meanwhile (GrammarManager.interrupt): that is the error
             raise
         self.check_usable()  # it may have stopped while the request was being prepared
-        req = self._core.new_request(ids, params, mailbox, self.eos_token_ids, compiled, beam, priority)
+        req = self._core.new_request(ids, params, mailbox, self.eos_token_ids, compiled, beam, priority, cache_key)
         self._core.add(req)
         return req
 
