@@ -74,7 +74,7 @@ class _Job:
     examples: Sequence[Mapping[str, Any]]
     beam_width: int | None
     score_booleans: bool | None
-    jsonl: bool
+    jsonl: bool  # rows are (line, raw) input lines of a JSONL file, not records
     max_retries: int = 0
     confidence: bool = False  # rows are (line, raw) input lines of a JSONL file, not records
 
