@@ -388,17 +388,26 @@ static void dequantize_row(int type, const uint8_t *w, long nb, float *out) {
                 out[32 * b + i + 16] = d * (float)(((qs[i] >> 4) | (int)(((qh >> (i + 16)) & 1) << 4)) - off);
             }
         } else if (type == T_Q6_K) {
-            const uint8_t *ql = p, *qh = p + 128;
-            const int8_t *sc = (const int8_t *)(p + 192);
+            /* Each half: for l = 0..31, outputs l, l+32, l+64, l+96 (scales sc[l/16 + 0, 2, 4, 6]); written
+               as four straight lines so the compiler vectorizes them (the many-row path dequantizes
+               whole weights per call). */
             const float d = half(rd16(p + 208));
-            for (int h = 0; h < 2; h++)
-                for (int c = 0; c < 4; c++)
-                    for (int l = 0; l < 32; l++) {
-                        const int lo = c & 1 ? ql[64 * h + 32 + l] : ql[64 * h + l];
-                        const int q = ((c & 2 ? lo >> 4 : lo & 15) | (((qh[32 * h + l] >> (2 * c)) & 3) << 4)) - 32;
-                        const int e = 128 * h + 32 * c + l;
-                        out[256 * b + e] = d * (float)sc[e / 16] * (float)q;
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *L = p + 64 * h, *H = p + 128 + 32 * h;
+                const int8_t *S = (const int8_t *)(p + 192 + 8 * h);
+                float *o = out + 256 * b + 128 * h;
+                for (int g = 0; g < 2; g++) {
+                    const float s0 = d * (float)S[g], s1 = d * (float)S[g + 2], s2 = d * (float)S[g + 4],
+                                s3 = d * (float)S[g + 6];
+                    for (int l = 16 * g; l < 16 * g + 16; l++) {
+                        const int a = L[l], c = L[l + 32], e = H[l];
+                        o[l] = s0 * (float)(((a & 15) | ((e & 3) << 4)) - 32);
+                        o[l + 32] = s1 * (float)(((c & 15) | (((e >> 2) & 3) << 4)) - 32);
+                        o[l + 64] = s2 * (float)(((a >> 4) | (((e >> 4) & 3) << 4)) - 32);
+                        o[l + 96] = s3 * (float)(((c >> 4) | ((e >> 6) << 4)) - 32);
                     }
+                }
+            }
         } else {
             int sc[8], mn[8];
             k4_scales(p + 4, sc, mn);
@@ -433,6 +442,47 @@ int gguf_get_rows(int type, const uint8_t *w, long n, long k, const long *ids, l
     for (long i = 0; i < nids; i++)
         dequantize_row(type, w + ids[i] * row_bytes, nb, out + i * k);
     return 0;
+}
+
+/* out [n, k] = every row of w [n, k] (blocks of `type`) dequantized, as bfloat16 (bf16 != 0: uint16
+   bit patterns, rounded to nearest even) or float32; OpenMP over rows. What a many-row call
+   multiplies with a dense GEMM: one transient weight, made per call (gguf_linear.py). Returns 0,
+   E_TYPE, E_SHAPE or E_MEMORY. */
+int gguf_dequantize(int type, const uint8_t *w, long n, long k, int threads, int bf16, void *out) {
+    const int block = gguf_block_elems(type);
+    if (block == 0)
+        return E_TYPE;
+    if (k <= 0 || k % block != 0 || n < 0)
+        return E_SHAPE;
+    const long nb = k / block, row_bytes = nb * gguf_block_bytes(type);
+    threads = threads > 0 ? threads : 1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && n > 16)
+    {
+        float *buf = bf16 ? malloc((size_t)k * sizeof(float)) : NULL;
+        if (bf16 && buf == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (long i = 0; i < n; i++) {
+            if (bf16 && buf == NULL)
+                continue;
+            if (!bf16) {
+                dequantize_row(type, w + i * row_bytes, nb, (float *)out + i * k);
+                continue;
+            }
+            dequantize_row(type, w + i * row_bytes, nb, buf);
+            uint16_t *o = (uint16_t *)out + i * k;
+            for (long j = 0; j < k; j++) {
+                uint32_t u;
+                memcpy(&u, buf + j, 4);
+                o[j] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+            }
+        }
+        free(buf);
+    }
+    return failed ? E_MEMORY : 0;
 }
 
 #else /* GQ_SECTION: one SIMD form, GQ_FORM */

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from asyncpage.errors import ModelLoadError
+from asyncpage.model.gguf_linear import has_kernel
 from asyncpage.model.quant import Int4, int4_from_q4_k
 from asyncpage.runtime import cache_dir
 
@@ -66,8 +67,12 @@ def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
-def _read_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor], Any, set[int]]:
-    """Config, dequantized weights and tokenizer of a GGUF file.
+def _read_gguf(path: Path, blocks: dict[str, tuple[int, torch.Tensor, int]] | None = None,
+               ) -> tuple[Any, dict[str, torch.Tensor], Any, set[int]]:
+    """Config, dequantized weights and tokenizer of a GGUF file. With `blocks` (quantization="auto"),
+    each 2-D tensor in a format the block kernels read goes there as it is stored, (ggml type, uint8
+    [rows, bytes per row], values per row), instead of being dequantized; formats without a kernel
+    are dequantized into the state as before, said once per format in the log.
 
     gguf's GGUFReader parses every metadata array in Python (10+ s for a 262k vocabulary), so the
     first load writes a small index (config, tensor offsets and types) and the converted tokenizer
@@ -77,8 +82,27 @@ def _read_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor], Any, set[int]]
     cached, index = _gguf_index(path)
     model_type = index["model_type"]
     config = AutoConfig.for_model(model_type, **index["config"])
-    state = {name: _dequantize(path, t) for t in index["tensors"]
-             if (name := _gguf_tensor_name(t["name"], model_type)) is not None}
+    state: dict[str, torch.Tensor] = {}
+    no_kernel: dict[str, int] = {}
+    for t in index["tensors"]:
+        name = _gguf_tensor_name(t["name"], model_type)
+        if name is None:
+            continue
+        if blocks is not None and t["type"] not in _FLOAT_TYPES:
+            if has_kernel(t["type"], t["shape"]):
+                raw = torch.from_numpy(np.fromfile(path, dtype=np.uint8, count=t["n_bytes"], offset=t["offset"]))
+                data = raw.reshape(t["shape"][1], -1)
+                if model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                    heads = index["config"]["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+                    data = _unpermute(data, heads).contiguous()  # whole rows: the blocks move as they are
+                blocks[name] = (t["type"], data, t["shape"][0])
+                continue
+            fmt = _type_name(t["type"])
+            no_kernel[fmt] = no_kernel.get(fmt, 0) + 1
+        state[name] = _dequantize(path, t)
+    for fmt, count in sorted(no_kernel.items()):
+        log.info("quantization='auto': no block kernel for %s (%d tensors of %s): those tensors are "
+                 "dequantized to dense weights", fmt, count, path.name)
     for name, w in state.items():
         if model_type == "gemma3_text" and name.endswith("norm.weight"):
             w -= 1.0  # llama.cpp stores Gemma's (1 + w) norm weights as 1 + w
@@ -86,10 +110,34 @@ def _read_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor], Any, set[int]]
             # llama.cpp permutes Llama's Q/K rows to its interleaved RoPE layout; undo it.
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             state[name] = _unpermute(w, heads)
-    tokenizer = AutoTokenizer.from_pretrained(cached / "tokenizer")
+    tokenizer = slim_tokenizer(AutoTokenizer.from_pretrained(cached / "tokenizer"))
     # Also applied here, not only in the index: an index cached before a token joined the list gets it.
     eos = set(index["eos_token_ids"]) | _end_of_turn_ids(tokenizer)
     return config, state, tokenizer, eos
+
+
+def slim_tokenizer(tokenizer: Any) -> Any:
+    """The tokenizer without the Python copies of its vocabulary and merges that transformers' BPE
+    tokenizers (Gemma's among them) keep after building the Rust tokenizer from them, and use only
+    there (tokenization_gemma.py's __init__): for a 262k vocabulary about 200 MB resident. Then the
+    heap freed by parsing (another ~250 MB that glibc keeps) is handed back (trim_heap)."""
+    for attr in ("_vocab", "_merges"):
+        if isinstance(getattr(tokenizer, attr, None), (dict, list)):
+            setattr(tokenizer, attr, type(getattr(tokenizer, attr))())
+    trim_heap()
+    return tokenizer
+
+
+def trim_heap() -> None:
+    """glibc's malloc_trim(0): freed heap pages back to the system (a load frees far more than it
+    keeps: tokenizer JSON, dequantized floats); nothing where the C library has no such call."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 # llama.cpp ends generation on these tokens, known by their text (its EOG list, llama-vocab.cpp); a
@@ -191,6 +239,18 @@ def _index_problem(index: Any, size: int) -> str | None:
         if t["offset"] + t["n_bytes"] > size:
             return f"tensor {t['name']} lies past the file's end"
     return None
+
+
+_FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: float weights, kept float under "auto"
+
+
+def _type_name(ggml_type: int) -> str:
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"ggml type {ggml_type}"
 
 
 def _is_count(x: Any) -> bool:

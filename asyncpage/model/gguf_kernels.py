@@ -58,7 +58,8 @@ BLOCKS: dict[GGMLType, tuple[int, int]] = {
     GGMLType.Q4_K: (256, 144), GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210),
 }
 FORMS = ("portable", "avx2", "vnni")  # index = the C code's form number
-_SYMBOLS = ("gguf_matmul", "gguf_get_rows", "gguf_form_best", "gguf_block_elems", "gguf_block_bytes")
+_SYMBOLS = ("gguf_matmul", "gguf_get_rows", "gguf_dequantize", "gguf_form_best", "gguf_block_elems",
+            "gguf_block_bytes")
 
 
 class _Lib:
@@ -69,6 +70,9 @@ class _Lib:
         self.get_rows = lib.gguf_get_rows
         self.get_rows.argtypes = [_I, _P, _L, _L, _P, _L, _P]
         self.get_rows.restype = _I
+        self.dequantize = lib.gguf_dequantize
+        self.dequantize.argtypes = [_I, _P, _L, _L, _I, _I, _P]
+        self.dequantize.restype = _I
         self.best = int(lib.gguf_form_best())
 
 
@@ -184,6 +188,48 @@ def get_rows(ids: torch.Tensor, w: torch.Tensor, ggml_type: int) -> torch.Tensor
     if rc != 0:
         raise ValueError(f"gguf_get_rows refused type {ggml_type}, k={k} (code {rc})")
     return out.reshape(*ids.shape, k)
+
+
+def dequantize(w: torch.Tensor, ggml_type: int, dtype: torch.dtype = torch.float32, *,
+               threads: int | None = None) -> torch.Tensor:
+    """Every row of the GGUF weight w (uint8 [n, row bytes], as for matmul) dequantized: [n, k] in
+    bfloat16 (rounded to nearest even) or float32; any other dtype from float32. Multithreaded (over
+    rows); what a many-row call multiplies with a dense GEMM, made per call and dropped after."""
+    lib = _require()
+    n, k = _weight(w, ggml_type)
+    bf16 = dtype == torch.bfloat16
+    out = torch.empty(n, k, dtype=torch.bfloat16 if bf16 else torch.float32)
+    rc = lib.dequantize(int(ggml_type), w.data_ptr(), n, k, threads or torch.get_num_threads(), int(bf16),
+                        out.data_ptr())
+    if rc == -1:
+        raise MemoryError("gguf_dequantize: no memory for a row buffer")
+    if rc != 0:
+        raise ValueError(f"gguf_dequantize refused type {ggml_type}, k={k} (code {rc})")
+    return out if bf16 or dtype == torch.float32 else out.to(dtype)
+
+
+class Bound:
+    """One weight's matmul with its checks done once (at load) and its form fixed then: the decode
+    path, where matmul()'s Python checks would cost about as much as a small layer's kernel."""
+
+    def __init__(self, w: torch.Tensor, ggml_type: int, form: str | None = None) -> None:
+        self.lib = _require()
+        self.n, self.k = _weight(w, ggml_type)
+        row_bytes(ggml_type, self.k)
+        self.w, self.type = w, int(ggml_type)
+        self.form = FORMS.index(_form_name(form) if form is not None else default_form())
+        self.ptr = w.data_ptr()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, k] (any float dtype, CPU) times the weight^T: float32 [rows, n]."""
+        x = x.to(torch.float32).contiguous()
+        out = torch.empty(x.shape[0], self.n, dtype=torch.float32)
+        rc = self.lib.matmul(self.type, self.form, x.data_ptr(), self.ptr, self.n, self.k, x.shape[0],
+                             torch.get_num_threads(), out.data_ptr())
+        if rc != 0:
+            raise MemoryError("gguf_matmul: no memory for the rounded activations") if rc == -1 else \
+                ValueError(f"gguf_matmul refused type {self.type} (code {rc})")
+        return out
 
 
 # As torch operators (shape-only fakes for tracing), as native.py's linears: compiled graphs call them.

@@ -20,9 +20,12 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from torch import nn
 
 from asyncpage.errors import ModelLoadError
-from asyncpage.model.gguf import _end_of_turn_ids, _gguf_index, _gguf_q4_k, _read_gguf
+from asyncpage.model import gguf_linear
+from asyncpage.model.gguf import _end_of_turn_ids, _gguf_index, _gguf_q4_k, _read_gguf, slim_tokenizer, trim_heap
+from asyncpage.model.gguf_linear import Blocks
 from asyncpage.model.quant import Int4, quantize_model
 from asyncpage.model.registry import CausalLM, model_class
 from asyncpage.runtime import cache_dir
@@ -81,19 +84,30 @@ def _default_model() -> Path:
 
 def load(model: str | os.PathLike[str] | None, dtype: torch.dtype, device: torch.device,
          quantization: str | None = None) -> LoadedModel:
-    """`quantization` "int8" / "int4": weight-only, LM head and embeddings included (quant.py)."""
+    """`quantization` "int8" / "int4": weight-only, LM head and embeddings included (quant.py);
+    "auto": a GGUF's quantized tensors stay in their block formats, the only copy (gguf_linear.py),
+    float weights stay float; None: everything dequantized to `dtype`."""
     t0 = time.perf_counter()
     path: Path | None = None
     try:
         path = resolve(model)
         exact: dict[str, Int4] = {}
+        blocks: dict[str, Blocks] | None = None
         if path.suffix == ".gguf":
-            config, state, tokenizer, extra_eos = _read_gguf(path)
+            if quantization == "auto":
+                if device.type == "cpu" and gguf_linear.available():
+                    blocks = {}
+                else:
+                    log.info("quantization='auto': the GGUF block kernels are CPU-only and %s here; "
+                             "dequantizing the weights", "this is " + device.type if device.type != "cpu"
+                             else "did not build (see the log above)")
+            config, state, tokenizer, extra_eos = _read_gguf(path, blocks)
             if quantization == "int4":
                 exact = _gguf_q4_k(path, config.model_type)
         else:
             config, state, tokenizer, extra_eos = _read_hf_dir(path)
-        module = _build(config, state, dtype, device, quantization, exact)
+        # "auto" keeps a GGUF's own blocks (above) and float weights float: nothing to quantize.
+        module = _build(config, state, dtype, device, None if quantization == "auto" else quantization, exact, blocks)
     except ModelLoadError:
         raise
     except (OSError, KeyError, ValueError, NotImplementedError) as exc:
@@ -101,6 +115,7 @@ def load(model: str | os.PathLike[str] | None, dtype: torch.dtype, device: torch
     eos = set(extra_eos)
     if tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
+    trim_heap()  # what the load freed (dequantized floats, parsing) back to the system
     dt = time.perf_counter() - t0
     log.info("loaded %s in %.1f s", path, dt)
     return LoadedModel(module, config, tokenizer, frozenset(eos), str(path), dt, quantization)
@@ -115,7 +130,7 @@ def load_tokenizer(model: str | os.PathLike[str] | None) -> tuple[Any, Any, froz
         if path.suffix == ".gguf":
             cached, index = _gguf_index(path)
             config = AutoConfig.for_model(index["model_type"], **index["config"])
-            tokenizer = AutoTokenizer.from_pretrained(cached / "tokenizer")
+            tokenizer = slim_tokenizer(AutoTokenizer.from_pretrained(cached / "tokenizer"))
             return tokenizer, config, frozenset(index["eos_token_ids"]) | _end_of_turn_ids(tokenizer)
         _, _, tokenizer, eos = _read_hf_dir(path, weights=False)
         config = AutoConfig.from_pretrained(path)
@@ -127,14 +142,19 @@ def load_tokenizer(model: str | os.PathLike[str] | None) -> tuple[Any, Any, froz
 
 
 def _build(config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-           quantization: str | None = None, exact: dict[str, Int4] | None = None) -> CausalLM:
+           quantization: str | None = None, exact: dict[str, Int4] | None = None,
+           blocks: dict[str, Blocks] | None = None) -> CausalLM:
     cls = model_class(config)
     # Built on the meta device: no time spent on random init of weights about to be overwritten.
     with torch.device("meta"):
         module = cls(config)
+    tied = bool(getattr(config, "tie_word_embeddings", False) or config.model_type == "gemma3_text")
+    if blocks:
+        # Before anything is allocated: the layers over GGUF blocks hold no float weight at all.
+        gguf_linear.install(module, blocks, state, dtype, tied)
     module = module.to_empty(device=device)
     expected = set(module.state_dict())
-    if getattr(config, "tie_word_embeddings", False) or config.model_type == "gemma3_text":
+    if tied:
         state.pop("lm_head.weight", None)
         expected.discard("lm_head.weight")
     missing = expected - set(state)
@@ -150,8 +170,8 @@ def _build(config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype, devi
             if tuple(src.shape) != tuple(params[name].shape):
                 raise ModelLoadError(f"{name}: checkpoint shape {tuple(src.shape)} != {tuple(params[name].shape)}")
             params[name].copy_(src)
-    if getattr(config, "tie_word_embeddings", False) or config.model_type == "gemma3_text":
-        lm: Any = module
+    lm: Any = module
+    if tied and isinstance(lm.lm_head, nn.Linear) and isinstance(lm.model.embed_tokens, nn.Embedding):
         lm.lm_head.weight = lm.model.embed_tokens.weight  # to_empty() breaks the tie
     if quantization is not None:
         # Quantized from the float32 weights, before the cast to `dtype` rounds them a second time;

@@ -1,0 +1,146 @@
+"""quantization="auto" on a GGUF file: its quantized tensors stay in their block formats as the only
+copy (gguf_linear.py), compute what the dequantized model computes, and a format without a kernel
+falls back to a dense tensor for that tensor alone. Tiny Qwen2 GGUFs are written with gguf's own
+quantizers (Q4_0, Q5_0, Q8_0; Q4_1 has no kernel here). Run with -s for the agreement figures."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import quantize
+
+from asyncpage import AsyncEngine, SamplingParams
+from asyncpage.model import gguf_kernels
+from asyncpage.model.gguf_linear import KERNEL_ROWS, GGUFEmbedding, GGUFFused, GGUFLinear, block_bytes
+from asyncpage.model.weights import load
+from tests.gguf_writer import write_qwen2_gguf
+from tests.test_quantization import _prefill_logits
+
+pytestmark = pytest.mark.skipif(not gguf_kernels.available(), reason="the GGUF block kernels did not build")
+
+Q = gguf.GGMLQuantizationType
+# GGUF tensor name part -> the format written: mixed within attention (V unlike Q/K: no merged QKV),
+# one format for gate/up (merged), and a format without a kernel (down: Q4_1, the dense fallback).
+TYPES = {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q8_0, "attn_output": Q.Q4_0, "ffn_gate": Q.Q5_0,
+         "ffn_up": Q.Q5_0, "ffn_down": Q.Q4_1, "token_embd": Q.Q8_0}
+
+
+@pytest.fixture(scope="module")
+def tiny_quantized_gguf(tiny_models: dict[str, tuple[Path, Any]], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen2 (tied embeddings, QKV bias) as a GGUF whose matrices are quantized per TYPES."""
+    real = gguf.GGUFWriter.add_tensor
+
+    def add_tensor(self: Any, name: str, tensor: np.ndarray, *args: Any, **kwargs: Any) -> None:
+        part = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
+        if tensor.ndim == 2 and part in TYPES:
+            qtype = TYPES[part]
+            return real(self, name, quantize(tensor.astype(np.float32), qtype), raw_dtype=qtype)
+        return real(self, name, tensor, *args, **kwargs)
+
+    out = tmp_path_factory.mktemp("gguf") / "tiny-q.gguf"
+    mp = pytest.MonkeyPatch()
+    mp.setattr(gguf.GGUFWriter, "add_tensor", add_tensor)
+    try:
+        return write_qwen2_gguf(tiny_models["qwen2"][0], out)
+    finally:
+        mp.undo()
+
+
+def test_auto_keeps_each_quantized_tensor_in_its_blocks_and_no_dense_copy_of_a_projection(
+        tiny_quantized_gguf: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="asyncpage"):
+        model = load(tiny_quantized_gguf, torch.float32, torch.device("cpu"), quantization="auto").model
+    said = [r.getMessage() for r in caplog.records if "no block kernel" in r.getMessage()]
+    assert len(said) == 1 and "Q4_1" in said[0], said  # one line per format without a kernel
+    lm: Any = model
+    assert isinstance(lm.model.embed_tokens, GGUFEmbedding)
+    assert isinstance(lm.lm_head, GGUFLinear) and lm.lm_head.qweight is lm.model.embed_tokens.qweight  # one copy
+    for layer in lm.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        assert isinstance(attn.qkv, GGUFFused) and attn.qkv.merged is None  # Q5_0, Q5_0, Q8_0: each its own
+        assert [type(p) for p in attn.qkv.parts] == [GGUFLinear] * 3
+        assert isinstance(mlp.gate_up, GGUFFused) and mlp.gate_up.merged is not None  # both Q5_0: one call
+        assert mlp.gate_proj is None and mlp.up_proj is None
+        assert isinstance(attn.o_proj, GGUFLinear)
+        assert isinstance(mlp.down_proj, torch.nn.Linear)  # Q4_1: no kernel, dense for that tensor alone
+    # No floating-point tensor anywhere of a quantized projection's size: only norms, biases, and the
+    # Q4_1 down projections.
+    hidden, inter = lm.config.hidden_size, lm.config.intermediate_size
+    for name, p in model.named_parameters():
+        assert p.numel() <= hidden * inter, name
+        assert p.dim() == 1 or name.endswith("down_proj.weight"), name
+    for m in model.modules():
+        if isinstance(m, (GGUFLinear, GGUFEmbedding)):
+            assert m.qweight.dtype == torch.uint8
+    sizes = block_bytes(model)
+    assert sizes["dense"] == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert sizes["blocks"] > 0
+
+
+@pytest.mark.parametrize("tokens", [KERNEL_ROWS, 12])  # the block kernels; dequantize + dense GEMM
+def test_auto_gives_the_dequantized_models_logits(tiny_quantized_gguf: Path, tokens: int) -> None:
+    ids = [0, 5, 9, 13, 40, 41, 42, 7, 100, 101, 3, 17][:tokens]
+    ref = _prefill_logits(load(tiny_quantized_gguf, torch.float32, torch.device("cpu")).model, ids)
+    got = _prefill_logits(load(tiny_quantized_gguf, torch.float32, torch.device("cpu"), "auto").model, ids)
+    rel = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+    print(f"{tokens} rows: max relative logit error {rel:.2e}")
+    if tokens > KERNEL_ROWS:
+        # The same dequantized weights in a float32 GEMM: only summation order differs.
+        assert rel < 1e-4, rel
+    else:
+        # The kernels round activations to int8 blocks of 32 (as llama.cpp does): about 1% a layer here.
+        assert rel < 0.05, rel
+
+
+@pytest.mark.parametrize("rows", [1, 3, KERNEL_ROWS, KERNEL_ROWS + 1, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_gguf_linear_computes_its_dequantized_weight_at_any_row_count(rows: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 128, generator=g)
+    layer = GGUFLinear((int(Q.Q8_0), torch.from_numpy(quantize(w.numpy(), Q.Q8_0)), 128), dtype,
+                       bias=torch.randn(96, generator=g))
+    x = torch.randn(rows, 128, generator=g).to(dtype)
+    ref = torch.nn.functional.linear(x.float(), layer.dequantized().to(dtype).float(), layer.bias.float())
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (rows, 96)
+    rel = ((got.float() - ref).norm() / ref.norm()).item()
+    assert rel < (0.02 if dtype == torch.bfloat16 or rows <= KERNEL_ROWS else 1e-5), rel
+
+
+def test_the_head_splits_its_dense_path_into_tiles_with_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncpage.model.gguf_linear as gl
+
+    w = torch.randn(1000, 64)
+    layer = GGUFLinear((int(Q.Q8_0), torch.from_numpy(quantize(w.numpy(), Q.Q8_0)), 64), torch.float32)
+    x = torch.randn(KERNEL_ROWS + 4, 64)
+    whole = layer(x)
+    monkeypatch.setattr(gl, "TILE_BYTES", 64 * 4 * 96)  # tiles of 96 rows: 11 of them, the last short
+    assert torch.allclose(layer(x), whole, atol=1e-5)
+
+
+async def test_auto_engine_generates_as_the_dequantized_one_on_a_tiny_gguf(tiny_quantized_gguf: Path) -> None:
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outs = []
+    for q in (None, "auto"):
+        async with AsyncEngine.from_pretrained(tiny_quantized_gguf, dtype="float32", quantization=q) as engine:
+            outs.append([(await engine.generate(p, params)).token_ids for p in ("The quick brown", "fox jumps")])
+    agree = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+             for a, b in zip(*outs, strict=True)]
+    print("greedy tokens agreeing before the first difference:", agree, "of 16")
+    # A random tiny model's logits are nearly flat, so an int8 activation rounding can flip a near-tie
+    # later on; the first tokens (a prefill's dense path, then the kernels) must agree.
+    assert all(a >= 2 for a in agree), agree
+
+
+def test_auto_on_float_weights_keeps_them_float(tiny_llama: Path) -> None:
+    model = load(tiny_llama, torch.float32, torch.device("cpu"), quantization="auto").model
+    assert not any(isinstance(m, (GGUFLinear, GGUFEmbedding)) for m in model.modules())
+    ref = load(tiny_llama, torch.float32, torch.device("cpu")).model
+    ids = [0, 5, 9, 13]
+    assert torch.equal(_prefill_logits(model, ids), _prefill_logits(ref, ids))
