@@ -290,15 +290,27 @@ def _grammar_field(turn: Turn, exc: GrammarError) -> GrammarError:
     return GrammarError(field, exc.message)
 
 
-async def _parsed(engine: EngineClient, turn: Turn) -> AsyncIterator[tuple[_Read, str | None, int]]:
+class _Run:
+    """How a turn runs in the engine (priority, cache key), and what it found there (cached tokens)."""
+
+    def __init__(self, priority: int, cache_key: str | None) -> None:
+        self.priority, self.cache_key, self.cached = priority, cache_key, 0
+
+    def usage(self, turn: Turn, n_tokens: int) -> Usage:
+        return Usage(len(turn.prompt), n_tokens, self.cached)
+
+
+async def _parsed(engine: EngineClient, turn: Turn, run: _Run) -> AsyncIterator[tuple[_Read, str | None, int]]:
     """The turn as read after each chunk: (read so far, finish reason on the last one, tokens so far).
     The last item is always read as final; leaving early aborts the request and frees its blocks.
     One parser keeps its place across chunks: each chunk costs work in proportion to its own text."""
     parser, n_tokens = turn.parser(), 0
     cut = _StopCut(turn.stops) if turn.stops else None
     try:
-        async with engine.stream(turn.prompt, turn.params) as stream:
+        async with engine.stream(turn.prompt, turn.params, priority=run.priority, cache_key=run.cache_key) as stream:
             async for chunk in stream:
+                if stream.request is not None:
+                    run.cached = stream.request.num_cached_prompt_tokens
                 n_tokens += len(chunk.token_ids)
                 final = chunk.finish_reason is not None
                 r = _Read.of(parser.feed(chunk.text, final))
@@ -316,13 +328,15 @@ async def _parsed(engine: EngineClient, turn: Turn) -> AsyncIterator[tuple[_Read
 async def chat(engine: EngineClient, msgs: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                tool_choice: Any = "auto", parallel_tool_calls: bool = True,
                response_format: dict[str, Any] | None = None, params: SamplingParams | None = None,
-               tool_format: str | None = None) -> ChatResult:
+               tool_format: str | None = None, priority: int = 0, cache_key: str | None = None) -> ChatResult:
     """One chat turn to the end. `tool_format` overrides the detected family format
-    ("hermes", "llama3", "mistral", "generic")."""
+    ("hermes", "llama3", "mistral", "generic"); `priority` and `cache_key` as AsyncEngine.stream's
+    (a conversation's key keeps its blocks for its next turn; usage.cached_tokens says what was found)."""
     turn = await prepare(engine, msgs, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
                          response_format=response_format, params=params, tool_format=tool_format)
     last: tuple[_Read, str | None, int] | None = None
-    async for item in _parsed(engine, turn):
+    run = _Run(priority, cache_key)
+    async for item in _parsed(engine, turn, run):
         last = item
     assert last is not None  # _parsed always yields a final read
     r, reason, n_tokens = last
@@ -332,7 +346,7 @@ async def chat(engine: EngineClient, msgs: list[dict[str, Any]], *, tools: list[
     text, reasoning = r.field("content"), r.field("reasoning")
     content = text if text.strip() or not calls else None
     return ChatResult(content=content, reasoning=reasoning or None, tool_calls=calls,
-                      finish_reason=_finish(reason or "stop", bool(calls)), usage=Usage(len(turn.prompt), n_tokens))
+                      finish_reason=_finish(reason or "stop", bool(calls)), usage=run.usage(turn, n_tokens))
 
 
 _TEXT = re.compile(r"\S")  # a character str.strip() keeps
@@ -341,7 +355,8 @@ _TEXT = re.compile(r"\S")  # a character str.strip() keeps
 async def chat_stream(engine: EngineClient, msgs: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                       tool_choice: Any = "auto", parallel_tool_calls: bool = True,
                       response_format: dict[str, Any] | None = None, params: SamplingParams | None = None,
-                      tool_format: str | None = None) -> AsyncIterator[ChatDelta]:
+                      tool_format: str | None = None, priority: int = 0,
+                      cache_key: str | None = None) -> AsyncIterator[ChatDelta]:
     """chat() as deltas: content, reasoning, tool calls (index, id, name and arguments, each call
     whole once its arguments close), and last one with finish_reason and usage. Leaving the
     loop early aborts the request and frees its blocks."""
@@ -353,7 +368,8 @@ async def chat_stream(engine: EngineClient, msgs: list[dict[str, Any]], *, tools
     sent_calls = 0
     text_at: int | None = None  # where the content's first non-whitespace character is, once seen
     blank_to = 0  # the content is whitespace up to here
-    async for item in _parsed(engine, turn):
+    run = _Run(priority, cache_key)
+    async for item in _parsed(engine, turn, run):
         r, reason, n_tokens = item
         (ra, rb), (ca, cb) = r.reasoning, r.content
         if rb - ra > sent_reasoning:
@@ -375,4 +391,4 @@ async def chat_stream(engine: EngineClient, msgs: list[dict[str, Any]], *, tools
             c = r.parser.calls[sent_calls]
             yield ChatDelta(tool_call=ToolCallDelta(sent_calls, _call_id(turn.spec.fmt), c.name, c.arguments))
             sent_calls += 1
-    yield ChatDelta(finish_reason=_finish(reason or "stop", sent_calls > 0), usage=Usage(len(turn.prompt), n_tokens))
+    yield ChatDelta(finish_reason=_finish(reason or "stop", sent_calls > 0), usage=run.usage(turn, n_tokens))

@@ -26,6 +26,7 @@ class ToolCall(msgspec.Struct, frozen=True):
 class Usage(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of prompt_tokens, found in the prefix cache (OpenAI's prompt_tokens_details)
 
     @property
     def total_tokens(self) -> int:

@@ -203,15 +203,34 @@ def _sse(obj: Any) -> str:
     return "data: " + json.dumps(obj, separators=(",", ":")) + "\n\n"
 
 
-def _usage(u: Any) -> dict[str, int]:
+def _usage(u: Any) -> dict[str, Any]:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens}
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": int(getattr(u, "cached_tokens", 0) or 0)}}
+
+
+# OpenAI's service tiers onto the engine's priorities (lower runs first): interactive turns ahead of the
+# default, background ("flex") work after it.
+SERVICE_TIERS = {"priority": -1, "default": 0, "auto": 0, "flex": 1}
+
+
+def run_options(body: dict[str, Any]) -> dict[str, Any]:
+    """How a request runs in the engine: `priority` (vLLM's extension, an int, lower first) or
+    `service_tier`; `prompt_cache_key` keeps the conversation's blocks for its next turn."""
+    tier = body.get("service_tier")
+    if tier is not None and tier not in SERVICE_TIERS:
+        raise InvalidRequestError("service_tier", f"must be one of {sorted(SERVICE_TIERS)}, got {tier!r:.40}")
+    priority = body.get("priority", SERVICE_TIERS.get(tier or "auto", 0))
+    key = body.get("prompt_cache_key")
+    if key is not None and not isinstance(key, str):
+        raise InvalidRequestError("prompt_cache_key", "must be a string")
+    return {"priority": priority, "cache_key": key or None}
 
 
 def _chat_args(body: dict[str, Any]) -> dict[str, Any]:
     return dict(tools=body.get("tools"), tool_choice=body.get("tool_choice", "auto"),
                 parallel_tool_calls=body.get("parallel_tool_calls", True) is not False,
-                response_format=body.get("response_format"))
+                response_format=body.get("response_format"), **run_options(body))
 
 
 def _prompts(value: Any) -> list[str | list[int]]:

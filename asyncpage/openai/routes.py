@@ -67,8 +67,11 @@ from asyncpage.openai.convert import (
     _usage,
     error_body,
     model_id,
+    run_options,
 )
 from asyncpage.openai.door import _Door
+from asyncpage.openai.responses import ResponseStore, sampling_body
+from asyncpage.openai.responses import Turn as ResponseTurn
 
 if TYPE_CHECKING:
     from asyncpage.core.client import EngineClient
@@ -177,11 +180,12 @@ def app(engine: EngineClient, *, max_request_bytes: int = MAX_REQUEST_BYTES, api
             body = await _json_body(request, max_request_bytes, body_timeout)
             prompts = _prompts(_require(body, "prompt", (str, list)))
             params = _params(body, 16)  # OpenAI's default for /v1/completions
+            run = run_options(body)
             cid, created, model = "cmpl-" + uuid.uuid4().hex[:24], int(time.time()), _model(body, served)
             if body.get("stream"):
                 if len(prompts) > 1:
                     raise InvalidRequestError("prompt", "a streamed completion takes one prompt")
-                stream = engine.stream(prompts[0], params)
+                stream = engine.stream(prompts[0], params, **run)
                 first = await _first(request, stream)
                 if isinstance(first, Response):
                     return first
@@ -196,7 +200,7 @@ def app(engine: EngineClient, *, max_request_bytes: int = MAX_REQUEST_BYTES, api
 
                 async def worker() -> None:  # one request per prompt, batched by the engine, `window` at a time
                     for i, prompt in todo:
-                        outs[i] = await engine.generate(prompt, params)
+                        outs[i] = await engine.generate(prompt, params, **run)
 
                 async with anyio.create_task_group() as tg:
                     for _ in range(min(window, len(prompts))):
@@ -210,11 +214,58 @@ def app(engine: EngineClient, *, max_request_bytes: int = MAX_REQUEST_BYTES, api
             return _error(exc)
         n_prompt = sum(len(o.prompt_token_ids) for o in result)
         n_out = sum(len(o.token_ids) for o in result)
+        cached = sum(o.metrics.num_cached_prompt_tokens for o in result)
         return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
                              "choices": [{"index": i, "text": o.text, "finish_reason": o.finish_reason,
                                           "logprobs": None} for i, o in enumerate(result)],
                              "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-                                       "total_tokens": n_prompt + n_out}})
+                                       "total_tokens": n_prompt + n_out,
+                                       "prompt_tokens_details": {"cached_tokens": cached}}})
+
+    store = ResponseStore()
+
+    async def responses_create(request: Request) -> Response:
+        try:
+            body = await _json_body(request, max_request_bytes, body_timeout)
+            turn = ResponseTurn(body, store, _model(body, served))
+            params = _params(sampling_body(body), DEFAULT_MAX_TOKENS)
+            run = run_options(body)
+            run["cache_key"] = turn.cache_key
+            if body.get("stream"):
+                stream = chat_stream(engine, turn.messages, params=params, **turn.args, **run)
+                first = await _first(request, stream)
+                if isinstance(first, Response):
+                    return first
+
+                async def events() -> AsyncIterator[str]:
+                    try:
+                        async for e in turn.events(stream, first, store):
+                            yield f"event: {e['type']}\n" + _sse(e)
+                    except Exception as exc:  # after the first delta: an error event, the stream ends
+                        yield "event: error\n" + _sse({"type": "error", **_failure(exc, "input")[1]["error"]})
+                    finally:
+                        await stream.aclose()  # type: ignore[attr-defined]
+
+                return StreamingResponse(events(), media_type="text/event-stream")
+            res = await _until_disconnect(request, lambda: chat(engine, turn.messages, params=params, **turn.args,
+                                                                **run))
+            if isinstance(res, Response):
+                return res
+        except Exception as exc:
+            return _error(exc, "input")
+        return JSONResponse(turn.finished(res, store))
+
+    async def responses_get(request: Request) -> Response:
+        kept = store.get(request.path_params["rid"])
+        if kept is None:
+            return JSONResponse(error_body("no such response", "response_id"), 404)
+        return JSONResponse(kept[0])
+
+    async def responses_delete(request: Request) -> Response:
+        rid = request.path_params["rid"]
+        if not store.delete(rid):
+            return JSONResponse(error_body("no such response", "response_id"), 404)
+        return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 404
@@ -229,6 +280,9 @@ def app(engine: EngineClient, *, max_request_bytes: int = MAX_REQUEST_BYTES, api
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses_create, methods=["POST"]),
+        Route("/v1/responses/{rid}", responses_get, methods=["GET"]),
+        Route("/v1/responses/{rid}", responses_delete, methods=["DELETE"]),
     ], exception_handlers={404: not_found, 405: not_found}, middleware=cors + door)
 
 
@@ -284,7 +338,8 @@ async def _completion_sse(stream: Any, first: Any, cid: str, created: int, model
         n_prompt = len(stream.request.prompt_token_ids)
         yield _sse({"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [],
                     "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_tokens,
-                              "total_tokens": n_prompt + n_tokens}})
+                              "total_tokens": n_prompt + n_tokens,
+                              "prompt_tokens_details": {"cached_tokens": stream.request.num_cached_prompt_tokens}}})
     yield "data: [DONE]\n\n"
 
 

@@ -1,0 +1,311 @@
+"""OpenAI's Responses API (`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`) over chat().
+
+A request's `input` (text, or items: messages, `function_call`, `function_call_output`), its
+`instructions`, function `tools`, `tool_choice`, `text.format` and sampling fields become one chat
+turn (asyncpage.chat: the same grammar-exact tool calls as /v1/chat/completions); the turn comes
+back as output items (a message with `output_text`, `function_call`s) with usage, cached input
+tokens included. `previous_response_id` continues a stored response: its conversation (input and
+output) is prepended, and its `prompt_cache_key` (or its id) keeps the conversation's blocks for the
+next turn. `stream` sends the Responses event sequence (`response.created`, `.output_item.added`,
+`.output_text.delta`, `.function_call_arguments.delta`/`.done`, `.completed`, ...).
+
+The store is in-process and bounded (ResponseStore: the MAX_STORED most recent, `store: false` keeps
+nothing); it lives with the app, one per `app()`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any
+
+from asyncpage.chat import ChatDelta, ChatResult
+from asyncpage.errors import InvalidRequestError
+
+MAX_STORED = 1024  # responses kept for previous_response_id and GET, most recent first out last
+MAX_INPUT_ITEMS = 4096
+
+
+class ResponseStore:
+    """Stored responses by id: the response object and the conversation it ended (chat messages)."""
+
+    def __init__(self, limit: int = MAX_STORED) -> None:
+        self.limit = limit
+        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+
+    def put(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+        self._items[response["id"]] = (response, messages)
+        while len(self._items) > self.limit:
+            self._items.popitem(last=False)
+
+    def get(self, rid: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        return self._items.get(rid)
+
+    def delete(self, rid: str) -> bool:
+        return self._items.pop(rid, None) is not None
+
+
+def _text_of(content: Any, field: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+                raise InvalidRequestError(f"{field}[{i}]", "only text content parts are supported")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise InvalidRequestError(f"{field}[{i}].text", "must be a string")
+            parts.append(text)
+        return "".join(parts)
+    raise InvalidRequestError(field, "must be a string or a list of text parts")
+
+
+def input_messages(value: Any) -> list[dict[str, Any]]:
+    """`input` as chat messages: a string is one user message; items map one to one (consecutive
+    `function_call` items become one assistant message with several tool calls)."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise InvalidRequestError("input", "must be a string or a non-empty list of items")
+    if len(value) > MAX_INPUT_ITEMS:
+        raise InvalidRequestError("input", f"has {len(value)} items, over the limit of {MAX_INPUT_ITEMS}")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        field = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise InvalidRequestError(field, "must be an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise InvalidRequestError(f"{field}.role",
+                                          f"must be user, assistant, system or developer, got {role!r:.40}")
+            out.append({"role": role, "content": _text_of(item.get("content"), f"{field}.content")})
+        elif kind == "function_call":
+            call = {"id": _str(item, "call_id", field), "type": "function",
+                    "function": {"name": _str(item, "name", field), "arguments": _str(item, "arguments", field)}}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last.get("content"):
+                last["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": _str(item, "call_id", field),
+                        "content": output if isinstance(output, str) else _text_of(output, f"{field}.output")})
+        elif kind == "reasoning":
+            continue  # the model's own earlier thinking is not shown to it again
+        else:
+            raise InvalidRequestError(f"{field}.type", f"{kind!r} items are not supported")
+    return out
+
+
+def _str(item: dict[str, Any], key: str, field: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{field}.{key}", "must be a string")
+    return value
+
+
+def chat_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """Responses function tools ({"type": "function", "name", "parameters", ...}) in chat's shape."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise InvalidRequestError("tools", "must be a list")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise InvalidRequestError(f"tools[{i}]", "only function tools are supported")
+        out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
+                                                     if k in t}})
+    return out
+
+
+def chat_tool_choice(choice: Any) -> Any:
+    if choice is None:
+        return "auto"
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def chat_response_format(text: Any) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise InvalidRequestError("text.format", "must be an object")
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "output"), "schema": fmt.get("schema"),
+                                                      "strict": fmt.get("strict")}}
+    if fmt.get("type") in ("json_object", "text"):
+        return {"type": fmt["type"]}
+    raise InvalidRequestError("text.format.type", f"must be text, json_object or json_schema, got {fmt.get('type')!r}")
+
+
+def usage(u: Any) -> dict[str, Any]:
+    cached = int(getattr(u, "cached_tokens", 0) or 0)
+    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u.prompt_tokens + u.completion_tokens}
+
+
+def _message_item(text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": "msg_" + uuid.uuid4().hex[:24], "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+class Turn:
+    """One Responses request, as a chat turn: its messages, options and the response shell."""
+
+    def __init__(self, body: dict[str, Any], store: ResponseStore, model: str) -> None:
+        self.body = body
+        previous = body.get("previous_response_id")
+        history: list[dict[str, Any]] = []
+        parent: dict[str, Any] | None = None
+        if previous is not None:
+            kept = store.get(previous) if isinstance(previous, str) else None
+            if kept is None:
+                raise InvalidRequestError("previous_response_id", f"no stored response {previous!r:.80}")
+            parent, history = kept[0], [dict(m) for m in kept[1]]
+        instructions = body.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise InvalidRequestError("instructions", "must be a string")
+        new = input_messages(body.get("input"))
+        self.conversation = history + new  # what a later turn continues (instructions are per request)
+        self.messages = ([{"role": "system", "content": instructions}] if instructions else []) + self.conversation
+        self.tools = chat_tools(body.get("tools"))
+        self.args: dict[str, Any] = dict(tools=self.tools, tool_choice=chat_tool_choice(body.get("tool_choice")),
+                                         parallel_tool_calls=body.get("parallel_tool_calls", True) is not False,
+                                         response_format=chat_response_format(body.get("text")))
+        self.store = body.get("store", True) is not False
+        self.id = "resp_" + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.model = model
+        # A conversation's blocks are kept under its cache key: the caller's, else its first response's id.
+        key = body.get("prompt_cache_key")
+        if not (isinstance(key, str) and key):
+            key = parent.get("prompt_cache_key") if parent is not None else None
+        self.cache_key: str | None = key or (self.id if self.store else None)
+
+    def shell(self, status: str, output: list[dict[str, Any]], usage_: dict[str, Any] | None = None,
+              incomplete: str | None = None) -> dict[str, Any]:
+        b = self.body
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "model": self.model, "output": output, "parallel_tool_calls": self.args["parallel_tool_calls"],
+                "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
+                "instructions": b.get("instructions"), "previous_response_id": b.get("previous_response_id"),
+                "max_output_tokens": b.get("max_output_tokens"), "temperature": b.get("temperature"),
+                "top_p": b.get("top_p"), "text": b.get("text") or {"format": {"type": "text"}},
+                "store": self.store, "metadata": b.get("metadata") or {}, "error": None,
+                "incomplete_details": {"reason": incomplete} if incomplete else None,
+                "prompt_cache_key": self.cache_key, "usage": usage_}
+
+    def finished(self, res: ChatResult, store: ResponseStore) -> dict[str, Any]:
+        output: list[dict[str, Any]] = []
+        if res.content:
+            output.append(_message_item(res.content))
+        output += [_call_item(c.id, c.name, c.arguments) for c in res.tool_calls]
+        incomplete = "max_output_tokens" if res.finish_reason == "length" else None
+        response = self.shell("incomplete" if incomplete else "completed", output, usage(res.usage), incomplete)
+        self._keep(response, res.content, res.tool_calls, store)
+        return response
+
+    def _keep(self, response: dict[str, Any], content: str | None, calls: list[Any], store: ResponseStore) -> None:
+        if not self.store:
+            return
+        reply: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            reply["tool_calls"] = [{"id": c.id, "type": "function",
+                                    "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+        store.put(response, [*self.conversation, reply])
+
+    async def events(self, stream: AsyncIterator[ChatDelta], first: ChatDelta,
+                     store: ResponseStore) -> AsyncIterator[dict[str, Any]]:
+        """The Responses event sequence for a streamed turn, `first` delta already read."""
+        seq = 0
+
+        def event(kind: str, **fields: Any) -> dict[str, Any]:
+            nonlocal seq
+            seq += 1
+            return {"type": kind, "sequence_number": seq - 1, **fields}
+
+        yield event("response.created", response=self.shell("in_progress", []))
+        yield event("response.in_progress", response=self.shell("in_progress", []))
+        output: list[dict[str, Any]] = []
+        text: list[str] = []
+        message: dict[str, Any] | None = None
+        calls: list[Any] = []
+        final: ChatDelta | None = None
+
+        async def deltas() -> AsyncIterator[ChatDelta]:
+            yield first
+            async for d in stream:
+                yield d
+
+        async for d in deltas():
+            if d.content:
+                if message is None:
+                    message = _message_item("", "in_progress")
+                    message["content"][0]["text"] = ""
+                    output.append(message)
+                    yield event("response.output_item.added", output_index=len(output) - 1, item=message)
+                    yield event("response.content_part.added", item_id=message["id"], output_index=len(output) - 1,
+                                content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                text.append(d.content)
+                yield event("response.output_text.delta", item_id=message["id"], output_index=output.index(message),
+                            content_index=0, delta=d.content, logprobs=[])
+            if d.tool_call is not None:
+                tc = d.tool_call
+                item = _call_item(tc.id or "", tc.name or "", "", "in_progress")
+                output.append(item)
+                index = len(output) - 1
+                yield event("response.output_item.added", output_index=index, item=dict(item))
+                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                            delta=tc.arguments)
+                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            arguments=tc.arguments, name=item["name"])
+                item.update(arguments=tc.arguments, status="completed")
+                calls.append(_Call(item["call_id"], item["name"], tc.arguments))
+                yield event("response.output_item.done", output_index=index, item=item)
+            if d.finish_reason is not None:
+                final = d
+        if message is not None:
+            index = output.index(message)
+            full = "".join(text)
+            message["content"][0]["text"] = full
+            message["status"] = "completed"
+            yield event("response.output_text.done", item_id=message["id"], output_index=index, content_index=0,
+                        text=full, logprobs=[])
+            yield event("response.content_part.done", item_id=message["id"], output_index=index, content_index=0,
+                        part=message["content"][0])
+            yield event("response.output_item.done", output_index=index, item=message)
+        incomplete = "max_output_tokens" if final is not None and final.finish_reason == "length" else None
+        u = usage(final.usage) if final is not None and final.usage is not None else None
+        response = self.shell("incomplete" if incomplete else "completed", output, u, incomplete)
+        self._keep(response, "".join(text) or None, calls, store)
+        yield event("response.incomplete" if incomplete else "response.completed", response=response)
+
+
+class _Call:
+    def __init__(self, call_id: str, name: str, arguments: str) -> None:
+        self.id, self.name, self.arguments = call_id, name, arguments
+
+
+def sampling_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The chat-completions fields of a Responses body (`max_output_tokens` is chat's max_tokens)."""
+    out = {k: body[k] for k in ("temperature", "top_p", "seed") if body.get(k) is not None}
+    if body.get("max_output_tokens") is not None:
+        out["max_tokens"] = body["max_output_tokens"]
+    return out
