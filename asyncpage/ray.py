@@ -41,8 +41,9 @@ from asyncpage.extract.jobs import (
     parse_line,
     unfinished,
 )
+from asyncpage.extract.many import extract_many
 from asyncpage.extract.prompt import PromptTemplate
-from asyncpage.extract.run import ExtractError, ExtractResult, beams_per_record, check_job, extract_many
+from asyncpage.extract.run import ExtractError, ExtractResult, beams_per_record, check_job
 from asyncpage.extract.types import enc_hook
 from asyncpage.params import SamplingParams
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from asyncpage import AsyncEngine, InvalidRequestError, SamplingParams
-from asyncpage.core import priority
+from asyncpage.core import priority as priorities
 from tests.test_faults import idle, tiny_engine
 
 LONG = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -82,7 +82,7 @@ async def test_all_equal_priorities_are_first_come_first_served(tiny_llama: Path
 
 async def test_a_low_priority_request_ages_past_newer_high_priority_ones(tiny_llama: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(priority, "AGING_S", 0.05)
+    monkeypatch.setattr(priorities, "AGING_S", 0.05)
     async with tiny_engine(tiny_llama, max_num_seqs=1) as engine:
         seat = await _hold_the_seat(engine, priority=-5)
         ended: list[str] = []  # shared: the order all three end in

@@ -28,7 +28,8 @@ import msgspec
 
 from asyncpage.core.client import EngineClient
 from asyncpage.errors import EngineDeadError, InvalidRequestError
-from asyncpage.extract.run import ExtractError, ExtractResult, extract_many
+from asyncpage.extract.many import extract_many
+from asyncpage.extract.run import ExtractError, ExtractResult
 from asyncpage.extract.types import enc_hook
 from asyncpage.params import SamplingParams
 
