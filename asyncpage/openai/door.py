@@ -44,7 +44,8 @@ class _Door:
     def __init__(self, app: Any, *, api_key: str | None, allowed_origins: Sequence[str],
                  allowed_hosts: Sequence[str] | None) -> None:
         self.app = app
-        self.key = api_key.encode() if api_key else None
+        # Stripped as the client's token is: a key given with a stray space still matches its own value.
+        self.key = api_key.strip().encode() if api_key else None
         self.any_origin = "*" in allowed_origins
         self.origins = {_origin(o) for o in allowed_origins}
         self.any_host = allowed_hosts is not None and "*" in allowed_hosts
