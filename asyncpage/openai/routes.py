@@ -121,18 +121,21 @@ def prompt_window(engine: EngineClient) -> int:
 
 def app(engine: EngineClient, *, max_request_bytes: int = MAX_REQUEST_BYTES, api_key: str | None = None,
         allowed_origins: Sequence[str] = (), allowed_hosts: Sequence[str] | None = None,
-        body_timeout: float = BODY_TIMEOUT_S) -> Starlette:
+        body_timeout: float = BODY_TIMEOUT_S, fingerprint: str | None = None) -> Starlette:
     """The OpenAI-compatible ASGI app over `engine` (started by the caller, or by the app's lifespan
     when `asyncpage serve` owns the engine). Requests may name any model: one engine serves one.
     Bodies over `max_request_bytes` get a 413 before any work is done on them, bodies not received
     within `body_timeout` s a 408. `api_key`: required as `Authorization: Bearer <key>` (401);
     None: no key. `allowed_origins`: browser origins served (with CORS), e.g. "http://localhost:3000"
     ("*": any); a request with any other Origin is a 403. `allowed_hosts`: Host names served besides
-    the loopback ones ("*": any); None checks Host only on loopback connections (DNS rebinding)."""
+    the loopback ones ("*": any); None checks Host only on loopback connections (DNS rebinding).
+    `fingerprint`: the `system_fingerprint` of every chat, completion and response body (and chunk),
+    naming the engine that answered (asyncpage.ray.serve_app gives each replica its own); None: left out."""
     if api_key is not None and not api_key.strip():
         raise InvalidRequestError("api_key", "must not be empty (None serves without a key)")
     served = model_id(engine)
     window = prompt_window(engine)
+    mark = {} if fingerprint is None else {"system_fingerprint": fingerprint}
 
     async def models(request: Request) -> Response:
         try:
@@ -157,7 +160,7 @@ def app(engine: EngineClient, *, max_request_bytes: int = MAX_REQUEST_BYTES, api
                     return first
                 opts = body.get("stream_options") or {}
                 usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
-                return StreamingResponse(_chat_sse(stream, first, cid, created, model, usage),
+                return StreamingResponse(_chat_sse(stream, first, cid, created, model, usage, mark),
                                          media_type="text/event-stream")
             res = await _until_disconnect(request, lambda: chat(engine, msgs, params=params, **args))
             if isinstance(res, Response):
@@ -173,7 +176,7 @@ def app(engine: EngineClient, *, max_request_bytes: int = MAX_REQUEST_BYTES, api
         return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
                              "choices": [{"index": 0, "message": message, "finish_reason": res.finish_reason,
                                           "logprobs": None}],
-                             "usage": _usage(res.usage)})
+                             "usage": _usage(res.usage), **mark})
 
     async def completions(request: Request) -> Response:
         try:
@@ -191,7 +194,7 @@ def app(engine: EngineClient, *, max_request_bytes: int = MAX_REQUEST_BYTES, api
                     return first
                 opts = body.get("stream_options") or {}
                 usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
-                return StreamingResponse(_completion_sse(stream, first, cid, created, model, usage),
+                return StreamingResponse(_completion_sse(stream, first, cid, created, model, usage, mark),
                                          media_type="text/event-stream")
 
             async def run_all() -> list[Any]:
@@ -220,7 +223,7 @@ def app(engine: EngineClient, *, max_request_bytes: int = MAX_REQUEST_BYTES, api
                                           "logprobs": None} for i, o in enumerate(result)],
                              "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
                                        "total_tokens": n_prompt + n_out,
-                                       "prompt_tokens_details": {"cached_tokens": cached}}})
+                                       "prompt_tokens_details": {"cached_tokens": cached}}, **mark})
 
     store = ResponseStore()
 
@@ -240,6 +243,8 @@ def app(engine: EngineClient, *, max_request_bytes: int = MAX_REQUEST_BYTES, api
                 async def events() -> AsyncIterator[str]:
                     try:
                         async for e in turn.events(stream, first, store):
+                            if mark and isinstance(e.get("response"), dict):
+                                e = {**e, "response": {**e["response"], **mark}}
                             yield f"event: {e['type']}\n" + _sse(e)
                     except Exception as exc:  # after the first delta: an error event, the stream ends
                         yield "event: error\n" + _sse({"type": "error", **_failure(exc, "input")[1]["error"]})
@@ -253,7 +258,7 @@ def app(engine: EngineClient, *, max_request_bytes: int = MAX_REQUEST_BYTES, api
                 return res
         except Exception as exc:
             return _error(exc, "input")
-        return JSONResponse(turn.finished(res, store))
+        return JSONResponse({**turn.finished(res, store), **mark})
 
     async def responses_get(request: Request) -> Response:
         kept = store.get(request.path_params["rid"])
@@ -287,10 +292,10 @@ def app(engine: EngineClient, *, max_request_bytes: int = MAX_REQUEST_BYTES, api
 
 
 async def _chat_sse(stream: AsyncIterator[ChatDelta], first: ChatDelta, cid: str, created: int, model: str,
-                    include_usage: bool) -> AsyncIterator[str]:
+                    include_usage: bool, mark: dict[str, str]) -> AsyncIterator[str]:
     def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
         return _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **mark})
 
     yield chunk({"role": "assistant", "content": ""})
     d: ChatDelta | None = first
@@ -311,7 +316,7 @@ async def _chat_sse(stream: AsyncIterator[ChatDelta], first: ChatDelta, cid: str
                 yield chunk({}, d.finish_reason)
                 if include_usage and d.usage is not None:
                     yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                                "choices": [], "usage": _usage(d.usage)})
+                                "choices": [], "usage": _usage(d.usage), **mark})
             d = await anext(stream, None)
     except Exception as exc:  # an engine failure mid-stream: OpenAI's clients read an error event
         yield _sse(_failure(exc, "messages")[1])
@@ -321,14 +326,15 @@ async def _chat_sse(stream: AsyncIterator[ChatDelta], first: ChatDelta, cid: str
 
 
 async def _completion_sse(stream: Any, first: Any, cid: str, created: int, model: str,
-                          include_usage: bool) -> AsyncIterator[str]:
+                          include_usage: bool, mark: dict[str, str]) -> AsyncIterator[str]:
     n_tokens = 0
     c = first
     try:
         while c is not None:
             n_tokens += len(c.token_ids)
             yield _sse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                        "choices": [{"index": 0, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}]})
+                        "choices": [{"index": 0, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}],
+                        **mark})
             c = await anext(stream, None)
     except Exception as exc:
         yield _sse(_failure(exc)[1])
@@ -339,7 +345,8 @@ async def _completion_sse(stream: Any, first: Any, cid: str, created: int, model
         yield _sse({"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [],
                     "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_tokens,
                               "total_tokens": n_prompt + n_tokens,
-                              "prompt_tokens_details": {"cached_tokens": stream.request.num_cached_prompt_tokens}}})
+                              "prompt_tokens_details": {"cached_tokens": stream.request.num_cached_prompt_tokens}},
+                    **mark})
     yield "data: [DONE]\n\n"
 
 
