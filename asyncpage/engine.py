@@ -135,6 +135,7 @@ class AsyncEngine:
         speculative_config: dict[str, Any] | None = None,
         compile: bool | None = None,
         max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+        chat_template: str | None = None,
     ) -> AsyncEngine:
         """Load a model: `model=None` is gemma-3-270m from its PyPI package; else a local HF directory, an HF
         hub id already in the local cache, or a .gguf file. The options (README's table, docs/ pages):
@@ -149,15 +150,10 @@ class AsyncEngine:
         (asyncpage.decoding.speculative, asyncpage.core.draft); `compile=True` (or ASYNCPAGE_COMPILE=1):
         decode steps of up to 8 rows through torch.compile'd layers (asyncpage.model.compiled);
         `max_queued_requests` (2048): requests not yet started past which a new one raises
-        QueueFullError at once (HTTP 429 with Retry-After)."""
-        return loading.from_pretrained(
-            cls, model, dtype=dtype, device=device, num_threads=num_threads, quantization=quantization,
-            debug_checks=debug_checks, speculative_config=speculative_config, compile=compile,
-            block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching,
-            attention_backend=attention_backend, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
-            guided_backend=guided_backend, grammar_compile_timeout=grammar_compile_timeout,
-            eviction_policy=eviction_policy, kv_cache_dtype=kv_cache_dtype, max_queued_requests=max_queued_requests)
+        QueueFullError at once (HTTP 429 with Retry-After); `chat_template`: a Jinja template in place of
+        the checkpoint's (chat, apply_chat_template; shared with clones)."""
+        options = {k: v for k, v in locals().items() if k not in ("cls", "model")}  # every keyword, as given
+        return loading.from_pretrained(cls, model, **options)
 
     def clone(self, **overrides: Any) -> AsyncEngine:
         """A second engine on the same weights and tokenizer, with its own KV pool and scheduler

@@ -4,6 +4,7 @@ flight is disturbed."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -99,3 +100,15 @@ async def test_use_outside_async_with_is_a_clear_error(default_engine_unstarted:
     fresh = default_engine_unstarted.clone(num_kv_blocks=16)
     with pytest.raises(EngineNotRunningError):
         await fresh.generate("hello")
+
+
+async def test_a_chat_template_given_at_load_is_what_chat_renders_with(tiny_llama: Path) -> None:
+    """from_pretrained(chat_template=...) overrides the checkpoint's template; an empty one is refused."""
+
+    template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}{% if add_generation_prompt %}=>{% endif %}"
+    engine = AsyncEngine.from_pretrained(str(tiny_llama), dtype="float32", num_kv_blocks=32, chat_template=template)
+    text = engine.tokenizer.decode(engine.apply_chat_template("hi there"))
+    assert "<<hi there>>=>" in text
+    with pytest.raises(InvalidRequestError) as info:
+        AsyncEngine.from_pretrained(str(tiny_llama), dtype="float32", num_kv_blocks=32, chat_template="  ")
+    assert info.value.field == "chat_template"

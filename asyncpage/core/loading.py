@@ -55,7 +55,7 @@ def compiled_steps_can_run(options: EngineOptions, dev: str, dt: str) -> bool:
 def from_pretrained(cls: Callable[..., E], model: str | os.PathLike[str] | None, *, dtype: str, device: str,
                     num_threads: int | None, quantization: str | None, debug_checks: bool | None,
                     speculative_config: dict[str, Any] | None, compile: bool | None,
-                    **pool_options: Any) -> E:
+                    chat_template: str | None = None, **pool_options: Any) -> E:
     """AsyncEngine.from_pretrained (its docstring says what each option does). `pool_options`: the
     pool and scheduling options, the ones a clone may change (from_pretrained's other keywords)."""
     check_load_options(num_threads, compile)
@@ -72,7 +72,11 @@ def from_pretrained(cls: Callable[..., E], model: str | os.PathLike[str] | None,
     # All torch work on one thread with one deliberately sized pool (see compute.py); with the
     # default thread count it follows the cores other processes leave free (cpu_share.py).
     compute = ComputeThread(threads, adaptive=num_threads is None)
+    if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
+        raise InvalidRequestError("chat_template", "must be a non-empty Jinja template string")
     loaded = compute.run(load, model, getattr(torch, dt), torch.device(dev), quantization)
+    if chat_template is not None:
+        loaded.tokenizer.chat_template = chat_template  # what chat() and apply_chat_template render with
     if compile is None:
         compile = env_flag("ASYNCPAGE_COMPILE")
     if compile and compiled_steps_can_run(options, dev, dt):
