@@ -5,7 +5,9 @@ the signals here (this is the one place asyncpage is the host process, not a gue
 Owns the serve flags: every AsyncEngine.from_pretrained option (ENGINE_FLAGS; a flag not given
 leaves the engine's own default), the door (--api-key or ASYNCPAGE_API_KEY, --allowed-origins,
 --allowed-hosts; see asyncpage.openai.routes) and uvicorn's limits (--limit-concurrency,
---timeout-keep-alive, --h11-max-incomplete-event-size, --body-timeout)."""
+--timeout-keep-alive, --h11-max-incomplete-event-size, --body-timeout). With --ray the same app runs on
+Ray Serve instead (asyncpage.ray.serve_app): --num-replicas engines behind Serve's HTTP proxy, on the
+cluster at --address (else RAY_ADDRESS, else a local one)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -129,6 +132,14 @@ def add_parser(sub: Any) -> None:
     limits.add_argument("--h11-max-incomplete-event-size", type=_bytes, default=H11_MAX_INCOMPLETE_EVENT_SIZE,
                         metavar="SIZE", help="largest request line and headers (default %(default)s bytes)")
 
+    on_ray = s.add_argument_group("Ray Serve (needs asyncpage[ray])")
+    on_ray.add_argument("--ray", action="store_true",
+                        help="serve on Ray Serve: --num-replicas engines (one CPU each) behind one endpoint, "
+                        "a conversation's turns (prompt_cache_key) routed to the replica holding its cache")
+    on_ray.add_argument("--num-replicas", type=int, default=1, metavar="N", help="engine replicas (default 1)")
+    on_ray.add_argument("--address", default=None, metavar="ADDR",
+                        help="the Ray cluster to join (default: $RAY_ADDRESS, else a local cluster)")
+
     engine = s.add_argument_group("engine (AsyncEngine.from_pretrained's options)")
     for name, (kw, default) in ENGINE_FLAGS.items():
         kw = dict(kw)
@@ -186,7 +197,55 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def serve_on_ray(args: argparse.Namespace) -> int:
+    """`asyncpage serve --ray`: the app on Ray Serve until interrupted. The proxy listens on --host/--port;
+    the uvicorn limits are Serve's own there."""
+    import ray
+    from ray import serve
+
+    from asyncpage.errors import AsyncPageError
+    from asyncpage.openai.routes import BODY_TIMEOUT_S, MAX_REQUEST_BYTES
+    from asyncpage.ray import serve_app
+
+    options: dict[str, Any] = {"model": args.model, **engine_options(args)}
+    if args.chat_template:
+        options["chat_template"] = _chat_template(args.chat_template)
+    try:
+        application = serve_app(args.num_replicas, options, api_key=args.api_key,
+                                allowed_origins=args.allowed_origins, allowed_hosts=args.allowed_hosts,
+                                max_request_bytes=args.max_request_bytes or MAX_REQUEST_BYTES,
+                                body_timeout=args.body_timeout or BODY_TIMEOUT_S)
+    except (AsyncPageError, ValueError) as exc:
+        print(f"asyncpage serve: {exc}", file=sys.stderr)
+        return 2
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    address = args.address or os.environ.get("RAY_ADDRESS") or None
+    ray.init(address=address, include_dashboard=False)
+    # After ray.init, which installs its own (an abort): a service manager's stop, the same exit as Ctrl-C.
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(application, name="asyncpage", route_prefix="/", blocking=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        try:
+            # A local cluster (started here) goes with Serve; on a shared one only this app is removed.
+            serve.shutdown() if address is None else serve.delete("asyncpage")
+        finally:
+            ray.shutdown()
+    return 0
+
+
 def serve(args: argparse.Namespace) -> int:
+    if getattr(args, "ray", False):
+        if args.api_key is not None and not args.api_key.strip():
+            print("asyncpage serve: --api-key is empty; give a key, or leave the flag out to serve without one",
+                  file=sys.stderr)
+            return 2
+        return serve_on_ray(args)
     import uvicorn
 
     from asyncpage.errors import AsyncPageError
