@@ -91,7 +91,7 @@ ENGINE_FLAGS: dict[str, tuple[dict[str, Any], Any]] = {
     "eviction_policy": ({"help": "which cached prefix a full pool gives up first: lru, or the default"}, None),
     "quantization": ({"help": "int8 | int4: weight-only quantization at load"}, None),
     "kv_cache_dtype": ({"help": "auto | int8 | fp8"}, "auto"),
-    "speculative_config": ({"type": _json_object, "metavar": "JSON",
+    "speculative_config": ({"type": _json_object, "metavar": "JSON", "flags": ["--speculative-config", "--speculative"],
                             "help": "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'"}, None),
     "compile": ({"action": _BOOL, "help": "torch.compile the decode layers at load (CPU)"}, None),
     "max_queued_requests": ({"type": int, "help": "requests waiting to start past which a new one gets HTTP 429 "
@@ -108,7 +108,7 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--port", type=int, default=8000)
 
     door = s.add_argument_group("the door")
-    door.add_argument("--api-key", default=os.environ.get("ASYNCPAGE_API_KEY") or None, metavar="KEY",
+    door.add_argument("--api-key", default=os.environ.get("ASYNCPAGE_API_KEY"), metavar="KEY",
                       help="require 'Authorization: Bearer KEY' on every route (401 otherwise); default: "
                       "$ASYNCPAGE_API_KEY, else none. Prefer the variable: a flag shows in `ps`")
     door.add_argument("--allowed-origins", type=_names, default=[], metavar="O1,O2",
@@ -240,22 +240,18 @@ def serve_on_ray(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
+    if args.api_key is not None and not args.api_key.strip():
+        # `--api-key "$UNSET"` (or an ASYNCPAGE_API_KEY set to nothing) must not serve anyone with no key.
+        print("asyncpage serve: --api-key (or ASYNCPAGE_API_KEY) is empty; give a key, or unset it to serve "
+              "without one", file=sys.stderr)
+        return 2
     if getattr(args, "ray", False):
-        if args.api_key is not None and not args.api_key.strip():
-            print("asyncpage serve: --api-key is empty; give a key, or leave the flag out to serve without one",
-                  file=sys.stderr)
-            return 2
         return serve_on_ray(args)
     import uvicorn
 
     from asyncpage.errors import AsyncPageError
     from asyncpage.openai.routes import BODY_TIMEOUT_S, MAX_REQUEST_BYTES, app
 
-    if args.api_key is not None and not args.api_key.strip():
-        # `--api-key "$UNSET"` must not serve anyone with no key and no warning.
-        print("asyncpage serve: --api-key is empty; give a key, or leave the flag out to serve without one",
-              file=sys.stderr)
-        return 2
     try:
         engine = load_engine(args)
     except (AsyncPageError, ValueError) as exc:

@@ -83,7 +83,24 @@ def test_an_empty_api_key_is_refused_not_served_open(tiny: AsyncEngine, capsys: 
             app(tiny, api_key=key)
         assert info.value.field == "api_key"
         assert serve(_serve_args("--api-key", key, "--host", "0.0.0.0")) == 2
-        assert "--api-key is empty" in capsys.readouterr().err
+        assert "is empty" in capsys.readouterr().err
+
+
+def test_an_api_key_variable_set_to_nothing_is_refused_too(monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """ASYNCPAGE_API_KEY="" (a secret that expanded to nothing) is refused as an empty --api-key is; it
+    used to serve with no key, silently."""
+    from asyncpage.serve import serve
+
+    monkeypatch.setenv("ASYNCPAGE_API_KEY", "")
+    assert serve(_serve_args("--host", "0.0.0.0")) == 2
+    assert "ASYNCPAGE_API_KEY" in capsys.readouterr().err
+    monkeypatch.setenv("ASYNCPAGE_API_KEY", "s3cret")
+    assert _serve_args().api_key == "s3cret"
+
+
+def test_serve_takes_speculative_as_a_short_flag() -> None:
+    assert _serve_args("--speculative", '{"method": "ngram"}').speculative_config == {"method": "ngram"}
 
 
 async def test_the_in_process_client_needs_no_key_unless_the_app_sets_one(tiny: AsyncEngine) -> None:
