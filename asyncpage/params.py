@@ -8,6 +8,7 @@ fails where it was written, with the field's name.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import msgspec
@@ -22,6 +23,29 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 # Past float32's range the sampler's division turns a masked row into NaN; no use needs more.
 MAX_TEMPERATURE = 1e4
+
+# json.dumps' spelling: what models read most (a chat template's `tojson` writes it too). Compact JSON
+# (`{"age":31}`) led the default model to `100000000000000` where it wrote 31 with these.
+DEFAULT_SEPARATORS = (", ", ": ")
+COMPACT_SEPARATORS = (",", ":")
+MAX_SEPARATOR_CHARS = 16
+_ITEM = re.compile(r"[ \t\n\r]*,[ \t\n\r]*")
+_KEY = re.compile(r"[ \t\n\r]*:[ \t\n\r]*")
+
+
+def separators_problem(value: Any) -> str | None:
+    """Why `value` is not an (item, key) separator pair, or None when it is one: a comma and a colon,
+    each with JSON whitespace only around it, at most MAX_SEPARATOR_CHARS characters."""
+    if not isinstance(value, tuple) or len(value) != 2 or not all(isinstance(s, str) for s in value):
+        return f"must be two strings (item separator, key separator), got {value!r:.60}"
+    item, key = value
+    if len(item) > MAX_SEPARATOR_CHARS or len(key) > MAX_SEPARATOR_CHARS:
+        return f"each separator may have at most {MAX_SEPARATOR_CHARS} characters"
+    if not _ITEM.fullmatch(item):
+        return f"the item separator must be a comma with JSON whitespace around it only, got {item!r}"
+    if not _KEY.fullmatch(key):
+        return f"the key separator must be a colon with JSON whitespace around it only, got {key!r}"
+    return None
 
 
 # A prompt: text (tokenized as the tokenizer's own call does, BOS included) or token ids.
@@ -68,10 +92,22 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     max_number_digits: int = 15
     # ...and a string whose tail repeats one n-gram (1-8 tokens) this many times is ended, where allowed.
     max_string_repeats: int = 8
+    # JSON's spelling under json_schema (and chat's response_format and tool arguments): the (item, key)
+    # separators, json.dumps' by default, the spelling models read most; (",", ":") is compact JSON. Each is
+    # a comma / a colon with JSON whitespace only around it; no other whitespace is free anywhere.
+    json_separators: tuple[str, str] = DEFAULT_SEPARATORS
+    # Under json_schema (and chat's response_format and tool arguments): an object schema that declares
+    # `properties` and says nothing of `additionalProperties` takes no other key, and a `prefixItems` tuple
+    # that says nothing of `items` no other item (xgrammar's strict mode, vLLM's default): a small model
+    # would invent keys until max_tokens. False: JSON Schema's open default. An explicit
+    # `additionalProperties` (true or a schema) is always kept (asyncpage.guided.style.closed_objects).
+    json_closed_objects: bool = True
 
     def __post_init__(self) -> None:
         # Accept the natural spellings (a str, a list, None for "none") and store tuples: the struct is
         # frozen and hashable parts keep it safe to share between the caller and the engine thread.
+        if isinstance(self.json_separators, list):  # a JSON body's pair
+            msgspec.structs.force_setattr(self, "json_separators", tuple(self.json_separators))
         for name in ("stop", "stop_token_ids", "choice"):
             value = getattr(self, name)
             if value is None:
@@ -179,6 +215,9 @@ def _check(p: SamplingParams) -> None:
                 v.encode("utf-8")
             except UnicodeEncodeError:
                 raise bad(name, "must be valid Unicode (no unpaired surrogates)") from None
-    for name in ("ignore_eos", "skip_special_tokens"):
+    problem = separators_problem(p.json_separators)
+    if problem is not None:
+        raise bad("json_separators", problem)
+    for name in ("ignore_eos", "skip_special_tokens", "json_closed_objects"):
         if not isinstance(getattr(p, name), bool):
             raise bad(name, f"must be true or false, got {getattr(p, name)!r}")

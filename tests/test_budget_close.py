@@ -201,7 +201,8 @@ async def tiny_engine(tiny_llama: Any) -> AsyncIterator[AsyncEngine]:
 async def test_engine_closes_json_within_max_tokens_for_every_sample(tiny_engine: AsyncEngine) -> None:
     import jsonschema
 
-    for max_tokens in (24, 40):
+    # 26: two tokens above SCHEMA's shortest value on the tiny tokenizer (24 in json.dumps' spelling, 22 compact).
+    for max_tokens in (26, 40):
         out = await tiny_engine.generate("x", SamplingParams(json_schema=SCHEMA, max_tokens=max_tokens, n=3,
                                                              temperature=1.0, seed=3))
         for c in out.choices:
@@ -222,7 +223,9 @@ class Item(msgspec.Struct):
 
 
 async def test_extract_marks_a_value_closed_early(tiny_engine: AsyncEngine) -> None:
-    params = SamplingParams(max_tokens=24, temperature=1.0, seed=5)
+    # Two tokens above the shortest value on the tiny tokenizer, `{"name": "", "tags": [], "n": 0}` (24 tokens
+    # in json.dumps' spelling, 22 compact).
+    params = SamplingParams(max_tokens=26, temperature=1.0, seed=5)
     with pytest.raises(ExtractionError) as e:
         await tiny_engine.extract("x", Item, params)
     assert e.value.reason == "closed_early" and e.value.has_value and isinstance(e.value.value, Item)
@@ -239,10 +242,10 @@ async def test_xgrammar_engine_closes_json_within_max_tokens(tiny_llama: Any) ->
     import jsonschema
 
     async with AsyncEngine.from_pretrained(str(tiny_llama), dtype="float32", guided_backend="xgrammar") as engine:
-        out = await engine.generate("x", SamplingParams(json_schema=SCHEMA, max_tokens=24, n=3, temperature=1.0,
+        out = await engine.generate("x", SamplingParams(json_schema=SCHEMA, max_tokens=26, n=3, temperature=1.0,
                                                         seed=3))
     for c in out.choices:
-        assert len(c.token_ids) <= 24
+        assert len(c.token_ids) <= 26
         jsonschema.validate(json.loads(c.text), SCHEMA)
 
 

@@ -125,7 +125,7 @@ def _prepare_steps(engine: EngineClient, msgs: Any, tools: Any, tool_choice: Any
     deadline.check()
     in_reasoning = template.reasoning and text.rstrip().endswith(THINK_OPEN)
     spec = grammar.TurnSpec(fmt, tool_list, mode, bool(parallel_tool_calls), answer, template.reasoning,
-                            in_reasoning)
+                            in_reasoning, params.json_separators, params.json_closed_objects)
     try:
         lark = grammar.build(spec, tok, deadline)
     except CompileTimeout:

@@ -3,8 +3,10 @@
 Tool calls are made valid by construction: every call is the format's literal text around a
 `%json` rule built from that tool's own `parameters` schema, so its arguments always validate.
 `tool_choice="auto"` is a lazy grammar: free text until the model writes the format's trigger,
-then the grammar holds it to a complete call. JSON is written with fixed separators and no free
-whitespace (runaway whitespace is the most reported failure of JSON modes).
+then the grammar holds it to a complete call. JSON is written with fixed separators (the params'
+json_separators, json.dumps' by default) and no free whitespace (runaway whitespace is the most
+reported failure of JSON modes); objects take no undeclared key unless the params' json_closed_objects
+is False or the schema says otherwise (guided/style.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from asyncpage.chat.formats import ToolFormat
 from asyncpage.chat.types import Tool
 from asyncpage.guided.backend import NO_DEADLINE, Deadline
 from asyncpage.guided.schema import drop_custom_formats, exclusive_one_of
+from asyncpage.guided.style import STYLE_KEY, closed_objects, spelled, style_of
+from asyncpage.params import DEFAULT_SEPARATORS
 
 # json.dumps' separators: what chat templates render with `tojson`, so calls stay in distribution.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -35,6 +39,8 @@ class TurnSpec:
     answer_schema: dict[str, Any] | None
     reasoning: bool  # a <think>...</think> block may open the turn
     in_reasoning: bool  # the prompt already opened it (the turn starts inside the block)
+    json_separators: tuple[str, str] = DEFAULT_SEPARATORS  # SamplingParams.json_separators
+    closed_objects: bool = True  # SamplingParams.json_closed_objects
 
     @property
     def calls_allowed(self) -> bool:
@@ -46,18 +52,31 @@ class TurnSpec:
             return self.tools
         return [t for t in self.tools if t.name == self.mode]
 
+    def closed(self, schema: Any) -> Any:
+        """`schema` with its objects closed, unless this turn asked not to (guided/style.py)."""
+        return closed_objects(schema) if self.closed_objects and isinstance(schema, dict) else schema
+
+    def styled(self, schema: Any) -> Any:
+        """`schema` closed, and with this turn's separators named in its root's x-guidance (json_rule
+        reads them)."""
+        schema = self.closed(schema)
+        return spelled(schema, self.json_separators) if isinstance(schema, dict) else schema
+
 
 def json_rule(schema: dict[str, Any] | bool, deadline: Deadline = NO_DEADLINE) -> str:
-    """`%json {...}` for a schema, with asyncpage's exact rewrites and the fixed JSON style.
-    The rewrites check `deadline` as they go (the oneOf one is quadratic in a oneOf's branches):
-    past it they raise guided.backend.CompileTimeout."""
+    """`%json {...}` for a schema, with asyncpage's exact rewrites and the fixed JSON style: the
+    separators its root's x-guidance names (TurnSpec.styled), else json.dumps'. The rewrites check
+    `deadline` as they go (the oneOf one is quadratic in a oneOf's branches): past it they raise
+    guided.backend.CompileTimeout."""
     deadline.check()
     s: Any = exclusive_one_of(drop_custom_formats(copy.deepcopy(schema), deadline), deadline)
     if s is True or s == {}:
         s = {}
     if not isinstance(s, dict):
         s = {"not": {}}  # `false`: nothing validates
-    s = {**s, "x-guidance": JSON_STYLE}
+    s, named = style_of(s)
+    item, key = named or DEFAULT_SEPARATORS
+    s = {**s, STYLE_KEY: {**JSON_STYLE, "item_separator": item, "key_separator": key}}
     return "%json " + json.dumps(s)
 
 
@@ -110,14 +129,14 @@ def build(spec: TurnSpec, tokenizer: Any, deadline: Deadline = NO_DEADLINE) -> s
         rules.append("call: " + " | ".join(names))
         for rule, tool in zip(names, tools, strict=True):
             rules.append(f"{rule}: {lit(fmt.call_head(tool.name))} {rule}_args {lit('}')}")
-            rules.append(f"{rule}_args: {json_rule(tool.parameters, deadline)}")
+            rules.append(f"{rule}_args: {json_rule(spec.styled(tool.parameters), deadline)}")
         more = f" ({lit(fmt.sep)} call)*" if spec.parallel else ""
         rest_of_begin = fmt.begin[len(fmt.trigger):]
         rules.append(f"calls_after_trigger: {lit(rest_of_begin)} call{more} {lit(fmt.end)}".replace("  ", " "))
         trigger = lit(fmt.trigger)
         rules.append(f"calls: {trigger} calls_after_trigger" if trigger else "calls: calls_after_trigger")
     if spec.answer_schema is not None:
-        rules.append(f"answer: {json_rule(spec.answer_schema, deadline)}")
+        rules.append(f"answer: {json_rule(spec.styled(spec.answer_schema), deadline)}")
     if spec.calls_allowed and spec.mode == "auto":
         if spec.answer_schema is not None and fmt.at_start:
             # Both open with "{": one JSON Schema (anyOf) lets the JSON parser decide, where two
@@ -169,7 +188,8 @@ def _answer_or_calls(spec: TurnSpec, deadline: Deadline) -> str:
     Properties are listed in the format's order, so the text is exactly what formats.py renders."""
     defs: dict[str, Any] = {}
     fmt = spec.fmt
-    one = [{"type": "object", "properties": {"name": {"const": t.name}, fmt.key: scoped(t.parameters, f"t{i}", defs)},
+    one = [{"type": "object",
+            "properties": {"name": {"const": t.name}, fmt.key: scoped(spec.closed(t.parameters), f"t{i}", defs)},
             "required": ["name", fmt.key], "additionalProperties": False}
            for i, t in enumerate(spec.callable_tools)]
     call = {"anyOf": one}
@@ -179,7 +199,7 @@ def _answer_or_calls(spec: TurnSpec, deadline: Deadline) -> str:
             "required": ["tool_calls"], "additionalProperties": False}
     else:
         calls = call  # Llama 3: one call object
-    answer = scoped(spec.answer_schema, "answer", defs)
+    answer = scoped(spec.closed(spec.answer_schema), "answer", defs)
     # A loose answer (json_object, or a schema without this key) would also take a call-shaped
     # object, unchecked against the tools, and the parser would read it back as a call.
     marker = "tool_calls" if fmt.name == "generic" else fmt.key
@@ -190,7 +210,7 @@ def _answer_or_calls(spec: TurnSpec, deadline: Deadline) -> str:
     root: dict[str, Any] = {"anyOf": [answer, calls]}
     if defs:
         root["$defs"] = defs
-    return json_rule(root, deadline)
+    return json_rule(spelled(root, spec.json_separators), deadline)  # closed above, where the marker is not
 
 
 # Keywords whose values are data, not schemas: a "$ref" inside them is a value to keep as written.

@@ -12,6 +12,7 @@ from typing import Literal, Protocol
 import torch
 
 from asyncpage.errors import GrammarError
+from asyncpage.guided.style import closed_objects, spelled
 from asyncpage.params import SamplingParams
 
 Kind = Literal["json_schema", "regex", "choice", "grammar"]
@@ -29,8 +30,13 @@ class GuidedSpec:
             if p.json_schema is False:
                 raise GrammarError("json_schema", "false matches nothing: no output can satisfy it")
             schema = {} if p.json_schema is True else p.json_schema
-            # Key order is kept: properties are generated in the order the schema lists them.
             try:
+                # No undeclared properties unless asked for (p.json_closed_objects), and JSON spelled with
+                # the request's separators, named in the root's x-guidance for both backends (style.py).
+                if p.json_closed_objects:
+                    schema = closed_objects(schema)
+                schema = spelled(schema, p.json_separators)
+                # Key order is kept: properties are generated in the order the schema lists them.
                 return GuidedSpec("json_schema", json.dumps(schema, allow_nan=False))
             except (TypeError, ValueError, RecursionError) as exc:
                 raise GrammarError("json_schema", f"not a JSON document: {exc}") from None

@@ -14,10 +14,12 @@ from asyncpage.guided.budget import Closer, CloseState, Planner, StartPlan, sequ
 from asyncpage.guided.guards import Guards
 from asyncpage.guided.schema import drop_custom_formats, enum_of_valid_candidates, exclusive_one_of
 from asyncpage.guided.search import byte_tokenizer
+from asyncpage.guided.style import STYLE_KEY
 from asyncpage.guided.untrusted import refuse_outside_refs
 
-# Compact JSON: no whitespace between tokens. Runaway whitespace until max_tokens is the most
-# reported failure of constrained decoding; a compact policy makes it impossible.
+# No free whitespace: runaway whitespace until max_tokens is the most reported failure of constrained
+# decoding; fixed separators make it impossible. Applied over the schema's own x-guidance, which names
+# the separators (json.dumps' for a request: guided/style.py; compact where a spec names none).
 JSON_OPTIONS = {"whitespace_flexible": False, "lenient": False}
 
 
@@ -164,7 +166,7 @@ class LLGuidanceBackend:
             refuse_outside_refs(original)
             try:
                 schema = exclusive_one_of(drop_custom_formats(original, deadline), deadline)
-                grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+                grammar = LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)  # type: ignore[arg-type]
             except ValueError as exc:
                 raise grammar_error(spec, str(exc)) from exc
         elif spec.kind == "regex":
@@ -182,7 +184,9 @@ class LLGuidanceBackend:
             deadline.check()
             finite = enum_of_valid_candidates(original, deadline)
             if finite is not None and finite["enum"]:
-                grammar = LLMatcher.grammar_from_json_schema(finite, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+                if isinstance(original, dict) and isinstance(original.get(STYLE_KEY), dict):
+                    finite[STYLE_KEY] = original[STYLE_KEY]  # the values spelled as the rest would be
+                grammar = LLMatcher.grammar_from_json_schema(finite, overrides=JSON_OPTIONS)  # type: ignore[arg-type]
                 error = LLMatcher.validate_grammar(grammar, self._tok)
         if error and not error.startswith("WARNING"):
             raise grammar_error(spec, error)

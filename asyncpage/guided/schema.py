@@ -10,6 +10,7 @@ from typing import Any
 
 from asyncpage.errors import GrammarError
 from asyncpage.guided.backend import NO_DEADLINE, Deadline
+from asyncpage.guided.style import closed_objects as closed_objects  # re-exported: its home is style.py
 from asyncpage.guided.untrusted import bounded_validator, refuse_outside_refs, refuse_unbounded_patterns
 
 
@@ -29,21 +30,6 @@ def ordered_instance(value: Any, schema: Any, root: Any | None = None) -> Any:
         items: dict[str, Any] = schema["items"] if isinstance(schema.get("items"), dict) else {}
         return [ordered_instance(x, prefix[i] if i < len(prefix) else items, root) for i, x in enumerate(value)]
     return value
-
-
-def closed_objects(schema: Any) -> Any:
-    """A copy of `schema` where every object with `properties` and no `additionalProperties` gets
-    `additionalProperties: false`. Used for schemas derived from a typed target (a msgspec Struct):
-    extra keys would be dropped by the decoder anyway, and forbidding them only narrows what the
-    grammar accepts, so a small model cannot wander off into invented fields."""
-    if isinstance(schema, dict):
-        out = {k: closed_objects(v) for k, v in schema.items()}
-        if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
-            out["additionalProperties"] = False
-        return out
-    if isinstance(schema, list):
-        return [closed_objects(x) for x in schema]
-    return schema
 
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")

@@ -23,6 +23,7 @@ from asyncpage.guided.budget import Closer, CloseState, Planner, StartPlan, sequ
 from asyncpage.guided.guards import Guards
 from asyncpage.guided.schema import schema_keywords
 from asyncpage.guided.search import FORCED_LIMIT
+from asyncpage.guided.style import style_of
 
 log = logging.getLogger("asyncpage")
 
@@ -285,17 +286,22 @@ class XGrammarBackend:
         import xgrammar as xgr
 
         if spec.kind == "json_schema":
-            schema = json.loads(spec.value)
+            schema, separators = style_of(json.loads(spec.value))
             ignored = sorted(schema_keywords(schema) - ENFORCED)
             if ignored:
                 raise GrammarError(spec.kind, f"unsupported JSON Schema keyword(s) {', '.join(ignored)} "
                                               "(xgrammar backend)")
-            # Compact JSON, as with llguidance; strict_mode: nothing beyond what the schema allows.
-            options: dict[str, Any] = {"any_whitespace": False, "separators": (",", ":"), "strict_mode": True}
-            text = str(xgr.Grammar.from_json_schema(spec.value, **options))
+            # No free whitespace, as with llguidance. A request's schema names its separators in x-guidance
+            # and has its objects closed already where it asked (GuidedSpec.from_params, guided/style.py):
+            # then JSON Schema's own meaning. A spec that names none: compact, and xgrammar's strict mode
+            # (nothing beyond what the schema lists).
+            options: dict[str, Any] = {"any_whitespace": False, "separators": separators or (",", ":"),
+                                       "strict_mode": separators is None}
+            value = spec.value if separators is None else json.dumps(schema)
+            text = str(xgr.Grammar.from_json_schema(value, **options))
             if _LENGTH_CHAR in text:
                 return compiler.compile_grammar(text.replace(_LENGTH_CHAR, _JSON_CHAR))
-            return compiler.compile_json_schema(spec.value, **options)
+            return compiler.compile_json_schema(value, **options)
         if spec.kind == "regex":
             return compiler.compile_regex(spec.value)
         if spec.kind == "choice":
