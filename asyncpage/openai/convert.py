@@ -25,6 +25,7 @@ from asyncpage.errors import (
     QueueFullError,
     SamplingError,
 )
+from asyncpage.openai.structured import structured_fields
 from asyncpage.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -49,7 +50,9 @@ PROMPT_WINDOW = 8
 _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "presence_penalty": "presence_penalty",
              "frequency_penalty": "frequency_penalty", "top_k": "top_k", "min_p": "min_p",
              "repetition_penalty": "repetition_penalty", "stop_token_ids": "stop_token_ids",
-             "ignore_eos": "ignore_eos", "cache_salt": "cache_salt"}
+             "ignore_eos": "ignore_eos", "cache_salt": "cache_salt",
+             # asyncpage's own: JSON's spelling and undeclared keys under a schema (SamplingParams' docs)
+             "json_separators": "json_separators", "json_closed_objects": "json_closed_objects"}
 _LOG = logging.getLogger("asyncpage.openai")
 
 
@@ -135,8 +138,14 @@ def _params(body: dict[str, Any], default_max: int) -> SamplingParams:
     for name in ("logprobs", "top_logprobs", "logit_bias", "suffix", "best_of", "echo", "functions", "function_call"):
         if body.get(name) and not (name == "best_of" and body[name] == 1):
             raise InvalidRequestError(name, f"{name} is not supported by this server")
+    guided = structured_fields(body)  # vLLM's structured_outputs / guided_* fields (structured.py)
+    kw.update({field: value for field, (_src, value) in guided.items()})
     try:
         return SamplingParams(**kw)
+    except InvalidRequestError as exc:
+        if exc.field in guided:  # named as the body wrote it
+            raise InvalidRequestError(guided[exc.field][0], exc.message) from None
+        raise
     except TypeError as exc:  # a wrongly typed value msgspec could not even store
         raise InvalidRequestError(next(iter(kw), "body"), str(exc)) from exc
     except OverflowError:  # JSON has integers of any size; a float field cannot take one past float's range
