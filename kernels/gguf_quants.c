@@ -28,6 +28,10 @@
    gguf_form_best() says which this CPU runs (cpuid); any lower one can be asked for (the tests do).
    Results of the three agree up to float rounding (their integer sums are equal).
 
+   Decode tiles: the 32-element formats take 4 weight rows at a time (2 with AVX2 past one activation
+   row), one __m256 accumulator per (weight row, activation row), the offsets folded into the int32 dot,
+   and a software prefetch ahead of the streams.
+
    Threads: OpenMP over chunks of output rows (torch's libgomp, see native.py), taken dynamically.
    Within a chunk, activation rows go four at a time: each weight block is unpacked once and used for
    all four, and a chunk's weight rows (a few KB) stay in L1 while every activation tile passes them.
@@ -135,11 +139,12 @@ typedef struct {
     int8_t *q;
     float *d;
     int16_t *s;
-    float *fs; /* blocks of 32 only: d * the block's sum, [rows, k / 32] (what the offsets multiply) */
+    int32_t *c; /* blocks of 32 only: -offset * the block's integer sum, [rows, k / 32]: the weights' offset
+                   (8 / 16 / Q8_0's 128 in the VNNI form), added to the integer dot so it stays exact */
     long k, nb; /* nb: blocks of activation scale per row */
 } Act;
 
-static void quantize_rows(const float *x, long k, int block, int rows, int threads, Act *a) {
+static void quantize_rows(const float *x, long k, int block, int offset, int rows, int threads, Act *a) {
     const long nb = k / block;
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
     for (int r = 0; r < rows; r++) {
@@ -168,14 +173,15 @@ static void quantize_rows(const float *x, long k, int block, int rows, int threa
         }
         if (block == 32)
             for (long b = 0; b < nb; b++)
-                a->fs[(long)r * nb + b] = a->d[(long)r * nb + b] *
-                                          (float)(a->s[(long)r * (k / 16) + 2 * b] + a->s[(long)r * (k / 16) + 2 * b + 1]);
+                a->c[(long)r * nb + b] = -offset * (a->s[(long)r * (k / 16) + 2 * b] + a->s[(long)r * (k / 16) + 2 * b + 1]);
     }
 }
 
-/* A row kernel: one weight row (nb blocks of its type) against activation rows r0 .. r0 + nr - 1
-   (nr <= 4): res[i] = dot of the weight row with activation row r0 + i. */
-typedef void (*row_kernel)(const uint8_t *w, long nb, const Act *a, int r0, int nr, float *res);
+/* A tile kernel: wr weight rows (w, w + rb, ..; nb blocks of its type each; wr = 1, 2 or 4) against
+   activation rows r0 .. r0 + nr - 1 (nr <= 4): res[i * nr + j] = dot of weight row i with activation
+   row r0 + j. Several weight rows at once give independent accumulator chains, share each activation
+   load, and amortize the per-row reduction (the LM head's rows are only 20 blocks long). */
+typedef void (*row_kernel)(const uint8_t *w, long rb, int wr, long nb, const Act *a, int r0, int nr, float *res);
 
 /* ---------------- portable form ---------------- */
 
@@ -259,9 +265,10 @@ static float dotk_c(int type, const uint8_t *w, long nb, const Act *a, int r) {
 }
 
 #define PORTABLE(NAME, DOT, TYPE)                                                                  \
-    static void NAME(const uint8_t *w, long nb, const Act *a, int r0, int nr, float *res) {        \
-        for (int i = 0; i < nr; i++)                                                               \
-            res[i] = DOT(TYPE, w, nb, a, r0 + i);                                                  \
+    static void NAME(const uint8_t *w, long rb, int wr, long nb, const Act *a, int r0, int nr, float *res) { \
+        for (int i = 0; i < wr; i++)                                                               \
+            for (int j = 0; j < nr; j++)                                                           \
+                res[i * nr + j] = DOT(TYPE, w + i * rb, nb, a, r0 + j);                            \
     }
 PORTABLE(k_q4_0_c, dot32_c, T_Q4_0)
 PORTABLE(k_q5_0_c, dot32_c, T_Q5_0)
@@ -282,6 +289,14 @@ PORTABLE(k_q6_k_c, dotk_c, T_Q6_K)
 #undef GQ_FORM
 #undef GQ_SECTION
 #endif
+
+/* Weight rows per tile for nr activation rows: as many accumulators as the form's registers hold
+   (32 vector registers with AVX-512, 16 with AVX2). */
+static int tile_rows(int type, int form, int nr) {
+    if (form == FORM_PORTABLE || gguf_block_elems(type) != 32)
+        return 1;
+    return form == FORM_VNNI || nr == 1 ? 4 : 2;
+}
 
 static row_kernel kernel_for(int type, int form) {
 #if GQ_X86
@@ -332,16 +347,18 @@ int gguf_matmul(int type, int form, const float *x, const uint8_t *w, long n, lo
         return 0;
     threads = threads > 0 ? threads : 1;
     Act a = {malloc((size_t)rows * k), malloc((size_t)rows * (k / block) * sizeof(float)),
-             malloc((size_t)rows * (k / 16) * sizeof(int16_t)), malloc((size_t)rows * (k / 32) * sizeof(float)),
+             malloc((size_t)rows * (k / 16) * sizeof(int16_t)), malloc((size_t)rows * (k / 32) * sizeof(int32_t)),
              k, k / block};
-    if (a.q == NULL || a.d == NULL || a.s == NULL || a.fs == NULL) {
+    if (a.q == NULL || a.d == NULL || a.s == NULL || a.c == NULL) {
         free(a.q);
         free(a.d);
         free(a.s);
-        free(a.fs);
+        free(a.c);
         return E_MEMORY;
     }
-    quantize_rows(x, k, block, rows, threads, &a);
+    /* The weights' offset the SIMD forms read them with (the portable form subtracts its own). */
+    const int offset = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : type == T_Q8_0 && form == FORM_VNNI ? 128 : 0;
+    quantize_rows(x, k, block, offset, rows, threads, &a);
     const long nb = k / block, row_bytes = nb * gguf_block_bytes(type);
     /* Chunks of output rows: enough for every thread to take several (dynamic), small enough that a
        chunk's weights stay in L1 while the activation tiles pass (at many rows). */
@@ -352,20 +369,24 @@ int gguf_matmul(int type, int form, const float *x, const uint8_t *w, long n, lo
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && chunks > 1)
     for (long c = 0; c < chunks; c++) {
         const long i0 = c * chunk, i1 = i0 + chunk < n ? i0 + chunk : n;
-        float res[4];
+        float res[16];
         for (int r0 = 0; r0 < rows; r0 += 4) {
             const int nr = rows - r0 < 4 ? rows - r0 : 4;
-            for (long i = i0; i < i1; i++) {
-                kern(w + i * row_bytes, nb, &a, r0, nr, res);
-                for (int j = 0; j < nr; j++)
-                    out[(long)(r0 + j) * n + i] = res[j];
+            const int tw = tile_rows(type, form, nr);
+            for (long i = i0; i < i1;) {
+                const int wr = i1 - i >= tw ? tw : i1 - i >= 2 && tw >= 2 ? 2 : 1;
+                kern(w + i * row_bytes, row_bytes, wr, nb, &a, r0, nr, res);
+                for (int t = 0; t < wr; t++)
+                    for (int j = 0; j < nr; j++)
+                        out[(long)(r0 + j) * n + i + t] = res[t * nr + j];
+                i += wr;
             }
         }
     }
     free(a.q);
     free(a.d);
     free(a.s);
-    free(a.fs);
+    free(a.c);
     return 0;
 }
 
@@ -547,47 +568,57 @@ GQ_INLINE __m256i F(bits16)(uint32_t bits) {
 #endif
 }
 
-/* The 32-element formats against NR activation rows. */
-GQ_INLINE void F(rows32)(const int type, const uint8_t *w, long nb, const Act *a, int r0, const int NR, float *res) {
+/* The 32-element formats: WR weight rows against NR activation rows, one float accumulator per pair
+   (a block's int32 lanes converted and multiplied-added by the block's d * dx: no horizontal sum until
+   the end). The weights' offset enters the integer dot through the activations' c (exact). */
+GQ_INLINE void F(rows32)(const int type, const uint8_t *w, long rb, long nb, const Act *a, int r0, const int NR,
+                         const int WR, float *res) {
     const int bytes = type == T_Q4_0 ? 18 : type == T_Q5_0 ? 22 : 34;
-    const int offset = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : (GQ_FORM == FORM_VNNI ? 128 : 0);
-    __m256 acc[4];
-    float off[4];
-    const int8_t *xq[4];
-    const float *xd[4];
-    const float *fs[4];
-    for (int r = 0; r < NR; r++) {
-        acc[r] = _mm256_setzero_ps();
-        off[r] = 0.0f;
-        xq[r] = a->q + (long)(r0 + r) * a->k;
-        xd[r] = a->d + (long)(r0 + r) * a->nb;
-        fs[r] = a->fs + (long)(r0 + r) * a->nb;
-    }
+    const int sign = type == T_Q8_0 && GQ_FORM != FORM_VNNI; /* AVX2 Q8_0: |w| times x with w's sign */
+    __m256 acc[4][4];
+    const int8_t *xq = a->q + (long)r0 * a->k;
+    const float *xd = a->d + (long)r0 * a->nb;
+    const int32_t *xc = a->c + (long)r0 * a->nb;
+    for (int i = 0; i < WR; i++)
+        for (int r = 0; r < NR; r++)
+            acc[i][r] = _mm256_setzero_ps();
     for (long b = 0; b < nb; b++) {
-        const uint8_t *p = w + b * bytes;
-        const float dw = _cvtsh_ss(rd16(p));
-        __m256i u;
-        if (type == T_Q4_0)
-            u = F(nibbles16)(p + 2);
-        else if (type == T_Q5_0)
-            u = _mm256_or_si256(F(nibbles16)(p + 6), F(bits16)(rd32(p + 2)));
-        else if (GQ_FORM == FORM_VNNI)
-            u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 2)), _mm256_set1_epi8((char)0x80));
-        else
-            u = _mm256_loadu_si256((const __m256i *)(p + 2)); /* signed: the sign trick below */
-        const __m256i au = type == T_Q8_0 && GQ_FORM != FORM_VNNI ? _mm256_sign_epi8(u, u) : u;
+        __m256i u[4], raw[4];
+        float dw[4];
+        for (int i = 0; i < WR; i++) {
+            const uint8_t *p = w + i * rb + b * bytes;
+            /* Software prefetch four tiles ahead: one core's stream from L3 / memory is latency-bound
+               without it (LM head, one row: 13.4 -> 7.6 ms, scripts/gguf_kernel_bench.py). */
+            _mm_prefetch((const char *)p + 4 * WR * rb, _MM_HINT_T0);
+            dw[i] = _cvtsh_ss(rd16(p));
+            if (type == T_Q4_0)
+                u[i] = F(nibbles16)(p + 2);
+            else if (type == T_Q5_0)
+                u[i] = _mm256_or_si256(F(nibbles16)(p + 6), F(bits16)(rd32(p + 2)));
+            else {
+                raw[i] = _mm256_loadu_si256((const __m256i *)(p + 2));
+                u[i] = sign ? _mm256_sign_epi8(raw[i], raw[i]) : _mm256_xor_si256(raw[i], _mm256_set1_epi8((char)0x80));
+            }
+        }
         for (int r = 0; r < NR; r++) {
-            __m256i x = _mm256_loadu_si256((const __m256i *)(xq[r] + 32 * b));
-            if (type == T_Q8_0 && GQ_FORM != FORM_VNNI)
-                x = _mm256_sign_epi8(x, u);
-            const float dd = dw * xd[r][b];
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(F(dot)(au, x)), acc[r]);
-            if (offset)
-                off[r] += dw * (float)offset * fs[r][b];
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * a->k + 32 * b));
+            const __m256i c = sign ? _mm256_setzero_si256()
+                                   : _mm256_zextsi128_si256(_mm_cvtsi32_si128(xc[r * a->nb + b]));
+            const float dx = xd[r * a->nb + b];
+            for (int i = 0; i < WR; i++) {
+                __m256i isum;
+#if GQ_FORM == 2
+                isum = _mm256_dpbusd_epi32(c, u[i], sign ? _mm256_sign_epi8(x, raw[i]) : x);
+#else
+                isum = _mm256_add_epi32(F(dot)(u[i], sign ? _mm256_sign_epi8(x, raw[i]) : x), c);
+#endif
+                acc[i][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw[i] * dx), _mm256_cvtepi32_ps(isum), acc[i][r]);
+            }
         }
     }
-    for (int r = 0; r < NR; r++)
-        res[r] = F(hsum)(acc[r]) - off[r];
+    for (int i = 0; i < WR; i++)
+        for (int r = 0; r < NR; r++)
+            res[i * NR + r] = F(hsum)(acc[i][r]);
 }
 
 /* The K-quants against NR activation rows. */
@@ -675,22 +706,41 @@ GQ_INLINE void F(rowsk)(const int type, const uint8_t *w, long nb, const Act *a,
         res[r] = F(hsum)(_mm256_sub_ps(acc[r], offv[r]));
 }
 
-/* Each (type, form) as a row_kernel, its row count a constant in each case so the loops unroll. */
-#define GQ_KERNEL(NAME, BODY, TYPE)                                                                \
-    static void F(NAME)(const uint8_t *w, long nb, const Act *a, int r0, int nr, float *res) {     \
-        switch (nr) {                                                                              \
-        case 1: F(BODY)(TYPE, w, nb, a, r0, 1, res); break;                                        \
-        case 2: F(BODY)(TYPE, w, nb, a, r0, 2, res); break;                                        \
-        case 3: F(BODY)(TYPE, w, nb, a, r0, 3, res); break;                                        \
-        default: F(BODY)(TYPE, w, nb, a, r0, 4, res); break;                                       \
-        }                                                                                          \
+/* Each (type, form) as a row_kernel, its row counts constants in each case so the loops unroll. */
+#define GQ_CASES(BODY, TYPE, WR)                                                                   \
+    switch (nr) {                                                                                  \
+    case 1: F(BODY)(TYPE, w, rb, nb, a, r0, 1, WR, res); break;                                    \
+    case 2: F(BODY)(TYPE, w, rb, nb, a, r0, 2, WR, res); break;                                    \
+    case 3: F(BODY)(TYPE, w, rb, nb, a, r0, 3, WR, res); break;                                    \
+    default: F(BODY)(TYPE, w, rb, nb, a, r0, 4, WR, res); break;                                   \
     }
-GQ_KERNEL(k_q4_0, rows32, T_Q4_0)
-GQ_KERNEL(k_q5_0, rows32, T_Q5_0)
-GQ_KERNEL(k_q8_0, rows32, T_Q8_0)
+#define GQ_KERNEL32(NAME, TYPE)                                                                    \
+    static void F(NAME)(const uint8_t *w, long rb, int wr, long nb, const Act *a, int r0, int nr, float *res) { \
+        if (wr == 4)                                                                               \
+            GQ_CASES(rows32, TYPE, 4)                                                              \
+        else if (wr == 2)                                                                          \
+            GQ_CASES(rows32, TYPE, 2)                                                              \
+        else                                                                                       \
+            GQ_CASES(rows32, TYPE, 1)                                                              \
+    }
+#define GQ_KERNEL(NAME, BODY, TYPE)                                                                \
+    static void F(NAME)(const uint8_t *w, long rb, int wr, long nb, const Act *a, int r0, int nr, float *res) { \
+        for (int t = 0; t < wr; t++, w += rb, res += nr)                                           \
+            switch (nr) {                                                                          \
+            case 1: F(BODY)(TYPE, w, nb, a, r0, 1, res); break;                                    \
+            case 2: F(BODY)(TYPE, w, nb, a, r0, 2, res); break;                                    \
+            case 3: F(BODY)(TYPE, w, nb, a, r0, 3, res); break;                                    \
+            default: F(BODY)(TYPE, w, nb, a, r0, 4, res); break;                                   \
+            }                                                                                      \
+    }
+GQ_KERNEL32(k_q4_0, T_Q4_0)
+GQ_KERNEL32(k_q5_0, T_Q5_0)
+GQ_KERNEL32(k_q8_0, T_Q8_0)
 GQ_KERNEL(k_q4_k, rowsk, T_Q4_K)
 GQ_KERNEL(k_q5_k, rowsk, T_Q5_K)
 GQ_KERNEL(k_q6_k, rowsk, T_Q6_K)
+#undef GQ_CASES
+#undef GQ_KERNEL32
 #undef GQ_KERNEL
 #undef GQ_INLINE
 #undef F
