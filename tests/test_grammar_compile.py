@@ -183,7 +183,11 @@ async def test_a_schema_with_no_finite_instance_is_refused_at_submission_and_the
 
 
 def test_json_schema_true_means_any_json_and_false_is_refused_as_matching_nothing() -> None:
-    assert GuidedSpec.from_params(SamplingParams(json_schema=True)) == GuidedSpec("json_schema", "{}")  # type: ignore[arg-type]
+    spec = GuidedSpec.from_params(SamplingParams(json_schema=True))  # type: ignore[arg-type]
+    assert spec is not None and spec.kind == "json_schema"
+    # The empty schema (any JSON), with only how it is spelled added (json_separators, guided/style.py).
+    assert {k: v for k, v in json.loads(spec.value).items() if k != "x-guidance"} == {}
+    assert spec == GuidedSpec.from_params(SamplingParams(json_schema={}))
     with pytest.raises(GrammarError, match="matches nothing"):
         GuidedSpec.from_params(SamplingParams(json_schema=False))  # type: ignore[arg-type]
 

@@ -6,6 +6,7 @@ llg.py        llguidance behind it (the default: ~10 ms compiles on a 262k vocab
 xgr.py        xgrammar behind it
 schema.py     JSON Schema rewrites that make a schema compile to what it means (closed objects, formats,
               exclusive oneOf, enums of valid candidates)
+style.py      how JSON is spelled under a schema (separators, closed objects) for both backends
 untrusted.py  what an untrusted schema may not do (outside $refs, backtracking patterns) and a
               validator on RE2
 manager.py    tokenizer adaptation once, compiled-grammar cache, compile off the loop with a time bound

@@ -178,8 +178,8 @@ class StartPlan:
         self.too_long = False
 
     def steps(self, seconds: float = START_SECONDS) -> Steps:
-        """The search as a generator (see search.start_search), given up after `seconds` of its own
-        time (not counting the pauses between slices); publishes the result at the end."""
+        """The search as a generator (see search.start_search), given up after `seconds` of this thread's
+        CPU time (pauses and other processes' load not counted); publishes the result at the end."""
         if self.done:
             return self.path
         reached: list[bytes] = []
@@ -188,13 +188,13 @@ class StartPlan:
         spent = 0.0
         try:
             while spent <= seconds:
-                t = time.monotonic()
+                t = time.thread_time()
                 try:
                     next(inner)
                 except StopIteration as stop:
                     path = stop.value
                     break
-                spent += time.monotonic() - t
+                spent += time.thread_time() - t
                 yield
         finally:
             inner.close()
