@@ -212,6 +212,12 @@ def _sse(obj: Any) -> str:
     return "data: " + json.dumps(obj, separators=(",", ":")) + "\n\n"
 
 
+def _include_usage(body: dict[str, Any]) -> bool:
+    """A streamed request's `stream_options.include_usage` (a final chunk with usage)."""
+    opts = body.get("stream_options") or {}
+    return bool(opts.get("include_usage")) if isinstance(opts, dict) else False
+
+
 def _usage(u: Any) -> dict[str, Any]:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,

@@ -58,6 +58,7 @@ from asyncpage.openai.convert import (
     _chat_args,
     _error,
     _failure,
+    _include_usage,
     _json_body,
     _model,
     _params,
@@ -158,8 +159,7 @@ def app(engine: EngineClient, *, max_request_bytes: int = MAX_REQUEST_BYTES, api
                 first = await _first(request, stream)
                 if isinstance(first, Response):
                     return first
-                opts = body.get("stream_options") or {}
-                usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
+                usage = _include_usage(body)
                 return StreamingResponse(_chat_sse(stream, first, cid, created, model, usage, mark),
                                          media_type="text/event-stream")
             res = await _until_disconnect(request, lambda: chat(engine, msgs, params=params, **args))
@@ -192,8 +192,7 @@ def app(engine: EngineClient, *, max_request_bytes: int = MAX_REQUEST_BYTES, api
                 first = await _first(request, stream)
                 if isinstance(first, Response):
                     return first
-                opts = body.get("stream_options") or {}
-                usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
+                usage = _include_usage(body)
                 return StreamingResponse(_completion_sse(stream, first, cid, created, model, usage, mark),
                                          media_type="text/event-stream")
 
