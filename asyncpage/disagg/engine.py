@@ -15,8 +15,9 @@ tokenization and validation happen on the prefill worker, so errors arrive typed
 and chat (InvalidRequestError names the field).
 This file owns the front end's state (requests in flight, the latest stats of each worker); it
 runs on the caller's event loop and talks to the workers only through their pipes (messages.py:
-socketpairs it made, typed msgspec frames). It makes the pair's KV secret and hands it to the two
-workers over those pipes; it never touches the KV itself.
+socketpairs it made, typed msgspec frames; for Ray actors on other nodes, an authenticated TCP socket
+to each, actors.py). It makes the pair's KV secret and hands it to the two workers over those pipes;
+it never touches the KV itself.
 """
 
 from __future__ import annotations
@@ -73,30 +74,52 @@ class DisaggEngine:
         for role in ROLES:
             threading.Thread(target=self._read, args=(role,), name=f"asyncpage-disagg-{role}",
                              daemon=True).start()
+            if hasattr(procs[role], "on_exit"):  # a Ray actor: its node may go without closing the sockets
+                procs[role].on_exit(lambda exc, role=role: self._post(lambda: self._worker_died(role, exc)))
         self._finalizer = weakref.finalize(self, _shutdown, procs, conns)
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike[str] | None = None, *,
                         prefill_cpus: list[int] | None = None, decode_cpus: list[int] | None = None,
-                        start_timeout: float = 900.0, kv_host: str | None = None,
-                        **options: Any) -> DisaggEngine:
+                        start_timeout: float = 900.0, kv_host: str | None = None, ray_address: str | None = None,
+                        prefill_resources: dict[str, float] | None = None,
+                        decode_resources: dict[str, float] | None = None, **options: Any) -> DisaggEngine:
         """Start the two workers and load the model in each (AsyncEngine.from_pretrained's options;
         `speculative_config` applies to the decode worker only). `prefill_cpus` / `decode_cpus`
         pin each worker to those cores (os.sched_setaffinity), as two machines would be.
         The KV goes from one worker to the other over an AF_UNIX socket in a private directory
         (`kv_host=None`), or over TCP on `kv_host` (e.g. "127.0.0.1"; a port the kernel picks); either
-        way the two prove they hold a secret made here before any KV frame is read."""
+        way the two prove they hold a secret made here before any KV frame is read.
+
+        On Ray (`ray_address`, `prefill_resources` or `decode_resources` given): the workers are Ray
+        actors placed by those resources (e.g. {"node_a": 1}; "CPU" / "GPU" as Ray's, one CPU each by
+        default, and `num_threads` defaults to it), on the caller's Ray if it called ray.init, else
+        connecting to `ray_address` ("auto", "host:6379"; None: RAY_ADDRESS or a local cluster). The KV
+        crosses nodes over TCP between the actors (actors.py says why not the object store); `model`
+        must be readable on both nodes. Needs the extra: pip install 'asyncpage[ray]'."""
         if kv_host is not None and not isinstance(kv_host, str):
             raise InvalidRequestError("kv_host", f"must be a host name or address, got {type(kv_host).__name__}")
+        on_ray = ray_address is not None or prefill_resources is not None or decode_resources is not None
+        if on_ray and (prefill_cpus is not None or decode_cpus is not None or kv_host is not None):
+            name = "kv_host" if kv_host is not None else "prefill_cpus" if prefill_cpus is not None else "decode_cpus"
+            raise InvalidRequestError(name, "not for Ray actors (their resources place them; the KV listens on "
+                                            "the prefill node's address)")
         secret = new_secret()
         prefill_options = {k: v for k, v in options.items() if k != "speculative_config"}
         procs: dict[str, Any] = {}
         conns: dict[str, Channel] = {}
         infos: dict[str, m.Ready] = {}
         try:
-            for role, opts, cpus in (("prefill", prefill_options, prefill_cpus), ("decode", options, decode_cpus)):
-                procs[role], conns[role] = launch_worker(role, model, opts, secret=secret, kv_host=kv_host,
-                                                         cpus=cpus, start_timeout=start_timeout)
+            if on_ray:
+                _actors().launch_actors(model, {"prefill": prefill_options, "decode": options},
+                                        {"prefill": prefill_resources, "decode": decode_resources}, secret=secret,
+                                        ray_address=ray_address, start_timeout=start_timeout, procs=procs,
+                                        conns=conns)
+            else:
+                for role, opts, cpus in (("prefill", prefill_options, prefill_cpus),
+                                         ("decode", options, decode_cpus)):
+                    procs[role], conns[role] = launch_worker(role, model, opts, secret=secret, kv_host=kv_host,
+                                                             cpus=cpus, start_timeout=start_timeout)
             deadline = time.monotonic() + start_timeout
             listening = _expect(conns, {"prefill": m.Listening}, deadline, start_timeout)["prefill"]
             assert isinstance(listening, m.Listening)
@@ -167,6 +190,10 @@ class DisaggEngine:
         """KV hand-over figures, as the prefill worker measured them: bytes, seconds (packing and
         sending the payloads), blocks sent, blocks skipped (already held by the decode side)."""
         return dict(self._xfer["prefill"])
+
+    def nodes(self) -> dict[str, str | None]:
+        """The Ray node id each worker runs on ({"prefill": id, "decode": id}); None: a local process."""
+        return {role: getattr(self._procs[role], "node_id", None) for role in ROLES}
 
     @property
     def healthy(self) -> bool:
@@ -351,6 +378,14 @@ def launch_worker(role: str, model: str | os.PathLike[str] | None, options: dict
     chan.send(m.Init(role, None if model is None else os.fspath(model), options, cpus,  # type: ignore[arg-type]
                      secret, kv_host, start_timeout))
     return proc, chan
+
+
+def _actors() -> Any:
+    try:
+        from . import actors
+    except ImportError as exc:  # the core install stays lean: Ray is an extra
+        raise ImportError("DisaggEngine on Ray needs Ray: pip install 'asyncpage[ray]'") from exc
+    return actors
 
 
 def _expect(conns: dict[str, Channel], kinds: dict[str, type[Any]], deadline: float,

@@ -28,6 +28,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, cast
 
@@ -50,8 +51,9 @@ from .transport import FrameError, KVListener, KVTransport, connect
 log = logging.getLogger("asyncpage.disagg")
 
 
-def main(chan: Channel, init: m.Init) -> None:
-    """A worker's life: load, join the KV pair, serve until told to stop (or orphaned)."""
+def main(chan: Channel, init: m.Init, stopped: Callable[[], object] | None = None) -> None:
+    """A worker's life: load, join the KV pair, serve until told to stop (or orphaned). Then the
+    process exits, or `stopped()` is called (a Ray actor ends itself through Ray: actors.py)."""
     listener: KVListener | None = None
     try:
         if init.cpus:
@@ -80,6 +82,8 @@ def main(chan: Channel, init: m.Init) -> None:
     try:
         asyncio.run(worker.serve())
     finally:
+        if stopped is not None:
+            stopped()
         os._exit(0)  # the transfer thread may sit in a blocking receive: do not wait for it
 
 
