@@ -123,7 +123,8 @@ class ActorWorker:
         """`callback(error)` once Ray has declared this actor dead (from a thread of Ray's)."""
         def done(fut: concurrent.futures.Future[Any]) -> None:
             exc = fut.exception() if not fut.cancelled() else None
-            callback(EngineDeadError(f"the {self.role} worker's actor died: {exc or 'it ended'}"))
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200] if exc else "it ended"
+            callback(EngineDeadError(f"the {self.role} worker's actor died: {why}"))
         self._ended.add_done_callback(done)
 
     def wait(self, timeout: float) -> None:
