@@ -73,6 +73,7 @@ async def test_beams_equal_transformers_for_every_width_penalty_and_stopping_rul
         await _idle(engine)
 
 
+@pytest.mark.heavy  # `make test-heavy`: the default model end to end, slow on 2 cores
 @pytest.mark.slow
 async def test_beams_equal_transformers_on_the_default_model(default_engine: AsyncEngine) -> None:
     ref = json.loads((DATA / "gemma3_270m_beams.json").read_text())
@@ -87,7 +88,7 @@ async def test_beams_equal_transformers_on_the_default_model(default_engine: Asy
     for case, out in zip(cases, outs, strict=True):
         assert [b.token_ids for b in out.beams] == [b["token_ids"] for b in case["beams"]], case["prompt"]
         for got, want in zip(out.beams, case["beams"], strict=True):
-            assert got.score == pytest.approx(want["score"], abs=1e-3)
+            assert got.score == pytest.approx(want["score"], rel=2e-5, abs=1e-3)  # float sums differ by ISA
         assert out.beams[0].text == default_engine.tokenizer.decode(out.beams[0].token_ids, skip_special_tokens=True)
 
 

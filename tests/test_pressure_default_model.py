@@ -7,10 +7,12 @@ import asyncio
 from typing import Any
 
 import anyio
+import pytest
 
 from asyncpage import AsyncEngine, SamplingParams
 
 
+@pytest.mark.heavy  # `make test-heavy`: the default model end to end, slow on 2 cores
 async def test_27_streams_on_80_blocks_preempt_and_still_match_the_reference(
         default_engine: AsyncEngine, reference: dict[str, Any]) -> None:
     cases = reference["cases"] * 3  # 27 streams needing ~240 blocks of 16 in all

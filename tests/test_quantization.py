@@ -111,7 +111,7 @@ def test_a_head_whose_dense_copy_serves_one_row_holds_no_unused_int8_prepacked_c
     layer = QuantLinear.from_float("int8", torch.randn(256, 72), torch.float32)
     # Timings where the dynamic int8 linear wins by far (as for the default model's head here).
     monkeypatch.setattr(quant_kernels, "_time",
-                        lambda fn, *a: 1.0 if fn is torch.ops.quantized.linear_dynamic else 10.0)
+                        lambda fn, *a: 1.0 if fn is quant_kernels.w8a8 else 10.0)
     layer.dense, layer.max_rows = layer.dequantized(), 0
     assert w8a8_for(layer) is None
     layer.max_rows = 1  # the packed kernel serves one row: there the w8a8 copy is taken
@@ -156,7 +156,10 @@ def test_without_torchs_dynamic_int8_linear_the_head_keeps_the_weight_only_kerne
     layer = QuantLinear.from_float("int8", torch.randn(64, 32), torch.float32)
     assert prepack_w8a8(layer) is None and w8a8_for(layer) is None
     x = torch.randn(1, 32)
-    assert torch.allclose(layer(x), x @ layer.dequantized().t(), rtol=0.03, atol=0.03)
+    ref = x @ layer.dequantized().t()
+    # Within the weight-only kernel's rounding: linear_q8 (where the build takes k=32: AVX2) rounds
+    # the activations to int8 in blocks of 32.
+    assert (layer(x) - ref).norm() / ref.norm() < 0.02
 
 
 def test_a_gguf_q4_k_tensor_is_taken_over_exactly() -> None:

@@ -64,6 +64,7 @@ async def test_outputs_are_identical_with_speculation_for_every_architecture(
         await _idle(spec)
 
 
+@pytest.mark.heavy  # `make test-heavy`: the default model end to end, slow on 2 cores
 @pytest.mark.slow
 async def test_default_model_with_speculation_matches_transformers_and_copies_faster(
         default_engine: AsyncEngine, reference: dict[str, Any]) -> None:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncpage.model import native
-from asyncpage.model.quant_calibrate import CALIBRATION_ROWS, GROUP, crossover, kernel_dtype, packed_mm, w8a8_for
+from asyncpage.model.quant_calibrate import CALIBRATION_ROWS, GROUP, crossover, kernel_dtype, packed_mm, w8a8, w8a8_for
 
 log = logging.getLogger("asyncpage")
 
@@ -182,7 +182,7 @@ class QuantLinear(nn.Module):
         out = []
         for row in x2.float().split(1):
             if bool(torch.isfinite(row).all()):
-                out.append(torch.ops.quantized.linear_dynamic(row.contiguous(), self.one_row))
+                out.append(w8a8(row.contiguous(), self.one_row))
             else:
                 # contiguous: the packed kernel takes no strided rows (a column slice, a transpose)
                 out.append(self.kernel(row.to(self.dtype).contiguous()).float())
