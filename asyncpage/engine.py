@@ -301,22 +301,19 @@ class AsyncEngine:
     async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                    tool_choice: Any = "auto", parallel_tool_calls: bool = True,
                    response_format: dict[str, Any] | None = None, params: SamplingParams | None = None,
-                   priority: int = 0, cache_key: str | None = None) -> Any:
-        """OpenAI-shaped chat: messages (and tools) in, a typed ChatResult out. See asyncpage.chat;
-        `priority` and `cache_key` as stream's (usage.cached_tokens: the prompt found cached)."""
-        return await chat(self, messages, tools=tools, tool_choice=tool_choice,
-                          parallel_tool_calls=parallel_tool_calls, response_format=response_format, params=params,
-                          priority=priority, cache_key=cache_key)
+                   priority: int = 0, cache_key: str | None = None, max_reasoning_tokens: int | None = None,
+                   reasoning_effort: str | None = None, chat_template: str | None = None) -> Any:
+        """OpenAI-shaped chat: messages (and tools) in, a typed ChatResult out. See asyncpage.chat.chat
+        for the options (reasoning budgets, a per-turn chat template, priority and cache_key)."""
+        return await chat(self, messages, **{k: v for k, v in locals().items() if k not in ("self", "messages")})
 
     def chat_stream(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                     tool_choice: Any = "auto", parallel_tool_calls: bool = True,
-                    response_format: dict[str, Any] | None = None,
-                    params: SamplingParams | None = None, priority: int = 0,
-                    cache_key: str | None = None) -> AsyncIterator[Any]:
+                    response_format: dict[str, Any] | None = None, params: SamplingParams | None = None,
+                    priority: int = 0, cache_key: str | None = None, max_reasoning_tokens: int | None = None,
+                    reasoning_effort: str | None = None, chat_template: str | None = None) -> AsyncIterator[Any]:
         """chat() as typed deltas: content, reasoning or tool-call fragments, then finish_reason and usage."""
-        return chat_stream(self, messages, tools=tools, tool_choice=tool_choice,
-                           parallel_tool_calls=parallel_tool_calls, response_format=response_format, params=params,
-                           priority=priority, cache_key=cache_key)
+        return chat_stream(self, messages, **{k: v for k, v in locals().items() if k not in ("self", "messages")})
 
     def openai_client(self, **kwargs: Any) -> Any:
         """An `openai.AsyncOpenAI` talking to this engine in-process (no socket). Needs asyncpage[openai]."""

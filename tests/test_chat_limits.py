@@ -175,11 +175,12 @@ async def test_a_preparation_past_its_deadline_is_a_grammar_timeout_naming_the_t
 
     monkeypatch.setattr(grammar, "json_rule", slow_rule)
     monkeypatch.setattr(engine.guided, "compile_timeout", 0.05)
+    # Tool sets and schemas no earlier test built (a built grammar is kept per tool set: chat/cache.py).
     with pytest.raises(GrammarTimeoutError) as err:
-        await prepare(engine, ASK, tools=[tool("f")])
+        await prepare(engine, ASK, tools=[tool("f_deadline")])
     assert err.value.field == "tools"
     with pytest.raises(GrammarTimeoutError) as err:
-        await prepare(engine, ASK, response_format=json_schema({"type": "object"}))
+        await prepare(engine, ASK, response_format=json_schema({"type": "object", "title": "deadline"}))
     assert err.value.field == "response_format"
 
 
@@ -197,7 +198,7 @@ async def test_a_cancelled_preparation_stops_its_thread(engine: AsyncEngine, mon
     monkeypatch.setattr(grammar, "json_rule", endless_rule)
     monkeypatch.setattr(engine.guided, "compile_timeout", 3600.0)  # only the cancellation can end it
     with anyio.move_on_after(0.2) as scope:
-        await prepare(engine, ASK, tools=[tool("f")])
+        await prepare(engine, ASK, tools=[tool("f_cancelled")])  # not built before (chat/cache.py)
     assert scope.cancelled_caught and ended.is_set()
     assert api._limiter().borrowed_tokens == 0  # the thread's token came back with the thread
 

@@ -2,8 +2,11 @@
 
 Tool calls are made valid by construction: every call is the format's literal text around a
 `%json` rule built from that tool's own `parameters` schema, so its arguments always validate.
-`tool_choice="auto"` is a lazy grammar: free text until the model writes the format's trigger,
-then the grammar holds it to a complete call. JSON is written with fixed separators (the params'
+`tool_choice="auto"` is a lazy grammar: free text until the model writes the format's trigger, or
+one of a call's other spellings (spellings.py: a bare call object naming a declared tool, or a list
+of them), then the grammar holds it to a complete call. A reasoning section, where the turn may have
+one, is free text up to its closing marker (reasoning.py), and the grammar applies from there on.
+JSON is written with fixed separators (the params'
 json_separators, json.dumps' by default) and no free whitespace (runaway whitespace is the most
 reported failure of JSON modes); objects take no undeclared key unless the params' json_closed_objects
 is False or the schema says otherwise (guided/style.py).
@@ -14,10 +17,14 @@ from __future__ import annotations
 import copy
 import json
 import re
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from asyncpage.chat import spellings
 from asyncpage.chat.formats import ToolFormat
+from asyncpage.chat.reasoning import THINK, ReasoningMarkers
 from asyncpage.chat.types import Tool
 from asyncpage.guided.backend import NO_DEADLINE, Deadline
 from asyncpage.guided.schema import drop_custom_formats, exclusive_one_of
@@ -37,10 +44,17 @@ class TurnSpec:
     mode: str
     parallel: bool
     answer_schema: dict[str, Any] | None
-    reasoning: bool  # a <think>...</think> block may open the turn
-    in_reasoning: bool  # the prompt already opened it (the turn starts inside the block)
+    reasoning: bool  # a reasoning section (<think>...</think>, `markers`) may open the turn
+    in_reasoning: bool  # the prompt already opened it (the turn starts inside the section)
     json_separators: tuple[str, str] = DEFAULT_SEPARATORS  # SamplingParams.json_separators
     closed_objects: bool = True  # SamplingParams.json_closed_objects
+    markers: ReasoningMarkers = THINK
+    bare_calls: bool = True  # under "auto" without an answer schema, calls also open in their bare spellings
+
+    @property
+    def spelled(self) -> bool:
+        """Whether calls also open on their other spellings (spellings.py) in this turn."""
+        return self.bare_calls and self.calls_allowed and self.mode == "auto" and self.answer_schema is None
 
     @property
     def calls_allowed(self) -> bool:
@@ -117,10 +131,32 @@ class _Lit:
         return self(text)
 
 
+# Reading added_tokens_decoder builds a dict of every added token (thousands for Gemma 3): once per
+# tokenizer, stamped with its length (a token added later is seen).
+_LITS: weakref.WeakKeyDictionary[Any, tuple[int, _Lit]] = weakref.WeakKeyDictionary()
+_LITS_LOCK = threading.Lock()
+
+
+def lit_of(tokenizer: Any) -> _Lit:
+    stamp = len(tokenizer) if hasattr(tokenizer, "__len__") else -1
+    try:
+        with _LITS_LOCK:
+            known = _LITS.get(tokenizer)
+        if known is not None and known[0] == stamp:
+            return known[1]
+        lit = _Lit(tokenizer)
+        with _LITS_LOCK:
+            _LITS[tokenizer] = (stamp, lit)
+        return lit
+    except TypeError:  # not weakly referable
+        return _Lit(tokenizer)
+
+
 def build(spec: TurnSpec, tokenizer: Any, deadline: Deadline = NO_DEADLINE) -> str | None:
     """Lark text for the turn, or None when the turn is free text (no grammar at all). Past
-    `deadline` it raises guided.backend.CompileTimeout (api.py turns it into a GrammarTimeoutError)."""
-    lit = _Lit(tokenizer)
+    `deadline` it raises guided.backend.CompileTimeout (api.py turns it into a GrammarTimeoutError).
+    cache.cached_build keeps what it builds per tool set."""
+    lit = lit_of(tokenizer)
     fmt = spec.fmt
     rules: list[str] = []
     if spec.calls_allowed:
@@ -145,6 +181,22 @@ def build(spec: TurnSpec, tokenizer: Any, deadline: Deadline = NO_DEADLINE) -> s
             body = "answer_or_calls"
         elif spec.answer_schema is not None:
             body = "answer | calls"
+        elif spec.spelled:
+            rules.append(r"TEXT: /(?s:.*)/")
+            alts = ["TEXT"]
+            if fmt.at_start and fmt.begin:
+                # The family's own JSON turn, at the start only (Llama 3's is a bare call: read below).
+                rules.append(f"own_begin[lazy]: {lit(fmt.begin)}")
+                rules.append(f"own_calls: call{more} {lit(fmt.end)}".replace("  ", " "))
+                alts.append("own_begin own_calls")
+            elif not fmt.at_start and fmt.trigger in lit.special:
+                alts.append(f"TEXT {lit(fmt.trigger)} calls_after_trigger")
+            elif not fmt.at_start:
+                rules.append(f"pre[lazy]: TEXT {lit(fmt.trigger)}")
+                alts.append("pre calls_after_trigger")
+            extra, bodies = spellings.rules([t.name for t in tools], [f"{n}_args" for n in names], spec.parallel)
+            rules += extra
+            body = " | ".join(alts + bodies)
         elif fmt.at_start:
             # Free text that does not open with "{" (that would be a call).
             rules.append(r"PLAIN: /([^{](.|\n)*)?/")
@@ -167,18 +219,18 @@ def build(spec: TurnSpec, tokenizer: Any, deadline: Deadline = NO_DEADLINE) -> s
     if spec.in_reasoning:
         rules.insert(0, "start: think_rest body")
     elif spec.reasoning:
-        rules.insert(0, f"start: body | {lit('<think>')} think_rest body")
+        rules.insert(0, f"start: body | {lit(spec.markers.open)} think_rest body")
     else:
         rules.insert(0, "start: body")
     if spec.reasoning or spec.in_reasoning:
-        end = lit("</think>")
+        end = lit(spec.markers.close)
+        rules.append(r"THINK: /(?s:.*)/")
         if end.startswith("<["):
             rules.append(f"think_rest: THINK {end} GAP?")
-            rules.append(r"THINK: /(.|\n)*/")
         else:
-            # Lazy: the reasoning ends at the first "</think>", then the turn proper begins.
+            # Lazy: the reasoning ends at the first closing marker, then the turn proper begins.
             rules.append(r"think_rest: think_text GAP?")
-            rules.append(r"think_text[lazy]: /(.|\n)*<\/think>/")
+            rules.append(f"think_text[lazy]: THINK {end}")
         rules.append(r"GAP: /\n{1,2}/")
     return "%llguidance {}\n" + "\n".join(rules) + "\n"
 

@@ -20,6 +20,7 @@ from importlib import resources
 from typing import Any
 
 from asyncpage.chat.formats import ToolFormat
+from asyncpage.chat.reasoning import ReasoningMarkers, detect
 from asyncpage.chat.types import Tool
 from asyncpage.errors import InvalidRequestError
 from asyncpage.guided.schema import map_subschemas
@@ -41,6 +42,8 @@ MAX_SCHEMAS_BYTES = 256 * 1024
 # Nesting of a schema or of a history call's arguments (JSON levels): the rewrites, copy.deepcopy
 # and the templates' `tojson` recurse, so a deeper value would end in a RecursionError (a 500).
 MAX_JSON_DEPTH = 128
+# A chat template given with the request (chat_template=): a real one is a few KiB (Qwen3's: 4 KiB).
+MAX_TEMPLATE_BYTES = 256 * 1024
 # Branches of one oneOf: the oneOf-to-anyOf rewrite compares every pair of branches (O(n^2): 1,000
 # branches cost 0.75 s here, 466k, which fit in 8 MiB, would take hours). 512 cost about 0.2 s.
 MAX_ONE_OF = 512
@@ -217,6 +220,8 @@ def normalize(messages: Any) -> list[dict[str, Any]]:
             system.append(text)
         elif role == "assistant":
             msg: dict[str, Any] = {"role": "assistant", "content": text}
+            if isinstance(m.get("reasoning_content"), str):  # templates that show earlier thinking read it
+                msg["reasoning_content"] = m["reasoning_content"]
             calls = m.get("tool_calls") or []
             if calls:
                 msg["tool_calls"] = [_call(c, f"messages[{i}].tool_calls[{j}]", names) for j, c in enumerate(calls)]
@@ -277,22 +282,39 @@ def _plain(messages: list[dict[str, Any]], fmt: ToolFormat) -> list[dict[str, An
 class Template:
     text: str
     knows_tools: bool  # it renders `tools` and tool-call turns itself
-    reasoning: bool  # the model writes a <think>...</think> block
+    markers: ReasoningMarkers | None = None  # what the model reasons within (reasoning.py), if it does
+    field: str = "messages"  # what a rendering failure names: the request's own template is `chat_template`
+
+    @property
+    def reasoning(self) -> bool:
+        return self.markers is not None
 
 
 def shipped_gemma3_template() -> str:
     return resources.files("asyncpage.chat").joinpath("gemma3.jinja").read_text()
 
 
-def template_of(tokenizer: Any, model_type: str) -> Template:
-    text = getattr(tokenizer, "chat_template", None)
-    if isinstance(text, dict):  # several named templates: the default one, or the tool-use one
-        text = text.get("default") or next(iter(text.values()))
+def template_of(tokenizer: Any, model_type: str, override: Any = None, markers: Any = None) -> Template:
+    """The turn's template: `override` (a request's chat_template) or the checkpoint's (the shipped
+    Gemma 3 one for the default model); its reasoning markers are `markers` when given (False: none),
+    else detected (reasoning.detect)."""
+    field, text = "messages", None
+    if override is not None:
+        if not isinstance(override, str) or not override.strip():
+            raise bad("chat_template", "must be a non-empty Jinja template string")
+        if len(override) > MAX_TEMPLATE_BYTES or len(override.encode("utf-8", "surrogatepass")) > MAX_TEMPLATE_BYTES:
+            raise bad("chat_template", f"is over the limit of {MAX_TEMPLATE_BYTES} bytes")
+        text, field = str(override), "chat_template"
+    else:
+        text = getattr(tokenizer, "chat_template", None)
+        if isinstance(text, dict):  # several named templates: the default one, or the tool-use one
+            text = text.get("default") or next(iter(text.values()))
     if not text:
         if not model_type.startswith("gemma3"):
             raise bad("messages", "this model has no chat template (and none is shipped for it)")
         text = shipped_gemma3_template()
-    return Template(text, knows_tools="tools" in text, reasoning="<think>" in text)
+    found = None if markers is False else ReasoningMarkers.of(markers) or detect(text, tokenizer)
+    return Template(text, knows_tools="tools" in text, markers=found, field=field)
 
 
 def render(tokenizer: Any, template: Template, messages: list[dict[str, Any]], tools: list[Tool],
@@ -313,7 +335,7 @@ def render(tokenizer: Any, template: Template, messages: list[dict[str, Any]], t
         return str(_apply(tokenizer, template.text, messages, tool_dicts))
     except Exception as exc:
         if messages[0]["role"] != "system":
-            raise bad("messages", f"the chat template refused them: {exc}") from exc
+            raise bad(template.field, f"the chat template refused them: {exc}") from exc
     # Templates without a system role: the system text leads the first user turn.
     sys_text, rest = messages[0]["content"], messages[1:]
     if rest and rest[0]["role"] == "user":
@@ -323,7 +345,7 @@ def render(tokenizer: Any, template: Template, messages: list[dict[str, Any]], t
     try:
         return str(_apply(tokenizer, template.text, rest, tool_dicts))
     except Exception as exc:
-        raise bad("messages", f"the chat template refused them: {exc}") from exc
+        raise bad(template.field, f"the chat template refused them: {exc}") from exc
 
 
 def _apply(tokenizer: Any, template: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Any:

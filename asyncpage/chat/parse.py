@@ -16,9 +16,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from asyncpage.chat import spellings
 from asyncpage.chat.formats import ToolFormat
+from asyncpage.chat.reasoning import THINK, ReasoningMarkers
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+THINK_OPEN, THINK_CLOSE = THINK.open, THINK.close
 
 _SPACES = re.compile(r"\s*")  # what str.lstrip() strips (the same Unicode whitespace)
 _NEWLINES = re.compile(r"\n*")
@@ -130,11 +132,20 @@ class StreamParser:
     """The incremental parser of one turn. feed() each piece of text as it comes (`final` on the
     last); then `reasoning`, `content` (spans into `text`), `calls` (the complete ones, in order)
     and `has_calls` (a call has started, complete or not) describe what parse() would return for
-    the text so far. `scanned` counts the characters its searches and scanners looked at."""
+    the text so far. `scanned` counts the characters its searches and scanners looked at.
+    `markers`: the reasoning section's (default <think>/</think>); `names`: the declared tools, when the
+    grammar also opens calls on their bare spellings (spellings.py, tool_choice="auto" without a
+    response_format)."""
 
     def __init__(self, fmt: ToolFormat, *, calls_allowed: bool, reasoning: bool, in_reasoning: bool,
-                 forced: bool = False) -> None:
+                 forced: bool = False, markers: ReasoningMarkers | None = None,
+                 names: frozenset[str] | None = None) -> None:
         self.fmt, self.calls_allowed, self.forced = fmt, calls_allowed, forced
+        m = markers or THINK
+        self._open, self._close = m.open, m.close
+        self.names = names if names and calls_allowed and not forced else None
+        self._bare: spellings.BareReader | None = None
+        self._bare_from = 0  # where the search for a bare head resumes
         self.text = ""
         self.final = False
         self.scanned = 0
@@ -163,8 +174,13 @@ class StreamParser:
         self._key = '", "' + fmt.key + '": '
 
     @property
+    def thinking(self) -> bool:
+        """Whether the text so far may still be (or open) the reasoning section."""
+        return self._phase in ("lead", "reasoning")
+
+    @property
     def has_calls(self) -> bool:
-        return bool(self.calls) or self._pending is not None
+        return bool(self.calls) or self._pending is not None or self._bare is not None
 
     def feed(self, piece: str, final: bool = False) -> StreamParser:
         if self.final:
@@ -193,11 +209,11 @@ class StreamParser:
         s = self.text
         if self._phase == "lead":
             lead = self._lead_from = _past(_SPACES, s, self._lead_from)
-            rest = s[lead:lead + len(THINK_OPEN)]
-            if rest == THINK_OPEN:
-                self._phase, self._r_open = "reasoning", lead + len(THINK_OPEN)
+            rest = s[lead:lead + len(self._open)]
+            if rest == self._open:
+                self._phase, self._r_open = "reasoning", lead + len(self._open)
                 self._r_scanned = self._close_from = self._nl_from = self._r_end = self._r_open
-            elif not self.final and THINK_OPEN.startswith(rest):
+            elif not self.final and self._open.startswith(rest):
                 return  # maybe the start of a reasoning block (whitespace included: it may precede one)
             else:
                 self._phase = "body"
@@ -217,24 +233,27 @@ class StreamParser:
             self._resume_between(s)
         if self._phase == "calls":
             self._read_calls(s)
+        elif self._phase == "bare":
+            self._read_bare(s)
 
     def _read_reasoning(self, s: str) -> None:
         if self._r_lead is None:
             at = self._nl_from = _past(_NEWLINES, s, self._nl_from)
             if at < len(s):
                 self._r_lead = at
-        end = s.find(THINK_CLOSE, max(self._r_open, self._close_from - len(THINK_CLOSE) + 1))
-        self.scanned += len(s) - self._close_from + len(THINK_CLOSE)
+        close = self._close
+        end = s.find(close, max(self._r_open, self._close_from - len(close) + 1))
+        self.scanned += len(s) - self._close_from + len(close)
         self._close_from = len(s)
         if end < 0:
-            cut = len(s) if self.final else len(s) - held(s[-len(THINK_CLOSE):], THINK_CLOSE)
+            cut = len(s) if self.final else len(s) - held(s[-len(close):], close)
             # Trailing newlines wait: if the block closes next, they are not part of the reasoning.
             self._newlines_to(s, cut)
             stop = cut if self.final else self._r_end
         else:
             self._newlines_to(s, end)
             stop = self._r_end
-            self._phase, self._body = "gap", end + len(THINK_CLOSE)
+            self._phase, self._body = "gap", end + len(close)
         if self._r_lead is None:  # only newlines so far: no reasoning yet
             self.reasoning = (self._r_open, self._r_open)
         else:
@@ -253,6 +272,9 @@ class StreamParser:
         b, fmt = self._body, self.fmt
         if not self.calls_allowed:
             self.content = (b, len(s))
+            return
+        if self.names is not None:
+            self._read_body_spelled(s, self.names)
             return
         head = fmt.head
         if self.forced or fmt.at_start:
@@ -280,6 +302,69 @@ class StreamParser:
         # Under the grammar the trigger always opens a call: after it, a call cut before its name.
         cut = s.find(fmt.trigger, b) if fmt.trigger else -1  # once, at the end
         self.content = (b, len(s) if cut < 0 else cut)
+
+    def _read_body_spelled(self, s: str, names: frozenset[str]) -> None:
+        """The body where a call may also open in a bare spelling: the first complete head of any
+        spelling opens the calls (the grammar commits there); content is held back from the first
+        place a head may still be completing."""
+        b, fmt, head = self._body, self.fmt, self.fmt.head
+        at, hold = -1, len(s)  # the family's own head (complete), where content must stop for now
+        if fmt.at_start:
+            # A JSON format's own turn opens the reply; Llama 3's is a bare call itself (read below).
+            if fmt.begin and s.startswith(head, b):
+                at = b
+            elif fmt.begin and head.startswith(s[b:]) and (not self.final or len(s) - b >= len(fmt.begin)):
+                hold = b  # undecided yet, or at the end a turn of calls cut before a name: markup
+        else:
+            at = s.find(head, max(b, self._head_from - len(head) + 1))
+            self.scanned += len(s) - self._head_from + len(head)
+            self._head_from = len(s)
+            if at < 0 and not self.final:
+                hold = len(s) - held(s[max(b, len(s) - len(head)):], head)
+            elif at < 0 and fmt.trigger and (cut := s.find(fmt.trigger, b)) >= 0:
+                hold = cut  # under the grammar the trigger always opens a call: one cut before its name
+        opening, bare_hold = spellings.find(s, max(b, self._bare_from), b, names)
+        self.scanned += len(s) - max(b, self._bare_from)
+        self._bare_from = bare_hold
+        if at >= 0 and (opening is None or at <= opening.at):
+            self.content = (b, at)
+            self._start_calls(at + len(head))
+            return
+        if opening is not None:
+            self.content = (b, opening.at)
+            self._bare = spellings.BareReader(opening, names)
+            self._pending, self._phase = _Call(opening.name, -1), "bare"
+            self._read_bare(s)
+            return
+        if self.final and bare_hold < len(s) and '"name"' not in s[bare_hold:]:
+            bare_hold = len(s)  # only a brace or two at the end: text, not a call cut before its name
+        self.content = (b, min(hold, bare_hold))
+
+    def _read_bare(self, s: str) -> None:
+        r = self._bare
+        assert r is not None
+        while True:
+            if r.state == "args":
+                assert self._json is not None
+                end, looked = self._json.end(s)
+                self.scanned += looked
+                if end is None:
+                    return
+                self.calls.append(ParsedCall(r.name, s[r.args_at:end], True))
+                self._pending, self._json = None, None
+                r.closed(end)
+            out = r.step(s, self.final)
+            if r.state in ("key", "args") and self._pending is None:
+                self._pending = _Call(r.name, -1)
+            if out is None:
+                if r.state == "done":
+                    self._pending, self._phase = None, "done"
+                return
+            kind, at = out
+            if kind == "args":
+                assert self._pending is not None
+                self._pending.args_at = at
+                self._json = _JsonScan(at)
 
     def _start_calls(self, name_at: int) -> None:
         self._phase = "calls"

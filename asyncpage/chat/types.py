@@ -27,6 +27,7 @@ class Usage(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # of prompt_tokens, found in the prefix cache (OpenAI's prompt_tokens_details)
+    reasoning_tokens: int = 0  # of completion_tokens, the reasoning section's (OpenAI's completion_tokens_details)
 
     @property
     def total_tokens(self) -> int:
@@ -34,7 +35,8 @@ class Usage(msgspec.Struct, frozen=True):
 
 
 class ChatResult(msgspec.Struct, frozen=True):
-    """A finished chat turn. `content` is None when the turn is only tool calls."""
+    """A finished chat turn. `content` is None when the turn is only tool calls; `reasoning` is the
+    reasoning section's text (None when the model wrote none), never part of `content`."""
 
     content: str | None
     reasoning: str | None

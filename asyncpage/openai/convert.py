@@ -221,7 +221,8 @@ def _include_usage(body: dict[str, Any]) -> bool:
 def _usage(u: Any) -> dict[str, Any]:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": int(getattr(u, "cached_tokens", 0) or 0)}}
+            "prompt_tokens_details": {"cached_tokens": int(getattr(u, "cached_tokens", 0) or 0)},
+            "completion_tokens_details": {"reasoning_tokens": int(getattr(u, "reasoning_tokens", 0) or 0)}}
 
 
 # OpenAI's service tiers onto the engine's priorities (lower runs first): interactive turns ahead of the
@@ -242,10 +243,25 @@ def run_options(body: dict[str, Any]) -> dict[str, Any]:
     return {"priority": priority, "cache_key": key or None}
 
 
-def _chat_args(body: dict[str, Any]) -> dict[str, Any]:
+def reasoning_options(body: dict[str, Any], effort: Any = None, trust_template: bool = True) -> dict[str, Any]:
+    """A body's reasoning budget (`max_reasoning_tokens`, vLLM's `thinking_token_budget` spelling too, or
+    `reasoning_effort`; `effort` is the Responses API's reasoning.effort) and its `chat_template`. A
+    template from a request runs in this process: it is refused unless the app trusts them (Jinja's
+    sandbox bounds what a template may touch, not the time or memory it may take)."""
+    budget = body.get("max_reasoning_tokens", body.get("thinking_token_budget"))
+    effort = body.get("reasoning_effort") if effort is None else effort
+    template = body.get("chat_template")
+    if template is not None and not trust_template:
+        raise InvalidRequestError("chat_template", "this server does not take chat templates from requests "
+                                  "(the app's trust_request_chat_template is off)")
+    return {"max_reasoning_tokens": budget, "reasoning_effort": effort, "chat_template": template}
+
+
+def _chat_args(body: dict[str, Any], trust_template: bool = True) -> dict[str, Any]:
     return dict(tools=body.get("tools"), tool_choice=body.get("tool_choice", "auto"),
                 parallel_tool_calls=body.get("parallel_tool_calls", True) is not False,
-                response_format=body.get("response_format"), **run_options(body))
+                response_format=body.get("response_format"), **run_options(body),
+                **reasoning_options(body, trust_template=trust_template))
 
 
 def _prompts(value: Any) -> list[str | list[int]]:

@@ -3,11 +3,14 @@
 A request's `input` (text, or items: messages, `function_call`, `function_call_output`), its
 `instructions`, function `tools`, `tool_choice`, `text.format` and sampling fields become one chat
 turn (asyncpage.chat: the same grammar-exact tool calls as /v1/chat/completions); the turn comes
-back as output items (a message with `output_text`, `function_call`s) with usage, cached input
-tokens included. `previous_response_id` continues a stored response: its conversation (input and
+back as output items (a `reasoning` item with the thinking as `reasoning_text`, a message with
+`output_text`, `function_call`s) with usage, cached input and reasoning tokens included.
+`reasoning.effort` (or `max_reasoning_tokens`) bounds the reasoning (asyncpage.chat.reasoning).
+`previous_response_id` continues a stored response: its conversation (input and
 output) is prepended, and its `prompt_cache_key` (or its id) keeps the conversation's blocks for the
 next turn. `stream` sends the Responses event sequence (`response.created`, `.output_item.added`,
-`.output_text.delta`, `.function_call_arguments.delta`/`.done`, `.completed`, ...).
+`.reasoning_text.delta`/`.done`, `.output_text.delta`, `.function_call_arguments.delta`/`.done`,
+`.completed`, ...).
 
 The store is in-process and bounded (ResponseStore: the MAX_STORED most recent, `store: false` keeps
 nothing); it lives with the app, one per `app()`.
@@ -23,6 +26,7 @@ from typing import Any
 
 from asyncpage.chat import ChatDelta, ChatResult
 from asyncpage.errors import InvalidRequestError
+from asyncpage.openai.convert import reasoning_options
 
 MAX_STORED = 1024  # responses kept for previous_response_id and GET, most recent first out last
 MAX_INPUT_ITEMS = 4096
@@ -151,9 +155,25 @@ def chat_response_format(text: Any) -> dict[str, Any] | None:
 
 def usage(u: Any) -> dict[str, Any]:
     cached = int(getattr(u, "cached_tokens", 0) or 0)
+    thought = int(getattr(u, "reasoning_tokens", 0) or 0)
     return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": thought},
             "total_tokens": u.prompt_tokens + u.completion_tokens}
+
+
+def _reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex[:24], "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}] if text else []}
+
+
+def _effort(body: dict[str, Any]) -> Any:
+    """`reasoning.effort` of a Responses body (None when absent)."""
+    r = body.get("reasoning")
+    if r is None:
+        return None
+    if not isinstance(r, dict):
+        raise InvalidRequestError("reasoning", "must be an object such as {\"effort\": \"low\"}")
+    return r.get("effort")
 
 
 def _message_item(text: str, status: str = "completed") -> dict[str, Any]:
@@ -169,7 +189,7 @@ def _call_item(call_id: str, name: str, arguments: str, status: str = "completed
 class Turn:
     """One Responses request, as a chat turn: its messages, options and the response shell."""
 
-    def __init__(self, body: dict[str, Any], store: ResponseStore, model: str) -> None:
+    def __init__(self, body: dict[str, Any], store: ResponseStore, model: str, trust_template: bool = True) -> None:
         self.body = body
         previous = body.get("previous_response_id")
         history: list[dict[str, Any]] = []
@@ -188,7 +208,8 @@ class Turn:
         self.tools = chat_tools(body.get("tools"))
         self.args: dict[str, Any] = dict(tools=self.tools, tool_choice=chat_tool_choice(body.get("tool_choice")),
                                          parallel_tool_calls=body.get("parallel_tool_calls", True) is not False,
-                                         response_format=chat_response_format(body.get("text")))
+                                         response_format=chat_response_format(body.get("text")),
+                                         **reasoning_options(body, _effort(body), trust_template))
         self.store = body.get("store", True) is not False
         self.id = "resp_" + uuid.uuid4().hex[:24]
         self.created = int(time.time())
@@ -210,10 +231,13 @@ class Turn:
                 "top_p": b.get("top_p"), "text": b.get("text") or {"format": {"type": "text"}},
                 "store": self.store, "metadata": b.get("metadata") or {}, "error": None,
                 "incomplete_details": {"reason": incomplete} if incomplete else None,
-                "prompt_cache_key": self.cache_key, "usage": usage_}
+                "prompt_cache_key": self.cache_key, "usage": usage_,
+                "reasoning": {"effort": self.args["reasoning_effort"], "summary": None}}
 
     def finished(self, res: ChatResult, store: ResponseStore) -> dict[str, Any]:
         output: list[dict[str, Any]] = []
+        if res.reasoning:
+            output.append(_reasoning_item(res.reasoning))
         if res.content:
             output.append(_message_item(res.content))
         output += [_call_item(c.id, c.name, c.arguments) for c in res.tool_calls]
@@ -254,7 +278,38 @@ class Turn:
             async for d in stream:
                 yield d
 
+        thinking: dict[str, Any] | None = None  # the reasoning item, while its text streams
+        thought: list[str] = []
+
+        def end_thinking() -> list[dict[str, Any]]:
+            nonlocal thinking
+            if thinking is None:
+                return []
+            item, thinking = thinking, None
+            index, full = output.index(item), "".join(thought)
+            part = {"type": "reasoning_text", "text": full}
+            item.update(content=[part], status="completed")
+            return [event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                          text=full),
+                    event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                          part=part),
+                    event("response.output_item.done", output_index=index, item=item)]
+
         async for d in deltas():
+            if d.reasoning:
+                if thinking is None and not thought:
+                    thinking = _reasoning_item("", "in_progress")
+                    output.append(thinking)
+                    yield event("response.output_item.added", output_index=len(output) - 1, item=dict(thinking))
+                    yield event("response.content_part.added", item_id=thinking["id"], output_index=len(output) - 1,
+                                content_index=0, part={"type": "reasoning_text", "text": ""})
+                if thinking is not None:
+                    thought.append(d.reasoning)
+                    yield event("response.reasoning_text.delta", item_id=thinking["id"],
+                                output_index=output.index(thinking), content_index=0, delta=d.reasoning)
+            if d.content or d.tool_call is not None or d.finish_reason is not None:
+                for e in end_thinking():
+                    yield e
             if d.content:
                 if message is None:
                     message = _message_item("", "in_progress")

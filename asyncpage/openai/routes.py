@@ -122,7 +122,8 @@ def prompt_window(engine: EngineClient) -> int:
 
 def app(engine: EngineClient, *, max_request_bytes: int = MAX_REQUEST_BYTES, api_key: str | None = None,
         allowed_origins: Sequence[str] = (), allowed_hosts: Sequence[str] | None = None,
-        body_timeout: float = BODY_TIMEOUT_S, fingerprint: str | None = None) -> Starlette:
+        body_timeout: float = BODY_TIMEOUT_S, fingerprint: str | None = None,
+        trust_request_chat_template: bool = False) -> Starlette:
     """The OpenAI-compatible ASGI app over `engine` (started by the caller, or by the app's lifespan
     when `asyncpage serve` owns the engine). Requests may name any model: one engine serves one.
     Bodies over `max_request_bytes` get a 413 before any work is done on them, bodies not received
@@ -131,7 +132,9 @@ def app(engine: EngineClient, *, max_request_bytes: int = MAX_REQUEST_BYTES, api
     ("*": any); a request with any other Origin is a 403. `allowed_hosts`: Host names served besides
     the loopback ones ("*": any); None checks Host only on loopback connections (DNS rebinding).
     `fingerprint`: the `system_fingerprint` of every chat, completion and response body (and chunk),
-    naming the engine that answered (asyncpage.ray.serve_app gives each replica its own); None: left out."""
+    naming the engine that answered (asyncpage.ray.serve_app gives each replica its own); None: left out.
+    `trust_request_chat_template`: take a body's `chat_template` (it runs in this process; off, a 400);
+    the in-process clients turn it on (their caller wrote the app)."""
     if api_key is not None and not api_key.strip():
         raise InvalidRequestError("api_key", "must not be empty (None serves without a key)")
     served = model_id(engine)
@@ -152,7 +155,7 @@ def app(engine: EngineClient, *, max_request_bytes: int = MAX_REQUEST_BYTES, api
             body = await _json_body(request, max_request_bytes, body_timeout)
             msgs = _require(body, "messages", list)
             params = _params(body, DEFAULT_MAX_TOKENS)
-            args = _chat_args(body)
+            args = _chat_args(body, trust_request_chat_template)
             cid, created, model = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time()), _model(body, served)
             if body.get("stream"):
                 stream = chat_stream(engine, msgs, params=params, **args)
@@ -229,7 +232,7 @@ def app(engine: EngineClient, *, max_request_bytes: int = MAX_REQUEST_BYTES, api
     async def responses_create(request: Request) -> Response:
         try:
             body = await _json_body(request, max_request_bytes, body_timeout)
-            turn = ResponseTurn(body, store, _model(body, served))
+            turn = ResponseTurn(body, store, _model(body, served), trust_request_chat_template)
             params = _params(sampling_body(body), DEFAULT_MAX_TOKENS)
             run = run_options(body)
             run["cache_key"] = turn.cache_key
@@ -357,7 +360,7 @@ def http_client(engine: EngineClient, *, module: str = "httpx2", **kwargs: Any) 
     from asyncpage.openai.transport import make_transport_class
 
     mod = importlib.import_module(module)
-    transport = make_transport_class(mod)(app(engine))
+    transport = make_transport_class(mod)(app(engine, trust_request_chat_template=True))
     kwargs.setdefault("timeout", None)
     return mod.AsyncClient(transport=transport, base_url=BASE_URL, **kwargs)
 
