@@ -18,32 +18,11 @@ from typing import Any
 
 import torch
 
-# A Hermes/Qwen-style template (tools rendered, <tool_call> calls) whose generation prompt opens the
-# thinking, as DeepSeek-R1's and Qwen3-Thinking's do.
-THINKING_OPENED = """{%- if tools %}<|im_start|>system
-{% if messages[0].role == 'system' %}{{ messages[0].content }}
+from tests.chat_templates import HERMES
 
-{% endif %}# Tools
-<tools>{% for t in tools %}{{ t.function.name }}: {{ t.function.parameters.properties | tojson }}
-{% endfor %}</tools>
-Call a tool with <tool_call>
-{"name": <name>, "arguments": <args>}
-</tool_call><|im_end|>
-{% elif messages[0].role == 'system' %}<|im_start|>system
-{{ messages[0].content }}<|im_end|>
-{% endif %}
-{%- for m in messages if m.role != 'system' %}<|im_start|>{{ 'user' if m.role == 'tool' else m.role }}
-{% if m.role == 'tool' %}<tool_response>
-{{ m.content }}
-</tool_response>{% else %}{{ m.content }}{% endif %}
-{%- for c in m.tool_calls or [] %}
-<tool_call>
-{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
-</tool_call>{% endfor %}<|im_end|>
-{% endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-<think>
-{% endif %}"""
+# chat_templates.HERMES (tools rendered, <tool_call> calls) with a generation prompt that opens the
+# thinking, as DeepSeek-R1's and Qwen3-Thinking's do.
+THINKING_OPENED = HERMES.replace("assistant\n{% endif %}", "assistant\n<think>\n{% endif %}")
 
 # The same without the opened section: the model may think (the template knows the markers) or not.
 THINKING_OPTIONAL = THINKING_OPENED.replace("assistant\n<think>\n", "assistant\n").replace(
