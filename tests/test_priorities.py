@@ -106,3 +106,12 @@ async def test_a_priority_that_is_not_a_small_integer_is_refused_naming_it(tiny_
         with pytest.raises(InvalidRequestError) as info:
             await engine.generate("x", SHORT, priority=bad)  # type: ignore[arg-type]
         assert info.value.field == "priority"
+
+
+@pytest.mark.parametrize("tier", [["priority"], {"a": 1}, 3, "fast"])
+def test_a_service_tier_that_is_not_one_of_openais_names_is_a_400_naming_it(tier: object) -> None:
+    from asyncpage.openai.convert import run_options
+
+    with pytest.raises(InvalidRequestError) as info:
+        run_options({"service_tier": tier})
+    assert info.value.field == "service_tier"

@@ -234,7 +234,7 @@ def run_options(body: dict[str, Any]) -> dict[str, Any]:
     """How a request runs in the engine: `priority` (vLLM's extension, an int, lower first) or
     `service_tier`; `prompt_cache_key` keeps the conversation's blocks for its next turn."""
     tier = body.get("service_tier")
-    if tier is not None and tier not in SERVICE_TIERS:
+    if tier is not None and (not isinstance(tier, str) or tier not in SERVICE_TIERS):
         raise InvalidRequestError("service_tier", f"must be one of {sorted(SERVICE_TIERS)}, got {tier!r:.40}")
     priority = body.get("priority", SERVICE_TIERS.get(tier or "auto", 0))
     key = body.get("prompt_cache_key")
