@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
                    "llama-server binary with one slot per request on the same GGUF")
     b.add_argument("--llama-server", default=None, metavar="PATH",
                    help="the llama-server binary for --baseline llama-server (default: $LLAMA_SERVER, else PATH)")
+    b.add_argument("--llama-bench", default=None, metavar="PATH",
+                   help="asyncpage beside llama.cpp on the same GGUF: one stream, prefill of 512 tokens, mixed-32 "
+                   "(with --llama-server PATH), resident memory after load and load time, each asyncpage "
+                   "--settings (default: defaults) in fresh processes (asyncpage/bench/cpu_path.py)")
     b.add_argument("--settings", default=None, metavar="S1,S2,...",
                    help="compare weight / KV settings side by side, the first as the base, e.g. "
                    "float32,bfloat16,int8,int4,int4+kv=int8 (see asyncpage/bench_quant.py)")

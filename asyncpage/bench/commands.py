@@ -17,6 +17,10 @@ import msgspec
 async def bench(args: argparse.Namespace) -> int:
     if args.speculative:
         return await _bench_speculative(args)
+    if getattr(args, "llama_bench", None):
+        from asyncpage.bench.cpu_path import compare
+
+        return await compare(args)
     if args.settings or args.baseline in ("llama.cpp", "llama-server"):
         from asyncpage.bench.quant import compare_settings
 

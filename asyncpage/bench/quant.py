@@ -3,8 +3,9 @@ settings, one engine at a time, printed side by side with float32 (the first set
 the ratios); `--baseline llama.cpp` adds llama-cpp-python on the same GGUF in the same run,
 `--baseline llama-server` llama.cpp's C++ server with one slot per request (bench_llama_server.py).
 
-A setting is a dtype (`float32`, `bfloat16`, `float16`, `auto`) or a weight quantization (`int8`,
-`int4`: dtype "auto" for the activations; `int4:float32` names the dtype), optionally `+kv=int8` /
+A setting is a dtype (`float32`, `bfloat16`, `float16`, `auto`: weights dequantized, `quantization=None`)
+or a weight quantization (`int8`, `int4`, `gguf` = `quantization="auto"`, a GGUF's own blocks: dtype
+"auto" for the activations; `int4:float32` names the dtype), optionally `+kv=int8` /
 `+kv=fp8` for the KV pool and `+compile` for compiled decode layers (`compile=True`).
 """
 
@@ -36,8 +37,10 @@ def parse_setting(s: str) -> dict[str, Any]:
     weights, colon, dtype = weights.partition(":")
     if weights in ("int8", "int4"):
         opts.update(quantization=weights, dtype=dtype or "auto")
+    elif weights == "gguf":  # quantization="auto": a GGUF's own blocks, the only copy
+        opts.update(quantization="auto", dtype=dtype or "auto")
     elif colon:  # "float32:int8" would otherwise run unquantized float32 under that label
-        raise InvalidRequestError("settings", f"{s!r}: QUANT:DTYPE takes int8 or int4 before the colon")
+        raise InvalidRequestError("settings", f"{s!r}: QUANT:DTYPE takes int8, int4 or gguf before the colon")
     else:
         opts.update(quantization=None, dtype=weights)
     # Checked here, with from_pretrained's own rules, so a bad one is refused before any model loads.
