@@ -99,8 +99,12 @@ def main(argv: list[str] | None = None) -> int:
                         "often; else 1, greedy)")
     x.add_argument("--score-booleans", default=None, action=argparse.BooleanOptionalAction,
                    help="decide each top-level boolean field by how likely its description is after the record's "
-                        "text, against four reference records, not by generating it (default: on when a field "
+                        "text, against reference records, not by generating it (default: on when a field "
                         "is copied)")
+    x.add_argument("--score-choices", default=None, action=argparse.BooleanOptionalAction,
+                   help="decide each closed choice (an enum, const alternatives, null or a value for a nullable "
+                        "field) by the model's likelihood of each option, calibrated on reference records, not by "
+                        "the first token the grammar allows (default: on when a field is copied)")
     x.add_argument("--max-retries", type=int, default=0, metavar="N",
                    help="a value the type's own validation refuses (a pydantic validator, a msgspec constraint or "
                         "__post_init__) is decoded again up to N times, from its first refused field, the refused "
@@ -232,7 +236,8 @@ def _extract(args: argparse.Namespace) -> int:
                 concurrency=args.concurrency, max_tokens=args.max_tokens, resume=args.resume, id_field=args.id_field,
                 max_prompt_tokens=args.max_prompt_tokens, progress=not args.no_progress,
                 copy_fields=args.copy_fields, examples=examples, beam_width=args.beam_width,
-                score_booleans=args.score_booleans, max_retries=args.max_retries, confidence=args.confidence)
+                score_booleans=args.score_booleans, max_retries=args.max_retries, confidence=args.confidence,
+                score_choices=args.score_choices)
 
     # Shell quoting makes real newlines awkward: "\n" and "\t" in --prompt are newline and tab.
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t") if args.prompt else None

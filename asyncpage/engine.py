@@ -93,8 +93,8 @@ class AsyncEngine:
         self.model_config = loaded.config
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = int(loaded.config.vocab_size)  # the logits width
-        # A yes/no reading's mean score on the reference records (asyncpage.extract.booleans.offsets), by reading
-        # (None: they do not fit): a property of the model and the context, measured once per engine.
+        # A scored reading's mean score (a null-or-present field's, its margin) on the reference records
+        # (asyncpage.extract.decisions), by reading (None: they do not fit): measured once per engine.
         self.reading_offsets: dict[str, float | None] = {}
         self._core = self.core_class(config, loaded.model, loaded.tokenizer, compute, guided.vocab_size,
                                 draft.model if draft is not None else None)
@@ -243,18 +243,20 @@ class AsyncEngine:
 
     async def beam_search(self, prompt: Prompt, beam_width: int = 4, max_tokens: int = 32,
                           length_penalty: float = 1.0, early_stopping: EarlyStopping = False,
-                          params: SamplingParams | None = None, *, priority: int = 0) -> BeamSearchOutput:
+                          params: SamplingParams | None = None, *, priority: int = 0,
+                          cache_key: str | None = None) -> BeamSearchOutput:
         """The `beam_width` best continuations, best first, as transformers' `generate(num_beams=...,
         do_sample=False)` finds and ranks them. `params` carries guided decoding (each beam keeps its
         own grammar state), stop strings and ids, penalties, ignore_eos; its max_tokens is replaced by
         `max_tokens` and its sampling fields (temperature, top-p/k, seed) play no part. Beams share
-        their prompt's KV blocks and each other's common prefix (copy-on-write).
+        their prompt's KV blocks and each other's common prefix (copy-on-write). `priority`, `cache_key`:
+        as stream's.
             out = await engine.beam_search("The capital of France is", beam_width=4, max_tokens=8)
             print(out.beams[0].text, out.beams[0].cumulative_logprob)
         """
         beam = BeamParams(beam_width=beam_width, length_penalty=length_penalty, early_stopping=early_stopping)
         params = msgspec.structs.replace(params or SamplingParams(temperature=0), max_tokens=max_tokens)
-        req = await self.submit(prompt, params, beam=beam, priority=priority)
+        req = await self.submit(prompt, params, beam=beam, priority=priority, cache_key=cache_key)
         try:
             chunks = await req.mailbox.get()  # the loop posts every beam at once, when the search is done
         except BaseException:
@@ -268,25 +270,28 @@ class AsyncEngine:
     async def extract(self, prompt: Prompt, schema: Any, params: SamplingParams | None = None, *,
                       chat: bool = False, copy_from: str | Sequence[str] | None = None,
                       copy_fields: Sequence[str] | str | None = None, beam_width: int | None = None,
-                      score_booleans: bool | None = None, max_retries: int = 0, confidence: bool = False) -> Any:
+                      score_booleans: bool | None = None, max_retries: int = 0, confidence: bool = False,
+                      score_choices: bool | None = None, priority: int = 0, cache_key: str | None = None) -> Any:
         """Generate one JSON value constrained to `schema` and return it typed: a msgspec type, a pydantic v2
         model (or a TypeAdapter-able type) or a JSON Schema dict. asyncpage.extract.run.extract_one says
-        what each option does (chat, copy_from/copy_fields, beam_width, score_booleans, max_retries,
-        confidence).
+        what each option does (chat, copy_from/copy_fields, beam_width, score_booleans, score_choices,
+        max_retries, confidence, priority and cache_key as stream's).
 
             person = await engine.extract("Alice is 31. As JSON: ", Person)
         """
         return await extract_one(self, prompt, schema, params, chat=chat, copy_from=copy_from,
                                  copy_fields=copy_fields, beam_width=beam_width, score_booleans=score_booleans,
-                                 max_retries=max_retries, confidence=confidence)
+                                 max_retries=max_retries, confidence=confidence, score_choices=score_choices,
+                                 priority=priority, cache_key=cache_key)
 
     def extract_many(self, items: Iterable[Any] | AsyncIterable[Any], schema: Any, *,
                      prompt: str | Callable[[Mapping[str, Any]], str] | None = None, concurrency: int = 32,
                      params: SamplingParams | None = None, id_field: str = "id",
                      max_prompt_tokens: int | None = None, copy_fields: Sequence[str] | str | None = None,
                      examples: Sequence[Mapping[str, Any]] = (), beam_width: int | None = None,
-                     score_booleans: bool | None = None, max_retries: int = 0,
-                     confidence: bool = False) -> AsyncIterator[ExtractResult]:
+                     score_booleans: bool | None = None, max_retries: int = 0, confidence: bool = False,
+                     score_choices: bool | None = None, priority: int = 0,
+                     cache_key: str | None = None) -> AsyncIterator[ExtractResult]:
         """Extract a typed value from each record, at most `concurrency` in flight; yields ExtractResult
         in completion order (asyncpage.extract.many.extract_many says what each option does).
 
@@ -296,7 +301,8 @@ class AsyncEngine:
         return extract_many(self, items, schema, prompt=prompt, concurrency=concurrency, params=params,
                             id_field=id_field, max_prompt_tokens=max_prompt_tokens, copy_fields=copy_fields,
                             examples=examples, beam_width=beam_width, score_booleans=score_booleans,
-                            max_retries=max_retries, confidence=confidence)
+                            max_retries=max_retries, confidence=confidence, score_choices=score_choices,
+                            priority=priority, cache_key=cache_key)
 
     async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                    tool_choice: Any = "auto", parallel_tool_calls: bool = True,

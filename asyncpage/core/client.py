@@ -58,4 +58,5 @@ class EngineClient(Protocol):
 
     async def beam_search(self, prompt: Prompt, beam_width: int = 4, max_tokens: int = 32,
                           length_penalty: float = 1.0, early_stopping: EarlyStopping = False,
-                          params: SamplingParams | None = None) -> BeamSearchOutput: ...
+                          params: SamplingParams | None = None, *, priority: int = 0,
+                          cache_key: str | None = None) -> BeamSearchOutput: ...

@@ -343,7 +343,8 @@ async def run_job(engine: EngineClient, schema: Any, input_path: Path, output_pa
                   id_field: str = "id", max_prompt_tokens: int | None = None, progress: bool = True,
                   copy_fields: Sequence[str] | str | None = None,
                   examples: Sequence[Mapping[str, Any]] = (), beam_width: int | None = None,
-                  score_booleans: bool | None = None, max_retries: int = 0, confidence: bool = False) -> JobSummary:
+                  score_booleans: bool | None = None, max_retries: int = 0, confidence: bool = False,
+                  score_choices: bool | None = None) -> JobSummary:
     """Every non-blank input line gets exactly one output line across any number of interrupted
     runs: a record is written once it has its final outcome; one whose engine died or closed under
     it is not written (the job stops with the error), so `resume=True` does it again."""
@@ -394,7 +395,7 @@ async def run_job(engine: EngineClient, schema: Any, input_path: Path, output_pa
                                              max_prompt_tokens=max_prompt_tokens, copy_fields=copy_fields,
                                              examples=examples, beam_width=beam_width,
                                              score_booleans=score_booleans, max_retries=max_retries,
-                                             confidence=confidence):
+                                             confidence=confidence, score_choices=score_choices):
                 n = line_of.pop(result.position)
                 if result.error is not None and result.error.reason == "engine_error":
                     engine_error = engine_error or result  # not final: left for the resumed run

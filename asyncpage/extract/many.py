@@ -1,6 +1,6 @@
 """extract_many: a stream of records through the engine, at most `concurrency` in flight, each
 record's value or its own error in completion order; waiting for room when the engine's queue is
-full, retrying a refused value (extract/retry.py), scoring booleans (extract/booleans.py). One
+full, retrying a refused value (extract/retry.py), scoring decisions (extract/decisions.py). One
 record's decode is extract/run.py's."""
 
 from __future__ import annotations
@@ -12,19 +12,19 @@ import anyio
 import msgspec
 
 from asyncpage.core.mailbox import Mailbox
-from asyncpage.core.validation import check_context
+from asyncpage.core.validation import check_cache_key, check_context, check_priority
 from asyncpage.decoding.beam import BeamParams
 from asyncpage.errors import (
     GrammarTimeoutError,
     InvalidRequestError,
     PromptTooLongError,
-    QueueFullError,
     SamplingError,
 )
-from asyncpage.extract import booleans as flags
 from asyncpage.extract import grounding, types
 from asyncpage.extract.beams import beam_for, refuse_asked_beams
-from asyncpage.extract.prompt import PromptTemplate, copy_sources, render_prompt, schema_prompt
+from asyncpage.extract.decisions import Context, Plan
+from asyncpage.extract.probes import submit_when_room
+from asyncpage.extract.prompt import REFERENCES, PromptTemplate, copy_sources, render_prompt, schema_prompt
 from asyncpage.guided import GuidedSpec
 from asyncpage.params import SamplingParams
 
@@ -40,16 +40,17 @@ from asyncpage.extract.run import (
     ExtractResult,
     Record,
     _check_retries,
-    _decide,
     _forget,
     _joined,
     _token_logprobs,
     check_job,
     closed_validly,
     confidence_of,
+    decider_for,
     decode_value,
     grounded,
     json_params,
+    reference_context,
     retry_params,
 )
 
@@ -70,7 +71,8 @@ async def extract_many(engine: EngineClient, items: Iterable[Record] | AsyncIter
                        copy_fields: Sequence[str] | str | None = None,
                        examples: Sequence[Mapping[str, Any]] = (), beam_width: int | None = None,
                        score_booleans: bool | None = None, max_retries: int = 0,
-                       confidence: bool = False) -> AsyncIterator[ExtractResult]:
+                       confidence: bool = False, score_choices: bool | None = None, priority: int = 0,
+                       cache_key: str | None = None) -> AsyncIterator[ExtractResult]:
     """Extract a typed value from each record, at most `concurrency` in flight.
 
     `items`: records (dicts, or plain strings as {"text": ...}), sync or async iterable, read
@@ -85,17 +87,23 @@ async def extract_many(engine: EngineClient, items: Iterable[Record] | AsyncIter
     position), its value or its own error. `score_booleans` (default: on when a field is copied):
     each top-level boolean property is decided by how likely its statement is after the record's
     text (the fields its prompt shows; its name as a heading, without a description), against the
-    same after four reference records, not generated (asyncpage.extract.booleans).
+    same after the reference records, not generated (asyncpage.extract.booleans). `score_choices` (default:
+    on when a field is copied): each closed choice (an enum, `const` alternatives, the null-or-present choice
+    of a nullable field) is decided by the model's likelihood of each option, calibrated on the reference
+    records (asyncpage.extract.decisions).
     `max_retries`: a value the type's own validation refuses (a pydantic validator, a msgspec constraint or
     `__post_init__`) is decoded again, up to that many times, from its first refused top-level field, with the
     refused value excluded by the grammar (asyncpage.extract.retry; not for records with copied fields);
     `.attempts` counts the decodes. `confidence`: each result's `.confidence`, a probability per top-level
-    field (`confidence_of`).
+    field (`confidence_of`: a scored decision's share, a generated value's token probability). `priority`
+    and `cache_key`: as engine.generate's, for every request of the job.
 
         async for r in engine.extract_many(docs, Invoice, concurrency=16):
             print(r.id, r.value if r.ok else r.error)
     """
     _check_retries(max_retries)
+    check_priority(priority)
+    check_cache_key(cache_key)
     check_job(prompt, examples, concurrency, schema, copy_fields)
     params, target = json_params(schema, params)
     spec = GuidedSpec.from_params(params)
@@ -103,7 +111,6 @@ async def extract_many(engine: EngineClient, items: Iterable[Record] | AsyncIter
     await engine.guided.compile(spec)  # an unsupported schema fails the call here, before any record
     marked = grounding.mark(params.json_schema, copy_fields)
     copying = grounding.copied(marked)
-    scoring = (copying if score_booleans is None else score_booleans) and bool(flags.statements(marked))
     c = engine.config
     refuse_asked_beams(params, beam_width, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens)
     if copying:
@@ -117,6 +124,24 @@ async def extract_many(engine: EngineClient, items: Iterable[Record] | AsyncIter
     if prompt is None:
         prompt = schema_prompt(marked, examples=examples, copied=grounding.copied_names(marked),
                                demos=engine.config.max_model_len >= DEMOS_MIN_CONTEXT)
+    job_prompt = prompt
+    decider = decider_for(marked, score_booleans, score_choices, copying)
+    if decider is not None:  # measured once per engine on the reference records (kept on it)
+        rendered = {}
+        for text in REFERENCES:
+            try:
+                rendered[text] = _rendered(job_prompt, {"text": text})
+            except InvalidRequestError:  # a prompt over other fields: no reference reads in it
+                break
+
+        async def reference(text: str) -> Context | None:
+            if text not in rendered:
+                return None
+            return await reference_context(engine, rendered[text], params, marked, copying, beam_width, text,
+                                           priority=priority, cache_key=cache_key)
+
+        await decider.calibrate(engine, reference, "\0".join(rendered.values()), priority=priority,
+                                cache_key=cache_key)
 
     wake = anyio.Event()
 
@@ -124,7 +149,9 @@ async def extract_many(engine: EngineClient, items: Iterable[Record] | AsyncIter
         wake.set()
 
     pending: dict[int, tuple[Any, int, Request]] = {}
-    decided_at: dict[int, dict[str, bool]] = {}  # a record's scored booleans, by its position
+    plans: dict[int, Plan] = {}  # a record's scored decisions in flight (decisions.py), by its position
+    deciding: dict[int, tuple[Any, Request]] = {}  # records whose value waits for its plan
+    decided_at: dict[int, dict[str, Any]] = {}  # a record's decided fields, by its position
     shares_at: dict[int, dict[str, float]] = {}  # their decisions' shares (confidence)
     states: dict[int, Attempts] = {}  # a record's decodes, by its position
     prompt_at: dict[int, list[int]] = {}  # its prompt's ids (a retry's prompt starts with them)
@@ -133,9 +160,46 @@ async def extract_many(engine: EngineClient, items: Iterable[Record] | AsyncIter
     source = _aiter(items).__aiter__()
     exhausted = False
     index = 0
+
+    def mailbox() -> Mailbox:
+        return Mailbox(notify)
+
+    async def submit(ids: list[int], own: SamplingParams, beam: BeamParams | None = None) -> Request:
+        return await submit_when_room(engine, ids, own, mailbox(), beam, priority=priority, cache_key=cache_key)
+
+    async def finish(rid: Any, position: int, req: Request) -> None:
+        """A record's decode is over: its result, or its next decode (a retry)."""
+        state = states[position]
+        outcome = _result(rid, req, target, decided_at.get(position, {}), state)
+        if state.n > 1:
+            _forget(engine, req.params)  # a retry's grammar embeds the refused values
+        nxt = None
+        if outcome.refused is not None and state.n <= max_retries and not copying:
+            nxt = retry_params(engine, base, state, outcome.text, outcome.token_ids, outcome.logprobs,
+                               outcome.refused)
+        if nxt is not None:
+            try:
+                again = await submit(prompt_at[position] + state.ids, nxt)
+            except (PromptTooLongError, GrammarTimeoutError, InvalidRequestError):
+                _forget(engine, nxt)  # the refusal stands
+            else:
+                state.n += 1
+                pending[again.request_id] = (rid, position, again)
+                return
+        result = outcome.result
+        extra: dict[str, Any] = {"attempts": state.n, "position": position}
+        if confidence and result.ok:
+            extra["confidence"] = confidence_of(engine, outcome.text, outcome.token_ids, outcome.logprobs,
+                                                shares_at.get(position, {}))
+        ready.append(msgspec.structs.replace(result, **extra))
+        for at in (decided_at, shares_at, states, prompt_at):
+            at.pop(position, None)
+        if copying:
+            _forget(engine, req.params)  # this record's grammar ends with it
+
     try:
         while True:
-            while not exhausted and len(pending) < concurrency and not ready:
+            while not exhausted and len(pending) + len(deciding) < concurrency and not ready:
                 try:
                     record = await source.__anext__()
                 except StopAsyncIteration:
@@ -158,22 +222,16 @@ async def extract_many(engine: EngineClient, items: Iterable[Record] | AsyncIter
                     # after seconds spent building the spans of megabytes of text.
                     check_context(ids, engine.config.max_model_len)
                     sources = copy_sources(prompt, record, id_field)
-                    if scoring:  # its booleans, decided on its text (flags.py), replace the model's in its value
-                        offset = await flags.offsets(engine, marked)  # measured once, kept on the engine
-                        decided_at[index], shares_at[index] = await _decide(engine, marked, _joined(sources), offset,
-                                                                            confidence)
                     own = grounded(params, marked, sources) if copying else params
                     beam = beam_for(engine, ids, own, beam_width, copying)
                     if beam is None and confidence:
                         own = msgspec.structs.replace(own, logprobs=0)
-                    req = await _submit_when_room(engine, ids, own, Mailbox(notify), beam)
+                    req = await submit(ids, own, beam)
                 except (PromptTooLongError, GrammarTimeoutError, InvalidRequestError, RecursionError) as exc:
                     # RecursionError: a record nested past what its own preparation (copy sources, its
                     # grammar) can walk is that record's error, never the job's.
                     if copying and own is not params:
                         _forget(engine, own)  # a refusal is cached too
-                    decided_at.pop(index, None)
-                    shares_at.pop(index, None)
                     ready.append(ExtractResult(rid, error=_submit_error(exc), position=index))
                     continue
                 except BaseException:  # cancelled while compiling: the record's grammar leaves with it
@@ -184,13 +242,17 @@ async def extract_many(engine: EngineClient, items: Iterable[Record] | AsyncIter
                 states[index].n = 1
                 prompt_at[index] = ids
                 pending[req.request_id] = (rid, index, req)
+                if decider is not None and _joined(sources).strip():
+                    # Its decisions, scored on its text (decisions.py), replace the model's in its value; the
+                    # statements go now, beside its decode, the in-context probes once its value is there.
+                    plans[index] = Plan(decider, _joined(sources), sources)
+                    await plans[index].prepare(engine)
             for key in [k for k, (_, _, r) in pending.items() if r.finished or r.mailbox.error is not None]:
                 rid, position, req = pending.pop(key)
                 if beam_width is None and _greedy_retry(req):
                     try:
                         greedy = msgspec.structs.replace(req.params, logprobs=0) if confidence else req.params
-                        again = await _submit_when_room(engine, list(req.prompt_token_ids), greedy,
-                                                        Mailbox(notify))
+                        again = await submit(list(req.prompt_token_ids), greedy)
                     except (PromptTooLongError, GrammarTimeoutError, InvalidRequestError):
                         pass  # the beams' own outcome stands
                     except BaseException:  # cancelled or the engine died: the grammar leaves with the record
@@ -200,38 +262,28 @@ async def extract_many(engine: EngineClient, items: Iterable[Record] | AsyncIter
                     else:
                         pending[again.request_id] = (rid, position, again)
                         continue
-                state = states[position]
-                outcome = _result(rid, req, target, decided_at.get(position, {}), state)
-                if state.n > 1:
-                    _forget(engine, req.params)  # a retry's grammar embeds the refused values
-                nxt = None
-                if outcome.refused is not None and state.n <= max_retries and not copying:
-                    nxt = retry_params(engine, base, state, outcome.text, outcome.token_ids, outcome.logprobs,
-                                       outcome.refused)
-                if nxt is not None:
-                    try:
-                        again = await _submit_when_room(engine, prompt_at[position] + state.ids, nxt,
-                                                        Mailbox(notify))
-                    except (PromptTooLongError, GrammarTimeoutError, InvalidRequestError):
-                        _forget(engine, nxt)  # the refusal stands
-                    else:
-                        state.n += 1
-                        pending[again.request_id] = (rid, position, again)
-                        continue
-                result = outcome.result
-                extra: dict[str, Any] = {"attempts": state.n, "position": position}
-                if confidence and result.ok:
-                    extra["confidence"] = confidence_of(engine, outcome.text, outcome.token_ids, outcome.logprobs,
-                                                        shares_at.get(position, {}))
-                ready.append(msgspec.structs.replace(result, **extra))
-                for at in (decided_at, shares_at, states, prompt_at):
-                    at.pop(position, None)
-                if copying:
-                    _forget(engine, req.params)  # this record's grammar ends with it
+                plan = plans.get(position)
+                if plan is not None:  # the value is there: its in-context decisions, then its result
+                    out = req.mailbox.peek(0)
+                    if req.mailbox.error is None and out is not None:
+                        state = states[position]
+                        plan.add_context(engine, Context(prompt_at[position], state.text + out.text,
+                                                         state.ids + list(out.token_ids)))
+                    deciding[position] = (rid, req)
+                    continue
+                await finish(rid, position, req)
+            for position, plan in list(plans.items()):
+                await plan.pump(engine, mailbox, priority=priority, cache_key=cache_key)
+                if plan.done and position in deciding:
+                    del plans[position]
+                    decided_at[position], shares_at[position] = plan.outcome(engine)
+                    plan.forget(engine)
+                    rid, req = deciding.pop(position)
+                    await finish(rid, position, req)
             if ready:
                 yield ready.pop(0)
                 continue
-            if exhausted and not pending:
+            if exhausted and not pending and not deciding:
                 return
             await wake.wait()
             wake = anyio.Event()
@@ -241,20 +293,11 @@ async def extract_many(engine: EngineClient, items: Iterable[Record] | AsyncIter
             engine.abort(req)
             if copying or (position in states and states[position].n > 1):
                 _forget(engine, req.params)
-
-
-async def _submit_when_room(engine: EngineClient, prompt: list[int], params: SamplingParams, mailbox: Mailbox,
-                            beam: BeamParams | None = None) -> Request:
-    """engine.submit, waiting while the engine's queue is full (QueueFullError, max_queued_requests): a
-    job shares its engine with other callers, and its records wait for room rather than fail. A dead
-    or stopped engine raises its own error, so this never waits on an engine that cannot serve."""
-    delay = 0.02
-    while True:
-        try:
-            return await engine.submit(prompt, params, mailbox, beam=beam)
-        except QueueFullError as exc:
-            await anyio.sleep(min(delay, exc.retry_after))
-            delay = min(delay * 2, 0.5)
+        for plan in plans.values():
+            plan.abort(engine)
+        for _, req in deciding.values():
+            if copying:
+                _forget(engine, req.params)
 
 
 def _greedy_retry(req: Request) -> bool:
@@ -302,7 +345,7 @@ class Outcome(NamedTuple):
     logprobs: Sequence[float | None] = ()
 
 
-def _result(rid: Any, req: Request, target: Any, decided: dict[str, bool], state: Attempts) -> Outcome:
+def _result(rid: Any, req: Request, target: Any, decided: dict[str, Any], state: Attempts) -> Outcome:
     n_prompt = len(req.prompt_token_ids) - len(state.ids)
     if isinstance(req.mailbox.error, SamplingError):  # this record's own failure
         return Outcome(ExtractResult(rid, error=ExtractError("invalid_output", str(req.mailbox.error)),

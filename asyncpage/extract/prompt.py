@@ -46,6 +46,14 @@ DEMOS = [
      "restarted it 3 times. I don't want my money back, I want it to work.\n\nDr. Kofi Boateng, Accra",
      {"sender": "Kofi Boateng", "city": "Accra", "order": None, "wants_money_back": False}),
 ]
+# The reference records scored decisions are calibrated on (booleans.py, decisions.py): the solved records above
+# and two plain messages that ask for nothing (no refund, no order, no severity), so that most references, as
+# most messages, do not ask for money back.
+REFERENCES = [text for text, _ in DEMOS] + [
+    "Hi, I moved house last month. Please update the delivery address on my account to 14 Elm Road, Leeds.\n\n"
+    "Thanks, Sara Quinn",
+    "[15:10] Customer (Jon Vik): hello, do you ship to Norway?\n[15:11] Agent (Eve): Yes, we do, within 5 days.",
+]
 
 
 def _kind(root: dict[str, Any], s: dict[str, Any]) -> tuple[str, bool]:

@@ -8,20 +8,21 @@ record never stops the job.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from asyncpage.core.validation import check_cache_key, check_priority
 from asyncpage.errors import (
     ExtractionError,
     InvalidRequestError,
+    PromptTooLongError,
 )
-from asyncpage.extract import booleans as flags
 from asyncpage.extract import grounding, types
 from asyncpage.extract import retry as redo
 from asyncpage.extract.beams import beam_for, beam_params
+from asyncpage.extract.decisions import Context, Decider, Plan, applied
 from asyncpage.extract.prompt import PromptTemplate, schema_prompt
 from asyncpage.guided import GuidedSpec
 from asyncpage.outputs import Beam, GenerateOutput
@@ -29,6 +30,7 @@ from asyncpage.params import SamplingParams
 
 if TYPE_CHECKING:
     from asyncpage.core.client import EngineClient
+    from asyncpage.decoding.beam import BeamParams
 
 DEMOS_MIN_CONTEXT = 2048  # below this context the default prompt's built-in solved records are left out
 
@@ -51,7 +53,7 @@ class ExtractResult(msgspec.Struct, frozen=True, omit_defaults=True):
     closed_early: bool = False
     attempts: int = 1  # decodes of the value: 1, or more where max_retries decoded a refused one again
     # confidence=True: a probability per top-level field (asyncpage.extract.retry.field_confidence; a scored
-    # boolean's, its decision's share: see _decide)
+    # decision's, its share: asyncpage.extract.decisions)
     confidence: dict[str, float] | None = None
 
     @property
@@ -113,7 +115,7 @@ def closed_validly(matcher: Any, params: SamplingParams, token_ids: list[int]) -
 
 
 async def closed_early_error(engine: EngineClient, params: SamplingParams, token_ids: list[int], text: str,
-                             target: Any, decided: dict[str, bool] | None = None) -> ExtractionError | None:
+                             target: Any, decided: dict[str, Any] | None = None) -> ExtractionError | None:
     """For extract(): the ExtractionError("closed_early") carrying the value when an output cut by
     max_tokens was closed validly by budget closing (its tokens take a fresh matcher of the same
     grammar to an accepting state, and it decodes), else None."""
@@ -131,12 +133,13 @@ async def closed_early_error(engine: EngineClient, params: SamplingParams, token
                            "see .value)", text, value, has_value=True)
 
 
-def decode_value(text: str, target: Any, decided: dict[str, bool] | None = None) -> Any:
+def decode_value(text: str, target: Any, decided: dict[str, Any] | None = None) -> Any:
     """The generated JSON as `target` (json_params' target: a msgspec type, a pydantic one, or None for plain
-    JSON values), with the `decided` booleans (flags.py) in place of the model's own; raises
-    msgspec.DecodeError (types.Refused, a msgspec.ValidationError, where the type's validation refuses it)."""
+    JSON values), with the `decided` fields (decisions.py: scored booleans and closed choices) in place of the
+    model's own; raises msgspec.DecodeError (types.Refused, a msgspec.ValidationError, where the type's
+    validation refuses it)."""
     fields = redo.top_fields(text)
-    text = flags.applied(text, decided or {})
+    text = applied(text, decided or {})
     return types.decode(text, target, [f.key for f in fields or ()])
 
 
@@ -195,7 +198,7 @@ def _token_logprobs(logprobs: Sequence[Any] | None, n: int) -> list[float | None
 
 def confidence_of(engine: EngineClient, text: str, token_ids: Sequence[int], logprobs: Sequence[float | None],
                   shares: dict[str, float]) -> dict[str, float]:
-    """Per top-level field: a scored boolean's decision share, else its value tokens' joint probability
+    """Per top-level field: a scored decision's share (decisions.py), else its value tokens' joint probability
     (asyncpage.extract.retry.field_confidence); a field decoded without log-probabilities (beams) is left out."""
     out = {}
     if any(lp is not None for lp in logprobs):
@@ -203,18 +206,46 @@ def confidence_of(engine: EngineClient, text: str, token_ids: Sequence[int], log
     return {**out, **shares}
 
 
-async def _decide(engine: EngineClient, marked: dict[str, Any], text: str, offset: dict[str, float],
-                  confidence: bool) -> tuple[dict[str, bool], dict[str, float]]:
-    """flags.decide, and with `confidence` each decision's share: the logistic of its score's margin over its
-    offset (1/2 at the threshold; not calibrated beyond that: a bare name's per-token gains stay near 1/2)."""
-    if not confidence:
-        return await flags.decide(engine, marked, text, offset), {}
-    readings = {name: r for name, r in flags.statements(marked).items() if name in offset}
-    gains = await flags._gains(engine, readings, text)  # decide's own scores, kept
-    if not gains:
-        return {}, {}
-    return ({name: g > offset[name] for name, g in gains.items()},
-            {name: 1 / (1 + math.exp(-abs(g - offset[name]))) for name, g in gains.items()})
+def decider_for(marked: dict[str, Any], score_booleans: bool | None, score_choices: bool | None,
+                copying: bool) -> Decider | None:
+    """The job's scored decisions (asyncpage.extract.decisions): booleans and closed choices, each on by
+    default where a field is copied; None when there is nothing to decide."""
+    d = Decider(marked, booleans=copying if score_booleans is None else score_booleans,
+                choices=copying if score_choices is None else score_choices)
+    return d if d.active else None
+
+
+async def reference_context(engine: EngineClient, prompt: str | list[int], params: SamplingParams,
+                            marked: dict[str, Any], copying: bool, beam_width: int | None, text: str, *,
+                            priority: int = 0, cache_key: str | None = None) -> Context | None:
+    """A reference record's value (`text`, in its `prompt`), decoded as the job decodes a record (its beams):
+    what the in-context decisions are calibrated on. Decoded greedy, the references' order ids margins moved
+    the offset: two of the 24 dev tickets' absent order ids came out present. None when it does not decode."""
+    ids = await engine.tokenize(prompt)
+    own = grounded(params, marked, [text]) if copying else params
+    out: GenerateOutput | Beam | None = None
+    try:
+        beam = beam_for(engine, ids, own, beam_width, copying)
+        if beam is None:
+            out = await engine.generate(ids, own, priority=priority, cache_key=cache_key)
+        else:
+            out = next(iter(await _beams(engine, ids, beam, own, priority, cache_key)), None)
+    except (PromptTooLongError, InvalidRequestError):
+        return None
+    finally:
+        if copying:
+            _forget(engine, own)
+    if out is None or out.finish_reason != "stop":
+        return None
+    return Context(ids, out.text, list(out.token_ids))
+
+
+async def _beams(engine: EngineClient, ids: list[int], beam: BeamParams, params: SamplingParams, priority: int,
+                 cache_key: str | None) -> list[Beam]:
+    """engine.beam_search's beams (best first) for one record's value, as `beam` asks."""
+    out = await engine.beam_search(ids, beam.beam_width, params.max_tokens, beam.length_penalty, beam.early_stopping,
+                                   params, priority=priority, cache_key=cache_key)
+    return out.beams
 
 
 def _check_retries(max_retries: int) -> None:
@@ -225,7 +256,8 @@ def _check_retries(max_retries: int) -> None:
 async def extract_one(engine: EngineClient, prompt: str | list[int], schema: Any, params: SamplingParams | None, *,
                       chat: bool, copy_from: str | Sequence[str] | None,
                       copy_fields: Sequence[str] | str | None, beam_width: int | None = None,
-                      score_booleans: bool | None = None, max_retries: int = 0, confidence: bool = False) -> Any:
+                      score_booleans: bool | None = None, max_retries: int = 0, confidence: bool = False,
+                      score_choices: bool | None = None, priority: int = 0, cache_key: str | None = None) -> Any:
     """Generate one JSON value constrained to `schema` and return it typed.
 
     `schema` is a msgspec.Struct type (or any type msgspec can describe: its JSON Schema is used and
@@ -248,7 +280,12 @@ async def extract_one(engine: EngineClient, prompt: str | list[int], schema: Any
     token); by default 4 when `copy_from` has a field copied, else 1 (greedy).
     `score_booleans` (default: on with `copy_from`): each top-level boolean property is decided by
     how likely its statement is after the source text (its name as a heading, without a description),
-    against the same after four reference records, not generated (asyncpage.extract.booleans).
+    against the same after the reference records, not generated (asyncpage.extract.booleans).
+    `score_choices` (default: on with `copy_from`): each closed choice (an enum, `const` alternatives, the
+    null-or-present choice of a nullable field) is decided by the model's likelihood of each option, calibrated
+    on the reference records (asyncpage.extract.decisions); the reference records are read in `prompt` with
+    their text in place of `copy_from`'s (a prompt that does not hold it leaves null-or-present to the model).
+    `priority` and `cache_key`: as engine.generate's, for every request of the record.
 
         class Invoice(msgspec.Struct):
             number: str
@@ -256,13 +293,17 @@ async def extract_one(engine: EngineClient, prompt: str | list[int], schema: Any
         inv = await engine.extract("Invoice INV-7, total 12.50 EUR. JSON:", Invoice)
     """
     _check_retries(max_retries)
+    check_priority(priority)  # before any probe: a probe's refusal is its own, left to the model
+    check_cache_key(cache_key)
     beam_params(beam_width, copying=False)  # a bad width fails first, before any grammar is made
     params, target = json_params(schema, params)
     copying = False  # a field is copied: the default is beams (beam_params)
-    decided: dict[str, bool] = {}  # booleans scored on the source (flags.py): they replace the model's own
+    decided: dict[str, Any] = {}  # scored decisions on the source (decisions.py): they replace the model's own
     shares: dict[str, float] = {}
-    if copy_from is None and score_booleans:
-        raise InvalidRequestError("score_booleans", "booleans are scored on the record's text: pass copy_from")
+    plan: Plan | None = None
+    for name, asked in (("score_booleans", score_booleans), ("score_choices", score_choices)):
+        if copy_from is None and asked:
+            raise InvalidRequestError(name, "decisions are scored on the record's text: pass copy_from")
     if copy_from is not None:
         assert params.json_schema is not None
         if copy_fields is None and not grounding.copied(params.json_schema):
@@ -270,10 +311,24 @@ async def extract_one(engine: EngineClient, prompt: str | list[int], schema: Any
         sources = [copy_from] if isinstance(copy_from, str) else list(copy_from)
         marked = grounding.mark(params.json_schema, copy_fields)
         copying = grounding.copied(marked)
+        plain = params
         params = grounded(params, marked, sources)
-        if score_booleans is not False and flags.statements(marked) and _joined(sources).strip():
-            decided, shares = await _decide(engine, marked, _joined(sources), await flags.offsets(engine, marked),
-                                            confidence)
+        decider = decider_for(marked, score_booleans, score_choices, True) if _joined(sources).strip() else None
+        if decider is not None:
+            source = _joined(sources)
+
+            async def reference(text: str) -> Context | None:
+                if not isinstance(prompt, str) or len(sources) != 1 or source not in prompt:
+                    return None
+                ref = prompt.replace(source, text)
+                return await reference_context(engine, engine.apply_chat_template(ref) if chat else ref, plain,
+                                               marked, copying, beam_width, text, priority=priority,
+                                               cache_key=cache_key)
+
+            await decider.calibrate(engine, reference, prompt if isinstance(prompt, str) else "", priority=priority,
+                                    cache_key=cache_key)
+            plan = Plan(decider, source, sources)
+            await plan.prepare(engine)
     if chat:
         prompt = engine.apply_chat_template(prompt)
     state = Attempts()
@@ -288,22 +343,28 @@ async def extract_one(engine: EngineClient, prompt: str | list[int], schema: Any
                 if beam is None:
                     if confidence:
                         own = msgspec.structs.replace(params, logprobs=0)
-                    out = await engine.generate(ids, own)
+                    out = await engine.generate(ids, own, priority=priority, cache_key=cache_key)
                 else:
-                    beams = (await engine.beam_search(ids, beam.beam_width, params.max_tokens, params=params)).beams
+                    beams = await _beams(engine, ids, beam, params, priority, cache_key)
                     if beams and (beams[0].finish_reason == "stop" or beam_width is not None):
                         out = beams[0]
-                    elif beam_width is None:
-                        out = await engine.generate(ids, params)  # see _greedy_retry
+                    elif beam_width is None:  # see _greedy_retry
+                        out = await engine.generate(ids, params, priority=priority, cache_key=cache_key)
                     else:
                         raise ExtractionError("invalid", _NO_BEAM.format(beam.beam_width), "")
             else:
-                out = await engine.generate(ids + state.ids, own)
+                out = await engine.generate(ids + state.ids, own, priority=priority, cache_key=cache_key)
             state.output_tokens += len(out.token_ids)
             text = state.text + out.text
             token_ids = state.ids + list(out.token_ids)
             chosen = out.choices[0].logprobs if isinstance(out, GenerateOutput) else None  # beams have none
             logprobs = state.logprobs + _token_logprobs(chosen, len(out.token_ids))
+            if plan is not None:  # decided once, on the first decode's value
+                plan.add_context(engine, Context(ids, text, token_ids))
+                await plan.run(engine, priority=priority, cache_key=cache_key)
+                decided, shares = plan.outcome(engine)
+                plan.forget(engine)
+                plan = None
             if out.finish_reason == "length":
                 # Closed validly by the budget: raised with the value attached (see closed_early_error).
                 raise await closed_early_error(engine, own, out.token_ids, text, target, decided) or ExtractionError(
@@ -326,6 +387,8 @@ async def extract_one(engine: EngineClient, prompt: str | list[int], schema: Any
                 raise ExtractionError("invalid", str(exc), text) from exc
             break
     finally:
+        if plan is not None:
+            plan.abort(engine)
         if copy_from is not None:
             _forget(engine, params)  # the grammar embeds this source only
         if state.n > 1:
@@ -337,7 +400,7 @@ async def extract_one(engine: EngineClient, prompt: str | list[int], schema: Any
 
 
 def _joined(sources: Sequence[str]) -> str:
-    """The text booleans are scored on: every source the values may come from."""
+    """The text decisions are scored on: every source the values may come from."""
     return "\n\n".join(s for s in sources if s.strip())
 
 

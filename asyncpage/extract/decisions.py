@@ -1,0 +1,423 @@
+"""Decisions by scoring: every closed choice of a value is decided by how likely the model finds each option,
+calibrated on reference records, not by the first token the grammar allows (issue 35).
+
+What is decided, and the rule for each (`Decider`, one per job; `Plan`, one per record):
+
+- A plain boolean (booleans.py): its statement read after the record, true when its log-likelihood beats its
+  mean on the reference records.
+- An option among listed ones (`enum`, `const` alternatives, `Literal`, a nullable boolean: closed.py): each
+  option read after the record on its field's label line, " critical" after "<record>\n\nSeverity:" (the
+  field's title, else its name; null reads "not given"). Each option's score is that log-likelihood less its
+  mean over the reference records (its prior: how likely the option is on that line after any support
+  message; contextual calibration, Zhao et al., 2021); the best score wins. Its confidence is that option's
+  share of the softmax of the calibrated scores. No per-token normalization: the prior carries each option's
+  own length. On the 22 dev tickets that state a severity (tests/data/dev_tickets.jsonl), generated it was
+  "low" for all (6 right); read in context after `"severity":` in the JSON, calibrated, 7-9 (the bias to the
+  first option listed stays); as a statement (" the severity is critical." after "In this message,") 14-15;
+  as a heading before the record (noisy channel) 10; on the label line 18 (against 15 calibrated on the four
+  solved records alone). Chosen among those six readings on these 22 tickets: the figure is optimistic.
+- Null or present, for a nullable field whose other branch is an open scalar (a copied span, a string, a
+  number): in context, after the field's key in the generated JSON, the log-probability per token of
+  " null" against that of the likeliest value the grammar allows there (a beam search over the copied spans
+  or the branch's schema, ranked by total log-probability), present when the margin beats its mean over the
+  reference records. Per token, because a value is many tokens and null one: whole values ranked by total
+  log-probability (what the record's beams do) left five of 15 order ids of the dev tickets null. When the
+  model wrote null and present wins, the value is the one the search found; when it wrote a value, that value
+  is kept (it was ranked with the whole record), or replaced by null.
+
+The record's value is generated first, as before; the decisions replace what the model wrote (`applied`),
+before the caller's type judges the value. Every decision of a record is read on the value as generated
+(one round: an order id a decision fills in is not seen by the decisions of the fields after it). A decision
+whose probes could not run (a record too long for the context with its statement) is left to the model.
+
+Cost: the probes (probes.py) share their context's KV through the prefix cache, and run batched with the
+job: a statement's record text is computed once per record (one probe first, the rest after it), each option
+then costs its statement's few tokens; a null-or-present field costs a 4-beam search of a short value after
+the record's own cached prompt and value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import msgspec
+
+from asyncpage.errors import InvalidRequestError
+from asyncpage.extract import booleans as flags
+from asyncpage.extract import grounding
+from asyncpage.extract import retry as redo
+from asyncpage.extract.closed import Closed, closed_fields, spelling
+from asyncpage.extract.probes import Probe, Scored
+from asyncpage.extract.prompt import REFERENCES
+
+if TYPE_CHECKING:
+    from asyncpage.core.client import EngineClient
+    from asyncpage.core.mailbox import Mailbox
+
+_KEPT = 256  # offsets an engine keeps (engine.reading_offsets, shared with booleans.py)
+
+
+class Context(NamedTuple):
+    """A generated value in its prompt: the prompt's ids, the value's text and token ids."""
+
+    prompt_ids: list[int]
+    text: str
+    token_ids: list[int]
+
+
+class Said(NamedTuple):
+    """A reading: `text` scored after the record and `lead` ("<record><lead><text>"); `key` names its offset."""
+
+    lead: str
+    text: str
+
+    @property
+    def key(self) -> str:
+        return self.lead + self.text
+
+
+def reading(name: str, prop: dict[str, Any], option: Any) -> Said:
+    """How an option reads after the record: its field's label line ("\n\nSeverity:") then the option
+    (" critical"). The label is the field's title, else its name; null reads "not given"."""
+    label = " ".join(str(prop.get("title") or name.replace("_", " ")).split())
+    word = "not given" if option is None else option if isinstance(option, str) else spelling(option)
+    return Said(f"\n\n{label[:1].upper()}{label[1:]}:", f" {' '.join(str(word).split())}")
+
+
+class Decider:
+    """A job's scored decisions and their offsets: `booleans` (booleans.py's readings), `choices` (options
+    and null-or-present, closed.py). `schema`: the job's, with its copied fields marked."""
+
+    def __init__(self, schema: dict[str, Any], *, booleans: bool, choices: bool) -> None:
+        self.schema = schema
+        self.readings = flags.statements(schema) if booleans else {}
+        closed = closed_fields(schema) if choices else {}
+        props = grounding.resolve(schema, schema).get("properties") or {}
+        self.options: dict[str, dict[Said, Any]] = {}  # field -> {its reading: option}
+        for name, c in closed.items():
+            if c.present is None:
+                p = grounding.resolve(schema, props[name])
+                said = {reading(name, p, o): o for o in c.options}
+                if len(said) == len(c.options):  # options that read the same (1 and "1") stay the grammar's
+                    self.options[name] = said
+        self.present: dict[str, Closed] = {n: c for n, c in closed.items() if c.present is not None}
+        self.offsets: dict[str, float] = {}  # a statement's (or a heading's) key -> its mean on the references
+        self.margins: dict[str, float] = {}  # a null-or-present field -> its mean margin on the references
+
+    @property
+    def active(self) -> bool:
+        return bool(self.readings or self.options or self.present)
+
+    def _statements(self) -> list[Said]:
+        said = [Said(flags.AFTER, f" {r.statement}.") for r in self.readings.values() if r.described]
+        return said + [s for opts in self.options.values() for s in opts]
+
+    async def calibrate(self, engine: EngineClient, reference: Callable[[str], Awaitable[Context | None]] | None,
+                        key: str = "", *, priority: int = 0, cache_key: str | None = None) -> None:
+        """Measure the offsets on the reference records (once per engine: kept on it). `reference` decodes a
+        reference record's value in the job's prompt (None: not possible, as for a prompt of the caller's own
+        over other fields; its null-or-present fields are then left to the model); `key` names that prompt."""
+        known = engine.reading_offsets
+        found: dict[str, float | None] = {}  # this call's (the engine's cache is bounded: it may let them go)
+        wanted = [s for s in self._statements() if s.key not in known]
+        named = {n: r for n, r in self.readings.items() if not r.described and r.key not in known}
+        if wanted or named:
+            plans = [Plan(self, text, []) for text in REFERENCES]
+            for plan in plans:
+                plan.only(wanted, named)
+            await _run_all(engine, plans, priority, cache_key)
+            for s in wanted:
+                got = [p.statement_score(s) for p in plans]
+                found[s.key] = None if any(g is None for g in got) else _mean(got)
+            for name, r in named.items():
+                gains = [p.named_gain(name) for p in plans]
+                found[r.key] = None if any(g is None for g in gains) else _mean(gains)
+        keys = [s.key for s in self._statements()] + [r.key for r in self.readings.values() if not r.described]
+        self.offsets = {k: v for k in keys if (v := found[k] if k in found else known.get(k)) is not None}
+        for k, v in found.items():
+            _keep(known, k, v)
+        if self.present and reference is not None:
+            named_keys = {n: "present\0" + hashlib.sha256(json.dumps([n, key, self.schema], sort_keys=True, default=str)
+                                                    .encode()).hexdigest() for n in self.present}
+            if any(k not in known for k in named_keys.values()):
+                contexts = await _gather([reference(text) for text in REFERENCES])
+                plans = [Plan(self, text, [text]) for text in REFERENCES]
+                for plan, ctx in zip(plans, contexts, strict=True):
+                    plan.only([], {})
+                    if ctx is not None:
+                        plan.add_context(engine, ctx)
+                await _run_all(engine, plans, priority, cache_key)
+                for name, k in named_keys.items():
+                    got = [p.margin(name) for p in plans]
+                    found[k] = None if any(m is None for m in got) else _mean(got)
+                    _keep(known, k, found[k])
+            self.margins = {n: v for n, k in named_keys.items()
+                            if (v := found[k] if k in found else known.get(k)) is not None}
+
+
+def _mean(xs: Sequence[float | None]) -> float:
+    return sum(x for x in xs if x is not None) / len(xs)
+
+
+def _keep(known: dict[str, float | None], key: str, value: float | None) -> None:
+    if len(known) >= _KEPT:
+        known.clear()  # bounded: a job's schema has a few; a server's callers may send many
+    known[key] = value
+
+
+async def _run_all(engine: EngineClient, plans: Sequence[Plan], priority: int, cache_key: str | None) -> None:
+    await _gather([plan.run(engine, priority=priority, cache_key=cache_key) for plan in plans])
+
+
+async def _gather(calls: Sequence[Awaitable[Any]]) -> list[Any]:
+    """Await `calls` together (one batch in the engine), their results in order."""
+    import anyio
+
+    out: list[Any] = [None] * len(calls)
+
+    async def one(i: int) -> None:
+        out[i] = await calls[i]
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(calls)):
+            tg.start_soon(one, i)
+    return out
+
+
+class Plan:
+    """One record's scored decisions: its probes (statements after `text` first, in-context ones once its value
+    is generated: `add_context`), then `outcome`. `sources`: the texts its copied fields come from."""
+
+    def __init__(self, decider: Decider, text: str, sources: Sequence[str]) -> None:
+        self.d, self.text, self.sources = decider, text.strip(), list(sources)
+        self.waves: list[list[Probe]] = []  # to submit, each once the ones before it are done
+        self.live: list[Probe] = []  # the wave in flight
+        self.now: list[Probe] = []  # to submit at once (the in-context probes: their context is cached already)
+        self.sent: list[Probe] = []  # every probe submitted
+        self.said: dict[Said, Probe] = {}  # a reading -> its probe
+        self.headings: dict[str | None, Probe] = {}  # named boolean (None: the plain heading) -> its probe
+        self.nulls: dict[str, Probe] = {}
+        self.best: dict[str, Probe] = {}
+        self.bridge: dict[str, str] = {}
+        self.wrote: dict[str, Any] = {}  # what the model wrote in the present fields
+        self._statements: list[Said] | None = None
+        self._named: dict[str, flags.Reading] | None = None
+        self.ready = False  # the statement probes are built (the record's text tokenized)
+        self._engine: EngineClient | None = None  # what the probes ran on (their results are read through it)
+
+    def only(self, statements: list[Said], named: dict[str, flags.Reading]) -> None:
+        """Score only these (calibration)."""
+        self._statements, self._named = statements, named
+
+    async def prepare(self, engine: EngineClient) -> None:
+        """Build the probes that read the record's text (statements, headings)."""
+        self.ready, self._engine = True, engine
+        if not self.text:
+            return
+        said = self.d._statements() if self._statements is None else self._statements
+        named = {n: r for n, r in self.d.readings.items() if not r.described} if self._named is None else self._named
+        probes: list[Probe] = []
+        for lead in dict.fromkeys(r.lead for r in said):
+            ctx = await engine.tokenize(self.text + lead)
+            for r in said:
+                probe = Probe.text(engine, ctx, r.text)
+                if r.lead == lead and len(probe.prompt) + probe.params.max_tokens <= engine.config.max_model_len:
+                    self.said[r] = probe  # else it does not fit: that reading is left out
+                    probes.append(probe)
+        if probes:
+            self.waves += [probes[:1], probes[1:]]  # the first computes the text; the rest find it cached
+        if named:
+            body = list(engine.tokenizer(self.text, add_special_tokens=False)["input_ids"])
+            heads = {n: await engine.tokenize(r.key) for n, r in named.items()}
+            plain = await engine.tokenize(flags.PLAIN)
+            if body and max(len(h) for h in [*heads.values(), plain]) + len(body) < engine.config.max_model_len:
+                self.headings = {n: Probe.scored(h + body, len(body)) for n, h in heads.items()}
+                self.headings[None] = Probe.scored(plain + body, len(body))
+                self.waves.append(list(self.headings.values()))
+
+    def add_context(self, engine: EngineClient, ctx: Context) -> None:
+        """The record's value is generated: its null-or-present fields' probes, after each field's key."""
+        fields = redo.top_fields(ctx.text)
+        if not fields or not self.d.present:
+            return
+        ends = redo.token_ends(engine.tokenizer, ctx.token_ids)
+        wave: list[Probe] = []
+        for f in fields:
+            closed = self.d.present.get(f.key)
+            colon = ctx.text.rfind(":", 0, f.start)
+            if closed is None or colon < 0 or closed.present is None:
+                continue
+            grammar = _value_grammar(self.d.schema, closed.present, self.sources, ctx.text[colon + 1:f.start])
+            if grammar is None:
+                continue
+            k = redo.kept_tokens(ends, colon + 1)
+            head = ctx.text[(ends[k - 1] if k else 0):colon + 1]
+            ids = ctx.prompt_ids + list(ctx.token_ids[:k]) + list(
+                engine.tokenizer(head, add_special_tokens=False)["input_ids"] if head else [])
+            bridge = ctx.text[colon + 1:f.start]
+            self.bridge[f.key] = bridge
+            self.wrote[f.key] = json.loads(ctx.text[f.start:f.end])
+            self.nulls[f.key] = Probe.text(engine, ids, bridge + "null")
+            self.best[f.key] = Probe.best(ids, grammar)
+            wave += [self.nulls[f.key], self.best[f.key]]
+        self.now += wave
+
+    async def pump(self, engine: EngineClient, mailbox: Callable[[], Mailbox], *, priority: int = 0,
+                   cache_key: str | None = None) -> None:
+        """Submit what may go now: the in-context probes, and the next wave whose turn it is."""
+        while self.now or (self.waves and all(p.done for p in self.live)):
+            if self.now:
+                wave, self.now = self.now, []
+            else:
+                wave = self.live = self.waves.pop(0)
+            self.sent += wave
+            for p in wave:
+                await p.submit(engine, mailbox(), priority=priority, cache_key=cache_key)
+
+    @property
+    def done(self) -> bool:
+        return self.ready and not self.waves and not self.now and all(p.done for p in self.sent)
+
+    async def run(self, engine: EngineClient, *, priority: int = 0, cache_key: str | None = None) -> None:
+        """All its probes, to the end (for one record alone, and for the references)."""
+        import anyio
+
+        from asyncpage.core.mailbox import Mailbox
+
+        if not self.ready:
+            await self.prepare(engine)
+        wake = anyio.Event()
+
+        def notify() -> None:
+            wake.set()
+
+        try:
+            while True:
+                await self.pump(engine, lambda: Mailbox(notify), priority=priority, cache_key=cache_key)
+                if self.done:
+                    return
+                await wake.wait()
+                wake = anyio.Event()
+        except BaseException:
+            self.abort(engine)
+            raise
+
+    def abort(self, engine: EngineClient) -> None:
+        for p in self.sent:
+            p.abort(engine)
+        self.forget(engine)
+
+    def forget(self, engine: EngineClient) -> None:
+        """Drop the record's own grammars (its values' spans) from the engine's cache."""
+        for p in [*self.nulls.values(), *self.best.values()]:
+            p.forget(engine)
+
+    # ---- what the probes measured ---------------------------------------------------------------------------
+    def _got(self, probe: Probe | None) -> Scored | None:
+        return None if probe is None or self._engine is None else probe.result(self._engine)
+
+    def statement_score(self, said: Said) -> float | None:
+        got = self._got(self.said.get(said))
+        return None if got is None else got.logprob
+
+    def named_gain(self, name: str) -> float | None:
+        own, plain = self._got(self.headings.get(name)), self._got(self.headings.get(None))
+        return None if own is None or plain is None else (own.logprob - plain.logprob) / max(1, own.tokens)
+
+    def margin(self, name: str) -> float | None:
+        null, best = self._got(self.nulls.get(name)), self._got(self.best.get(name))
+        return None if null is None or best is None else best.per_token - null.per_token
+
+    def outcome(self, engine: EngineClient) -> tuple[dict[str, Any], dict[str, float]]:
+        """(the decided values by field, each decision's share). Fields whose probes did not all run, or that
+        have no offset, are left out (left to the model)."""
+        self._engine = engine
+        decided: dict[str, Any] = {}
+        shares: dict[str, float] = {}
+        for name, r in self.d.readings.items():
+            key = r.key
+            g = self.statement_score(Said(flags.AFTER, f" {r.statement}.")) if r.described else self.named_gain(name)
+            if g is not None and key in self.d.offsets:
+                decided[name], shares[name] = g > self.d.offsets[key], _logistic(abs(g - self.d.offsets[key]))
+        for name, opts in self.d.options.items():
+            scores: dict[Said, float] = {}
+            for said in opts:
+                g, prior = self.statement_score(said), self.d.offsets.get(said.key)
+                if g is not None and prior is not None:
+                    scores[said] = g - prior
+            if len(scores) == len(opts):
+                best = max(scores, key=lambda s: scores[s])
+                decided[name] = opts[best]
+                shares[name] = 1 / sum(math.exp(v - scores[best]) for v in scores.values())
+        for name in self.nulls:
+            m, off = self.margin(name), self.d.margins.get(name)
+            found = self._got(self.best.get(name))
+            if m is None or off is None or found is None:
+                continue
+            shares[name] = _logistic(abs(m - off))
+            if m <= off:
+                decided[name] = None
+            elif self.wrote.get(name) is None:
+                try:
+                    decided[name] = json.loads(found.text[len(self.bridge[name]):])
+                except ValueError:
+                    shares.pop(name)
+        return decided, shares
+
+
+def _logistic(x: float) -> float:
+    return 1 / (1 + math.exp(-x))
+
+
+def _value_grammar(root: dict[str, Any], branch: dict[str, Any], sources: Sequence[str], bridge: str) -> str | None:
+    """The Lark grammar of `bridge` then one value of a present branch: a span of `sources` when it is copied,
+    else the branch's JSON Schema."""
+    lead = json.dumps(bridge) + " " if bridge else ""
+    if branch.get(grounding.COPY) is True:
+        try:
+            text = grounding.grammar({**branch, **{k: root[k] for k in ("$defs", "definitions") if k in root}},
+                                     sources)
+        except InvalidRequestError:  # nothing to copy from (no letter or digit): present is not possible
+            return None
+        return text.replace("\nstart: ", f"\nstart: {lead}", 1)
+    body: dict[str, Any] = {**branch, **{k: root[k] for k in ("$defs", "definitions") if k in root},
+                            "x-guidance": {"whitespace_flexible": False, "item_separator": grounding.ITEM_SEP,
+                                           "key_separator": grounding.KEY_SEP}}
+    return f"%llguidance {{}}\nstart: {lead}v\nv: %json {json.dumps(body)}\n"
+
+
+def applied(text: str, decided: dict[str, Any]) -> str:
+    """The generated JSON with each decided field's value in place of the model's own (set also where the model
+    left an optional one out). On the text, before the caller's type judges the value."""
+    if not decided:
+        return text
+    try:
+        value = msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return text  # decoding it fails the record as it would have
+    if not isinstance(value, dict):
+        return text
+    return msgspec.json.encode({**value, **decided}).decode()
+
+
+async def boolean_offsets(engine: EngineClient, schema: dict[str, Any]) -> dict[str, float]:
+    """The scored booleans of `schema` and their offsets (each one's mean score on the reference records);
+    a boolean without one (a reference that does not fit the context) is left out, left to the model."""
+    d = Decider(schema, booleans=True, choices=False)
+    await d.calibrate(engine, None)
+    return {name: d.offsets[r.key] for name, r in d.readings.items() if r.key in d.offsets}
+
+
+async def decide_booleans(engine: EngineClient, schema: dict[str, Any], text: str,
+                          offset: dict[str, float]) -> dict[str, bool]:
+    """The booleans of `schema` that have an `offset`, decided on a record's `text` ({} where none can be)."""
+    d = Decider(schema, booleans=True, choices=False)
+    d.readings = {n: r for n, r in d.readings.items() if n in offset}
+    d.offsets = {r.key: offset[n] for n, r in d.readings.items()}
+    plan = Plan(d, text, [])
+    await plan.run(engine)
+    return {n: bool(v) for n, v in plan.outcome(engine)[0].items()}

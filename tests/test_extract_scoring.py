@@ -1,0 +1,192 @@
+"""Closed choices decided by scoring (asyncpage.extract.closed, decisions, probes): which fields are closed,
+how each option reads, that the value and its confidence are what the scores chose, that null-or-present
+follows its calibrated margin, and that a job's priority and cache_key reach every request it makes."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import pytest
+
+from asyncpage import AsyncEngine, ExtractionError, InvalidRequestError, SamplingParams
+from asyncpage.extract import json_params
+from asyncpage.extract.closed import Closed, closed_fields
+from asyncpage.extract.decisions import Decider, Plan, Said, reading
+from asyncpage.extract.grounding import mark
+from asyncpage.extract.jobs import run_job
+from asyncpage.extract.prompt import REFERENCES
+
+SEVERITY = {"enum": ["low", "medium", "high", "critical"], "description": "how severe the issue is"}
+TICKET = {
+    "type": "object",
+    "properties": {
+        "customer": {"type": "string"},
+        "order_id": {"type": ["string", "null"]},
+        "severity": SEVERITY,
+    },
+    "required": ["customer", "order_id", "severity"],
+}
+TEXTS = ["Anna Berg: the lamp is broken, this is critical", "Tom Reyes says the app is a little slow, minor",
+         "Li Wei: order ORD-12345 never came, urgent"]
+PARAMS = SamplingParams(max_tokens=120, temperature=0)
+
+
+class Shipment(msgspec.Struct):
+    carrier: Literal["dhl", "ups"]
+    status: Literal["sent", "lost"] | None
+    weight: float | None
+    fragile: bool | None
+    paid: bool
+    note: str
+
+
+def test_closed_choices_are_enums_consts_literals_and_nullable_scalars() -> None:
+    schema = json_params(Shipment, None)[0].json_schema
+    assert schema is not None
+    assert closed_fields(schema) == {
+        "carrier": Closed(("dhl", "ups")),
+        "status": Closed(("lost", "sent", None)),  # msgspec lists a Literal sorted
+        "weight": Closed((None,), {"type": "number"}),  # null or a value: the value is searched for
+        "fragile": Closed((True, False, None)),
+    }  # a plain boolean is booleans.py's; a free string has nothing to choose from
+    consts = {"type": "object", "properties": {
+        "kind": {"oneOf": [{"const": "a"}, {"const": "b"}, {"type": "null"}]},
+        "one": {"const": "x"},  # a single option: nothing to decide
+        "many": {"enum": list(range(40))},  # more than MAX_OPTIONS: left to the grammar
+        "order": {"anyOf": [{"type": "string", "x-copy": True}, {"type": "null"}], "maxLength": 9},
+        "items": {"type": ["array", "null"], "items": {"type": "string"}},
+    }}
+    assert closed_fields(consts) == {
+        "kind": Closed(("a", "b", None)),
+        "order": Closed((None,), {"type": "string", "x-copy": True, "maxLength": 9}),
+    }
+    marked = mark(TICKET, "auto")
+    assert closed_fields(marked)["order_id"] == Closed((None,), {"type": "string", "x-copy": True})
+
+
+def test_each_option_reads_on_its_field_s_label_line_after_the_record() -> None:
+    assert reading("severity", SEVERITY, "critical") == Said("\n\nSeverity:", " critical")
+    assert reading("order_status", {"title": "order status"}, None) == Said("\n\nOrder status:", " not given")
+    assert reading("level", {}, 3) == Said("\n\nLevel:", " 3")
+    assert reading("api", {"title": "API version"}, "v2").key == "\n\nAPI version: v2"
+    d = Decider(mark(TICKET, "auto"), booleans=True, choices=True)
+    assert d.options == {"severity": {reading("severity", SEVERITY, o): o for o in SEVERITY["enum"]}}
+    assert set(d.present) == {"order_id"} and not d.readings
+    assert not Decider(TICKET, booleans=True, choices=False).active
+
+
+async def _after(engine: Any, text: str, said: Said) -> float:
+    """Log-likelihood of a reading after `text`, by hand from prompt_logprobs."""
+    ids = engine.tokenizer(said.text, add_special_tokens=False)["input_ids"]
+    prompt = await engine.tokenize(text.strip() + said.lead) + ids
+    out = await engine.generate(prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    return sum(e.logprob for e in out.prompt_logprobs[-len(ids):])
+
+
+async def _value(extraction: Any) -> Any:
+    try:
+        return await extraction
+    except ExtractionError as exc:  # a tiny random model writes long values: closed early, still valid
+        assert exc.has_value, exc
+        return exc.value
+
+
+async def test_the_option_returned_is_the_one_its_calibrated_scores_chose(tiny_llama: Path) -> None:
+    async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
+        said = {o: reading("severity", SEVERITY, o) for o in SEVERITY["enum"]}
+        prior = {o: sum([await _after(engine, r, s) for r in REFERENCES]) / len(REFERENCES) for o, s in said.items()}
+        want, share = {}, {}
+        for t in TEXTS:
+            scores = {o: await _after(engine, t, s) - prior[o] for o, s in said.items()}
+            want[t] = max(scores, key=lambda o: scores[o])
+            share[t] = 1 / sum(math.exp(v - scores[want[t]]) for v in scores.values())
+        for t in TEXTS:
+            res = await engine.extract(f"{t}\nJSON: ", TICKET, PARAMS, copy_from=t, beam_width=1, confidence=True)
+            assert res.value["severity"] == want[t]
+            assert res.confidence["severity"] == pytest.approx(share[t], rel=1e-3)
+        got = {r.id: r for r in [r async for r in engine.extract_many(
+            [{"id": t, "text": t} for t in TEXTS], TICKET, params=PARAMS, copy_fields="auto", beam_width=1,
+            confidence=True)]}
+        assert {t: r.value["severity"] for t, r in got.items()} == want
+        for t, r in got.items():
+            assert r.confidence is not None and r.confidence["severity"] == pytest.approx(share[t], rel=1e-3)
+        # Asked off: the grammar's own choice, nothing scored.
+        off = [r async for r in engine.extract_many([{"id": 1, "text": TEXTS[0]}], TICKET, params=PARAMS,
+                                                    copy_fields="auto", beam_width=1, score_choices=False)]
+        assert off[0].ok and off[0].value["severity"] in SEVERITY["enum"]
+
+
+async def test_null_or_present_follows_the_margin_over_its_reference_offset(tiny_llama: Path) -> None:
+    schema = {"type": "object", "properties": {"order_id": {"type": ["string", "null"]}}, "required": ["order_id"]}
+    text = "Li Wei: order ORD-12345 never came"
+    async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
+        first = [r async for r in engine.extract_many([{"id": 1, "text": text}], schema, params=PARAMS,
+                                                      copy_fields="auto", beam_width=1)]
+        keys = [k for k in engine.reading_offsets if k.startswith("present\0")]
+        assert first[0].ok and len(keys) == 1 and engine.reading_offsets[keys[0]] is not None
+        for offset, present in ((1e9, False), (-1e9, True)):  # what the margin says is what the value holds
+            engine.reading_offsets[keys[0]] = offset
+            [r] = [r async for r in engine.extract_many([{"id": 1, "text": text}], schema, params=PARAMS,
+                                                        copy_fields="auto", beam_width=1, confidence=True)]
+            assert r.ok and r.confidence is not None and 0.5 <= r.confidence["order_id"] <= 1
+            if present:
+                assert isinstance(r.value["order_id"], str) and r.value["order_id"] in text  # a span, never invented
+            else:
+                assert r.value["order_id"] is None
+        # A prompt that does not hold the record's text has no reference: null-or-present stays the model's.
+        d = Decider(mark(schema, "auto"), booleans=True, choices=True)
+        await d.calibrate(engine, None)
+        assert d.margins == {}
+
+
+async def test_a_job_s_priority_and_cache_key_reach_every_request(tiny_llama: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
+        seen: list[tuple[int, str | None]] = []
+        submit = engine.submit
+
+        async def spy(*args: Any, priority: int = 0, cache_key: str | None = None, **kwargs: Any) -> Any:
+            seen.append((priority, cache_key))
+            return await submit(*args, priority=priority, cache_key=cache_key, **kwargs)
+
+        monkeypatch.setattr(engine, "submit", spy)
+        rs = [r async for r in engine.extract_many([{"id": t, "text": t} for t in TEXTS], TICKET, params=PARAMS,
+                                                   copy_fields="auto", priority=3, cache_key="job-7")]
+        assert len(rs) == len(TEXTS) and all(r.ok or r.closed_early for r in rs)
+        v = await _value(engine.extract(f"{TEXTS[0]}\nJSON: ", TICKET, PARAMS, copy_from=TEXTS[0], priority=3,
+                                        cache_key="job-7"))
+        assert v["severity"] in SEVERITY["enum"]
+        # The records' decodes, their probes and the reference records' all carry them.
+        assert len(seen) > 4 * len(TEXTS) and set(seen) == {(3, "job-7")}
+        for bad in ({"priority": True}, {"priority": 2 ** 40}, {"cache_key": ""}):
+            with pytest.raises(InvalidRequestError):
+                [r async for r in engine.extract_many(TEXTS, TICKET, **bad)]
+            with pytest.raises(InvalidRequestError):
+                await engine.extract("x", TICKET, **bad)
+
+
+async def test_a_job_row_carries_the_decision_s_share_with_confidence(tiny_llama: Path, tmp_path: Path) -> None:
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(TEXTS)))
+    async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
+        await run_job(engine, TICKET, src, out, copy_fields="auto", max_tokens=120, progress=False,
+                      beam_width=1, confidence=True)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == len(TEXTS)
+    for row in rows:
+        assert "value" in row, row
+        assert 0 < row["confidence"]["severity"] <= 1 and 0.5 <= row["confidence"]["order_id"] <= 1
+
+
+async def test_a_record_too_long_for_its_statements_is_left_to_the_model(tiny_llama: Path) -> None:
+    async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32", max_model_len=64) as engine:
+        d = Decider(mark(TICKET, "auto"), booleans=True, choices=True)
+        plan = Plan(d, " ".join(["word"] * 100), [])
+        await plan.run(engine)
+        assert plan.outcome(engine) == ({}, {})
+        with pytest.raises(InvalidRequestError, match="score_choices"):
+            await engine.extract("x", TICKET, score_choices=True)
