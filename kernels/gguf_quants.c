@@ -30,7 +30,8 @@
 
    Decode tiles: the 32-element formats take 4 weight rows at a time (2 with AVX2 past one activation
    row), one __m256 accumulator per (weight row, activation row), the offsets folded into the int32 dot,
-   and a software prefetch ahead of the streams.
+   and a software prefetch ahead of the streams; the K-quants 4 weight rows at one activation row
+   (one at more), with the same prefetch.
 
    Threads: OpenMP over chunks of output rows (torch's libgomp, see native.py), taken dynamically.
    Within a chunk, activation rows go four at a time: each weight block is unpacked once and used for
@@ -144,36 +145,46 @@ typedef struct {
     long k, nb; /* nb: blocks of activation scale per row */
 } Act;
 
+/* One row of k activations rounded to int8 blocks of `block` (q [k], d [k / block], s [k / 16]): what
+   every call's activations go through, and the fused decode step's (kernels/cpu_forward.c). */
+static void quantize_row(const float *xr, long k, int block, int8_t *q, float *d, int16_t *s) {
+    const long nb = k / block;
+    for (long b = 0; b < nb; b++) {
+        float amax = 0.0f;
+        int finite = 1;
+        for (int i = 0; i < block; i++) {
+            const float v = fabsf(xr[b * block + i]);
+            amax = v > amax ? v : amax;
+            finite &= v <= 3.4028234663852886e38f; /* false for NaN and infinity */
+        }
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        if (!finite || !(inv <= 3.4028234663852886e38f)) /* non-finite, or too small to scale */
+            inv = 0.0f;
+        d[b] = finite ? amax / 127.0f : NAN;
+        for (int i = 0; i < block; i++)
+            q[b * block + i] = (int8_t)lrintf(xr[b * block + i] * inv);
+    }
+    for (long g = 0; g < k / 16; g++) {
+        int sum = 0;
+        for (int i = 0; i < 16; i++)
+            sum += q[g * 16 + i];
+        s[g] = (int16_t)sum;
+    }
+}
+
+/* Act.c of one row for blocks of 32: -offset times each block's integer sum (from its two 16-sums). */
+static void block_offsets(const int16_t *s, long nb, int offset, int32_t *c) {
+    for (long b = 0; b < nb; b++)
+        c[b] = -offset * (s[2 * b] + s[2 * b + 1]);
+}
+
 static void quantize_rows(const float *x, long k, int block, int offset, int rows, int threads, Act *a) {
     const long nb = k / block;
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
     for (int r = 0; r < rows; r++) {
-        const float *xr = x + (long)r * k;
-        int8_t *q = a->q + (long)r * k;
-        for (long b = 0; b < nb; b++) {
-            float amax = 0.0f;
-            int finite = 1;
-            for (int i = 0; i < block; i++) {
-                const float v = fabsf(xr[b * block + i]);
-                amax = v > amax ? v : amax;
-                finite &= v <= 3.4028234663852886e38f; /* false for NaN and infinity */
-            }
-            float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            if (!finite || !(inv <= 3.4028234663852886e38f)) /* non-finite, or too small to scale */
-                inv = 0.0f;
-            a->d[(long)r * nb + b] = finite ? amax / 127.0f : NAN;
-            for (int i = 0; i < block; i++)
-                q[b * block + i] = (int8_t)lrintf(xr[b * block + i] * inv);
-        }
-        for (long g = 0; g < k / 16; g++) {
-            int sum = 0;
-            for (int i = 0; i < 16; i++)
-                sum += q[g * 16 + i];
-            a->s[(long)r * (k / 16) + g] = (int16_t)sum;
-        }
+        quantize_row(x + (long)r * k, k, block, a->q + (long)r * k, a->d + (long)r * nb, a->s + (long)r * (k / 16));
         if (block == 32)
-            for (long b = 0; b < nb; b++)
-                a->c[(long)r * nb + b] = -offset * (a->s[(long)r * (k / 16) + 2 * b] + a->s[(long)r * (k / 16) + 2 * b + 1]);
+            block_offsets(a->s + (long)r * (k / 16), nb, offset, a->c + (long)r * nb);
     }
 }
 
@@ -293,8 +304,10 @@ PORTABLE(k_q6_k_c, dotk_c, T_Q6_K)
 /* Weight rows per tile for nr activation rows: as many accumulators as the form's registers hold
    (32 vector registers with AVX-512, 16 with AVX2). */
 static int tile_rows(int type, int form, int nr) {
-    if (form == FORM_PORTABLE || gguf_block_elems(type) != 32)
+    if (form == FORM_PORTABLE)
         return 1;
+    if (gguf_block_elems(type) != 32) /* K-quants: 4 weight rows at one activation row */
+        return nr == 1 ? 4 : 1;
     return form == FORM_VNNI || nr == 1 ? 4 : 2;
 }
 
@@ -621,89 +634,103 @@ GQ_INLINE void F(rows32)(const int type, const uint8_t *w, long rb, long nb, con
             res[i * NR + r] = F(hsum)(acc[i][r]);
 }
 
-/* The K-quants against NR activation rows. */
-GQ_INLINE void F(rowsk)(const int type, const uint8_t *w, long nb, const Act *a, int r0, const int NR, float *res) {
+/* The K-quants: WR weight rows (4 or 2 at one activation row, else 1) against NR activation rows, as
+   rows32 for the 32-element formats: independent accumulator chains per weight row and a software
+   prefetch four tiles ahead (each block spans 3-4 cache lines). */
+GQ_INLINE void F(rowsk)(const int type, const uint8_t *w, long rb, long nb, const Act *a, int r0, const int NR,
+                        const int WR, float *res) {
     const int bytes = type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210;
-    __m256 acc[4];
-    __m256 offv[4];
+    __m256 acc[4][4];
+    __m256 offv[4][4];
     const int8_t *xq[4];
     const float *xd[4];
     const int16_t *xs[4];
     for (int r = 0; r < NR; r++) {
-        acc[r] = _mm256_setzero_ps();
-        offv[r] = _mm256_setzero_ps();
+        for (int i = 0; i < WR; i++) {
+            acc[i][r] = _mm256_setzero_ps();
+            offv[i][r] = _mm256_setzero_ps();
+        }
         xq[r] = a->q + (long)(r0 + r) * a->k;
         xd[r] = a->d + (long)(r0 + r) * a->nb;
         xs[r] = a->s + (long)(r0 + r) * (a->k / 16);
     }
     const __m256i low = _mm256_set1_epi8(15);
     for (long b = 0; b < nb; b++) {
-        const uint8_t *p = w + b * bytes;
-        __m256i u[8];
-        int lo[8], hi[8], mn[8];
-        __m256i om; /* 16 int16 multipliers of the 16 bsums: the offsets' integer part is madd(om, bsums) */
-        float dw, dmin = 0.0f;
-        if (type == T_Q6_K) {
-            const int8_t *sc = (const int8_t *)(p + 192);
-            dw = _cvtsh_ss(rd16(p + 208));
-            for (int h = 0; h < 2; h++) {
-                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
-                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
-                const __m256i three = _mm256_set1_epi8(3);
-                u[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, low),
-                                               _mm256_slli_epi16(_mm256_and_si256(qh, three), 4));
-                u[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, low),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), three), 4));
-                u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), three), 4));
-                u[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), three), 4));
-            }
-            for (int j = 0; j < 8; j++) {
-                lo[j] = sc[2 * j];
-                hi[j] = sc[2 * j + 1];
-            }
-            om = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
-        } else {
-            int sc[8];
-            k4_scales(p + 4, sc, mn);
-            dw = _cvtsh_ss(rd16(p));
-            dmin = _cvtsh_ss(rd16(p + 2));
-            const uint8_t *qs = p + (type == T_Q5_K ? 48 : 16);
-            for (int c = 0; c < 4; c++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-                u[2 * c] = _mm256_and_si256(v, low);
-                u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            }
-            if (type == T_Q5_K) {
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 16));
-                const __m256i one = _mm256_set1_epi8(1);
+        for (int i = 0; i < WR; i++) {
+            const uint8_t *p = w + i * rb + b * bytes;
+            const char *ahead = (const char *)p + 4 * WR * rb;
+            _mm_prefetch(ahead, _MM_HINT_T0);
+            _mm_prefetch(ahead + 64, _MM_HINT_T0);
+            _mm_prefetch(ahead + 128, _MM_HINT_T0);
+            if (bytes > 192)
+                _mm_prefetch(ahead + 192, _MM_HINT_T0);
+            __m256i u[8];
+            int lo[8], hi[8], mn[8];
+            __m256i om; /* 16 int16 multipliers of the 16 bsums: the offsets' integer part is madd(om, bsums) */
+            float dw, dmin = 0.0f;
+            if (type == T_Q6_K) {
+                const int8_t *sc = (const int8_t *)(p + 192);
+                dw = _cvtsh_ss(rd16(p + 208));
+                for (int h = 0; h < 2; h++) {
+                    const __m256i l0 = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
+                    const __m256i l1 = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
+                    const __m256i three = _mm256_set1_epi8(3);
+                    u[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, low),
+                                                   _mm256_slli_epi16(_mm256_and_si256(qh, three), 4));
+                    u[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, low),
+                                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), three), 4));
+                    u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), three), 4));
+                    u[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), three), 4));
+                }
+                for (int j = 0; j < 8; j++) {
+                    lo[j] = sc[2 * j];
+                    hi[j] = sc[2 * j + 1];
+                }
+                om = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+            } else {
+                int sc[8];
+                k4_scales(p + 4, sc, mn);
+                dw = _cvtsh_ss(rd16(p));
+                dmin = _cvtsh_ss(rd16(p + 2));
+                const uint8_t *qs = p + (type == T_Q5_K ? 48 : 16);
+                for (int c = 0; c < 4; c++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                    u[2 * c] = _mm256_and_si256(v, low);
+                    u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                }
+                if (type == T_Q5_K) {
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 16));
+                    const __m256i one = _mm256_set1_epi8(1);
+                    for (int j = 0; j < 8; j++)
+                        u[j] = _mm256_or_si256(u[j], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), one), 4));
+                }
                 for (int j = 0; j < 8; j++)
-                    u[j] = _mm256_or_si256(u[j], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), one), 4));
+                    lo[j] = hi[j] = sc[j];
+                om = _mm256_setr_epi16((short)mn[0], (short)mn[0], (short)mn[1], (short)mn[1], (short)mn[2], (short)mn[2],
+                                       (short)mn[3], (short)mn[3], (short)mn[4], (short)mn[4], (short)mn[5], (short)mn[5],
+                                       (short)mn[6], (short)mn[6], (short)mn[7], (short)mn[7]);
             }
-            for (int j = 0; j < 8; j++)
-                lo[j] = hi[j] = sc[j];
-            om = _mm256_setr_epi16((short)mn[0], (short)mn[0], (short)mn[1], (short)mn[1], (short)mn[2], (short)mn[2],
-                                   (short)mn[3], (short)mn[3], (short)mn[4], (short)mn[4], (short)mn[5], (short)mn[5],
-                                   (short)mn[6], (short)mn[6], (short)mn[7], (short)mn[7]);
-        }
-        /* Q6_K: 32 * dw * sum(sc * bsums); Q4_K / Q5_K: dmin * sum(m * bsums). */
-        const float od = type == T_Q6_K ? 32.0f * dw : dmin;
-        for (int r = 0; r < NR; r++) {
-            const int8_t *x = xq[r] + 256 * b;
-            const int16_t *s = xs[r] + 16 * b;
-            __m256i isum = _mm256_setzero_si256();
-            for (int j = 0; j < 8; j++)
-                isum = _mm256_add_epi32(isum, F(dot_scaled)(u[j], _mm256_loadu_si256((const __m256i *)(x + 32 * j)),
-                                                            lo[j], hi[j]));
-            const __m256i o = _mm256_madd_epi16(om, _mm256_loadu_si256((const __m256i *)s));
-            offv[r] = _mm256_fmadd_ps(_mm256_set1_ps(od * xd[r][b]), _mm256_cvtepi32_ps(o), offv[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[r][b]), _mm256_cvtepi32_ps(isum), acc[r]);
+            /* Q6_K: 32 * dw * sum(sc * bsums); Q4_K / Q5_K: dmin * sum(m * bsums). */
+            const float od = type == T_Q6_K ? 32.0f * dw : dmin;
+            for (int r = 0; r < NR; r++) {
+                const int8_t *x = xq[r] + 256 * b;
+                const int16_t *s = xs[r] + 16 * b;
+                __m256i isum = _mm256_setzero_si256();
+                for (int j = 0; j < 8; j++)
+                    isum = _mm256_add_epi32(isum, F(dot_scaled)(u[j], _mm256_loadu_si256((const __m256i *)(x + 32 * j)),
+                                                                lo[j], hi[j]));
+                const __m256i o = _mm256_madd_epi16(om, _mm256_loadu_si256((const __m256i *)s));
+                offv[i][r] = _mm256_fmadd_ps(_mm256_set1_ps(od * xd[r][b]), _mm256_cvtepi32_ps(o), offv[i][r]);
+                acc[i][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[r][b]), _mm256_cvtepi32_ps(isum), acc[i][r]);
+            }
         }
     }
-    for (int r = 0; r < NR; r++)
-        res[r] = F(hsum)(_mm256_sub_ps(acc[r], offv[r]));
+    for (int i = 0; i < WR; i++)
+        for (int r = 0; r < NR; r++)
+            res[i * NR + r] = F(hsum)(_mm256_sub_ps(acc[i][r], offv[i][r]));
 }
 
 /* Each (type, form) as a row_kernel, its row counts constants in each case so the loops unroll. */
@@ -725,12 +752,20 @@ GQ_INLINE void F(rowsk)(const int type, const uint8_t *w, long nb, const Act *a,
     }
 #define GQ_KERNEL(NAME, BODY, TYPE)                                                                \
     static void F(NAME)(const uint8_t *w, long rb, int wr, long nb, const Act *a, int r0, int nr, float *res) { \
+        if (nr == 1 && wr == 4) {                                                                  \
+            F(BODY)(TYPE, w, rb, nb, a, r0, 1, 4, res);                                            \
+            return;                                                                                \
+        }                                                                                          \
+        if (nr == 1 && wr == 2) {                                                                  \
+            F(BODY)(TYPE, w, rb, nb, a, r0, 1, 2, res);                                            \
+            return;                                                                                \
+        }                                                                                          \
         for (int t = 0; t < wr; t++, w += rb, res += nr)                                           \
             switch (nr) {                                                                          \
-            case 1: F(BODY)(TYPE, w, nb, a, r0, 1, res); break;                                    \
-            case 2: F(BODY)(TYPE, w, nb, a, r0, 2, res); break;                                    \
-            case 3: F(BODY)(TYPE, w, nb, a, r0, 3, res); break;                                    \
-            default: F(BODY)(TYPE, w, nb, a, r0, 4, res); break;                                   \
+            case 1: F(BODY)(TYPE, w, rb, nb, a, r0, 1, 1, res); break;                             \
+            case 2: F(BODY)(TYPE, w, rb, nb, a, r0, 2, 1, res); break;                             \
+            case 3: F(BODY)(TYPE, w, rb, nb, a, r0, 3, 1, res); break;                             \
+            default: F(BODY)(TYPE, w, rb, nb, a, r0, 4, 1, res); break;                            \
             }                                                                                      \
     }
 GQ_KERNEL32(k_q4_0, T_Q4_0)

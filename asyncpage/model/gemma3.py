@@ -21,6 +21,7 @@ from asyncpage.model.layers import (
     layer_windows,
     rope_inv_freq,
 )
+from asyncpage.model.native_step import NativeStep
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -77,10 +78,13 @@ class Gemma3ForCausalLM(nn.Module):
         self.lm_head.weight = self.model.embed_tokens.weight  # tied
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         self.compiled: CompiledDecode | None = None  # compiled.enable(): small decode steps
+        self.native: NativeStep | None = None  # native_step.enable(): GGUF-block decode steps in C
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         """input_ids/positions: [T] flat over the batch; kv_caches: one (K, V) pool per layer."""
+        if self.native is not None and self.native.applies(meta, input_ids.shape[0], kv_caches):
+            return self.native.forward(input_ids, positions, meta, kv_caches)
         x = self.model.embed_tokens(input_ids)
         # transformers multiplies by the scale cast to the weights' dtype; so do we (it matters in bf16).
         x = x * torch.tensor(self.model.embed_scale, dtype=x.dtype)

@@ -20,6 +20,7 @@ from asyncpage.model.layers import (
     layer_windows,
     rope_inv_freq,
 )
+from asyncpage.model.native_step import NativeStep
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -76,10 +77,13 @@ class LlamaForCausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.compiled: CompiledDecode | None = None  # compiled.enable(): small decode steps
+        self.native: NativeStep | None = None  # native_step.enable(): GGUF-block decode steps in C
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         """input_ids/positions: [T] flat over the batch; kv_caches: one (K, V) pool per layer."""
+        if self.native is not None and self.native.applies(meta, input_ids.shape[0], kv_caches):
+            return self.native.forward(input_ids, positions, meta, kv_caches)
         x = self.model.embed_tokens(input_ids)
         if self.compiled is not None and self.compiled.applies(meta, x.shape[0], kv_caches):
             return self.model.norm(self.compiled.forward(x, positions, meta, kv_caches))

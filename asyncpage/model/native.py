@@ -22,6 +22,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -257,10 +258,8 @@ def _build_with(flags: tuple[str, ...], source_name: str = SOURCE) -> Path:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (cc) on PATH")
-    spec = importlib.util.find_spec("asyncpage.kernels")
-    assert spec is not None and spec.submodule_search_locations
-    source = Path(next(iter(spec.submodule_search_locations))) / source_name
-    text = source.read_bytes()
+    source = _kernels_dir() / source_name
+    text = _source_text(source)
     key = hashlib.sha256(b"\0".join([text, compiler.encode(), " ".join(flags).encode(), _cpu().encode()]))
     target = cache_dir.subdir("native") / f"{source.stem}-{key.hexdigest()[:16]}.so"  # UnsafeCacheError: off
     try:
@@ -279,6 +278,35 @@ def _build_with(flags: tuple[str, ...], source_name: str = SOURCE) -> Path:
                        timeout=120)
     cache_dir.check_file(target)
     return target
+
+
+def _kernels_dir() -> Path:
+    """Where the kernels' C sources are: the installed asyncpage.kernels package, else (an editable
+    install whose finder lacks that mapping, a bare checkout on sys.path) the checkout's kernels/."""
+    try:
+        spec = importlib.util.find_spec("asyncpage.kernels")
+    except ModuleNotFoundError:
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    checkout = Path(__file__).resolve().parents[2] / "kernels"
+    if not checkout.is_dir():
+        raise OSError("the kernels' C sources (asyncpage.kernels) are not installed")
+    return checkout
+
+
+def _source_text(source: Path) -> bytes:
+    """The source's bytes and those of every kernels/ file it `#include "..."`s (cpu_forward.c includes
+    gguf_quants.c): a change to either rebuilds."""
+    seen: list[Path] = []
+    todo = [source]
+    while todo:
+        path = todo.pop()
+        if path in seen or not path.is_file():
+            continue
+        seen.append(path)
+        todo += [path.parent / m.decode() for m in re.findall(rb'^#include "([^"/]+)"', path.read_bytes(), re.M)]
+    return b"\0".join(p.read_bytes() for p in seen)
 
 
 def _cpu() -> str:

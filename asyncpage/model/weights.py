@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from asyncpage.errors import ModelLoadError
-from asyncpage.model import gguf_linear
+from asyncpage.model import gguf_linear, native_step
 from asyncpage.model.gguf import _end_of_turn_ids, _gguf_index, _gguf_q4_k, _read_gguf, slim_tokenizer, trim_heap
 from asyncpage.model.gguf_linear import Blocks
 from asyncpage.model.quant import Int4, quantize_model
@@ -108,6 +108,8 @@ def load(model: str | os.PathLike[str] | None, dtype: torch.dtype, device: torch
             config, state, tokenizer, extra_eos = _read_hf_dir(path)
         # "auto" keeps a GGUF's own blocks (above) and float weights float: nothing to quantize.
         module = _build(config, state, dtype, device, None if quantization == "auto" else quantization, exact, blocks)
+        if blocks is not None:  # GGUF blocks on the CPU: decode steps through the fused native step
+            native_step.enable(module)
     except ModelLoadError:
         raise
     except (OSError, KeyError, ValueError, NotImplementedError) as exc:
