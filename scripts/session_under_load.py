@@ -44,7 +44,8 @@ async def turn(engine: AsyncEngine, msgs: list[dict[str, Any]], key: str) -> tup
 
 
 async def conversation(engine: AsyncEngine, key: str, gap: float) -> list[tuple[float, int, int]]:
-    msgs: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    # The key opens the system prompt: each run's first turn starts cold (no other run's prefix).
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": f"[{key}] {SYSTEM}"}]
     out = []
     for q in QUESTIONS:
         msgs.append({"role": "user", "content": q})
