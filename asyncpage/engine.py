@@ -130,7 +130,7 @@ class AsyncEngine:
         grammar_compile_timeout: float = 5.0,
         debug_checks: bool | None = None,
         eviction_policy: str | None = None,
-        quantization: str | None = None,
+        quantization: str | None = "auto",
         kv_cache_dtype: str = "auto",
         speculative_config: dict[str, Any] | None = None,
         compile: bool | None = None,
@@ -144,7 +144,9 @@ class AsyncEngine:
         `guided_backend` "llguidance" | "xgrammar", a grammar slower than `grammar_compile_timeout` s
         refused; `debug_checks` (or ASYNCPAGE_DEBUG_CHECKS=1) checks the pool's invariants every step;
         `eviction_policy` None (prefix-aware: shared prefixes kept, chain ends first) | "lru";
-        `quantization` "int8" / "int4": weight-only, LM head and embeddings included; `kv_cache_dtype`
+        `quantization` "auto" (a GGUF's quantized tensors kept in their block formats, the only copy; float
+        weights stay float), "int8" / "int4" (weight-only, LM head and embeddings included), None (dequantize
+        to `dtype`); `kv_cache_dtype`
         "int8" / "fp8": one byte a value (a scale per token and head); `speculative_config`
         {"method": "ngram", "num_speculative_tokens": 4} or {"method": "draft", "model": PATH}
         (asyncpage.decoding.speculative, asyncpage.core.draft); `compile=True` (or ASYNCPAGE_COMPILE=1):

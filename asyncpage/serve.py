@@ -64,6 +64,11 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def _quantization(text: str) -> str | None:
+    """`--quantization none` is from_pretrained's None (dequantize); the others pass as spelled."""
+    return None if text.lower() == "none" else text
+
+
 def _names(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -89,7 +94,8 @@ ENGINE_FLAGS: dict[str, tuple[dict[str, Any], Any]] = {
     "grammar_compile_timeout": ({"type": float, "metavar": "S", "help": "refuse grammars slower to compile"}, 5.0),
     "debug_checks": ({"action": _BOOL, "help": "check the KV pool's invariants every step (slow)"}, None),
     "eviction_policy": ({"help": "which cached prefix a full pool gives up first: lru, or the default"}, None),
-    "quantization": ({"help": "int8 | int4: weight-only quantization at load"}, None),
+    "quantization": ({"type": _quantization, "help": "auto: a GGUF's own quantized blocks, float weights float; "
+                      "int8 | int4: weight-only quantization at load; none: dequantize"}, "auto"),
     "kv_cache_dtype": ({"help": "auto | int8 | fp8"}, "auto"),
     "speculative_config": ({"type": _json_object, "metavar": "JSON", "flags": ["--speculative-config", "--speculative"],
                             "help": "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'"}, None),

@@ -143,10 +143,12 @@ def reference() -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def default_engine_unstarted() -> Any:
-    """The real default model, float32, loaded once for the session (start it with `async with`)."""
+    """The real default model dequantized to float32 (`quantization=None`: the weights transformers' references
+    were made with), loaded once for the session (start it with `async with`). The engine's own default
+    (`quantization="auto"`, the GGUF's blocks) is checked against it in tests/test_gguf_auto.py."""
     from asyncpage import AsyncEngine
 
-    return AsyncEngine.from_pretrained(dtype="float32", max_num_batched_tokens=256)
+    return AsyncEngine.from_pretrained(dtype="float32", max_num_batched_tokens=256, quantization=None)
 
 
 @pytest.fixture(scope="session")

@@ -374,6 +374,8 @@ def test_every_from_pretrained_option_is_a_serve_flag() -> None:
                                     "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
                                     "enable_prefix_caching": False, "compile": True, "block_size": 32}
     assert engine_options(_serve_args()) == {}  # nothing given: every default is the engine's own
+    # The default keeps a GGUF's own blocks; `none` asks for from_pretrained's None (dequantized weights).
+    assert engine_options(_serve_args("--quantization", "none")) == {"quantization": None}
 
 
 def test_serve_flags_set_uvicorns_limits_and_the_door() -> None:
