@@ -15,6 +15,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -261,6 +262,99 @@ def test_a_stranger_without_the_secret_is_refused_and_the_real_peer_joins(host: 
         peer.close()
         accepted["tr"].close()
     assert len(decoded) == 1 and not marker.exists()
+
+
+def _accept_in_thread(listener: kvt.KVListener, secret: bytes, timeout: float,
+                      cancel: socket.socket | None = None) -> tuple[threading.Thread, dict[str, Any]]:
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["tr"] = listener.accept(secret, timeout=timeout, cancel=cancel)
+        except BaseException as exc:
+            out["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+def _handshake_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "asyncpage-kv-handshake"]
+
+
+@pytest.mark.parametrize("host", [None, "127.0.0.1"])
+def test_a_silent_stranger_connected_first_does_not_hold_up_the_real_peer(host: str | None) -> None:
+    """Anyone who can reach a node's address can connect and say nothing: the real peer, connecting
+    after it, still joins at once (not after the stranger's HANDSHAKE_TIMEOUT_S), and the stranger is
+    closed once the pair is joined."""
+    secret, listener = kvt.new_secret(), kvt.KVListener(host)
+    t, out = _accept_in_thread(listener, secret, timeout=3 * kvt.HANDSHAKE_TIMEOUT_S)
+    with _raw_connect(listener.address) as stranger:
+        stranger.sendall(b"apkv")  # a first byte, then silence
+        time.sleep(0.3)  # it has been accepted and its handshake is under way
+        started = time.monotonic()
+        peer = kvt.connect(listener.address, secret, 3 * kvt.HANDSHAKE_TIMEOUT_S)
+        t.join(kvt.HANDSHAKE_TIMEOUT_S)
+        took = time.monotonic() - started
+        try:
+            assert "tr" in out, out
+            assert took < kvt.HANDSHAKE_TIMEOUT_S / 4, took
+            assert _recv_all(stranger) == b""  # closed, no proof and no OK
+        finally:
+            peer.close()
+            out["tr"].close()
+
+
+def test_a_flood_of_silent_strangers_does_not_lock_the_real_peer_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As many silent strangers as handshakes may run at once, then the real peer (which does not
+    retry): the oldest stranger makes room for it, and it joins."""
+    monkeypatch.setattr(kvt, "MAX_PENDING", 4)
+    secret, listener = kvt.new_secret(), kvt.KVListener("127.0.0.1")
+    t, out = _accept_in_thread(listener, secret, timeout=3 * kvt.HANDSHAKE_TIMEOUT_S)
+    strangers = []
+    for _ in range(kvt.MAX_PENDING):
+        strangers.append(_raw_connect(listener.address))
+        time.sleep(0.1)
+    try:
+        deadline = time.monotonic() + 5
+        while len(_handshake_threads()) < kvt.MAX_PENDING and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(_handshake_threads()) == kvt.MAX_PENDING  # all of them are being waited on
+        peer = kvt.connect(listener.address, secret, 3 * kvt.HANDSHAKE_TIMEOUT_S)
+        t.join(kvt.HANDSHAKE_TIMEOUT_S)
+        assert "tr" in out, out
+        peer.close()
+        out["tr"].close()
+        assert all(_recv_all(s) == b"" for s in strangers)
+    finally:
+        for s in strangers:
+            s.close()
+
+
+@pytest.mark.parametrize("ending", ["timeout", "cancel"])
+def test_an_accept_that_gives_up_leaves_no_handshake_thread_or_socket_behind(ending: str) -> None:
+    """Silent strangers mid-handshake when the accept times out or is called off: they are closed,
+    their threads end, and this process holds no more descriptors than before."""
+    fds = len(os.listdir("/proc/self/fd"))
+    secret, listener = kvt.new_secret(), kvt.KVListener("127.0.0.1")
+    stop_r, stop_w = socket.socketpair()
+    t, out = _accept_in_thread(listener, secret, timeout=1.0 if ending == "timeout" else 30.0, cancel=stop_r)
+    strangers = [_raw_connect(listener.address) for _ in range(3)]
+    time.sleep(0.3)
+    if ending == "cancel":
+        stop_w.send(b"\0")
+    t.join(10)
+    expected = TimeoutError if ending == "timeout" else kvt.CancelledError
+    assert isinstance(out.get("error"), expected), out
+    assert all(_recv_all(s) == b"" for s in strangers)
+    deadline = time.monotonic() + 5
+    while _handshake_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _handshake_threads() == []
+    for s in (*strangers, stop_r, stop_w):
+        s.close()
+    assert len(os.listdir("/proc/self/fd")) == fds
 
 
 def test_the_decode_side_refuses_a_listener_without_the_secret(tmp_path: Path, decoded: list[bytes]) -> None:

@@ -33,6 +33,7 @@ import shutil
 import socket
 import struct
 import tempfile
+import threading
 import time
 from typing import Literal
 
@@ -45,6 +46,7 @@ _NONCE = 32
 _MAC = hashlib.sha256().digest_size
 _OK = b"\x01"
 HANDSHAKE_TIMEOUT_S = 10.0  # per connection: a silent stranger cannot hold the accept for long
+MAX_PENDING = 64  # handshakes under way at once (each its own thread)
 _U32, _I64, _U64 = struct.Struct("!I"), struct.Struct("!q"), struct.Struct("!Q")
 
 
@@ -174,28 +176,78 @@ class KVListener:
     def accept(self, secret: bytes, timeout: float, cancel: socket.socket | None = None) -> KVTransport:
         """The first connection that proves it holds `secret`; others are closed unread. Closes the
         listener either way. TimeoutError when none does within `timeout` s; CancelledError as soon
-        as `cancel` (e.g. the control pipe: told to stop, or the front end is gone) is readable."""
+        as `cancel` (e.g. the control pipe: told to stop, or the front end is gone) is readable.
+
+        Each connection's handshake runs in a thread of its own, so a stranger that connects and stays
+        silent cannot hold the real peer's handshake (on a node's address, anyone who can reach it can
+        connect). At most MAX_PENDING run at once: past that the oldest is dropped, not the newest (the
+        peer does not retry: refusing newcomers would let MAX_PENDING silent strangers lock it out)."""
         deadline = time.monotonic() + timeout
-        watch = [self._sock] if cancel is None else [self._sock, cancel]
+        joined: list[socket.socket] = []
+        pending: dict[socket.socket, None] = {}  # in the order they connected
+        lock = threading.Lock()
+        wake_r, wake_w = socket.socketpair()
+        watch = [self._sock, wake_r] if cancel is None else [self._sock, wake_r, cancel]
+
+        def handshake(conn: socket.socket) -> None:
+            try:
+                _serve_handshake(conn, secret, HANDSHAKE_TIMEOUT_S)
+                ok = True
+            except (OSError, AuthenticationError):
+                ok = False  # a stranger, or a peer that gave up: wait for the real one
+            with lock:
+                pending.pop(conn, None)
+                if ok and not joined and not done:
+                    joined.append(conn)
+                    with contextlib.suppress(OSError):
+                        wake_w.send(b"\0")
+                    return
+            conn.close()
+
+        done = False
         try:
             while True:
+                with lock:
+                    if joined:
+                        done = True
+                        return _joined(joined[0])
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"no KV peer joined within {timeout} s")
                 readable, _, _ = select.select(watch, [], [], left)
                 if cancel is not None and cancel in readable:
                     raise CancelledError("stopped while waiting for the KV peer")
-                if not readable:
+                if wake_r in readable:
+                    wake_r.recv(64)
+                if self._sock not in readable:
                     continue
                 conn, _ = self._sock.accept()
+                with lock:
+                    while len(pending) >= MAX_PENDING:
+                        oldest = next(iter(pending))
+                        del pending[oldest]
+                        with contextlib.suppress(OSError):  # its thread fails at once and closes it
+                            oldest.shutdown(socket.SHUT_RDWR)
+                    pending[conn] = None
                 try:
-                    _serve_handshake(conn, secret, min(HANDSHAKE_TIMEOUT_S, max(left, 0.1)))
-                except (OSError, AuthenticationError):
-                    conn.close()  # a stranger, or a peer that gave up: wait for the real one
-                    continue
-                return _joined(conn)
+                    threading.Thread(target=handshake, args=(conn,), name="asyncpage-kv-handshake", daemon=True).start()
+                except BaseException:
+                    with lock:
+                        pending.pop(conn, None)
+                    conn.close()
+                    raise
         finally:
+            with lock:
+                if not done:  # raised: a peer that joined meanwhile is not taken (nor left open)
+                    for conn in joined:
+                        conn.close()
+                done = True
+                for conn in pending:  # their threads fail at once and close them
+                    with contextlib.suppress(OSError):
+                        conn.shutdown(socket.SHUT_RDWR)
             self.close()
+            wake_r.close()
+            wake_w.close()
 
     def close(self) -> None:
         self._sock.close()
