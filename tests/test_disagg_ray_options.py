@@ -19,7 +19,8 @@ def test_custom_resources_place_an_actor_with_one_cpu_unless_told() -> None:
     assert actor_options("decode", None) == {"num_cpus": 1, "resources": {}}
 
 
-@pytest.mark.parametrize("resources", [{"node_a": -1}, {"node_a": "1"}, {"node_a": True}, ["node_a"]])
+@pytest.mark.parametrize("resources", [{"node_a": -1}, {"node_a": "1"}, {"node_a": True}, ["node_a"],
+                                       {"node_a": float("nan")}, {"GPU": float("inf")}])
 def test_a_resource_that_is_not_an_amount_is_refused_naming_the_field(resources: object) -> None:
     with pytest.raises(InvalidRequestError, match=r"^prefill_resources:"):
         actor_options("prefill", resources)  # type: ignore[arg-type]

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import math
 import os
 import subprocess
 import threading
@@ -152,7 +153,8 @@ def actor_options(role: str, resources: Mapping[str, float] | None) -> dict[str,
         raise InvalidRequestError(field, f"must be a dict of Ray resources, got {type(resources).__name__}")
     opts: dict[str, Any] = {"num_cpus": 1, "resources": {}}
     for name, amount in (resources or {}).items():
-        if not isinstance(name, str) or isinstance(amount, bool) or not isinstance(amount, int | float) or amount < 0:
+        if not isinstance(name, str) or isinstance(amount, bool) or not isinstance(amount, int | float) \
+                or not 0 <= amount < math.inf:  # NaN and infinity too
             raise InvalidRequestError(field, f"{name!r}: {amount!r} is not a resource amount")
         if name in _RAY_OPTIONS:
             opts[_RAY_OPTIONS[name]] = amount
