@@ -27,6 +27,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
+import anyio
 import msgspec
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -123,19 +124,29 @@ def _unavailable(message: str) -> Response:
 class Ingress:
     """The HTTP route: one request in, the engine replica its affinity names (CacheAffinityRouter) answers."""
 
-    def __init__(self, engines: DeploymentHandle, max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
+    def __init__(self, engines: DeploymentHandle, max_request_bytes: int = MAX_REQUEST_BYTES,
+                 body_timeout: float = BODY_TIMEOUT_S) -> None:
         self.engines = engines.options(method_name="handle", stream=True)
         self.max_request_bytes = max_request_bytes
+        self.body_timeout = body_timeout
         self.responses: OrderedDict[str, str] = OrderedDict()
 
     async def __call__(self, request: Request) -> Response:
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_request_bytes:
-                return Response(msgspec.json.encode(error_body(
-                    f"the request body is over {self.max_request_bytes} bytes", None, code="request_too_large")),
-                    413, media_type="application/json")
+        try:
+            # The whole body within body_timeout, as the app's own door: a client trickling it (or
+            # sending none) would otherwise hold one of the ingress' requests forever.
+            with anyio.fail_after(self.body_timeout):
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > self.max_request_bytes:
+                        return Response(msgspec.json.encode(error_body(
+                            f"the request body is over {self.max_request_bytes} bytes", None,
+                            code="request_too_large")), 413, media_type="application/json")
+        except TimeoutError:
+            return Response(msgspec.json.encode(error_body(
+                f"the request body did not arrive within {self.body_timeout:g} s", "body", code="request_timeout")),
+                408, media_type="application/json")
         key = self._affinity(request, bytes(body))
         scope = {k: request.scope[k] for k in _SCOPE_FIELDS if k in request.scope}
         answer: Any = self.engines.remote(scope, bytes(body), affinity=key)  # a DeploymentResponseGenerator
@@ -200,8 +211,16 @@ def serve_app(num_replicas: int = 1, engine_options: Mapping[str, Any] | None = 
     holds at once (past it the router waits for a free one). `cache_routing`: keyed requests to the
     replica holding their prefix (CacheAffinityRouter, `imbalanced_threshold` as there); False: Serve's
     default router (by load only)."""
-    if num_replicas < 1:
-        raise InvalidRequestError("num_replicas", "must be >= 1")
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+        raise InvalidRequestError("num_replicas", f"must be an int >= 1, got {num_replicas!r}")
+    if engine_options is not None and not isinstance(engine_options, Mapping):
+        raise InvalidRequestError("engine_options", f"must be a dict, got {type(engine_options).__name__}")
+    # A misspelt option fails here, naming it, not in every replica's constructor (Serve then reports
+    # only that the deployment failed to update).
+    known = inspect.signature(AsyncEngine.from_pretrained).parameters
+    unknown = sorted(str(k) for k in (engine_options or {}) if k not in known)
+    if unknown:
+        raise InvalidRequestError("engine_options", f"not options of AsyncEngine.from_pretrained: {', '.join(unknown)}")
     if api_key is not None and not api_key.strip():
         raise InvalidRequestError("api_key", "must not be empty (None serves without a key)")
     actor = dict(ray_actor_options if ray_actor_options is not None else {"num_cpus": 1})
@@ -220,4 +239,4 @@ def serve_app(num_replicas: int = 1, engine_options: Mapping[str, Any] | None = 
     ingress = serve.deployment(name=f"{name}-ingress", num_replicas=1,
                                ray_actor_options=dict(ingress_actor_options or {"num_cpus": 0}),
                                max_ongoing_requests=max(1024, 4 * num_replicas * max_ongoing_requests))(Ingress)
-    return ingress.bind(engines.bind(options, app_options), max_request_bytes)
+    return ingress.bind(engines.bind(options, app_options), max_request_bytes, body_timeout)

@@ -1,0 +1,64 @@
+"""asyncpage.ray.serve_app without a cluster: what it refuses before Ray is touched, and the ingress'
+door for a body that never arrives. The cluster tests are tests/test_ray_serve.py (heavy)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import msgspec
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from starlette.requests import Request
+
+from asyncpage.errors import InvalidRequestError
+from asyncpage.ray import serve_app
+from asyncpage.ray.serving import Ingress
+
+
+def test_a_misspelt_engine_option_is_refused_naming_it_before_any_replica_starts() -> None:
+    # Else each replica's constructor fails, and serve.run says only "Failed to update the deployments".
+    with pytest.raises(InvalidRequestError, match=r"^engine_options: .*num_kv_block\b"):
+        serve_app(1, {"model": "/models/x", "num_kv_block": 64})
+    with pytest.raises(InvalidRequestError, match=r"^engine_options:"):
+        serve_app(1, ["model"])  # type: ignore[arg-type]
+    serve_app(1, {"model": "/models/x", "num_kv_blocks": 64, "chat_template": "{{ x }}"})  # builds
+
+
+@pytest.mark.parametrize("n", [0, True, "2", 2.5])
+def test_num_replicas_must_be_a_positive_int(n: Any) -> None:
+    with pytest.raises(InvalidRequestError, match=r"^num_replicas:"):
+        serve_app(n)
+
+
+class _NoEngines:
+    def options(self, **kwargs: Any) -> _NoEngines:
+        return self
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a request whose body never arrived reached an engine replica")
+
+
+@pytest.mark.asyncio
+async def test_a_body_that_never_arrives_is_a_408_after_body_timeout_not_a_held_request() -> None:
+    """A client that sends its headers and then nothing (or trickles) held an ingress request forever:
+    the ingress now keeps the app's own body_timeout."""
+    ingress = Ingress(_NoEngines(), body_timeout=0.5)  # type: ignore[arg-type]
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": b"{", "more_body": True}
+        await asyncio.sleep(3600)
+        raise AssertionError
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": [], "query_string": b""}
+    started = time.monotonic()
+    response = await asyncio.wait_for(ingress(Request(scope, receive)), 10)
+    assert response.status_code == 408 and time.monotonic() - started < 5
+    assert msgspec.json.decode(response.body)["error"]["code"] == "request_timeout"
