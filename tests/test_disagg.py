@@ -286,6 +286,96 @@ async def test_a_broken_kv_receive_fails_the_pair_promptly_with_engine_dead(
         engine.close()
 
 
+# Run as the decode worker (`python -c`): its 3rd KV receive finds the connection gone (as when the
+# prefill worker is killed mid-transfer).
+_CONNECTION_LOST_ON_THIRD_RECEIVE = """
+import runpy
+from asyncpage.disagg import transport, wire
+real, calls = wire.recv_blocks, []
+def recv_blocks(*args):
+    calls.append(1)
+    if len(calls) == 3:
+        raise transport.TransportError("injected: the peer closed the KV connection")
+    return real(*args)
+wire.recv_blocks = recv_blocks
+runpy.run_module("asyncpage.disagg.worker", run_name="__main__")
+"""
+
+
+async def test_a_kv_connection_lost_mid_transfer_fails_that_request_and_spares_those_decoding(
+        tiny_models: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill worker killed while it sends a request's KV: the decode worker used to die with it,
+    failing every request already decoding there. Now only the one in transfer fails (typed), the
+    decoding ones finish, new ones are refused typed, and neither pool holds a block."""
+    real_popen = subprocess.Popen
+
+    def popen(args: list[str], **kwargs: Any) -> Any:
+        if args[1:3] == ["-m", "asyncpage.disagg.worker"]:
+            args = [args[0], "-c", _CONNECTION_LOST_ON_THIRD_RECEIVE, *args[3:]]
+        return real_popen(args, **kwargs)
+
+    monkeypatch.setattr(disagg_engine.subprocess, "Popen", popen)
+    engine = DisaggEngine.from_pretrained(tiny_models["llama"][0], **OPTS)
+
+    async def drain(s: Any) -> int:
+        n = 0
+        async for chunk in s:
+            n += len(chunk.token_ids)
+        return n
+
+    try:
+        async with engine:
+            long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+            decoding = [engine.stream([0, 3 + i, 4], long) for i in range(2)]
+            for s in decoding:
+                await s.__anext__()  # received and decoding
+            with pytest.raises(EngineDeadError, match="KV transfer failed"):
+                await asyncio.wait_for(drain(engine.stream([0, 9, 8, 7], GREEDY)), 30)
+            assert await asyncio.wait_for(asyncio.gather(*(drain(s) for s in decoding)), 60) == [199, 199]
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(engine.generate([0, 5, 6], GREEDY), 30)
+            for _ in range(100):
+                st = engine.stats()
+                if st["prefill"].kv_blocks_used == 0 and st["decode"].kv_blocks_used == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert st["prefill"].kv_blocks_used == 0 and st["decode"].kv_blocks_used == 0, st
+    finally:
+        engine.close()
+
+
+async def test_requests_fail_at_once_when_both_workers_die_one_after_the_other(tiny_models: Any) -> None:
+    """Waiting on the prefill worker when it dies, then the decode worker dies too before it has
+    acknowledged their abort: each stream's close used to wait out RELEASE_TIMEOUT_S (both workers
+    were gone, yet the request was never let go)."""
+    engine = DisaggEngine.from_pretrained(tiny_models["llama"][0], **OPTS)
+
+    async def run(i: int) -> float:
+        with pytest.raises(EngineDeadError):
+            async with engine.stream([0, *range(3, 20 + i)], GREEDY) as s:
+                async for _ in s:
+                    pass
+        return asyncio.get_running_loop().time()
+
+    try:
+        async with engine:
+            for role in ("prefill", "decode"):  # neither answers: the requests wait on the prefill side
+                os.kill(engine._procs[role].pid, signal.SIGSTOP)
+            tasks = [asyncio.create_task(run(i)) for i in range(4)]
+            await asyncio.sleep(0.3)  # submitted
+            killed = asyncio.get_running_loop().time()
+            for role in ("prefill", "decode"):
+                os.kill(engine._procs[role].pid, signal.SIGKILL)
+                for _ in range(500):
+                    if role in engine._dead:
+                        break
+                    await asyncio.sleep(0.01)
+            ended = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            assert max(ended) - killed < 3, [t - killed for t in ended]
+    finally:
+        engine.close()
+
+
 @pytest.mark.heavy  # ~60 s: two default-model workers and a single engine; `make test-heavy`
 async def test_default_model_pair_matches_single_engine_on_nine_prompts(default_engine: AsyncEngine) -> None:
     """The acceptance check: 9 prompts of mixed lengths, one of 709 tokens (past the 512 sliding window)."""

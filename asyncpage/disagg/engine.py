@@ -355,6 +355,7 @@ class DisaggEngine:
                                 else EngineDeadError(f"the {role} worker died: {exc}"))
                 fr.released.add(role)
                 self._abort(fr.rid)
+                self._maybe_forget(fr)  # already aborting (the other worker died first): _abort did not
             else:
                 fr.released.add(role)
                 self._maybe_forget(fr)

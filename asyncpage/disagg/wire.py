@@ -49,6 +49,8 @@ class Transport(Protocol):
 
     def recv_buffer(self, into: torch.Tensor) -> None: ...
 
+    def close(self) -> None: ...
+
 
 class HeaderError(ValueError):
     """A header frame that is not a valid Header: the peer does not speak this protocol."""

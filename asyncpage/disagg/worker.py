@@ -325,6 +325,19 @@ class DecodeWorker(Worker):
                 wire.send_reply(self.transport, wire.DROP if plan is None else plan[0])
                 if plan is not None:
                     wire.recv_blocks(self.transport, self.caches, plan[1])
+            except OSError as exc:
+                if isinstance(exc, FrameError):
+                    log.error("the prefill worker sent a payload of the wrong length", exc_info=exc)
+                    self.die(EngineDeadError(f"KV transfer failed: {exc!r}"))
+                # The connection broke mid-transfer (the prefill worker died): this request is lost,
+                # the ones already decoding here are not. Closed, so a prefill side still alive
+                # fails its next transfer instead of waiting on a reply.
+                log.error("the KV connection broke during a transfer; no more requests arrive", exc_info=exc)
+                with contextlib.suppress(OSError):
+                    self.transport.close()
+                if req is not None:
+                    self.loop.call_soon_threadsafe(self._lost, header.rid, req, exc)
+                return
             except Exception as exc:
                 # The two sides no longer agree where the stream is: the prefill side would block in
                 # its next transfer (the socket has no timeout), its blocks pinned. The pair is dead.
@@ -332,6 +345,12 @@ class DecodeWorker(Worker):
                 self.die(EngineDeadError(f"KV transfer failed: {exc!r}"))
             if plan is not None and req is not None:
                 self.loop.call_soon_threadsafe(self.core.imported, req)
+
+    def _lost(self, rid: int, req: Request, exc: BaseException) -> None:
+        """A request whose KV stopped arriving mid-transfer: failed, typed, and its blocks freed."""
+        self.send(m.Error(rid, encode_error(EngineDeadError(f"KV transfer failed: {exc!r}"))))
+        self.engine.abort(req)
+        self.core.imported(req)  # admitted as aborted: dropped, its blocks back in the pool
 
     def _on_header(self, header: wire.Header, reply: concurrent.futures.Future[Any],
                    box: concurrent.futures.Future[Request | None]) -> None:
