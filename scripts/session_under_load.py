@@ -1,6 +1,7 @@
 """Issue 34's acceptance for sessions under load: a six-turn keyed conversation (cache_key) with a
-long system prompt, on a 224-block pool, once alone and once while a low-priority background job
-(plain generate streams, 16 at a time: extract_many is another helper's to change) fills the pool.
+long system prompt, on a 224-block pool, once alone and once while a low-priority background job fills the pool: an
+`extract_many` job, 16 records at a time (`--job generate`: plain generate streams instead).
+The turns run at priority -1 (what `service_tier="priority"` maps to), the job at 10.
 Prints, per turn, prompt tokens, cached tokens and their share, time to first token alone and
 under the job, and the ratio; turns 2-6 should show >= 80% cached and a TTFT ratio <= 2.5.
 
@@ -31,7 +32,7 @@ async def turn(engine: AsyncEngine, msgs: list[dict[str, Any]], key: str) -> tup
     ttft = None
     text: list[str] = []
     usage = None
-    async for d in engine.chat_stream(msgs, tools=TOOLS, cache_key=key, priority=0,
+    async for d in engine.chat_stream(msgs, tools=TOOLS, cache_key=key, priority=-1,
                                       params=SamplingParams(max_tokens=24, temperature=0.0)):
         if ttft is None and (d.content or d.reasoning or d.tool_call):
             ttft = time.perf_counter() - t0
@@ -56,6 +57,32 @@ async def conversation(engine: AsyncEngine, key: str, gap: float) -> list[tuple[
     return out
 
 
+TICKET = {"type": "object", "properties": {
+    "customer": {"type": "string"}, "product": {"type": "string"},
+    "severity": {"enum": ["low", "medium", "high", "critical"]}, "refund": {"type": "boolean"}},
+    "required": ["customer", "product", "severity", "refund"], "additionalProperties": False}
+
+
+def record(n: int) -> dict[str, Any]:
+    return {"id": n, "text": f"Ticket {n}: customer Dana Whitfield{n} writes that the Acme Router X{n % 7} "
+            f"stopped working after {n % 5 + 1} days. " + " ".join(
+                f"Detail {j}: the light blinks {j * n % 9} times; case {n}-{j} was opened." for j in range(12))
+            + " She asks for a refund."}
+
+
+async def extract_job(engine: AsyncEngine, stop: asyncio.Event, width: int) -> int:
+    async def records() -> Any:
+        n = 0
+        while not stop.is_set():
+            yield record(n)
+            n += 1
+
+    done = 0
+    async for _ in engine.extract_many(records(), TICKET, concurrency=width, copy_fields="auto", priority=10):
+        done += 1
+    return done
+
+
 async def background(engine: AsyncEngine, stop: asyncio.Event, width: int) -> int:
     done = 0
 
@@ -78,17 +105,19 @@ async def main() -> None:
     ap.add_argument("--blocks", type=int, default=224)
     ap.add_argument("--gap", type=float, default=2.0)
     ap.add_argument("--width", type=int, default=16)
+    ap.add_argument("--job", choices=["extract", "generate"], default="extract")
     a = ap.parse_args()
     async with AsyncEngine.from_pretrained(a.model, num_kv_blocks=a.blocks) as engine:
         await conversation(engine, "warmup", 0.0)  # grammar compiled, kernels warm
         alone = await conversation(engine, "alone", a.gap)
         stop = asyncio.Event()
-        job = asyncio.create_task(background(engine, stop, a.width))
+        job = asyncio.create_task((extract_job if a.job == "extract" else background)(engine, stop, a.width))
         await asyncio.sleep(a.gap)
         loaded = await conversation(engine, "loaded", a.gap)
         stop.set()
         jobs_done = await job
-    print(f"pool {a.blocks} blocks, background {a.width} streams at priority 10 ({jobs_done} requests done)")
+    print(f"pool {a.blocks} blocks, background {a.job} job, {a.width} at a time at priority 10 "
+          f"({jobs_done} {'records' if a.job == 'extract' else 'requests'} done)")
     print("turn  prompt  cached(alone)  cached(load) share(load)  ttft_alone_ms  ttft_load_ms  ratio")
     for i, ((ta, _, ca), (tl, pl, cl)) in enumerate(zip(alone, loaded, strict=True), 1):
         print(f"{i:4d}  {pl:6d}  {ca:13d}  {cl:12d}  {cl / pl:10.1%}  {ta * 1e3:13.0f}  {tl * 1e3:12.0f}"

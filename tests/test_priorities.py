@@ -115,3 +115,74 @@ def test_a_service_tier_that_is_not_one_of_openais_names_is_a_400_naming_it(tier
     with pytest.raises(InvalidRequestError) as info:
         run_options({"service_tier": tier})
     assert info.value.field == "service_tier"
+
+
+# ---- steps while an interactive turn shares the engine with a background job ---------------------------
+def _spy_steps(monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[int, int]]]:
+    """Each step's rows as (priority, tokens computed), in the order the scheduler makes them."""
+    from asyncpage.core.scheduler import Scheduler
+    steps: list[list[tuple[int, int]]] = []
+    schedule = Scheduler.schedule
+
+    def spy(self: Scheduler) -> Any:
+        out = schedule(self)
+        if out.scheduled:
+            steps.append([(s.seq.request.priority, s.num_new_tokens) for s in out.scheduled])
+        return out
+
+    monkeypatch.setattr(Scheduler, "schedule", spy)
+    return steps
+
+
+async def test_an_interactive_turn_steps_with_a_bounded_share_of_a_background_job_and_every_token_is_right(
+        tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    job = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = [f"background record {i}: " + "words " * (i % 5) for i in range(16)]
+    async with tiny_engine(tiny_llama, max_num_seqs=32, num_kv_blocks=512, max_num_batched_tokens=256) as engine:
+        alone = [await engine.generate(p, job) for p in prompts]
+        turn_alone = await engine.generate("an interactive turn", LONG)
+        late_alone = await engine.generate("a record that arrives during the turn", job)
+        steps = _spy_steps(monkeypatch)
+        streams = [engine.stream(p, job, priority=10) for p in prompts]
+        firsts = await asyncio.gather(*(s.__anext__() for s in streams))  # every background prompt is in
+
+        async def rest(stream: Any, first: Any) -> list[int]:
+            ids = list(first.token_ids)
+            async for chunk in stream:
+                ids += chunk.token_ids
+            return ids
+
+        background = [asyncio.ensure_future(rest(s, f)) for s, f in zip(streams, firsts, strict=True)]
+        turn = asyncio.ensure_future(engine.generate("an interactive turn", LONG, priority=-1))
+        while not any(p == -1 for step in steps for p, _ in step):
+            await asyncio.sleep(0.001)
+        late = asyncio.ensure_future(engine.generate("a record that arrives during the turn", job, priority=11))
+        turn_out = await turn
+        background_ids = await asyncio.gather(*background)
+        late_out = await late
+        await idle(engine)
+    assert turn_out.token_ids == turn_alone.token_ids and late_out.token_ids == late_alone.token_ids
+    assert background_ids == [out.token_ids for out in alone]
+    with_turn = [step for step in steps if any(p == -1 for p, _ in step)]
+    assert len(with_turn) >= LONG.max_tokens - 1
+    for step in with_turn:
+        # Every step of the turn has it, and at most URGENT_STEP_ROWS rows in all, background ones included.
+        assert sum(1 for p, _ in step if p == -1) == 1 and len(step) <= priorities.URGENT_STEP_ROWS
+        assert any(p == 10 for p, _ in step)  # the job moves meanwhile, a few rows at a time
+    late_in = next(i for i, step in enumerate(steps) if any(p == 11 for p, _ in step))
+    assert late_in > steps.index(with_turn[-1])  # the late record is admitted once the turn is done
+
+
+async def test_near_interactive_work_a_background_only_step_is_short_and_a_job_alone_keeps_full_steps(
+        tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    job = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    long_prompt = "a long record for the job " * 16  # ~290 tokens
+    async with tiny_engine(tiny_llama, num_kv_blocks=512, max_num_batched_tokens=256) as engine:
+        steps = _spy_steps(monkeypatch)
+        await engine.generate(long_prompt, job, priority=10)
+        assert max(n for step in steps for _, n in step) == 256  # a job alone: full steps
+        await engine.generate("an interactive turn", SHORT)  # priority 0: interactive
+        steps.clear()
+        out = await engine.generate("another record: " + long_prompt, job, priority=10)  # none of it cached
+        assert max(n for step in steps for _, n in step) == priorities.BACKGROUND_STEP_TOKENS
+        assert len(out.prompt_token_ids) > 256

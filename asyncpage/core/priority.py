@@ -2,14 +2,25 @@
 request's priority, less one level for every AGING_S it has waited: nothing starves), running
 sequences by the rank they were admitted with, and a waiting sequence of a better rank preempting
 the last running one when seats or blocks are short. With every priority 0 none of it runs: the
-queue is first come, first served."""
+queue is first come, first served.
+
+While sequences of the best priority present (the urgent class) share the engine with worse ones,
+steps favour them: every urgent row runs; worse running rows join in turn up to URGENT_STEP_ROWS rows
+in all (at least one, so nothing running stops) with their decodes, and with a prefill chunk or a forced
+run (at most URGENT_STEP_TOKENS tokens) once in URGENT_HOLD_STEPS steps, so a worse prompt half-prefilled
+still moves; worse waiting sequences are admitted only once they have aged to the urgent class. And
+while interactive work (priority <= 0) has been seen in the last INTERACTIVE_WINDOW_S, a step whose work
+is all background (priority > 0: `service_tier="flex"`, a job) takes at most BACKGROUND_STEP_TOKENS
+tokens, so the next turn arriving waits for a short step (a job alone keeps its full steps).
+So an interactive turn's steps cost about what they cost alone (a step of <= 8 decode rows is the fused
+native step's) instead of carrying the whole background batch and its new prompts."""
 
 from __future__ import annotations
 
 from collections import deque
 from typing import TYPE_CHECKING
 
-from asyncpage.core.groups import partly_running, seat_count
+from asyncpage.core.groups import beam_group, partly_running, seat_count
 from asyncpage.core.request import Sequence
 
 if TYPE_CHECKING:
@@ -17,24 +28,78 @@ if TYPE_CHECKING:
 
 # Waiting this long lowers a request's rank by one priority level: a low priority waits, never forever.
 AGING_S = 10.0
+# While an urgent class runs: the rows of a step (urgent ones first), and tokens a worse row may compute.
+URGENT_STEP_ROWS = 8
+URGENT_STEP_TOKENS = 16
+URGENT_HOLD_STEPS = 8
+# The token budget of a background-only step near interactive work (512 tokens is ~0.25 s on 2 cores).
+BACKGROUND_STEP_TOKENS = 64
+INTERACTIVE_WINDOW_S = 30.0
 
 
 def rank(seq: Sequence, now: float) -> float:
     return seq.request.priority - (now - seq.queued_at) // AGING_S
 
 
-
-
 class Priorities:
     waiting: deque[Sequence]
     running: list[Sequence]
     _admitted: set[int]
+    _rotation: int
+    _held_steps: int
+    _interactive_at: float
     _preempt: Callable[[Sequence], None]
 
     def _prioritized(self) -> bool:
         """Whether any live request has a priority of its own: only then is the order anything but
         first-come-first-served (which stays exactly as it was)."""
         return any(s.request.priority for s in self.waiting) or any(s.request.priority for s in self.running)
+
+    def _urgent_class(self) -> int | None:
+        """The best priority among live sequences when some live sequence has a worse one (the steps
+        then favour it), else None. By priority, not aged rank: aging orders admission only."""
+        prios = {s.request.priority for s in self.running} | {s.request.priority for s in self.waiting}
+        return min(prios) if len(prios) > 1 else None
+
+    def _step_tokens(self, budget: int, now: float) -> int:
+        """This step's token budget: short when its work is all background and interactive work was
+        seen lately (the next turn then waits for a short step), else `budget`."""
+        if any(s.request.priority <= 0 for s in self.running) or any(s.request.priority <= 0 for s in self.waiting):
+            self._interactive_at = now
+            return budget
+        if now - self._interactive_at < INTERACTIVE_WINDOW_S:
+            return min(budget, BACKGROUND_STEP_TOKENS)
+        return budget
+
+    def _worse_may_prefill(self) -> bool:
+        """Whether worse rows' prefill chunks and forced runs join this step (one favouring an urgent
+        class): once in URGENT_HOLD_STEPS steps."""
+        self._held_steps += 1
+        if self._held_steps >= URGENT_HOLD_STEPS:
+            self._held_steps = 0
+            return True
+        return False
+
+    def _favoured(self, urgent: int) -> list[Sequence]:
+        """Running sequences a step favouring `urgent` considers, in order: the urgent class's, then
+        the worse ones' turn (a rotation over them, so each gets its share)."""
+        first = [s for s in self.running if s.request.priority <= urgent]
+        worse = [s for s in self.running if s.request.priority > urgent]
+        if not worse:
+            return first
+        coming = sum(1 for s in self.waiting if s.request.priority <= urgent)  # admitted after these, maybe
+        room = max(1, URGENT_STEP_ROWS - len(first) - coming)
+        at = self._rotation % len(worse)
+        chosen: list[Sequence] = []
+        counted: set[int] = set()
+        for s in worse[at:] + worse[:at]:
+            if len(counted) >= room:
+                break
+            if s.seq_id not in counted:  # a beam steps with its whole group: count each of its rows
+                chosen.append(s)
+                counted.update(b.seq_id for b in beam_group(s) or [s])
+        self._rotation = at + len(chosen)
+        return first + chosen
 
     def _order(self, now: float) -> None:
         """Waiting by rank (priority, less one level for every AGING_S waited: nothing starves), ties

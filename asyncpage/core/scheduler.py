@@ -5,7 +5,9 @@ order: a decode takes one token, a partly prefilled prompt takes the next chunk.
 admits waiting sequences, first come first served, as prefill chunks in the same step. A sequence
 that needs a block when none is free preempts the most recently admitted running sequence
 (recompute: its blocks are freed and it goes back to the head of the queue). With priorities
-(core/priority.py) the queue goes by rank and the one preempted is the worst-ranked.
+(core/priority.py) the queue goes by rank, the one preempted is the worst-ranked, and while the best
+priority present shares the engine with worse ones its rows come first and the worse ones' share of a
+step is bounded (priority.URGENT_STEP_ROWS).
 A beam search's beams step together: each step chooses among all their continuations at once
 (core/beams.py), so their last tokens are scheduled in one step or not at all, a beam being recomputed
 holds its last token until its siblings catch up, and preempting one beam preempts them all.
@@ -24,7 +26,7 @@ import torch
 
 from asyncpage.core.beams import BeamSteps
 from asyncpage.core.groups import beam_group, beams_ready, partly_running, seat_count
-from asyncpage.core.priority import Priorities, rank
+from asyncpage.core.priority import URGENT_STEP_TOKENS, Priorities, rank
 from asyncpage.core.request import Request, SeqStatus, Sequence
 from asyncpage.core.speculation import FORCED_RUN, Speculation
 from asyncpage.decoding.detokenizer import StopStrings
@@ -79,6 +81,9 @@ class Scheduler(Priorities, BeamSteps):
         self._preempted: set[int] = set()  # this step's preempted sequences
         self._admitted: set[int] = set()  # ...and admitted ones
         self._next_seq_id = 0
+        self._rotation = 0  # whose turn among worse rows (Priorities._favoured)
+        self._held_steps = 0  # steps favouring an urgent class without worse prefill chunks
+        self._interactive_at = -1e9  # when a request of priority <= 0 was last live
         self._rng = random.Random()
 
     def new_seq_id(self) -> int:
@@ -109,12 +114,18 @@ class Scheduler(Priorities, BeamSteps):
         now = time.monotonic()
         self.kv.retention.release_idle(now)
         prioritized = self._prioritized()
+        urgent = None
+        worse_prefill = True
         if prioritized:
             self._order(now)
+            urgent = self._urgent_class()
+            if urgent is not None:
+                worse_prefill = self._worse_may_prefill()
+        budget = self._step_tokens(budget, now)
 
         speculate = self.spec.active(len(self.running))
         # A snapshot: children forked during this loop join `running` but have nothing to compute yet.
-        for first in list(self.running):
+        for first in list(self.running) if urgent is None else self._favoured(urgent):
             if budget <= 0:
                 break
             if first.status is not SeqStatus.RUNNING or first.seq_id in seen:
@@ -123,10 +134,13 @@ class Scheduler(Priorities, BeamSteps):
             draft: list[int] = []
             if beams is None:
                 remaining = first.num_tokens - first.num_computed_tokens
-                if speculate and remaining < budget and remaining <= FORCED_RUN:
+                room = budget if urgent is None or first.request.priority <= urgent else min(budget, URGENT_STEP_TOKENS)
+                if remaining > 1 and room < budget and not worse_prefill:
+                    continue  # a worse prompt chunk or forced run waits for a step that prefills anyway
+                if speculate and remaining < room and remaining <= FORCED_RUN:
                     # A decode, or the short run a grammar forced: drafts may follow its last token.
-                    draft = self.spec.propose(first, budget - remaining)
-                todo = [(first, min(remaining + len(draft), budget))]
+                    draft = self.spec.propose(first, room - remaining)
+                todo = [(first, min(remaining + len(draft), room))]
             elif beams_ready(beams) and budget >= len(beams):
                 todo = [(b, 1) for b in beams]  # the step that chooses among all their continuations
             else:
@@ -154,6 +168,8 @@ class Scheduler(Priorities, BeamSteps):
             seq = self.waiting[0]
             if seq.seq_id in self._preempted and seq.seq_id not in before:
                 break  # preempted by a higher priority just now: not back in before the next step
+            if urgent is not None and seq.request.priority > urgent and rank(seq, now) > urgent:
+                break  # a worse one waits while the urgent class runs, until it has aged to it
             if seats + seat_count(seq) > self.max_num_seqs:
                 if prioritized and self._make_room(seq, now):
                     seats = self.num_seats
