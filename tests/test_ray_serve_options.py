@@ -62,3 +62,24 @@ async def test_a_body_that_never_arrives_is_a_408_after_body_timeout_not_a_held_
     response = await asyncio.wait_for(ingress(Request(scope, receive)), 10)
     assert response.status_code == 408 and time.monotonic() - started < 5
     assert msgspec.json.decode(response.body)["error"]["code"] == "request_timeout"
+
+
+@pytest.mark.asyncio
+async def test_a_replica_lost_reads_as_the_servers_fault_not_the_callers() -> None:
+    """The 503 before any output and the error event mid-stream are "service_unavailable" (as the app's
+    own 503s), not "invalid_request_error", which tells a client its request was wrong."""
+    from ray.exceptions import RayActorError
+
+    from asyncpage.ray.serving import _unavailable
+
+    refused = msgspec.json.decode(_unavailable("the engine replica was lost; retry").body)["error"]
+    assert refused["type"] == "service_unavailable" and refused["code"] == "replica_unavailable"
+
+    async def answer() -> Any:
+        yield b"data: {}\n\n"
+        raise RayActorError()
+
+    ingress = Ingress(_NoEngines())  # type: ignore[arg-type]
+    chunks = [c async for c in ingress._rest(answer())]
+    event = msgspec.json.decode(chunks[-1].removeprefix(b"data: "))["error"]
+    assert event["type"] == "service_unavailable" and event["code"] == "replica_unavailable"

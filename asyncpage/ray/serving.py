@@ -117,7 +117,7 @@ class EngineReplica:
 
 
 def _unavailable(message: str) -> Response:
-    body = msgspec.json.encode(error_body(message, None, code="replica_unavailable"))
+    body = msgspec.json.encode(error_body(message, None, "service_unavailable", "replica_unavailable"))
     return Response(body, 503, {"retry-after": str(RETRY_AFTER_S)}, media_type="application/json")
 
 
@@ -190,7 +190,8 @@ class Ingress:
                 yield chunk
         except (RayActorError, ActorUnavailableError) as exc:
             # Mid-stream there is no status left to change: an error event ends the stream.
-            event = error_body(f"the engine replica was lost ({type(exc).__name__})", None, code="replica_unavailable")
+            event = error_body(f"the engine replica was lost ({type(exc).__name__})", None, "service_unavailable",
+                               "replica_unavailable")
             yield b"data: " + msgspec.json.encode(event) + b"\n\n"
 
 
