@@ -310,16 +310,19 @@ class AsyncEngine:
                    tool_choice: Any = "auto", parallel_tool_calls: bool = True,
                    response_format: dict[str, Any] | None = None, params: SamplingParams | None = None,
                    priority: int = 0, cache_key: str | None = None, max_reasoning_tokens: int | None = None,
-                   reasoning_effort: str | None = None, chat_template: str | None = None) -> Any:
+                   reasoning_effort: str | None = None, chat_template: str | None = None,
+                   reasoning_markers: Any = None) -> Any:
         """OpenAI-shaped chat: messages (and tools) in, a typed ChatResult out. See asyncpage.chat.chat
-        for the options (reasoning budgets, a per-turn chat template, priority and cache_key)."""
+        for the options (reasoning budgets, a per-turn chat template, priority and cache_key;
+        `reasoning_markers`: (open, close) where detection would miss them, False for none)."""
         return await chat(self, messages, **{k: v for k, v in locals().items() if k not in ("self", "messages")})
 
     def chat_stream(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                     tool_choice: Any = "auto", parallel_tool_calls: bool = True,
                     response_format: dict[str, Any] | None = None, params: SamplingParams | None = None,
                     priority: int = 0, cache_key: str | None = None, max_reasoning_tokens: int | None = None,
-                    reasoning_effort: str | None = None, chat_template: str | None = None) -> AsyncIterator[Any]:
+                    reasoning_effort: str | None = None, chat_template: str | None = None,
+                    reasoning_markers: Any = None) -> AsyncIterator[Any]:
         """chat() as typed deltas: content, reasoning or tool-call fragments, then finish_reason and usage."""
         return chat_stream(self, messages, **{k: v for k, v in locals().items() if k not in ("self", "messages")})
 

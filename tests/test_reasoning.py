@@ -201,6 +201,17 @@ async def test_a_per_request_chat_template_and_explicit_markers(models: dict[str
         assert turn.budget is not None and turn.budget.think.stop == ("[[/plan]]",)
         none = await prepare(engine, MSGS, chat_template=reasoning_models.PLAIN, reasoning_markers=False)
         assert none.plan.markers is None
+        # The same through the engine's own chat() and chat_stream().
+        res = await engine.chat(MSGS, chat_template=template, reasoning_markers=("[[plan]]", "[[/plan]]"),
+                                max_reasoning_tokens=6, params=SamplingParams(max_tokens=30, seed=0))
+        assert res.reasoning and res.usage.reasoning_tokens == 6 and "[[/plan]]" not in (res.content or "")
+        streamed = [d async for d in engine.chat_stream(MSGS, chat_template=template, max_reasoning_tokens=6,
+                                                        reasoning_markers=("[[plan]]", "[[/plan]]"),
+                                                        params=SamplingParams(max_tokens=30, seed=0))]
+        assert "".join(d.reasoning or "" for d in streamed) == res.reasoning
+        plain = await engine.chat(MSGS, chat_template=reasoning_models.PLAIN, reasoning_markers=False,
+                                  params=SamplingParams(max_tokens=8, seed=0))
+        assert not plain.reasoning
         for bad in ("", 7, "{% for %}"):
             with pytest.raises(InvalidRequestError) as info:
                 await engine.chat(MSGS, chat_template=bad)
