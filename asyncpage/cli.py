@@ -25,9 +25,16 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="throughput and latency figures (printed, never asserted)")
     _model_args(b)
-    b.add_argument("--workload", default="mixed", choices=["mixed", "shared-prefix", "long-prompt", "single"])
-    b.add_argument("-n", "--num-requests", type=int, default=32)
-    b.add_argument("--max-num-seqs", type=int, default=64)
+    b.add_argument("--workload", default="mixed",
+                   choices=["mixed", "shared-prefix", "long-prompt", "single", "extract"],
+                   help="extract: an extraction job (extract_many over generated ticket records, one JSON schema), "
+                   "records/s beside llama-server with --llama-server PATH (asyncpage/bench/extract_job.py)")
+    b.add_argument("-n", "--num-requests", type=int, default=None, help="default 32; 60 records for extract")
+    b.add_argument("--max-num-seqs", type=int, default=None,
+                   help="default 64; for extract, the parallel requests of both sides (default 16): extract_many's "
+                   "concurrency and llama-server's slots")
+    b.add_argument("--copy-fields", default=None, metavar="NAMES|auto",
+                   help="extract: also run extract_many with these copied fields (as `asyncpage extract`)")
     b.add_argument("--max-num-batched-tokens", type=int, default=512)
     b.add_argument("--num-kv-blocks", type=int, default=None)
     b.add_argument("--no-prefix-caching", action="store_true")

@@ -1,5 +1,6 @@
-"""`--baseline llama-server` against a stand-in script (no llama.cpp needed): the command line, the
-requests sent, token counting and that the server is always stopped."""
+"""`--baseline llama-server` and `--workload extract` against a stand-in script (no llama.cpp needed):
+the command line, the requests sent, token counting, the extract job's figures, and that the server is
+always stopped."""
 
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ import stat
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from asyncpage.bench import extract_job
 from asyncpage.bench.llama_server import LlamaServerError, find_llama_server, run_llama_server, server_command
 from asyncpage.bench.throughput import Item
 
 FAKE = r'''
-import json, os, sys, time
+import json, os, sys, threading, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 args = sys.argv[1:]
@@ -31,6 +34,8 @@ if mode == "crash":
     print("error: failed to load model", flush=True)
     sys.exit(3)
 t_start = time.monotonic()
+lock = threading.Lock()
+in_flight = [0, 0]  # now, most at once; then one entry per answer
 
 
 class H(BaseHTTPRequestHandler):
@@ -56,6 +61,21 @@ class H(BaseHTTPRequestHandler):
             f.write(json.dumps(req) + "\n")
         if mode == "fail":
             return self._send(500, b'{"error":"boom"}')
+        if not req.get("stream"):  # the extract workload's: one JSON answer
+            with lock:
+                in_flight[0] += 1
+                in_flight[1] = max(in_flight[:2])
+                with open(out + ".peak", "w") as f:
+                    f.write(str(in_flight[1]))
+            time.sleep(0.1 if "json_schema" in req else 0)
+            with lock:
+                in_flight[0] -= 1
+            value = {"customer": "Ann Lee", "product": "Lumen", "order_id": None, "refund": False, "severity": "low"}
+            with lock:
+                in_flight.append(0)  # one more answered
+                bad = mode == "badjson" and "json_schema" in req and len(in_flight) % 2 == 1
+            content = '{"customer": "Ann' if bad else json.dumps(value)
+            return self._send(200, json.dumps({"content": content, "tokens_predicted": 9, "stop": True}).encode())
         n = req["n_predict"] - (1 if mode == "short" else 0)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -143,3 +163,109 @@ def test_missing_binary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("LLAMA_SERVER", str(tmp_path / "nope"))
     with pytest.raises(LlamaServerError, match="LLAMA_SERVER"):
         find_llama_server(None)
+
+
+def test_extract_sends_each_prompt_with_the_schema_n_at_a_time(fake: tuple[str, Path]) -> None:
+    binary, out = fake
+    records = extract_job.tickets(7, seed=3)
+    texts = extract_job.prompts(records, extract_job.TICKET_SCHEMA, 4096)
+    wall, values = asyncio.run(extract_job.run_llama_server_extract(
+        binary, "/m.gguf", texts, extract_job.TICKET_SCHEMA, 3, 2, [900] * len(texts), startup_timeout=20))
+    assert wall > 0 and all(v is not None and v["customer"] == "Ann Lee" for v in values)
+    argv = json.loads((out.parent / "fake.argv").read_text())
+    assert argv[argv.index("-np") + 1] == "3" and argv[argv.index("-t") + 1] == "2"
+    assert int(argv[argv.index("-c") + 1]) >= 3 * (900 + extract_job.MAX_TOKENS)
+    reqs = [json.loads(line) for line in (out.parent / "fake.reqs").read_text().splitlines()]
+    assert "json_schema" not in reqs[0]  # the warm-up
+    measured = reqs[1:]
+    assert sorted(r["prompt"] for r in measured) == sorted(texts)
+    assert all(r["json_schema"] == extract_job.TICKET_SCHEMA and r["n_predict"] == extract_job.MAX_TOKENS
+               and r["temperature"] == 0 and r["top_k"] == 1 and not r["stream"] for r in measured)
+    assert int((out.parent / "fake.peak").read_text()) == 3  # 3 in flight, never more
+    assert _gone(int((out.parent / "fake.pid").read_text()))
+
+
+def test_extract_schema_is_the_ticket_schema_and_records_state_their_values() -> None:
+    data = Path(__file__).parent / "data" / "ticket_severity.schema.json"
+    assert extract_job.TICKET_SCHEMA == json.loads(data.read_text())
+    records = extract_job.tickets(60)
+    assert records == extract_job.tickets(60) and len({r["text"] for r in records}) == 60
+    for r in records:
+        want = r["expected"]
+        assert 60 <= len(r["text"].split()) <= 120
+        assert want["customer"] in r["text"] and want["product"] in r["text"]
+        assert want["order_id"] is None or want["order_id"] in r["text"]
+    assert {r["expected"]["severity"] for r in records} == {"low", "medium", "high", "critical"}
+    assert 10 < sum(r["expected"]["refund"] for r in records) < 50
+    assert 10 < sum(r["expected"]["order_id"] is None for r in records) < 50
+
+
+def test_extract_scores_valid_outputs_and_fields() -> None:
+    records = extract_job.tickets(3)
+    good = dict(records[0]["expected"])
+    wrong = dict(records[1]["expected"], severity="low" if records[1]["expected"]["severity"] != "low" else "high")
+    side = extract_job.score("x", [good, wrong, None], records, extract_job.TICKET_SCHEMA, 2.0)
+    assert side.valid == 2 and side.fields_right == 9 and side.fields == 15 and side.records_per_s == 1.5
+    assert extract_job.score("x", [{"customer": "a"}], records[:1], extract_job.TICKET_SCHEMA, 1.0).valid == 0
+
+
+async def test_extract_prompts_are_the_ones_extract_many_writes(tiny_llama: Path) -> None:
+    from asyncpage import AsyncEngine
+
+    engine = AsyncEngine.from_pretrained(str(tiny_llama), dtype="float32", num_kv_blocks=256)
+    records = extract_job.tickets(3, seed=1)
+    seen: list[str] = []
+    tokenize = engine.tokenize
+
+    async def spy(prompt: Any) -> list[int]:
+        seen.append(prompt)
+        return await tokenize(prompt)
+
+    engine.tokenize = spy  # type: ignore[method-assign]
+    async with engine:
+        results = [r async for r in engine.extract_many([{"id": r["id"], "text": r["text"]} for r in records],
+                                                        extract_job.TICKET_SCHEMA, concurrency=3)]
+    assert len(results) == 3
+    assert seen == extract_job.prompts(records, extract_job.TICKET_SCHEMA, engine.config.max_model_len)
+
+
+def test_extract_bench_prints_both_sides(fake: tuple[str, Path], tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncpage import AsyncEngine
+    from asyncpage.cli import main
+
+    real = AsyncEngine.from_pretrained
+    asked: dict[str, Any] = {}
+
+    def tiny(cls: Any, model: Any = None, **kw: Any) -> Any:
+        asked.update(kw)
+        engine = real(str(tiny_llama), dtype="float32", num_kv_blocks=256, max_num_seqs=kw["max_num_seqs"],
+                      max_model_len=512)
+        engine.model_source = "/m.gguf"  # what llama-server is given
+        return engine
+
+    monkeypatch.setattr(AsyncEngine, "from_pretrained", classmethod(tiny))
+    binary, out = fake
+    assert main(["bench", "--workload", "extract", "-n", "4", "--max-num-seqs", "2", "--llama-server", binary,
+                 "--threads", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert asked["max_num_seqs"] == 2
+    lines = {line.split(":")[0]: line for line in printed.splitlines()}
+    ours = next(v for k, v in lines.items() if k.startswith("asyncpage extract_many"))
+    theirs = next(v for k, v in lines.items() if k.startswith("llama-server (2 slots, 2 threads"))
+    assert "4 records in" in ours and "records/s" in ours and "/4; fields right" in ours
+    assert "valid JSON for the schema 4/4; fields right" in theirs
+    assert any(line.startswith("ratio asyncpage extract_many") and line.endswith("x") for line in printed.splitlines())
+    reqs = [json.loads(line) for line in (out.parent / "fake.reqs").read_text().splitlines()]
+    assert len(reqs) == 5 and int((out.parent / "fake.peak").read_text()) == 2
+
+
+def test_extract_counts_unparsable_outputs(fake: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    binary, _ = fake
+    monkeypatch.setenv("FAKE_MODE", "badjson")
+    records = extract_job.tickets(4)
+    texts = extract_job.prompts(records, extract_job.TICKET_SCHEMA, 4096)
+    wall, values = asyncio.run(extract_job.run_llama_server_extract(
+        binary, "/m.gguf", texts, extract_job.TICKET_SCHEMA, 2, 2, [900] * 4, startup_timeout=20))
+    assert sum(v is None for v in values) == 2  # every other answer is cut JSON
+    assert extract_job.score("llama-server", values, records, extract_job.TICKET_SCHEMA, wall).valid == 2

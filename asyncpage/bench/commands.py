@@ -15,6 +15,15 @@ import msgspec
 
 
 async def bench(args: argparse.Namespace) -> int:
+    extract = args.workload == "extract"
+    if args.num_requests is None:
+        args.num_requests = 60 if extract else 32
+    if args.max_num_seqs is None:
+        args.max_num_seqs = 16 if extract else 64
+    if extract:
+        from asyncpage.bench.extract_job import bench_extract
+
+        return await bench_extract(args)
     if args.speculative:
         return await _bench_speculative(args)
     if getattr(args, "llama_bench", None):
