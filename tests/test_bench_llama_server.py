@@ -75,7 +75,9 @@ class H(BaseHTTPRequestHandler):
                 in_flight.append(0)  # one more answered
                 bad = mode == "badjson" and "json_schema" in req and len(in_flight) % 2 == 1
             content = '{"customer": "Ann' if bad else json.dumps(value)
-            return self._send(200, json.dumps({"content": content, "tokens_predicted": 9, "stop": True}).encode())
+            answer = {"content": content, "tokens_predicted": req["n_predict"] if bad else 9, "stop": True,
+                      "stop_type": "limit" if bad else "eos"}
+            return self._send(200, json.dumps(answer).encode())
         n = req["n_predict"] - (1 if mode == "short" else 0)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -169,9 +171,9 @@ def test_extract_sends_each_prompt_with_the_schema_n_at_a_time(fake: tuple[str, 
     binary, out = fake
     records = extract_job.tickets(7, seed=3)
     texts = extract_job.prompts(records, extract_job.TICKET_SCHEMA, 4096)
-    wall, values = asyncio.run(extract_job.run_llama_server_extract(
+    wall, values, at_limit = asyncio.run(extract_job.run_llama_server_extract(
         binary, "/m.gguf", texts, extract_job.TICKET_SCHEMA, 3, 2, [900] * len(texts), startup_timeout=20))
-    assert wall > 0 and all(v is not None and v["customer"] == "Ann Lee" for v in values)
+    assert at_limit == 0 and wall > 0 and all(v is not None and v["customer"] == "Ann Lee" for v in values)
     argv = json.loads((out.parent / "fake.argv").read_text())
     assert argv[argv.index("-np") + 1] == "3" and argv[argv.index("-t") + 1] == "2"
     assert int(argv[argv.index("-c") + 1]) >= 3 * (900 + extract_job.MAX_TOKENS)
@@ -265,7 +267,7 @@ def test_extract_counts_unparsable_outputs(fake: tuple[str, Path], monkeypatch: 
     monkeypatch.setenv("FAKE_MODE", "badjson")
     records = extract_job.tickets(4)
     texts = extract_job.prompts(records, extract_job.TICKET_SCHEMA, 4096)
-    wall, values = asyncio.run(extract_job.run_llama_server_extract(
+    wall, values, at_limit = asyncio.run(extract_job.run_llama_server_extract(
         binary, "/m.gguf", texts, extract_job.TICKET_SCHEMA, 2, 2, [900] * 4, startup_timeout=20))
-    assert sum(v is None for v in values) == 2  # every other answer is cut JSON
+    assert sum(v is None for v in values) == 2 and at_limit == 2  # every other answer is cut at the budget
     assert extract_job.score("llama-server", values, records, extract_job.TICKET_SCHEMA, wall).valid == 2

@@ -146,10 +146,12 @@ class Side(msgspec.Struct):
     fields_right: int
     fields: int
     options: str = ""
+    at_budget: int = 0  # outputs ended by max_tokens (asyncpage: closed early, valid; llama-server: cut)
+    errors: int = 0  # asyncpage: records that came back with an error
 
 
 def score(name: str, values: Sequence[Any], records: Sequence[Mapping[str, Any]], schema: dict[str, Any],
-          wall: float, options: str = "") -> Side:
+          wall: float, options: str = "", at_budget: int = 0, errors: int = 0) -> Side:
     """values: each record's parsed value (None where it failed or did not parse)."""
     import jsonschema
 
@@ -161,7 +163,7 @@ def score(name: str, values: Sequence[Any], records: Sequence[Mapping[str, Any]]
             total += 1
             right += isinstance(v, dict) and k in v and v[k] == want
     return Side(name, len(values), wall, len(values) / wall if wall > 0 else float("nan"), valid, right, total,
-                options)
+                options, at_budget, errors)
 
 
 async def run_asyncpage(engine: Any, records: Sequence[Mapping[str, Any]], schema: dict[str, Any],
@@ -169,13 +171,16 @@ async def run_asyncpage(engine: Any, records: Sequence[Mapping[str, Any]], schem
     """One extract_many job over the records, from its call to its last result."""
     by_id: dict[Any, Any] = {}
     job = [{"id": r["id"], "text": r["text"]} for r in records]
+    early = errors = 0
     t0 = time.perf_counter()
     async for res in engine.extract_many(job, schema, concurrency=concurrency, copy_fields=copy_fields):
         by_id[res.id] = res.value if res.ok else None
+        early += res.closed_early
+        errors += not res.ok
     wall = time.perf_counter() - t0
     opts = f"copy_fields={copy_fields!r}" + ("" if copy_fields else ", no beams, no scored decisions")
     return score(f"asyncpage extract_many ({opts})", [by_id.get(r["id"]) for r in records], records, schema,
-                 wall, opts)
+                 wall, opts, early, errors)
 
 
 async def _post(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -196,10 +201,10 @@ def _parse(content: Any) -> Any:
 async def run_llama_server_extract(binary: str, model: str, texts: Sequence[str], schema: dict[str, Any],
                                    concurrency: int, threads: int, prompt_tokens: Sequence[int],
                                    max_tokens: int = MAX_TOKENS,
-                                   startup_timeout: float = 300.0) -> tuple[float, list[Any]]:
+                                   startup_timeout: float = 300.0) -> tuple[float, list[Any], int]:
     """llama-server with `concurrency` slots on `model`; after a short warm-up, every prompt as a greedy
     /completion with `json_schema`, `concurrency` in flight at a time. (wall seconds, each output's
-    parsed JSON or None); the server is stopped before returning (or raising)."""
+    parsed JSON or None, how many ended at max_tokens); the server is stopped before returning (or raising)."""
     import httpx
 
     port = free_port()
@@ -208,13 +213,16 @@ async def run_llama_server_extract(binary: str, model: str, texts: Sequence[str]
     sizing = [Item([0] * n, max_tokens) for n in prompt_tokens]
     cmd = server_command(binary, model, sizing, threads, port, slots=concurrency)
     outs: list[Any] = [None] * len(texts)
+    limited = [False] * len(texts)
     gate = asyncio.Semaphore(concurrency)
 
     async def one(client: Any, i: int) -> None:
         body = {"prompt": texts[i], "n_predict": max_tokens, "temperature": 0.0, "top_k": 1,
                 "json_schema": schema, "cache_prompt": True, "stream": False}
         async with gate:
-            outs[i] = _parse((await _post(client, url, body)).get("content"))
+            answer = await _post(client, url, body)
+        outs[i] = _parse(answer.get("content"))
+        limited[i] = answer.get("stop_type") == "limit" or int(answer.get("tokens_predicted") or 0) >= max_tokens
 
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
@@ -237,12 +245,14 @@ async def run_llama_server_extract(binary: str, model: str, texts: Sequence[str]
             raise LlamaServerError(f"{exc}; its log ends:\n{_tail(log)}") from None
         finally:
             _stop(proc)
-    return wall, outs
+    return wall, outs, sum(limited)
 
 
 def format_side(s: Side) -> str:
     return (f"{s.name}: {s.records} records in {s.wall_s:.1f} s = {s.records_per_s:.2f} records/s; "
-            f"valid JSON for the schema {s.valid}/{s.records}; fields right {s.fields_right}/{s.fields}")
+            f"valid JSON for the schema {s.valid}/{s.records}; fields right {s.fields_right}/{s.fields}"
+            + (f"; {s.at_budget} ended at max_tokens ({MAX_TOKENS})" if s.at_budget else "")
+            + (f"; {s.errors} records failed" if s.errors else ""))
 
 
 async def bench_extract(args: argparse.Namespace) -> int:
@@ -286,13 +296,13 @@ async def bench_extract(args: argparse.Namespace) -> int:
         print(f"# llama-server needs a GGUF; the model is {source}", file=sys.stderr)
     else:
         try:
-            wall, outs = await run_llama_server_extract(server_bin, str(source), texts, TICKET_SCHEMA, par, threads,
-                                                        lengths)
+            wall, outs, at_limit = await run_llama_server_extract(server_bin, str(source), texts, TICKET_SCHEMA,
+                                                                  par, threads, lengths)
         except LlamaServerError as exc:
             print(f"# llama-server: {exc}", file=sys.stderr)
             return 1
         base = score(f"llama-server ({par} slots, {threads} threads, json_schema, greedy)", outs, records,
-                     TICKET_SCHEMA, wall, "json_schema")
+                     TICKET_SCHEMA, wall, "json_schema", at_limit)
         print(format_side(base), flush=True)
     print(f"\nextract workload: {n} ticket records, {par} at a time, schema {TICKET_SCHEMA['title']}, prompts "
           f"{min(lengths)}-{max(lengths)} tokens (asyncpage's default prompt, the same text to both sides)")
