@@ -208,6 +208,7 @@ def test_extract_scores_valid_outputs_and_fields() -> None:
     wrong = dict(records[1]["expected"], severity="low" if records[1]["expected"]["severity"] != "low" else "high")
     side = extract_job.score("x", [good, wrong, None], records, extract_job.TICKET_SCHEMA, 2.0)
     assert side.valid == 2 and side.fields_right == 9 and side.fields == 15 and side.records_per_s == 1.5
+    assert side.right_by_field == {"customer": 2, "product": 2, "order_id": 2, "refund": 2, "severity": 1}
     assert extract_job.score("x", [{"customer": "a"}], records[:1], extract_job.TICKET_SCHEMA, 1.0).valid == 0
 
 
@@ -255,7 +256,7 @@ def test_extract_bench_prints_both_sides(fake: tuple[str, Path], tiny_llama: Pat
     lines = {line.split(":")[0]: line for line in printed.splitlines()}
     ours = next(v for k, v in lines.items() if k.startswith("asyncpage extract_many"))
     theirs = next(v for k, v in lines.items() if k.startswith("llama-server (2 slots, 2 threads"))
-    assert "4 records in" in ours and "records/s" in ours and "/4; fields right" in ours
+    assert "4 records in" in ours and "records/s" in ours and "/4; fields right" in ours and "(customer " in ours
     assert "valid JSON for the schema 4/4; fields right" in theirs
     assert any(line.startswith("ratio asyncpage extract_many") and line.endswith("x") for line in printed.splitlines())
     reqs = [json.loads(line) for line in (out.parent / "fake.reqs").read_text().splitlines()]

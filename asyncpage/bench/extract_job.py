@@ -148,6 +148,7 @@ class Side(msgspec.Struct):
     options: str = ""
     at_budget: int = 0  # outputs ended by max_tokens (asyncpage: closed early, valid; llama-server: cut)
     errors: int = 0  # asyncpage: records that came back with an error
+    right_by_field: dict[str, int] = {}
 
 
 def score(name: str, values: Sequence[Any], records: Sequence[Mapping[str, Any]], schema: dict[str, Any],
@@ -158,12 +159,15 @@ def score(name: str, values: Sequence[Any], records: Sequence[Mapping[str, Any]]
     check = jsonschema.Draft202012Validator(schema)
     valid = sum(1 for v in values if v is not None and check.is_valid(v))
     right = total = 0
+    by_field: dict[str, int] = {}
     for v, r in zip(values, records, strict=True):
         for k, want in r["expected"].items():
             total += 1
-            right += isinstance(v, dict) and k in v and v[k] == want
+            ok = isinstance(v, dict) and k in v and v[k] == want
+            right += ok
+            by_field[k] = by_field.get(k, 0) + ok
     return Side(name, len(values), wall, len(values) / wall if wall > 0 else float("nan"), valid, right, total,
-                options, at_budget, errors)
+                options, at_budget, errors, by_field)
 
 
 async def run_asyncpage(engine: Any, records: Sequence[Mapping[str, Any]], schema: dict[str, Any],
@@ -250,7 +254,8 @@ async def run_llama_server_extract(binary: str, model: str, texts: Sequence[str]
 
 def format_side(s: Side) -> str:
     return (f"{s.name}: {s.records} records in {s.wall_s:.1f} s = {s.records_per_s:.2f} records/s; "
-            f"valid JSON for the schema {s.valid}/{s.records}; fields right {s.fields_right}/{s.fields}"
+            f"valid JSON for the schema {s.valid}/{s.records}; fields right {s.fields_right}/{s.fields} ("
+            + ", ".join(f"{k} {v}" for k, v in s.right_by_field.items()) + ")"
             + (f"; {s.at_budget} ended at max_tokens ({MAX_TOKENS})" if s.at_budget else "")
             + (f"; {s.errors} records failed" if s.errors else ""))
 
