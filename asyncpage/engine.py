@@ -31,13 +31,7 @@ from asyncpage.core.mailbox import Mailbox
 from asyncpage.core.output import request_metrics
 from asyncpage.core.request import Request
 from asyncpage.core.stream import RequestStream
-from asyncpage.core.validation import (
-    check_beam_search,
-    check_cache_key,
-    check_priority,
-    check_request,
-    check_token_ids,
-)
+from asyncpage.core.validation import check_beam_search, check_cache_key, check_priority, check_request, check_token_ids
 from asyncpage.decoding.beam import BeamParams, EarlyStopping
 from asyncpage.errors import (
     EngineDeadError,
@@ -307,20 +301,19 @@ class AsyncEngine:
                             priority=priority, cache_key=cache_key)
 
     async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
-                   tool_choice: Any = "auto", parallel_tool_calls: bool = True,
+                   tool_choice: Any = "auto", parallel_tool_calls: bool = True, priority: int = 0,
                    response_format: dict[str, Any] | None = None, params: SamplingParams | None = None,
-                   priority: int = 0, cache_key: str | None = None, max_reasoning_tokens: int | None = None,
+                   cache_key: str | None = None, max_reasoning_tokens: int | None = None,
                    reasoning_effort: str | None = None, chat_template: str | None = None,
                    reasoning_markers: Any = None) -> Any:
         """OpenAI-shaped chat: messages (and tools) in, a typed ChatResult out. See asyncpage.chat.chat
-        for the options (reasoning budgets, a per-turn chat template, priority and cache_key;
-        `reasoning_markers`: (open, close) where detection would miss them, False for none)."""
+        for the options (reasoning budgets and markers, a per-turn chat template, priority and cache_key)."""
         return await chat(self, messages, **{k: v for k, v in locals().items() if k not in ("self", "messages")})
 
     def chat_stream(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
-                    tool_choice: Any = "auto", parallel_tool_calls: bool = True,
+                    tool_choice: Any = "auto", parallel_tool_calls: bool = True, priority: int = 0,
                     response_format: dict[str, Any] | None = None, params: SamplingParams | None = None,
-                    priority: int = 0, cache_key: str | None = None, max_reasoning_tokens: int | None = None,
+                    cache_key: str | None = None, max_reasoning_tokens: int | None = None,
                     reasoning_effort: str | None = None, chat_template: str | None = None,
                     reasoning_markers: Any = None) -> AsyncIterator[Any]:
         """chat() as typed deltas: content, reasoning or tool-call fragments, then finish_reason and usage."""
