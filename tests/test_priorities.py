@@ -186,3 +186,32 @@ async def test_near_interactive_work_a_background_only_step_is_short_and_a_job_a
         out = await engine.generate("another record: " + long_prompt, job, priority=10)  # none of it cached
         assert max(n for step in steps for _, n in step) == priorities.BACKGROUND_STEP_TOKENS
         assert len(out.prompt_token_ids) > 256
+
+
+async def test_a_background_prompt_half_prefilled_when_a_turn_arrives_finishes_while_the_turn_runs(
+        tiny_llama: Path) -> None:
+    # One turn beside 16 background rows (7 of them a step): the steps where the job may prefill used to
+    # meet the same 7 rows every time, and a prompt outside them got no chunk until the turn ended.
+    decode = SamplingParams(max_tokens=450, temperature=0, ignore_eos=True)
+    turn = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    async with tiny_engine(tiny_llama, max_num_seqs=32, num_kv_blocks=2048) as engine:
+        running = engine._core.scheduler.running
+        decoders = [engine.stream(f"decoder {i}", decode, priority=11) for i in range(15)]
+        firsts = await asyncio.gather(*(d.__anext__() for d in decoders))
+        rest = [asyncio.ensure_future(_drain(d, f)) for d, f in zip(decoders, firsts, strict=True)]
+        record = asyncio.ensure_future(engine.generate(list(range(3, 303)), SHORT, priority=10))
+        while not any(len(s.token_ids) > 200 and s.num_computed_tokens for s in running):
+            await asyncio.sleep(0.0005)
+        seq = next(s for s in running if len(s.token_ids) > 200)
+        assert 0 < seq.num_computed_tokens < 100  # half-prefilled when the turn arrives
+        await engine.generate("an interactive turn", turn, priority=-1)
+        assert record.done()  # its prompt moved (a chunk in turn) while the turn ran
+        await asyncio.gather(*rest)
+        await idle(engine)
+
+
+async def _drain(stream: Any, first: Any) -> list[int]:
+    ids = list(first.token_ids)
+    async for chunk in stream:
+        ids += chunk.token_ids
+    return ids

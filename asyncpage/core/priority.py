@@ -46,6 +46,7 @@ class Priorities:
     running: list[Sequence]
     _admitted: set[int]
     _rotation: int
+    _prefill_rotation: int
     _held_steps: int
     _interactive_at: float
     _preempt: Callable[[Sequence], None]
@@ -80,16 +81,19 @@ class Priorities:
             return True
         return False
 
-    def _favoured(self, urgent: int) -> list[Sequence]:
+    def _favoured(self, urgent: int, prefill: bool) -> list[Sequence]:
         """Running sequences a step favouring `urgent` considers, in order: the urgent class's, then
-        the worse ones' turn (a rotation over them, so each gets its share)."""
+        the worse ones' turn (a rotation over them, so each gets its share). A step where worse rows
+        may prefill (`prefill`) turns its own rotation: with one shared by every step, the steps that
+        prefill could meet the same few rows each time, and a worse prompt half-prefilled outside them
+        would not move while the urgent class ran."""
         first = [s for s in self.running if s.request.priority <= urgent]
         worse = [s for s in self.running if s.request.priority > urgent]
         if not worse:
             return first
         coming = sum(1 for s in self.waiting if s.request.priority <= urgent)  # admitted after these, maybe
         room = max(1, URGENT_STEP_ROWS - len(first) - coming)
-        at = self._rotation % len(worse)
+        at = (self._prefill_rotation if prefill else self._rotation) % len(worse)
         chosen: list[Sequence] = []
         counted: set[int] = set()
         for s in worse[at:] + worse[:at]:
@@ -98,7 +102,10 @@ class Priorities:
             if s.seq_id not in counted:  # a beam steps with its whole group: count each of its rows
                 chosen.append(s)
                 counted.update(b.seq_id for b in beam_group(s) or [s])
-        self._rotation = at + len(chosen)
+        if prefill:
+            self._prefill_rotation = at + len(chosen)
+        else:
+            self._rotation = at + len(chosen)
         return first + chosen
 
     def _order(self, now: float) -> None:

@@ -82,6 +82,7 @@ class Scheduler(Priorities, BeamSteps):
         self._admitted: set[int] = set()  # ...and admitted ones
         self._next_seq_id = 0
         self._rotation = 0  # whose turn among worse rows (Priorities._favoured)
+        self._prefill_rotation = 0  # ...on the steps where they may prefill
         self._held_steps = 0  # steps favouring an urgent class without worse prefill chunks
         self._interactive_at = -1e9  # when a request of priority <= 0 was last live
         self._rng = random.Random()
@@ -125,7 +126,7 @@ class Scheduler(Priorities, BeamSteps):
 
         speculate = self.spec.active(len(self.running))
         # A snapshot: children forked during this loop join `running` but have nothing to compute yet.
-        for first in list(self.running) if urgent is None else self._favoured(urgent):
+        for first in list(self.running) if urgent is None else self._favoured(urgent, worse_prefill):
             if budget <= 0:
                 break
             if first.status is not SeqStatus.RUNNING or first.seq_id in seen:
