@@ -169,7 +169,8 @@ class Scheduler(Priorities, BeamSteps):
             seq = self.waiting[0]
             if seq.seq_id in self._preempted and seq.seq_id not in before:
                 break  # preempted by a higher priority just now: not back in before the next step
-            if urgent is not None and seq.request.priority > urgent and rank(seq, now) > urgent:
+            if (urgent is not None and seq.request.priority > urgent and rank(seq, now) > urgent
+                    and not partly_running(seq)):  # a beam group partly in must finish coming in
                 break  # a worse one waits while the urgent class runs, until it has aged to it
             if seats + seat_count(seq) > self.max_num_seqs:
                 if prioritized and self._make_room(seq, now):
