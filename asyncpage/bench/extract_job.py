@@ -36,6 +36,7 @@ from asyncpage.bench.llama_server import (
     _wait_healthy,
     find_llama_server,
     free_port,
+    gather_or_cancel,
     server_command,
 )
 from asyncpage.bench.throughput import Item
@@ -236,14 +237,7 @@ async def run_llama_server_extract(binary: str, model: str, texts: Sequence[str]
                 await _post(client, url, {"prompt": texts[0][:64], "n_predict": 4, "temperature": 0.0,
                                           "stream": False})  # warm-up, not counted
                 t0 = time.perf_counter()
-                tasks = [asyncio.ensure_future(one(client, i)) for i in range(len(texts))]
-                try:
-                    await asyncio.gather(*tasks)
-                except BaseException:  # one failed, or Ctrl-C: end the others before the server goes
-                    for t in tasks:
-                        t.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
-                    raise
+                await gather_or_cancel([one(client, i) for i in range(len(texts))])
                 wall = time.perf_counter() - t0
         except LlamaServerError as exc:
             raise LlamaServerError(f"{exc}; its log ends:\n{_tail(log)}") from None

@@ -18,9 +18,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import IO, Any
+from collections.abc import Coroutine
+from typing import IO, Any, TypeVar
 
 from asyncpage.bench.throughput import BenchResult, Item, _pct
+
+T = TypeVar("T")
 
 
 class LlamaServerError(RuntimeError):
@@ -110,6 +113,19 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+async def gather_or_cancel(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """All their results; when one fails (or Ctrl-C), the others are cancelled and awaited first, so
+    none is still talking to the server when it is stopped."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 def _tail(log: IO[bytes], n: int = 600) -> str:
     log.flush()
     log.seek(0)
@@ -135,14 +151,7 @@ async def run_llama_server(binary: str, model: str, items: list[Item], threads: 
                 await _wait_healthy(client, proc, url, startup_timeout)
                 await _complete(client, url, Item(items[0].prompt[:8], 4), [], [])  # warm-up, not counted
                 t0 = time.perf_counter()
-                tasks = [asyncio.ensure_future(_complete(client, url, it, ttfts, itls)) for it in items]
-                try:
-                    counts = await asyncio.gather(*tasks)
-                except BaseException:  # one failed, or Ctrl-C: end the others before the server goes
-                    for t in tasks:
-                        t.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
-                    raise
+                counts = await gather_or_cancel([_complete(client, url, it, ttfts, itls) for it in items])
                 wall = time.perf_counter() - t0
         except LlamaServerError as exc:
             raise LlamaServerError(f"{exc}; its log ends:\n{_tail(log)}") from None
