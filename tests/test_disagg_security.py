@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import gc
 import ipaddress
 import os
 import pickle
@@ -335,7 +336,9 @@ def test_a_flood_of_silent_strangers_does_not_lock_the_real_peer_out(monkeypatch
 @pytest.mark.parametrize("ending", ["timeout", "cancel"])
 def test_an_accept_that_gives_up_leaves_no_handshake_thread_or_socket_behind(ending: str) -> None:
     """Silent strangers mid-handshake when the accept times out or is called off: they are closed,
-    their threads end, and this process holds no more descriptors than before."""
+    their threads end, and this process holds no more descriptors than before (fewer may be: an earlier
+    test's sockets can be collected meanwhile)."""
+    gc.collect()
     fds = len(os.listdir("/proc/self/fd"))
     secret, listener = kvt.new_secret(), kvt.KVListener("127.0.0.1")
     stop_r, stop_w = socket.socketpair()
@@ -354,7 +357,7 @@ def test_an_accept_that_gives_up_leaves_no_handshake_thread_or_socket_behind(end
     assert _handshake_threads() == []
     for s in (*strangers, stop_r, stop_w):
         s.close()
-    assert len(os.listdir("/proc/self/fd")) == fds
+    assert len(os.listdir("/proc/self/fd")) <= fds
 
 
 def test_the_decode_side_refuses_a_listener_without_the_secret(tmp_path: Path, decoded: list[bytes]) -> None:
