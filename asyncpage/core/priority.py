@@ -51,21 +51,21 @@ class Priorities:
     _interactive_at: float
     _preempt: Callable[[Sequence], None]
 
-    def _prioritized(self) -> bool:
-        """Whether any live request has a priority of its own: only then is the order anything but
-        first-come-first-served (which stays exactly as it was)."""
-        return any(s.request.priority for s in self.waiting) or any(s.request.priority for s in self.running)
+    def _live_priorities(self) -> set[int]:
+        """The priorities of the live sequences, once a step: any but 0 and the order is by rank (else
+        first-come-first-served, exactly as without priorities); more than one and the best is urgent."""
+        return {s.request.priority for s in self.running} | {s.request.priority for s in self.waiting}
 
-    def _urgent_class(self) -> int | None:
-        """The best priority among live sequences when some live sequence has a worse one (the steps
-        then favour it), else None. By priority, not aged rank: aging orders admission only."""
-        prios = {s.request.priority for s in self.running} | {s.request.priority for s in self.waiting}
+    @staticmethod
+    def _urgent_class(prios: set[int]) -> int | None:
+        """The best of the live priorities when some live sequence has a worse one (the steps then
+        favour it), else None. By priority, not aged rank: aging orders admission only."""
         return min(prios) if len(prios) > 1 else None
 
-    def _step_tokens(self, budget: int, now: float) -> int:
+    def _step_tokens(self, budget: int, now: float, prios: set[int]) -> int:
         """This step's token budget: short when its work is all background and interactive work was
         seen lately (the next turn then waits for a short step), else `budget`."""
-        if any(s.request.priority <= 0 for s in self.running) or any(s.request.priority <= 0 for s in self.waiting):
+        if any(p <= 0 for p in prios):
             self._interactive_at = now
             return budget
         if now - self._interactive_at < INTERACTIVE_WINDOW_S:

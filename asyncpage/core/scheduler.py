@@ -114,15 +114,13 @@ class Scheduler(Priorities, BeamSteps):
         self._admitted.clear()
         now = time.monotonic()
         self.kv.retention.release_idle(now)
-        prioritized = self._prioritized()
-        urgent = None
-        worse_prefill = True
+        prios = self._live_priorities()
+        prioritized = any(prios)
+        urgent = self._urgent_class(prios)
+        worse_prefill = urgent is None or self._worse_may_prefill()
         if prioritized:
             self._order(now)
-            urgent = self._urgent_class()
-            if urgent is not None:
-                worse_prefill = self._worse_may_prefill()
-        budget = self._step_tokens(budget, now)
+        budget = self._step_tokens(budget, now, prios)
 
         speculate = self.spec.active(len(self.running))
         # A snapshot: children forked during this loop join `running` but have nothing to compute yet.
@@ -135,9 +133,10 @@ class Scheduler(Priorities, BeamSteps):
             draft: list[int] = []
             if beams is None:
                 remaining = first.num_tokens - first.num_computed_tokens
-                room = budget if urgent is None or first.request.priority <= urgent else min(budget, URGENT_STEP_TOKENS)
-                if remaining > 1 and room < budget and not worse_prefill:
+                worse = urgent is not None and first.request.priority > urgent
+                if worse and remaining > 1 and not worse_prefill:
                     continue  # a worse prompt chunk or forced run waits for a step that prefills anyway
+                room = min(budget, URGENT_STEP_TOKENS) if worse else budget
                 if speculate and remaining < room and remaining <= FORCED_RUN:
                     # A decode, or the short run a grammar forced: drafts may follow its last token.
                     draft = self.spec.propose(first, room - remaining)
