@@ -245,18 +245,23 @@ runpy.run_module("asyncpage.disagg.worker", run_name="__main__")
 """
 
 
-async def test_a_broken_kv_receive_fails_the_pair_promptly_with_engine_dead(
-        tiny_models: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A receive that breaks leaves the two sides out of step: requests in flight and new ones fail
-    typed at once, rather than the next transfer blocking until gloo's 600 s timeout."""
+def _workers_run(monkeypatch: pytest.MonkeyPatch, script: str) -> None:
+    """The pair's worker processes start as `python -c script` (which runs the worker module itself)."""
     real_popen = subprocess.Popen
 
     def popen(args: list[str], **kwargs: Any) -> Any:
         if args[1:3] == ["-m", "asyncpage.disagg.worker"]:
-            args = [args[0], "-c", _BREAK_THIRD_RECEIVE, *args[3:]]
+            args = [args[0], "-c", script, *args[3:]]
         return real_popen(args, **kwargs)
 
     monkeypatch.setattr(disagg_engine.subprocess, "Popen", popen)
+
+
+async def test_a_broken_kv_receive_fails_the_pair_promptly_with_engine_dead(
+        tiny_models: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A receive that breaks leaves the two sides out of step: requests in flight and new ones fail
+    typed at once, rather than the next transfer blocking until gloo's 600 s timeout."""
+    _workers_run(monkeypatch, _BREAK_THIRD_RECEIVE)
     engine = DisaggEngine.from_pretrained(tiny_models["llama"][0], **OPTS)
 
     async def drain(s: Any) -> None:
@@ -307,14 +312,7 @@ async def test_a_kv_connection_lost_mid_transfer_fails_that_request_and_spares_t
     """The prefill worker killed while it sends a request's KV: the decode worker used to die with it,
     failing every request already decoding there. Now only the one in transfer fails (typed), the
     decoding ones finish, new ones are refused typed, and neither pool holds a block."""
-    real_popen = subprocess.Popen
-
-    def popen(args: list[str], **kwargs: Any) -> Any:
-        if args[1:3] == ["-m", "asyncpage.disagg.worker"]:
-            args = [args[0], "-c", _CONNECTION_LOST_ON_THIRD_RECEIVE, *args[3:]]
-        return real_popen(args, **kwargs)
-
-    monkeypatch.setattr(disagg_engine.subprocess, "Popen", popen)
+    _workers_run(monkeypatch, _CONNECTION_LOST_ON_THIRD_RECEIVE)
     engine = DisaggEngine.from_pretrained(tiny_models["llama"][0], **OPTS)
 
     async def drain(s: Any) -> int:
