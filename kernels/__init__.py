@@ -9,3 +9,22 @@ asyncpage/model/attention_triton.py. On a CUDA GPU they run compiled; on the CPU
 Triton's interpreter (TRITON_INTERPRET=1, set before this package is imported), which is how the
 tests check them against the torch backend.
 """
+
+if __name__ == "kernels":
+    # Imported as a top-level `kernels`: a checkout's root is on sys.path (`python -m ...` or pytest run
+    # there). That name is PyPI's `kernels`, which transformers 5.25+ imports when it is installed: hand
+    # the import over to it, so this directory never shadows it (nothing of asyncpage's is lost: its own
+    # name is asyncpage.kernels).
+    import importlib as _importlib
+    import os as _os
+    import sys as _sys
+
+    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _saved = list(_sys.path)
+    _sys.path[:] = [p for p in _saved if _os.path.abspath(p or _os.curdir) != _root]
+    del _sys.modules[__name__]
+    try:
+        _real = _importlib.import_module(__name__)
+    finally:
+        _sys.path[:] = _saved
+    _sys.modules[__name__] = _real
