@@ -33,6 +33,7 @@ from asyncpage.decoding.speculative import SpeculativeConfig
 from asyncpage.errors import InvalidRequestError
 from asyncpage.guided import GrammarManager
 from asyncpage.model.compiled import enable as compile_decode
+from asyncpage.model.gguf import trim_heap
 from asyncpage.model.weights import LoadedModel, load
 from asyncpage.runtime.compute import ComputeThread
 
@@ -140,4 +141,5 @@ def build(cls: Callable[..., E], loaded: LoadedModel, dt: str, dev: str, compute
     # 3.8 s build for the 262k vocabulary, measured): done lazily under a running loop it stalled the
     # host's event loop (a 4.4 s lag in the soak). So it is done here, at load, and shared by clones.
     guided.prepare(parent_guided)
+    trim_heap()  # what adapting the tokenizer freed, back to the system
     return cls(loaded, config, compute, guided, draft, options)

@@ -13,6 +13,7 @@ from asyncpage.errors import GrammarError
 from asyncpage.guided.backend import NO_DEADLINE, Deadline, GuidedSpec, Matcher, choice_regex, grammar_error
 from asyncpage.guided.budget import Closer, CloseState, Planner, StartPlan, sequence_closer
 from asyncpage.guided.guards import Guards
+from asyncpage.guided.lltokenizer import lean_tokenizer
 from asyncpage.guided.schema import drop_custom_formats, enum_of_valid_candidates, exclusive_one_of
 from asyncpage.guided.search import byte_tokenizer
 from asyncpage.guided.style import STYLE_KEY
@@ -164,10 +165,8 @@ class LLGuidanceBackend:
     name = "llguidance"
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
-        import llguidance.hf
-
         # Stop tokens are allowed by the mask only where the grammar accepts.
-        self._tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids)
+        self._tok = lean_tokenizer(tokenizer, vocab_size, stop_token_ids)
         self.planner = Planner(self._tok)
         self._byte_tok = byte_tokenizer()
 

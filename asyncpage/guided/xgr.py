@@ -255,10 +255,9 @@ class XGrammarBackend:
         self._byte_compiler = xgr.GrammarCompiler(byte_info, max_threads=1)
         self.planner: Planner | None = None
         try:
-            import llguidance.hf
+            from asyncpage.guided.lltokenizer import lean_tokenizer
 
-            self.planner = Planner(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                                 eos_token=stop_token_ids))
+            self.planner = Planner(lean_tokenizer(tokenizer, vocab_size, stop_token_ids))
         except Exception as exc:  # budget closing is optional; guided decoding itself does not need it
             log.warning("budget closing is off with xgrammar for this tokenizer: %s", exc)
 

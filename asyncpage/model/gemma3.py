@@ -17,6 +17,7 @@ from asyncpage.model.layers import (
     GemmaRMSNorm,
     PagedSelfAttention,
     Rotary,
+    embedding,
     layer_type_of,
     layer_windows,
     rope_inv_freq,
@@ -54,7 +55,7 @@ class Gemma3Model(nn.Module):
         super().__init__()
         if getattr(config, "attn_logit_softcapping", None) is not None:
             raise NotImplementedError("attention logit soft-capping (Gemma 2) is not supported")
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         # One rotary per layer type: local layers have their own base (10k vs 1M).
         rotaries: dict[str | None, Rotary] = {}
         windows = layer_windows(config)

@@ -16,6 +16,7 @@ from asyncpage.model.layers import (
     PagedSelfAttention,
     RMSNorm,
     Rotary,
+    embedding,
     layer_type_of,
     layer_windows,
     rope_inv_freq,
@@ -54,7 +55,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         rotaries: dict[str | None, Rotary] = {}
         windows = layer_windows(config)
         layers = []
