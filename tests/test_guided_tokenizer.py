@@ -46,6 +46,21 @@ def test_a_byte_level_tokenizer_with_padding_past_its_vocabulary_reads_the_same(
     assert lean.is_special_token(len(tokenizer) + 4)
 
 
+def test_added_tokens_and_a_saved_truncation_read_as_llguidance_reads_them(tiny_llama: Path, tmp_path: Path) -> None:
+    # Added non-special tokens are converted like the rest ('é' is byte 0xE9, 'ÿ' byte 0xFF, 'Ġfoo' ' foo');
+    # truncation saved in tokenizer.json (llguidance's own copy drops it) keeps the JSON-built form.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    tokenizer.add_tokens(["é", "ÿ", "\u0120foo", "<tag>", "hello world"])
+    tokenizer.backend_tokenizer.enable_truncation(max_length=4)
+    tokenizer.save_pretrained(tmp_path)
+    saved = AutoTokenizer.from_pretrained(tmp_path)
+    assert saved.backend_tokenizer.truncation is not None
+    same_as_llguidance(saved, len(saved), [saved.eos_token_id])
+    saved.backend_tokenizer.no_truncation()
+    lean, _ = same_as_llguidance(saved, len(saved), [saved.eos_token_id])
+    assert lean.tokenize_bytes(b"x" * 40) != []  # the whole text, not 4 tokens of it
+
+
 def _metaspace(prepend: str) -> PreTrainedTokenizerFast:
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)},
              "\u2581": 259, "a": 260, "\u2581a": 261, "b": 262, "\u2581b": 263}

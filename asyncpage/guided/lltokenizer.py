@@ -61,9 +61,9 @@ def decoder_kind(backend: Any) -> tuple[str, str] | None:
         return "byte_level", " "
     if state.get("type") != "Sequence":
         return None
-    kinds, space = set(), " "
-    for d in state.get("decoders", []):
-        kinds.add(d.get("type"))
+    kinds = {d.get("type") for d in state.get("decoders", [])}
+    space = " "
+    for d in _parts(state, "decoders"):  # llguidance finds the Replace in nested sequences too
         pattern = d.get("pattern") or {}
         if d.get("type") == "Replace" and d.get("content") == " " and len(pattern.get("String") or "") == 1:
             space = pattern["String"]
@@ -73,8 +73,11 @@ def decoder_kind(backend: Any) -> tuple[str, str] | None:
 
 
 def encodes_as_llguidance(backend: Any) -> bool:
-    """Whether the tokenizer encodes text as llguidance's own copy would: no `Prepend` normalizer and
-    no Metaspace pre-tokenizer that prepends (the two it turns off in its copy)."""
+    """Whether the tokenizer encodes text as llguidance's own copy would: no `Prepend` normalizer, no
+    Metaspace pre-tokenizer that prepends (the two it turns off in its copy), no truncation or padding
+    (off in its copy too; a tokenizer.json may carry them), special tokens recognised in text."""
+    if backend.truncation is not None or backend.padding is not None or backend.encode_special_tokens:
+        return False
     if any(p.get("type") == "Prepend" for p in _parts(_state(backend.normalizer), "normalizers")):
         return False
     return not any(p.get("type") == "Metaspace" and str(p.get("prepend_scheme", "always")).lower() != "never"
@@ -89,7 +92,7 @@ def token_bytes(backend: Any, n_vocab: int, kind: str, space: str) -> tuple[list
         if tok.special or (tok.content.startswith("<") and tok.content.endswith(">")):
             special.append(i)
         else:
-            added[i] = tok.content.encode()
+            added[i] = tok.content.encode()  # kept only where the conversion below fails
     table = _byte_level_map() if kind == "byte_level" else {}
     size = backend.get_vocab_size(with_added_tokens=True)
     special += range(size, n_vocab)  # ids past the vocabulary: special placeholders, as llguidance pads
@@ -97,10 +100,8 @@ def token_bytes(backend: Any, n_vocab: int, kind: str, space: str) -> tuple[list
     tokens: list[bytes] = []
     for i in range(n_vocab):
         name = backend.id_to_token(i) if i < size else f"<[{i}]>"
-        if i in added:
-            b = added[i]
-        elif name is None:
-            b = b""  # a hole in the vocabulary: llguidance leaves it empty
+        if name is None:
+            b = added.get(i, b"")  # a hole in the vocabulary: llguidance leaves it empty
         elif i in specials:
             b = name.encode()
         elif kind == "byte_fallback":
@@ -112,7 +113,7 @@ def token_bytes(backend: Any, n_vocab: int, kind: str, space: str) -> tuple[list
             try:
                 b = bytes(table[c] for c in name)
             except KeyError:
-                b = b""  # llguidance leaves such a token empty too (and logs it)
+                b = added.get(i, b"")  # llguidance keeps an added token's text, else leaves it empty
         tokens.append(b)
     return tokens, sorted(set(special))
 
@@ -147,7 +148,7 @@ def lean_tokenizer(hf_tokenizer: Any, n_vocab: int, eos_token: list[int]) -> Any
     kind = decoder_kind(backend)
     if (kind is None or not encodes_as_llguidance(backend) or not eos_token
             or backend.get_vocab_size(with_added_tokens=True) > n_vocab):
-        return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=eos_token or None)
+        return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=eos_token)
     tokens, special = token_bytes(backend, n_vocab, *kind)
     encode = _Encode(backend, tokens, special, eos_token[0], hf_tokenizer.bos_token_id)
     return llguidance.LLTokenizer(TokenizerWrapper(encode), n_vocab=n_vocab, eos_token=eos_token)
