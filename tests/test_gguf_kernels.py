@@ -58,15 +58,15 @@ def _round(x: np.ndarray, block: int) -> np.ndarray:
     return (q * (amax / np.float32(127)).astype(np.float32)).reshape(x.shape).astype(np.float64)
 
 
-def _check(t: T, rows: int, form: str) -> None:
+def _check(t: T, rows: int, form: str, n: int = N) -> None:
     k = _k(t)
-    raw = _weights(t, N, k)
+    raw = _weights(t, n, k)
     w = gguf.quants.dequantize(raw, t).astype(np.float64)
     x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
     out = gk.matmul(torch.from_numpy(x), torch.from_numpy(raw), t, form=form).numpy()
     xq = _round(x, gk.BLOCKS[gk.GGMLType(t)][0])
     ref, bound = xq @ w.T, np.abs(xq) @ np.abs(w).T
-    assert out.shape == (rows, N) and out.dtype == np.float32
+    assert out.shape == (rows, n) and out.dtype == np.float32
     assert np.all(np.abs(out - ref) <= 1e-6 * bound), float((np.abs(out - ref) / bound).max())
     exact = x.astype(np.float64) @ w.T  # what rounding the activations costs, against float x
     assert np.linalg.norm(out - exact) <= 0.03 * np.linalg.norm(exact)
@@ -77,6 +77,14 @@ def _check(t: T, rows: int, form: str) -> None:
 def test_matmul_matches_the_dequantized_weights_in_every_form(t: T, form: str) -> None:
     for rows in (1, 3, 8, 64):
         _check(t, rows, form)
+
+
+@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_K], ids=lambda t: t.name)
+def test_a_long_matrix_at_decode_rows_gives_every_output_row_in_its_longer_chunks(t: T) -> None:
+    # At up to 4 activation rows a long matrix (an LM head) is handed out in longer chunks of rows; 9,001
+    # rows: several sizes of chunk, the last one ragged.
+    for rows in (1, 4):
+        _check(t, rows, gk.default_form(), n=9001)
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
