@@ -141,10 +141,14 @@ async def test_a_killed_replica_fails_its_requests_retryably_and_serve_replaces_
     # The killed replica's requests came back as 503s and were retried; nothing else failed.
     print("statuses:", sorted(statuses), "replicas:", sorted({r.system_fingerprint for r in replies}))
     assert 503 in statuses and set(statuses) <= {200, 503}, statuses
+    # Serve's status still counts the killed replica RUNNING until its health check notices (~10 s),
+    # and the killed pid is gone at once: wait for a new replica process, then two RUNNING.
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (_running_replicas() < 2 or pids[0] in _replica_pids()):
+    while time.monotonic() < deadline and not (_running_replicas() == 2 and len(now := _replica_pids()) == 2
+                                               and pids[0] not in now):
         await asyncio.sleep(0.5)
-    assert _running_replicas() == 2
+    now = _replica_pids()
+    assert _running_replicas() == 2 and len(now) == 2 and pids[0] not in now and pids[1] in now, (pids, now)
     again = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "fox"}],
                                                  max_tokens=4)
     assert again.choices[0].message.content is not None

@@ -83,3 +83,17 @@ async def test_a_replica_lost_reads_as_the_servers_fault_not_the_callers() -> No
     chunks = [c async for c in ingress._rest(answer())]
     event = msgspec.json.decode(chunks[-1].removeprefix(b"data: "))["error"]
     assert event["type"] == "service_unavailable" and event["code"] == "replica_unavailable"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+def test_a_body_nested_too_deeply_reaches_the_replica_for_its_400_not_a_500(path: str) -> None:
+    """msgspec raises RecursionError (not DecodeError) past its depth limit: the ingress' affinity
+    read let it out, a plain-text 500 where the app's own door answers 400 "nested too deeply"."""
+    from asyncpage.ray.routing import affinity_key
+
+    deep = b"[" * 100_000 + b"]" * 100_000
+    assert affinity_key(deep) is None
+    assert affinity_key(b'{"messages": ' + deep + b"}") is None
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""}
+    ingress = Ingress(_NoEngines())  # type: ignore[arg-type]
+    assert ingress._affinity(Request(scope), deep) is None

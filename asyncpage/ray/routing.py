@@ -45,7 +45,7 @@ def affinity_key(body: bytes) -> str | None:
     which the replica refuses itself)."""
     try:
         parsed = msgspec.json.decode(body) if body else None
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # nested too deeply: the replica refuses it (400)
         return None
     if not isinstance(parsed, dict):
         return None

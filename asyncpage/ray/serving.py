@@ -170,7 +170,7 @@ class Ingress:
             return self.responses.get(path.removeprefix("/v1/responses/"))
         key = affinity_key(body) if request.method == "POST" else None
         if key is None and path == "/v1/responses":
-            with contextlib.suppress(msgspec.DecodeError):
+            with contextlib.suppress(msgspec.DecodeError, RecursionError):
                 prev = msgspec.json.decode(body)
                 if isinstance(prev, dict) and isinstance(prev.get("previous_response_id"), str):
                     key = self.responses.get(prev["previous_response_id"])
