@@ -54,6 +54,27 @@ async def test_several_streams_at_once_decode_as_each_alone(tiny_quantized_gguf:
     assert [o.token_ids for o in together] == alone
 
 
+async def test_greedy_speculation_in_bfloat16_gives_the_tokens_decoding_alone_gives(
+        tiny_quantized_gguf: Path) -> None:  # noqa: F811
+    # A verify of a stream's last token and its drafts (8 rows at most with the default k) goes through
+    # the fused step row by row, as decode steps do: in bfloat16, where the eager forward rounds
+    # otherwise, the tokens are still the same (before, a verify ran the eager forward as one chunk).
+    opts: dict[str, Any] = dict(quantization="auto", dtype="bfloat16", num_kv_blocks=64)
+    async with AsyncEngine.from_pretrained(tiny_quantized_gguf, **opts) as engine:
+        plain = await _greedy(engine, 40)
+    async with AsyncEngine.from_pretrained(tiny_quantized_gguf, speculative_config={"method": "ngram"},
+                                           **opts) as engine:
+        native = engine.model.native
+        assert native is not None
+        speculated = await _greedy(engine, 40)
+        st = engine.stats()
+        steps = native.steps
+    assert speculated == plain
+    assert st.spec_accepted_tokens > 0  # drafts were kept: verifies ran
+    # Every step after the prompts' went through the fused step, verifies included.
+    assert steps >= sum(len(t) for t in plain) - st.spec_accepted_tokens - len(PROMPTS)
+
+
 def test_without_the_native_kernels_a_gguf_model_keeps_the_eager_forward(
         tiny_quantized_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     monkeypatch.setattr(native_step, "_lib", lambda: None)  # what a missing compiler or ASYNCPAGE_NATIVE=0 gives

@@ -23,7 +23,7 @@ from asyncpage.decoding.speculative import Verify, draft_masks, verify
 from asyncpage.guided.backend import bitmask_width
 from asyncpage.guided.budget import matcher_error
 from asyncpage.model.attention import KV_QMAX, AttentionMetadata, paged_attention
-from asyncpage.model.batch import FlatBatch
+from asyncpage.model.batch import EXACT_ROWS, FlatBatch
 from asyncpage.model.registry import CausalLM
 from asyncpage.outputs import TokenLogprob
 
@@ -126,10 +126,16 @@ class ModelRunner:
         specs: list[SampleSpec] = []
         verifies: list[Verify] = []
         scored: list[PromptRows] = []
+        # A step of only decodes and their drafts, within the rows a decode step takes unpadded (the
+        # fused and compiled decode steps): each draft a decode row of its own (FlatBatch.add). Larger
+        # steps keep a verify as one chunk (one gather of its context, not one per row).
+        as_rows = (sum(s.num_new_tokens for s in out.scheduled) <= EXACT_ROWS
+                   and all(s.num_new_tokens == len(s.draft) + 1 for s in out.scheduled))
         for sched in out.scheduled:
             seq, n = sched.seq, sched.num_new_tokens
             nc = seq.num_computed_tokens
-            start = flat.add(seq.token_ids[nc : nc + n - len(sched.draft)] + sched.draft, nc, seq.table.ids)
+            start = flat.add(seq.token_ids[nc : nc + n - len(sched.draft)] + sched.draft, nc, seq.table.ids,
+                             rows=as_rows)
             req = seq.request
             if req.scoring_prompt:
                 first = len(req.prompt_logprobs)

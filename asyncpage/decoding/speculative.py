@@ -47,7 +47,11 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     `{"method": "draft", "model": PATH}`: any model with the target's tokenizer, loaded like it."""
 
     method: str
-    num_speculative_tokens: int = 8  # the most drafts per sequence per step (k adapts below it)
+    # The most drafts per sequence per step (k adapts below it). 7: one stream's verify (its last token
+    # and 7 drafts) is 8 rows, what the fused decode step takes (model/batch.py EXACT_ROWS), so each row
+    # is computed as a decode step computes it and greedy output stays the same (at 8 drafts, 9 rows
+    # took the eager path: other bf16 rounding, other tokens; `asyncpage bench --speculative ngram`).
+    num_speculative_tokens: int = 7
     model: str | None = None  # "draft": what from_pretrained's `model` takes (None is not allowed)
     quantization: str | None = None  # "draft": weight-only quantization of the draft (None, "int8", "int4")
     prompt_lookup_max: int = 4  # longest suffix looked up

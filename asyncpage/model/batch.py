@@ -12,6 +12,9 @@ import torch
 from asyncpage.model.attention import AttentionMetadata, PrefillChunk
 
 
+EXACT_ROWS = 8  # steps of up to this many tokens are not padded (the fused and compiled decode steps' rows)
+
+
 class FlatBatch:
     """A step's tokens from many sequences back to back (no padding between them), with the slots
     their K/V go to and what attention needs: a sequence's run of one token is a decode row, a
@@ -29,16 +32,21 @@ class FlatBatch:
         self.decode_lens: list[int] = []
         self.prefills: list[PrefillChunk] = []
 
-    def add(self, tokens: list[int], num_computed: int, table: list[int]) -> int:
-        """Append a sequence's `tokens`, at positions from `num_computed` on; returns its first row."""
+    def add(self, tokens: list[int], num_computed: int, table: list[int], rows: bool = False) -> int:
+        """Append a sequence's `tokens`, at positions from `num_computed` on; returns its first row.
+        `rows`: each token a decode row of its own (its context up to itself), not one prefill chunk:
+        a speculative verify in a step the fused decode step takes (core/runner.py), so that each row
+        is computed as a one-token decode step computes it, whatever the rows beside it, and greedy
+        speculation gives the tokens decoding without it gives. Every attention backend writes all the
+        step's K/V before any row attends."""
         bs, start, n = self.block_size, len(self.input_ids), len(tokens)
         self.input_ids += tokens
         self.positions += range(num_computed, num_computed + n)
         self.slots += [table[p // bs] * bs + p % bs for p in range(num_computed, num_computed + n)]
-        if n == 1:
-            self.decode_rows.append(start)
-            self.decode_tables.append(table)
-            self.decode_lens.append(num_computed + 1)
+        if n == 1 or rows:
+            self.decode_rows += range(start, start + n)
+            self.decode_tables += [table] * n
+            self.decode_lens += range(num_computed + 1, num_computed + n + 1)
         else:
             self.prefills.append(PrefillChunk(start, start + n, num_computed, self._t(table)))
         return start
@@ -64,8 +72,8 @@ class FlatBatch:
 
 
 def _bucket(n: int) -> int:
-    """1..8 exactly (one stream must not pay for padding), then 16, 24, ..., 64, then multiples of 64."""
-    if n <= 8:
+    """1..EXACT_ROWS exactly (one stream must not pay for padding), then 16, 24, ..., 64, then multiples of 64."""
+    if n <= EXACT_ROWS:
         return n
     if n <= 64:
         return -(-n // 8) * 8
