@@ -34,6 +34,20 @@ def test_num_replicas_must_be_a_positive_int(n: Any) -> None:
         serve_app(n)
 
 
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"engine_options": {"num_kv_blocks": "many"}}, "num_kv_blocks"),
+    ({"engine_options": {"enable_prefix_caching": "no"}}, "enable_prefix_caching"),
+    ({"engine_options": {"speculative_config": {"method": "nope"}}}, "speculative_config"),
+    ({"body_timeout": -1}, "body_timeout"), ({"body_timeout": float("nan")}, "body_timeout"),
+    ({"max_request_bytes": -5}, "max_request_bytes"), ({"imbalanced_threshold": -1}, "imbalanced_threshold"),
+    ({"max_ongoing_requests": 0}, "max_ongoing_requests"), ({"allowed_origins": "http://a"}, "allowed_origins"),
+    ({"api_key": 123}, "api_key"), ({"api_key": " "}, "api_key")])
+def test_a_bad_option_value_is_refused_naming_it_before_any_replica_starts(kwargs: dict[str, Any], field: str) -> None:
+    # Each of these was accepted, then failed in every replica (or made every request a 408 / 413).
+    with pytest.raises(InvalidRequestError, match=rf"^{field}:"):
+        serve_app(1, **({"engine_options": {"model": "/models/x"}} | kwargs))
+
+
 class _NoEngines:
     def options(self, **kwargs: Any) -> _NoEngines:
         return self

@@ -460,3 +460,15 @@ async def test_serve_renders_chats_with_the_chat_template_file(tiny_dir: Path, t
         res = await engine.chat([{"role": "user", "content": "hi there"}], params=SamplingParams(max_tokens=1))
     expected = engine.tokenizer("<bos><<hi there>>", add_special_tokens=False)["input_ids"]
     assert res.usage.prompt_tokens == len(expected)
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"body_timeout": 0}, "body_timeout"), ({"body_timeout": float("inf")}, "body_timeout"),
+    ({"max_request_bytes": 0}, "max_request_bytes"), ({"allowed_hosts": "localhost"}, "allowed_hosts"),
+    ({"allowed_origins": ["http://a", 3]}, "allowed_origins"), ({"api_key": b"k"}, "api_key")])
+def test_the_app_refuses_a_bad_door_option_when_built(kwargs: dict[str, Any], field: str) -> None:
+    from asyncpage.errors import InvalidRequestError
+    from asyncpage.openai import app
+
+    with pytest.raises(InvalidRequestError, match=rf"^{field}:"):
+        app(object(), **kwargs)  # type: ignore[arg-type]  # refused before the engine is looked at

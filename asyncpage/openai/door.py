@@ -11,6 +11,7 @@ from typing import Any
 from starlette.datastructures import Headers
 from starlette.responses import Response
 
+from asyncpage.errors import InvalidRequestError
 from asyncpage.openai.convert import JSONResponse, error_body
 
 _LOOPBACK_NAMES = ("localhost",)
@@ -31,6 +32,22 @@ def _is_loopback(name: str) -> bool:
         return ipaddress.ip_address(name).is_loopback
     except ValueError:
         return False
+
+
+def check_door_options(api_key: Any, allowed_origins: Any, allowed_hosts: Any, max_request_bytes: Any,
+                       body_timeout: Any) -> None:
+    """InvalidRequestError naming the first of the app's door options that is of the wrong type or out of
+    range, at construction (not at the first request, or in every replica of asyncpage.ray.serve_app)."""
+    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+        raise InvalidRequestError("api_key", "must be a non-empty string (None serves without a key)")
+    for name, value in (("allowed_origins", allowed_origins), ("allowed_hosts", allowed_hosts)):
+        if value is not None and (isinstance(value, str) or not all(isinstance(v, str) for v in value)):
+            raise InvalidRequestError(name, f"must be a list of strings, got {value!r}")
+    if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+        raise InvalidRequestError("max_request_bytes", f"must be an int >= 1, got {max_request_bytes!r}")
+    if (isinstance(body_timeout, bool) or not isinstance(body_timeout, int | float)
+            or not 0 < body_timeout < float("inf")):
+        raise InvalidRequestError("body_timeout", f"must be a finite number of seconds > 0, got {body_timeout!r}")
 
 
 def _origin(value: str) -> str:

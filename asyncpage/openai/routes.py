@@ -70,7 +70,7 @@ from asyncpage.openai.convert import (
     model_id,
     run_options,
 )
-from asyncpage.openai.door import _Door
+from asyncpage.openai.door import _Door, check_door_options
 from asyncpage.openai.responses import ResponseStore, sampling_body
 from asyncpage.openai.responses import Turn as ResponseTurn
 
@@ -135,8 +135,7 @@ def app(engine: EngineClient, *, max_request_bytes: int = MAX_REQUEST_BYTES, api
     naming the engine that answered (asyncpage.ray.serve_app gives each replica its own); None: left out.
     `trust_request_chat_template`: take a body's `chat_template` (it runs in this process; off, a 400);
     the in-process clients turn it on (their caller wrote the app)."""
-    if api_key is not None and not api_key.strip():
-        raise InvalidRequestError("api_key", "must not be empty (None serves without a key)")
+    check_door_options(api_key, allowed_origins, allowed_hosts, max_request_bytes, body_timeout)
     served = model_id(engine)
     window = prompt_window(engine)
     mark = {} if fingerprint is None else {"system_fingerprint": fingerprint}

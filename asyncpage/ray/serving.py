@@ -36,9 +36,12 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from asyncpage.core.config import EngineOptions
+from asyncpage.decoding.speculative import SpeculativeConfig
 from asyncpage.engine import AsyncEngine
 from asyncpage.errors import InvalidRequestError
 from asyncpage.openai.convert import BODY_TIMEOUT_S, MAX_REQUEST_BYTES, error_body
+from asyncpage.openai.door import check_door_options
 from asyncpage.openai.routes import app
 from asyncpage.ray.routing import IMBALANCED_THRESHOLD, CacheAffinityRouter, affinity_key
 
@@ -195,6 +198,18 @@ class Ingress:
             yield b"data: " + msgspec.json.encode(event) + b"\n\n"
 
 
+def _check_engine_options(options: Mapping[str, Any]) -> None:
+    """The pool and scheduling options among `options` checked as from_pretrained checks them (the
+    rest are checked by the load itself), so that a bad value fails here, naming it, not in every replica."""
+    defaults = {k: p.default for k, p in inspect.signature(AsyncEngine.from_pretrained).parameters.items()
+                if k in EngineOptions.names()}
+    merged = {**defaults, **{k: v for k, v in options.items() if k in EngineOptions.names()}}
+    merged["speculative_config"] = SpeculativeConfig.parse(merged.get("speculative_config"))
+    if merged.get("debug_checks") is None:
+        merged["debug_checks"] = False  # None: the replica reads ASYNCPAGE_DEBUG_CHECKS (from_pretrained)
+    EngineOptions(**merged).check()
+
+
 def serve_app(num_replicas: int = 1, engine_options: Mapping[str, Any] | None = None, *,
               ray_actor_options: Mapping[str, Any] | None = None,
               ingress_actor_options: Mapping[str, Any] | None = None, max_ongoing_requests: int = 64,
@@ -222,8 +237,12 @@ def serve_app(num_replicas: int = 1, engine_options: Mapping[str, Any] | None = 
     unknown = sorted(str(k) for k in (engine_options or {}) if k not in known)
     if unknown:
         raise InvalidRequestError("engine_options", f"not options of AsyncEngine.from_pretrained: {', '.join(unknown)}")
-    if api_key is not None and not api_key.strip():
-        raise InvalidRequestError("api_key", "must not be empty (None serves without a key)")
+    _check_engine_options(engine_options or {})
+    check_door_options(api_key, allowed_origins, allowed_hosts, max_request_bytes, body_timeout)
+    for field, value, least in (("max_ongoing_requests", max_ongoing_requests, 1),
+                                ("imbalanced_threshold", imbalanced_threshold, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise InvalidRequestError(field, f"must be an int >= {least}, got {value!r}")
     actor = dict(ray_actor_options if ray_actor_options is not None else {"num_cpus": 1})
     options = dict(engine_options or {})
     if options.get("num_threads") is None:
