@@ -251,6 +251,16 @@ def serve(args: argparse.Namespace) -> int:
         print("asyncpage serve: --api-key (or ASYNCPAGE_API_KEY) is empty; give a key, or unset it to serve "
               "without one", file=sys.stderr)
         return 2
+    from asyncpage.errors import InvalidRequestError
+    from asyncpage.openai.convert import BODY_TIMEOUT_S, MAX_REQUEST_BYTES
+    from asyncpage.openai.door import check_door_options
+
+    try:  # before minutes of loading: a negative --body-timeout would make every request a 408
+        check_door_options(args.api_key, args.allowed_origins, args.allowed_hosts,
+                           args.max_request_bytes or MAX_REQUEST_BYTES, args.body_timeout or BODY_TIMEOUT_S)
+    except InvalidRequestError as exc:
+        print(f"asyncpage serve: {exc}", file=sys.stderr)
+        return 2
     if getattr(args, "ray", False):
         return serve_on_ray(args)
     import uvicorn

@@ -472,3 +472,12 @@ def test_the_app_refuses_a_bad_door_option_when_built(kwargs: dict[str, Any], fi
 
     with pytest.raises(InvalidRequestError, match=rf"^{field}:"):
         app(object(), **kwargs)  # type: ignore[arg-type]  # refused before the engine is looked at
+
+
+@pytest.mark.parametrize("argv", [("--body-timeout", "-3"), ("--ray", "--body-timeout", "-3")])
+def test_serve_refuses_a_bad_door_flag_before_loading_anything(argv: tuple[str, ...],
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncpage.serve import serve
+
+    assert serve(_serve_args(*argv)) == 2
+    assert "body_timeout: must be a finite number of seconds > 0" in capsys.readouterr().err
