@@ -12,8 +12,10 @@ next turn. `stream` sends the Responses event sequence (`response.created`, `.ou
 `.reasoning_text.delta`/`.done`, `.output_text.delta`, `.function_call_arguments.delta`/`.done`,
 `.completed`, ...).
 
-The store is in-process and bounded (ResponseStore: the MAX_STORED most recent, `store: false` keeps
-nothing); it lives with the app, one per `app()`.
+The store is in-process and bounded (ResponseStore: the MAX_STORED most recent within MAX_STORED_BYTES,
+`store: false` keeps nothing); it lives with the app, one per `app()`. What a response echoes back is
+checked as OpenAI checks it (`metadata`: at most 16 string pairs; `text`: `format` and `verbosity`), so a
+stored response holds little beyond its conversation.
 """
 
 from __future__ import annotations
@@ -24,31 +26,79 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
+
 from asyncpage.chat import ChatDelta, ChatResult
 from asyncpage.errors import InvalidRequestError
 from asyncpage.openai.convert import reasoning_options
 
 MAX_STORED = 1024  # responses kept for previous_response_id and GET, most recent first out last
+MAX_STORED_BYTES = 256 << 20  # ... and at most this much of them (their JSON size), oldest out first
 MAX_INPUT_ITEMS = 4096
+MAX_METADATA = 16  # OpenAI's limits on `metadata`: 16 pairs, keys of 64 characters, values of 512
+VERBOSITY = (None, "low", "medium", "high")
 
 
 class ResponseStore:
-    """Stored responses by id: the response object and the conversation it ended (chat messages)."""
+    """Stored responses by id: the response object and the conversation it ended (chat messages),
+    the `limit` most recent within `max_bytes` (each counted as its JSON's size)."""
 
-    def __init__(self, limit: int = MAX_STORED) -> None:
-        self.limit = limit
-        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+    def __init__(self, limit: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES) -> None:
+        self.limit, self.max_bytes, self.bytes = limit, max_bytes, 0
+        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]], int]] = OrderedDict()
 
     def put(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
-        self._items[response["id"]] = (response, messages)
-        while len(self._items) > self.limit:
-            self._items.popitem(last=False)
+        size = len(msgspec.json.encode([response, messages]))
+        self.delete(response["id"])
+        self._items[response["id"]] = (response, messages, size)
+        self.bytes += size
+        while len(self._items) > self.limit or (self.bytes > self.max_bytes and len(self._items) > 1):
+            self.bytes -= self._items.popitem(last=False)[1][2]
 
     def get(self, rid: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
-        return self._items.get(rid)
+        kept = self._items.get(rid)
+        return None if kept is None else (kept[0], kept[1])
 
     def delete(self, rid: str) -> bool:
-        return self._items.pop(rid, None) is not None
+        kept = self._items.pop(rid, None)
+        if kept is not None:
+            self.bytes -= kept[2]
+        return kept is not None
+
+
+def check_echoed(body: dict[str, Any]) -> None:
+    """`metadata`, `text` and `store` as OpenAI takes them (a response echoes the first two back and the
+    store keeps them): InvalidRequestError naming the field otherwise."""
+    metadata = body.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA:
+            raise InvalidRequestError("metadata", f"must be an object of at most {MAX_METADATA} string pairs")
+        for k, v in metadata.items():
+            if not (isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512):
+                raise InvalidRequestError("metadata", "keys must be strings of at most 64 characters and "
+                                                      "values strings of at most 512")
+    text = body.get("text")
+    if text is not None:
+        if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
+            raise InvalidRequestError("text", "must be an object with `format` and / or `verbosity`")
+        if text.get("verbosity") not in VERBOSITY:
+            raise InvalidRequestError("text.verbosity", "must be low, medium or high")
+    if body.get("store") is not None and not isinstance(body.get("store"), bool):
+        raise InvalidRequestError("store", "must be true or false")
+
+
+def check_call_ids(history: list[dict[str, Any]], value: Any) -> None:
+    """Every `function_call_output` in `input` answers a call made before it (in the stored conversation
+    or earlier in `input`), as OpenAI requires."""
+    if not isinstance(value, list):
+        return
+    known = {c.get("id") for m in history for c in (m.get("tool_calls") or []) if isinstance(c, dict)}
+    for i, item in enumerate(value):
+        if isinstance(item, dict) and item.get("type") == "function_call":
+            known.add(item.get("call_id"))
+        elif isinstance(item, dict) and item.get("type") == "function_call_output" and item.get("call_id") not in known:
+            raise InvalidRequestError(f"input[{i}].call_id",
+                                      f"no function call {str(item.get('call_id'))[:80]!r} for this output")
 
 
 def _text_of(content: Any, field: str) -> str:
@@ -202,7 +252,9 @@ class Turn:
         instructions = body.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
             raise InvalidRequestError("instructions", "must be a string")
+        check_echoed(body)
         new = input_messages(body.get("input"))
+        check_call_ids(history, body.get("input"))
         self.conversation = history + new  # what a later turn continues (instructions are per request)
         self.messages = ([{"role": "system", "content": instructions}] if instructions else []) + self.conversation
         self.tools = chat_tools(body.get("tools"))
@@ -210,7 +262,7 @@ class Turn:
                                          parallel_tool_calls=body.get("parallel_tool_calls", True) is not False,
                                          response_format=chat_response_format(body.get("text")),
                                          **reasoning_options(body, _effort(body), trust_template))
-        self.store = body.get("store", True) is not False
+        self.store = body.get("store") is not False
         self.id = "resp_" + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.model = model
