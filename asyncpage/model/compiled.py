@@ -34,11 +34,12 @@ import torch
 
 from asyncpage.model import native
 from asyncpage.model.attention import AttentionMetadata, attend_span, contiguous_span, decode_only_attention
+from asyncpage.model.batch import EXACT_ROWS, FlatBatch
 from asyncpage.runtime import cache_dir
 
 log = logging.getLogger("asyncpage")
 
-MAX_ROWS = 8  # the runner's exact buckets: decode steps of up to 8 sequences have no padding rows
+MAX_ROWS = EXACT_ROWS  # the runner's exact buckets: decode steps of up to 8 sequences have no padding rows
 
 # The step's K/V pools (one per layer), slots, block tables and each layer's mask for its window.
 # Set by CompiledDecode.forward before the compiled call and read by the operator (by layer index),
@@ -176,8 +177,6 @@ class CompiledDecode:
         return self.compile_s
 
     def _run_variants(self, dtype: torch.dtype, block_size: int) -> None:
-        from asyncpage.model.batch import FlatBatch
-
         blocks = MAX_ROWS + 1
         caches = [tuple(torch.zeros(blocks, block_size, layer.self_attn.num_kv_heads, layer.self_attn.head_dim,
                                     dtype=dtype) for _ in range(2)) for layer in self.model.model.layers]

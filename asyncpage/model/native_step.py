@@ -30,12 +30,13 @@ from torch import nn
 
 from asyncpage.model import native
 from asyncpage.model.attention import AttentionMetadata, paged_attention
+from asyncpage.model.batch import EXACT_ROWS
 from asyncpage.model.gguf_linear import GGUFEmbedding, GGUFFused, GGUFLinear
 from asyncpage.model.layers import FusedLinear, GemmaRMSNorm, RMSNorm
 
 log = logging.getLogger("asyncpage")
 
-MAX_ROWS = 8  # the runner's exact buckets (batch.py): decode steps of up to 8 rows have no padding
+MAX_ROWS = EXACT_ROWS  # the runner's exact buckets (batch.py): decode steps of up to 8 rows have no padding
 _MAT_F32, _MAT_BF16 = -1, -2  # dense rows (a tensor without a block kernel)
 _DENSE = {torch.float32: _MAT_F32, torch.bfloat16: _MAT_BF16}
 _KV = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
