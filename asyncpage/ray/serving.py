@@ -227,8 +227,10 @@ def serve_app(num_replicas: int = 1, engine_options: Mapping[str, Any] | None = 
     holds at once (past it the router waits for a free one). `cache_routing`: keyed requests to the
     replica holding their prefix (CacheAffinityRouter, `imbalanced_threshold` as there); False: Serve's
     default router (by load only)."""
-    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
-        raise InvalidRequestError("num_replicas", f"must be an int >= 1, got {num_replicas!r}")
+    for field, value, least in (("num_replicas", num_replicas, 1), ("max_ongoing_requests", max_ongoing_requests, 1),
+                                ("imbalanced_threshold", imbalanced_threshold, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise InvalidRequestError(field, f"must be an int >= {least}, got {value!r}")
     if engine_options is not None and not isinstance(engine_options, Mapping):
         raise InvalidRequestError("engine_options", f"must be a dict, got {type(engine_options).__name__}")
     # A misspelt option fails here, naming it, not in every replica's constructor (Serve then reports
@@ -239,10 +241,6 @@ def serve_app(num_replicas: int = 1, engine_options: Mapping[str, Any] | None = 
         raise InvalidRequestError("engine_options", f"not options of AsyncEngine.from_pretrained: {', '.join(unknown)}")
     _check_engine_options(engine_options or {})
     check_door_options(api_key, allowed_origins, allowed_hosts, max_request_bytes, body_timeout)
-    for field, value, least in (("max_ongoing_requests", max_ongoing_requests, 1),
-                                ("imbalanced_threshold", imbalanced_threshold, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise InvalidRequestError(field, f"must be an int >= {least}, got {value!r}")
     actor = dict(ray_actor_options if ray_actor_options is not None else {"num_cpus": 1})
     options = dict(engine_options or {})
     if options.get("num_threads") is None:
