@@ -79,6 +79,8 @@ LIMITS = [
     ("tools[0].function.parameters",
      dict(tools=[tool("f", {"type": "object", "properties": {"a": one_of(MAX_ONE_OF + 1)}})])),
     ("tools[0].function.parameters", dict(tools=[tool("f", nested(MAX_JSON_DEPTH + 1))])),
+    ("tools[1].function.parameters", dict(tools=[tool("g"), tool("f", {"type": "string"})])),
+    ("tools[1].function.parameters", dict(tools=[tool("g"), tool("f", {"type": "nonsense"})])),
     ("response_format.json_schema.schema", dict(response_format=json_schema(big_params(MAX_SCHEMA_BYTES + 2000)))),
     ("response_format.json_schema.schema", dict(response_format=json_schema(one_of(MAX_ONE_OF + 1)))),
     ("response_format.json_schema.schema", dict(response_format=json_schema(nested(MAX_JSON_DEPTH + 1)))),
@@ -105,6 +107,34 @@ async def test_the_limits_are_400s_naming_the_field_over_http(engine: AsyncEngin
         r = await c.post("/v1/chat/completions", content=json.dumps(body, separators=(",", ":")),
                          headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.json_schema.schema", r.text
+
+
+async def test_a_schema_that_does_not_compile_is_a_400_naming_it_as_the_body_wrote_it(engine: AsyncEngine) -> None:
+    """The grammar of the whole turn is what fails to compile: the error names the tool or the answer
+    schema it failed in, as the route's body spells it, and says why without quoting the grammar."""
+    from asyncpage.openai import app
+
+    broken = {"type": "object", "properties": {"a": {"type": "nonsense"}}}
+    cases: list[tuple[str, dict[str, Any], str]] = [
+        ("/v1/chat/completions", {"messages": ASK, "tools": [tool("g"), tool("f", {"type": "nonsense"})]},
+         "tools[1].function.parameters"),
+        ("/v1/chat/completions", {"messages": ASK, "tools": [tool("g"), tool("f", broken)]},
+         "tools[1].function.parameters"),
+        ("/v1/chat/completions", {"messages": ASK, "response_format": json_schema({"type": "nonsense"})},
+         "response_format.json_schema.schema"),
+        ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": broken}]},
+         "tools[0].parameters"),
+        ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "a",
+                                                              "schema": {"type": "nonsense"}}}},
+         "text.format.schema")]
+    async with engine, httpx.AsyncClient(transport=httpx.ASGITransport(app(engine)), base_url="http://t") as c:
+        for path, body, param in cases:
+            for stream in (False, True):
+                r = await c.post(path, json={**body, "stream": stream})
+                err = r.json()["error"]
+                assert r.status_code == 400 and err["param"] == param, (path, stream, r.text)
+                assert "nonsense" in err["message"] and "%json" not in err["message"], err["message"]
+                assert "_args" not in err["message"] and " | " not in err["message"], err["message"]
 
 
 class _Untouchable(dict[str, Any]):

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from asyncpage.errors import InvalidRequestError
-from asyncpage.openai.responses import ResponseStore, Turn
+from asyncpage.openai.responses import ResponseStore, Turn, body_field
 
 CALL = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
 
@@ -35,6 +35,15 @@ def test_well_formed_echoed_fields_are_taken() -> None:
                                                                        "verbosity": "low"}, store=False)
     assert not turn.store
     assert _turn().store  # stored unless asked otherwise
+
+
+@pytest.mark.parametrize(("ours", "theirs"), [
+    ("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"),
+    ("tools[3].function.parameters", "tools[3].parameters"), ("tools[0].function.name", "tools[0].name"),
+    ("tools", "tools"), ("max_tokens", "max_output_tokens"), ("messages[2].content", "input"),
+    ("prompt_cache_key", "prompt_cache_key"), ("temperature", "temperature")])
+def test_an_error_from_chat_names_the_field_as_the_responses_body_wrote_it(ours: str, theirs: str) -> None:
+    assert body_field(ours) == theirs
 
 
 def test_an_output_for_a_call_never_made_is_refused_naming_it() -> None:

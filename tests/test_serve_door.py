@@ -347,6 +347,23 @@ async def test_cache_salt_from_the_body_reaches_the_sampling_params(tiny: AsyncE
     assert seen == ["tenant-a", "tenant-b"]
 
 
+async def test_a_prompt_cache_key_past_the_limit_is_a_400_naming_it_on_every_route(tiny: AsyncEngine) -> None:
+    from asyncpage import InvalidRequestError
+    from asyncpage.core.validation import MAX_CACHE_KEY_CHARS
+
+    key = "k" * (MAX_CACHE_KEY_CHARS + 1)
+    async with _client(app(tiny)) as hc:
+        for path, body in (("/completions", COMPLETION), ("/chat/completions", CHAT),
+                           ("/responses", {"input": "hi", "max_output_tokens": 2})):
+            r = await hc.post(path, json={**body, "prompt_cache_key": key})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_cache_key", (path, r.text)
+            r = await hc.post(path, json={**body, "prompt_cache_key": key[:-1]})
+            assert r.status_code == 200, (path, r.text)
+    with pytest.raises(InvalidRequestError) as err:  # in process, the engine's own name for it
+        await tiny.generate("hi", cache_key=key)
+    assert err.value.field == "cache_key"
+
+
 # ---- `asyncpage serve` ----------------------------------------------------------------------------
 
 def _serve_args(*argv: str) -> Any:

@@ -130,6 +130,12 @@ def parse_tools(tools: Any) -> list[Tool]:
             params = {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise bad(f"tools[{i}].function.parameters", "must be a JSON Schema object")
+        kind = params.get("type", "object")
+        if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            # A call's arguments are a JSON object (as OpenAI requires); refused here, by name, before a
+            # template renders the schema (many read its `properties`) or the grammar compiles it.
+            raise bad(f"tools[{i}].function.parameters", f'must be a JSON Schema of type "object", got type '
+                                                         f"{str(kind)[:40]!r}")
         total += check_schema(params, f"tools[{i}].function.parameters")
         if total > MAX_SCHEMAS_BYTES:
             raise bad("tools", f"the tools' parameters are over {MAX_SCHEMAS_BYTES} bytes of JSON together")

@@ -42,10 +42,33 @@ def _finish(reason: str, has_calls: bool) -> ChatFinishReason:
     return "tool_calls" if has_calls else "stop"
 
 
+# llguidance places a failure in the Lark text ("at 8(14): failed to compile JSON schema: ...") and
+# quotes the lines around it ("   6 | call_0_args: %json {...}"): the text this layer built, not the caller's.
+_AT_LINE = re.compile(r"at (\d+)\(\d+\): ")
+_LISTING = re.compile(r"\n\s*\d+ \| ")
+_TOOL_ARGS = re.compile(r"call_(\d+)_args")
+
+
 def _grammar_field(turn: Turn, exc: GrammarError) -> GrammarError:
-    """The engine names `grammar`; the caller wrote tools or response_format."""
+    """The engine names `grammar` and quotes the Lark text grammar.py built; the caller wrote a tool's
+    parameters or response_format's schema. The rule the failure is in says which (tools or
+    response_format when it cannot), and the message keeps what is wrong without the grammar."""
     field = "tools" if turn.spec.calls_allowed else "response_format"
-    return GrammarError(field, exc.message)
+    message = _LISTING.split(exc.message, maxsplit=1)[0]
+    at = _AT_LINE.search(message)
+    if at is not None:
+        message = message[:at.start()] + message[at.end():]
+        lines = (turn.params.grammar or "").split("\n")
+        line = int(at.group(1))
+        rule = lines[line - 1].split(":", 1)[0].strip() if 0 < line <= len(lines) else ""
+        tool = _TOOL_ARGS.fullmatch(rule)
+        if tool is not None and int(tool.group(1)) < len(turn.spec.callable_tools):
+            name = turn.spec.callable_tools[int(tool.group(1))].name
+            index = next(i for i, t in enumerate(turn.spec.tools) if t.name == name)  # names are unique
+            field = f"tools[{index}].function.parameters"
+        elif rule == "answer":
+            field = "response_format.json_schema.schema"
+    return GrammarError(field, message)
 
 
 def _usage(turn: Turn, run: Run, n_tokens: int) -> Usage:

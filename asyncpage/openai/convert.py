@@ -9,6 +9,7 @@ import logging
 import math
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse as _StarletteJSON
 
+from asyncpage.core.validation import MAX_CACHE_KEY_CHARS
 from asyncpage.errors import (
     EngineDeadError,
     EngineNotRunningError,
@@ -83,13 +85,18 @@ class JSONResponse(_StarletteJSON):
         return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
-def _failure(exc: BaseException, prompt_field: str = "prompt") -> tuple[int, dict[str, Any], dict[str, str]]:
+def _failure(exc: BaseException, prompt_field: str = "prompt",
+             body_field: Callable[[str], str] | None = None) -> tuple[int, dict[str, Any], dict[str, str]]:
     """(status, OpenAI error body, headers) for an exception. `prompt_field`: what the route calls the
-    prompt (the chat route's is `messages`). Only our own typed errors' messages reach the client; for
-    anything else (and an engine's death, whose message carries its cause) the client gets a generic
-    message with a request id, and the detail goes to the log under that id."""
+    prompt (the chat route's is `messages`); `body_field`: the route's body's name for a field that
+    chat() or SamplingParams named (the Responses body is translated into their arguments). Only our
+    own typed errors' messages reach the client; for anything else (and an engine's death, whose
+    message carries its cause) the client gets a generic message with a request id, and the detail
+    goes to the log under that id."""
     if isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        return _failure(exc.exceptions[0], prompt_field)  # one failed prompt of a batch: report it as itself
+        return _failure(exc.exceptions[0], prompt_field, body_field)  # one failed prompt of a batch: as itself
+    if isinstance(exc, InvalidRequestError) and body_field is not None:
+        exc = type(exc)(body_field(exc.field), exc.message)
     if isinstance(exc, RequestTooLargeError):
         return 413, error_body(exc.message, exc.field, code="request_too_large"), {}
     if isinstance(exc, BodyTimeoutError):
@@ -117,8 +124,9 @@ def _failure(exc: BaseException, prompt_field: str = "prompt") -> tuple[int, dic
     return 500, error_body(f"internal error (request id {rid})", None, "server_error"), {"x-request-id": rid}
 
 
-def _error(exc: BaseException, prompt_field: str = "prompt") -> JSONResponse:
-    status, body, headers = _failure(exc, prompt_field)
+def _error(exc: BaseException, prompt_field: str = "prompt",
+           body_field: Callable[[str], str] | None = None) -> JSONResponse:
+    status, body, headers = _failure(exc, prompt_field, body_field)
     return JSONResponse(body, status, headers=headers)
 
 
@@ -240,6 +248,9 @@ def run_options(body: dict[str, Any]) -> dict[str, Any]:
     key = body.get("prompt_cache_key")
     if key is not None and not isinstance(key, str):
         raise InvalidRequestError("prompt_cache_key", "must be a string")
+    if key is not None and len(key) > MAX_CACHE_KEY_CHARS:  # the engine refuses it too, naming its `cache_key`
+        raise InvalidRequestError("prompt_cache_key", f"has {len(key)} characters, over the limit of "
+                                                      f"{MAX_CACHE_KEY_CHARS}")
     return {"priority": priority, "cache_key": key or None}
 
 

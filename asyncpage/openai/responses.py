@@ -20,6 +20,7 @@ stored response holds little beyond its conversation.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -201,6 +202,28 @@ def chat_response_format(text: Any) -> dict[str, Any] | None:
     if fmt.get("type") in ("json_object", "text"):
         return {"type": fmt["type"]}
     raise InvalidRequestError("text.format.type", f"must be text, json_object or json_schema, got {fmt.get('type')!r}")
+
+
+# What chat() and SamplingParams call the fields a Responses body was translated into (longest first),
+# and the body's own names for them: an error names what the client sent. `messages` also holds the
+# instructions and a previous response's conversation, so its items' indexes are not `input`'s.
+_BODY_NAMES = (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
+               ("max_tokens", "max_output_tokens"))
+_TOOL_FUNCTION = re.compile(r"tools\[(\d+)\]\.function(?=\.|$)")
+
+
+def body_field(field: str) -> str:
+    """The Responses body's name for `field`, as chat() or SamplingParams named it (chat_tools and
+    chat_response_format keep a tool's index and the format's schema)."""
+    if field == "messages" or field.startswith(("messages.", "messages[")):
+        return "input"
+    tool = _TOOL_FUNCTION.match(field)
+    if tool is not None:  # a Responses tool is flat: {"type": "function", "name", "parameters"}
+        return f"tools[{tool.group(1)}]" + field[tool.end():]
+    for ours, theirs in _BODY_NAMES:
+        if field == ours or field.startswith((ours + ".", ours + "[")):
+            return theirs + field[len(ours):]
+    return field
 
 
 def usage(u: Any) -> dict[str, Any]:

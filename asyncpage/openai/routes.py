@@ -71,7 +71,7 @@ from asyncpage.openai.convert import (
     run_options,
 )
 from asyncpage.openai.door import _Door, check_door_options
-from asyncpage.openai.responses import ResponseStore, sampling_body
+from asyncpage.openai.responses import ResponseStore, body_field, sampling_body
 from asyncpage.openai.responses import Turn as ResponseTurn
 
 if TYPE_CHECKING:
@@ -248,7 +248,8 @@ def app(engine: EngineClient, *, max_request_bytes: int = MAX_REQUEST_BYTES, api
                                 e = {**e, "response": {**e["response"], **mark}}
                             yield f"event: {e['type']}\n" + _sse(e)
                     except Exception as exc:  # after the first delta: an error event, the stream ends
-                        yield "event: error\n" + _sse({"type": "error", **_failure(exc, "input")[1]["error"]})
+                        failure = _failure(exc, "input", body_field)[1]["error"]
+                        yield "event: error\n" + _sse({"type": "error", **failure})
                     finally:
                         await stream.aclose()  # type: ignore[attr-defined]
 
@@ -258,7 +259,7 @@ def app(engine: EngineClient, *, max_request_bytes: int = MAX_REQUEST_BYTES, api
             if isinstance(res, Response):
                 return res
         except Exception as exc:
-            return _error(exc, "input")
+            return _error(exc, "input", body_field)
         return JSONResponse({**turn.finished(res, store), **mark})
 
     async def responses_get(request: Request) -> Response:
