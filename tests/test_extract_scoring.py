@@ -75,7 +75,8 @@ def test_each_option_reads_on_its_field_s_label_line_after_the_record() -> None:
     assert reading("api", {"title": "API version"}, "v2").key == "\n\nAPI version: v2"
     d = Decider(mark(TICKET, "auto"), booleans=True, choices=True)
     assert d.options == {"severity": {reading("severity", SEVERITY, o): o for o in SEVERITY["enum"]}}
-    assert set(d.present) == {"order_id"} and not d.readings
+    assert set(d.spans) == {"order_id"} and not d.present and not d.readings  # copied: read on its label line
+    assert set(Decider(TICKET, booleans=True, choices=True).present) == {"order_id"}  # not copied: in context
     assert not Decider(TICKET, booleans=True, choices=False).active
 
 
@@ -120,25 +121,53 @@ async def test_the_option_returned_is_the_one_its_calibrated_scores_chose(tiny_l
         assert off[0].ok and off[0].value["severity"] in SEVERITY["enum"]
 
 
-async def test_null_or_present_follows_the_margin_over_its_reference_offset(tiny_llama: Path) -> None:
-    schema = {"type": "object", "properties": {"order_id": {"type": ["string", "null"]}}, "required": ["order_id"]}
+async def test_a_copied_nullable_field_is_null_or_the_likeliest_span_on_its_label_line(tiny_llama: Path) -> None:
+    schema = {"type": "object", "properties": {"order_id": {"type": ["string", "null"], "maxLength": 12}},
+              "required": ["order_id"]}
     text = "Li Wei: order ORD-12345 never came"
     async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
         first = [r async for r in engine.extract_many([{"id": 1, "text": text}], schema, params=PARAMS,
                                                       copy_fields="auto", beam_width=1)]
-        keys = [k for k in engine.reading_offsets if k.startswith("present\0")]
+        keys = [k for k in engine.reading_offsets if k.startswith("span\0")]
         assert first[0].ok and len(keys) == 1 and engine.reading_offsets[keys[0]] is not None
+        assert not [k for k in engine.reading_offsets if k.startswith("present\0")]
+        # The span read by hand: the best of the beams over the record's spans after "Order id:", as the plan found.
+        spans = {text[i:j] for i in range(len(text)) for j in range(i + 1, len(text) + 1)}
         for offset, present in ((1e9, False), (-1e9, True)):  # what the margin says is what the value holds
             engine.reading_offsets[keys[0]] = offset
+            for prompt in (None, "Ticket: {text}\nIts order id as JSON: "):  # read after the record, any prompt
+                [r] = [r async for r in engine.extract_many([{"id": 1, "text": text}], schema, params=PARAMS,
+                                                            copy_fields="auto", beam_width=1, confidence=True,
+                                                            prompt=prompt)]
+                assert r.ok and r.confidence is not None and 0.5 <= r.confidence["order_id"] <= 1
+                if present:
+                    got = r.value["order_id"]
+                    assert isinstance(got, str) and got in spans and len(got) <= 12  # a span, within maxLength
+                    assert got == got.strip() and "\n" not in got
+                else:
+                    assert r.value["order_id"] is None
+        # Nothing of the record's grammars stays cached.
+        assert not [k for k, _ in engine.guided._cache.items() if b"ORD-12345" in k]
+
+
+async def test_a_nullable_field_not_copied_follows_its_margin_in_context(tiny_llama: Path) -> None:
+    # Short values (maxLength): the tiny random model's reference values then end, and are measured.
+    schema = {"type": "object", "properties": {"order_id": {"type": ["string", "null"], "maxLength": 4}},
+              "required": ["order_id"]}
+    text = "Li Wei: order ORD-12345 never came"
+    async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
+        first = [r async for r in engine.extract_many([{"id": 1, "text": text}], schema, params=PARAMS,
+                                                      beam_width=1, score_choices=True)]
+        keys = [k for k in engine.reading_offsets if k.startswith("present\0")]
+        assert first[0].ok and len(keys) == 1 and engine.reading_offsets[keys[0]] is not None
+        for offset, present in ((1e9, False), (-1e9, True)):
+            engine.reading_offsets[keys[0]] = offset
             [r] = [r async for r in engine.extract_many([{"id": 1, "text": text}], schema, params=PARAMS,
-                                                        copy_fields="auto", beam_width=1, confidence=True)]
+                                                        beam_width=1, score_choices=True, confidence=True)]
             assert r.ok and r.confidence is not None and 0.5 <= r.confidence["order_id"] <= 1
-            if present:
-                assert isinstance(r.value["order_id"], str) and r.value["order_id"] in text  # a span, never invented
-            else:
-                assert r.value["order_id"] is None
+            assert (r.value["order_id"] is not None) is present
         # A prompt that does not hold the record's text has no reference: null-or-present stays the model's.
-        d = Decider(mark(schema, "auto"), booleans=True, choices=True)
+        d = Decider(schema, booleans=True, choices=True)
         await d.calibrate(engine, None)
         assert d.margins == {}
 
