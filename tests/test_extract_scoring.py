@@ -15,7 +15,7 @@ import pytest
 from asyncpage import AsyncEngine, ExtractionError, InvalidRequestError, SamplingParams
 from asyncpage.extract import json_params
 from asyncpage.extract.closed import Closed, closed_fields
-from asyncpage.extract.decisions import Decider, Plan, Said, reading
+from asyncpage.extract.decisions import Context, Decider, Plan, Said, reading
 from asyncpage.extract.grounding import mark
 from asyncpage.extract.jobs import run_job
 from asyncpage.extract.prompt import REFERENCES
@@ -219,3 +219,36 @@ async def test_a_record_too_long_for_its_statements_is_left_to_the_model(tiny_ll
         assert plan.outcome(engine) == ({}, {})
         with pytest.raises(InvalidRequestError, match="score_choices"):
             await engine.extract("x", TICKET, score_choices=True)
+
+
+async def test_a_copied_value_ends_where_its_described_line_reads_likeliest(tiny_llama: Path) -> None:
+    schema = mark({"type": "object", "properties": {
+        "product": {"type": "string", "description": "the product brand the ticket is about", "minLength": 7},
+        "customer": {"type": "string"}}, "required": ["product", "customer"]}, "auto")
+    text = "Anna Berg: the Marlow Duo coffee grinder is broken, a long story of one two three four five six seven"
+    lead = "\n\nThe product brand the ticket is about:"
+    async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
+        d = Decider(schema, booleans=True, choices=True)
+        assert d.ends == {"product": (lead, schema["properties"]["product"]),
+                          "customer": ("\n\nCustomer:", schema["properties"]["customer"])}
+
+        async def decide(product: str, customer: str) -> tuple[dict[str, Any], dict[str, float]]:
+            value = json.dumps({"product": product, "customer": customer})
+            ids = engine.tokenizer(value, add_special_tokens=False)["input_ids"]
+            plan = Plan(d, text, [text])
+            plan.add_context(engine, Context(await engine.tokenize("JSON: "), value, ids))
+            await plan.run(engine)
+            return plan.outcome(engine)
+
+        decided, shares = await decide("Marlow Duo coffee grinder", "Anna")
+        ends = ["Marlow Duo", "Marlow Duo coffee", "Marlow Duo coffee grinder"]  # "Marlow" is under minLength
+        scores = {e: await _after(engine, text, Said(lead, f" {e}\n")) for e in ends}
+        best = max(scores, key=lambda e: scores[e])
+        assert decided == {"product": best}  # a word prefix of what the model wrote, never a new value
+        assert shares["product"] == pytest.approx(1 / sum(math.exp(v - scores[best]) for v in scores.values()),
+                                                  rel=1e-3)
+        # One word, or more than six: the end stays the model's (a name or a brand, not a sentence).
+        decided, _ = await decide("Marlow", "Anna")
+        assert decided == {}
+        decided, _ = await decide("a long story of one two three", "Anna Berg")
+        assert decided.keys() <= {"customer"} and decided.get("customer", "Anna Berg") in ("Anna", "Anna Berg")
