@@ -11,7 +11,7 @@ import pytest
 
 from asyncpage import AsyncEngine, ExtractionError, InvalidRequestError, SamplingParams
 from asyncpage.extract import booleans as flags
-from asyncpage.extract import decisions, decode_value, json_params
+from asyncpage.extract import decisions, decode_value, json_params, readings
 from asyncpage.extract.booleans import Reading
 from asyncpage.extract.decisions import Decider, Plan
 from asyncpage.extract.prompt import REFERENCES
@@ -66,14 +66,14 @@ def test_a_decided_boolean_replaces_the_one_the_model_wrote_before_the_type_judg
             if self.refund_asked and self.name == "gift":
                 raise ValueError("a gift is never refunded")
 
-    assert decisions.applied('{"name": "x", "refund": false}', {"refund": True}) == '{"name":"x","refund":true}'
-    assert decisions.applied('{"name": "x"}', {"refund": True}) == '{"name":"x","refund":true}'  # left out: set
-    assert decisions.applied('{"name": "x"', {"refund": True}) == '{"name": "x"'  # fails to decode as it would have
-    assert decisions.applied("[1]", {"refund": True}) == "[1]"
-    text = decisions.applied('{"refundAsked": false, "name": "x"}', {"refundAsked": True})
+    assert readings.applied('{"name": "x", "refund": false}', {"refund": True}) == '{"name":"x","refund":true}'
+    assert readings.applied('{"name": "x"}', {"refund": True}) == '{"name":"x","refund":true}'  # left out: set
+    assert readings.applied('{"name": "x"', {"refund": True}) == '{"name": "x"'  # fails to decode as it would have
+    assert readings.applied("[1]", {"refund": True}) == "[1]"
+    text = readings.applied('{"refundAsked": false, "name": "x"}', {"refundAsked": True})
     assert decode_value(text, Renamed) == Renamed(True, "x")
     with pytest.raises(msgspec.ValidationError, match="never refunded"):  # the record's invalid_output
-        decode_value(decisions.applied('{"refundAsked": false, "name": "gift"}', {"refundAsked": True}), Renamed)
+        decode_value(readings.applied('{"refundAsked": false, "name": "gift"}', {"refundAsked": True}), Renamed)
 
 
 async def _scores(engine: Any, heading: str, text: str) -> float:
@@ -145,7 +145,7 @@ async def test_the_value_returned_is_the_one_the_scores_chose(tiny_llama: Path,
         monkeypatch.setattr(Plan, "prepare", refuse)
         monkeypatch.setattr(Decider, "calibrate", refuse)
         off = await _value(engine.extract(f"{texts[0]}\nJSON: ", schema, params, copy_from=texts[0],
-                                          beam_width=1, score_booleans=False))
+                                          beam_width=1, score_booleans=False, score_choices=False))
         assert isinstance(off["refund"], bool)
         async for r in engine.extract_many([{"id": 1, "text": texts[0]}], schema, params=params):
             assert isinstance(r.value["refund"], bool)

@@ -22,16 +22,16 @@ What is decided, and the rule for each (`Decider`, one per job; `Plan`, one per 
   " not given\n"; present, with that span as the value whatever the model wrote, when its margin beats its
   mean over the reference records. On the 44 labeled tickets of tests/data (dev and the spent v2 set), 42 order
   ids right against 36 in context (below), where the JSON context let shorter spans win ("12", "14:22",
-  "Ravi"): on the label line the record's own "Order ORD-82264" is the pattern the model copies. Copied
-  fields that may not be null stay the model's: read on their label line, names and brands lost to order ids
-  ("Product: ORD-18846"), 8 of 44 customers right against all 44 written in the JSON.
+  "Ravi"): on the label line the record's own "Order ORD-82264" is the pattern the model copies.
 - Where a copied value ends, for a copied field that may not be null: the model writes it in the JSON (its
   start is good: every customer of the labeled sets), but runs on past the name ("Marlow Duo coffee grinder"
   for "the product brand"). Each word prefix of what it wrote (2 to MAX_END_WORDS words; those the field's
   schema refuses left out) is read on the field's described line after the record, " Marlow Duo\n" after
   "<record>\n\nThe product brand the ticket is about:" (its description, else its label), and the likeliest
   is the value. On the 64 labeled tickets (dev, v2, v3), read after the model's JSON: products 32 -> 53 right,
-  customers 64 -> 64 (on the label line "Product:" 46; every sub-span rather than prefixes, 50).
+  customers 64 -> 64 (on the label line "Product:" 46; every sub-span rather than prefixes, 50). Its start
+  stays the model's: a whole span searched on the label line lost names and brands to order ids ("Product:
+  ORD-18846"), 8 of 44 customers right against all 44 written in the JSON.
 - Null or present, for a nullable field whose other branch is an open scalar not copied (a string, a
   number): in context, after the field's key in the generated JSON, the log-probability per token of
   " null" against that of the likeliest value the grammar allows there (a beam search over the copied spans
@@ -59,53 +59,22 @@ import json
 import math
 import re
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
-import msgspec
-
-from asyncpage.errors import InvalidRequestError
 from asyncpage.extract import booleans as flags
 from asyncpage.extract import grounding
 from asyncpage.extract import retry as redo
-from asyncpage.extract.closed import Closed, closed_fields, spelling
-from asyncpage.extract.probes import BEST_MAX_TOKENS, Probe, Scored
+from asyncpage.extract.closed import Closed, closed_fields
+from asyncpage.extract.probes import BEST_MAX_TOKENS, Probe, Scored, gather
 from asyncpage.extract.prompt import REFERENCES
+from asyncpage.extract.readings import LINE_END, Context, Said, described, logistic, mean, reading, value_grammar
 
 if TYPE_CHECKING:
     from asyncpage.core.client import EngineClient
     from asyncpage.core.mailbox import Mailbox
 
 MAX_END_WORDS = 6  # a copied value of more words keeps its end (a name, a brand, an id: not a sentence)
-MAX_DESCRIBED = 100  # a longer description is not read as a line: its label (title or name) is
-LINE_END = "\n"  # what ends a copied value read on its label line (so a span's end is scored too)
 _KEPT = 256  # offsets an engine keeps (engine.reading_offsets, shared with booleans.py)
-
-
-class Context(NamedTuple):
-    """A generated value in its prompt: the prompt's ids, the value's text and token ids."""
-
-    prompt_ids: list[int]
-    text: str
-    token_ids: list[int]
-
-
-class Said(NamedTuple):
-    """A reading: `text` scored after the record and `lead` ("<record><lead><text>"); `key` names its offset."""
-
-    lead: str
-    text: str
-
-    @property
-    def key(self) -> str:
-        return self.lead + self.text
-
-
-def reading(name: str, prop: dict[str, Any], option: Any) -> Said:
-    """How an option reads after the record: its field's label line ("\n\nSeverity:") then the option
-    (" critical"). The label is the field's title, else its name; null reads "not given"."""
-    label = " ".join(str(prop.get("title") or name.replace("_", " ")).split())
-    word = "not given" if option is None else option if isinstance(option, str) else spelling(option)
-    return Said(f"\n\n{label[:1].upper()}{label[1:]}:", f" {' '.join(str(word).split())}")
 
 
 class Decider:
@@ -136,7 +105,7 @@ class Decider:
         for name, prop in props.items() if choices else ():
             p = grounding.resolve(schema, prop)
             if isinstance(p, dict) and p.get(grounding.COPY) is True and name not in self.spans:
-                self.ends[name] = (_described(name, p), p)
+                self.ends[name] = (described(name, p), p)
         self.offsets: dict[str, float] = {}  # a statement's (or a heading's) key -> its mean on the references
         self.margins: dict[str, float] = {}  # a null-or-present field -> its mean margin on the references
 
@@ -172,13 +141,13 @@ class Decider:
                 plan.forget(engine)
             for s in wanted:
                 got = [p.statement_score(s) for p in plans]
-                found[s.key] = None if any(g is None for g in got) else _mean(got)
+                found[s.key] = None if any(g is None for g in got) else mean(got)
             for name, r in named.items():
                 gains = [p.named_gain(name) for p in plans]
-                found[r.key] = None if any(g is None for g in gains) else _mean(gains)
+                found[r.key] = None if any(g is None for g in gains) else mean(gains)
             for name in spans:
                 margins = [p.span_margin(name) for p in plans]
-                found[self.span_key(name)] = None if any(m is None for m in margins) else _mean(margins)
+                found[self.span_key(name)] = None if any(m is None for m in margins) else mean(margins)
         keys = [s.key for s in self._statements()] + [r.key for r in self.readings.values() if not r.described]
         keys += [self.span_key(n) for n in self.spans]
         self.offsets = {k: v for k in keys if (v := found[k] if k in found else known.get(k)) is not None}
@@ -188,7 +157,7 @@ class Decider:
             named_keys = {n: "present\0" + hashlib.sha256(json.dumps([n, key, self.schema], sort_keys=True, default=str)
                                                     .encode()).hexdigest() for n in self.present}
             if any(k not in known for k in named_keys.values()):
-                contexts = await _gather([reference(text) for text in REFERENCES])
+                contexts = await gather([reference(text) for text in REFERENCES])
                 plans = [Plan(self, text, [text]) for text in REFERENCES]
                 for plan, ctx in zip(plans, contexts, strict=True):
                     plan.only([], {})
@@ -197,14 +166,10 @@ class Decider:
                 await _run_all(engine, plans, priority, cache_key)
                 for name, k in named_keys.items():
                     got = [p.margin(name) for p in plans]
-                    found[k] = None if any(m is None for m in got) else _mean(got)
+                    found[k] = None if any(m is None for m in got) else mean(got)
                     _keep(known, k, found[k])
             self.margins = {n: v for n, k in named_keys.items()
                             if (v := found[k] if k in found else known.get(k)) is not None}
-
-
-def _mean(xs: Sequence[float | None]) -> float:
-    return sum(x for x in xs if x is not None) / len(xs)
 
 
 def _keep(known: dict[str, float | None], key: str, value: float | None) -> None:
@@ -214,22 +179,7 @@ def _keep(known: dict[str, float | None], key: str, value: float | None) -> None
 
 
 async def _run_all(engine: EngineClient, plans: Sequence[Plan], priority: int, cache_key: str | None) -> None:
-    await _gather([plan.run(engine, priority=priority, cache_key=cache_key) for plan in plans])
-
-
-async def _gather(calls: Sequence[Awaitable[Any]]) -> list[Any]:
-    """Await `calls` together (one batch in the engine), their results in order."""
-    import anyio
-
-    out: list[Any] = [None] * len(calls)
-
-    async def one(i: int) -> None:
-        out[i] = await calls[i]
-
-    async with anyio.create_task_group() as tg:
-        for i in range(len(calls)):
-            tg.start_soon(one, i)
-    return out
+    await gather([plan.run(engine, priority=priority, cache_key=cache_key) for plan in plans])
 
 
 class Plan:
@@ -316,7 +266,7 @@ class Plan:
             colon = ctx.text.rfind(":", 0, f.start)
             if closed is None or colon < 0 or closed.present is None:
                 continue
-            grammar = _value_grammar(self.d.schema, closed.present, self.sources, ctx.text[colon + 1:f.start])
+            grammar = value_grammar(self.d.schema, closed.present, self.sources, ctx.text[colon + 1:f.start])
             if grammar is None:
                 continue
             k = redo.kept_tokens(ends, colon + 1)
@@ -436,7 +386,7 @@ class Plan:
             key = r.key
             g = self.statement_score(Said(flags.AFTER, f" {r.statement}.")) if r.described else self.named_gain(name)
             if g is not None and key in self.d.offsets:
-                decided[name], shares[name] = g > self.d.offsets[key], _logistic(abs(g - self.d.offsets[key]))
+                decided[name], shares[name] = g > self.d.offsets[key], logistic(abs(g - self.d.offsets[key]))
         for name, opts in self.d.options.items():
             scores: dict[Said, float] = {}
             for said in opts:
@@ -458,7 +408,7 @@ class Plan:
                 self._got(self.line_best[name])
             if m is None or off is None or found is None:
                 continue
-            shares[name] = _logistic(abs(m - off))
+            shares[name] = logistic(abs(m - off))
             value = found.text.strip()
             decided[name] = value if m > off and value else None
         for name in self.nulls:
@@ -466,7 +416,7 @@ class Plan:
             found = self._got(self.best.get(name))
             if m is None or off is None or found is None:
                 continue
-            shares[name] = _logistic(abs(m - off))
+            shares[name] = logistic(abs(m - off))
             if m <= off:
                 decided[name] = None
             elif self.wrote.get(name) is None:
@@ -475,50 +425,6 @@ class Plan:
                 except ValueError:
                     shares.pop(name)
         return decided, shares
-
-
-def _described(name: str, prop: dict[str, Any]) -> str:
-    """The line a copied value's end is read on: "\n\n<its description>:" when it has a short one ("The product
-    brand the ticket is about:"), else its label line's ("\n\nProduct:")."""
-    desc = " ".join(str(prop.get("description") or "").split()).rstrip(".:")
-    if not desc or len(desc) > MAX_DESCRIBED:
-        return reading(name, prop, None).lead
-    return f"\n\n{desc[:1].upper()}{desc[1:]}:"
-
-
-def _logistic(x: float) -> float:
-    return 1 / (1 + math.exp(-x))
-
-
-def _value_grammar(root: dict[str, Any], branch: dict[str, Any], sources: Sequence[str], bridge: str) -> str | None:
-    """The Lark grammar of `bridge` then one value of a present branch: a span of `sources` when it is copied,
-    else the branch's JSON Schema."""
-    lead = json.dumps(bridge) + " " if bridge else ""
-    if branch.get(grounding.COPY) is True:
-        try:
-            text = grounding.grammar({**branch, **{k: root[k] for k in ("$defs", "definitions") if k in root}},
-                                     sources)
-        except InvalidRequestError:  # nothing to copy from (no letter or digit): present is not possible
-            return None
-        return text.replace("\nstart: ", f"\nstart: {lead}", 1)
-    body: dict[str, Any] = {**branch, **{k: root[k] for k in ("$defs", "definitions") if k in root},
-                            "x-guidance": {"whitespace_flexible": False, "item_separator": grounding.ITEM_SEP,
-                                           "key_separator": grounding.KEY_SEP}}
-    return f"%llguidance {{}}\nstart: {lead}v\nv: %json {json.dumps(body)}\n"
-
-
-def applied(text: str, decided: dict[str, Any]) -> str:
-    """The generated JSON with each decided field's value in place of the model's own (set also where the model
-    left an optional one out). On the text, before the caller's type judges the value."""
-    if not decided:
-        return text
-    try:
-        value = msgspec.json.decode(text)
-    except msgspec.DecodeError:
-        return text  # decoding it fails the record as it would have
-    if not isinstance(value, dict):
-        return text
-    return msgspec.json.encode({**value, **decided}).decode()
 
 
 async def boolean_offsets(engine: EngineClient, schema: dict[str, Any]) -> dict[str, float]:

@@ -20,8 +20,8 @@ decisions.Plan.run runs a record's probes to the end where nothing else waits on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Awaitable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
 
@@ -150,3 +150,16 @@ async def submit_when_room(engine: EngineClient, prompt: list[int], params: Samp
         except QueueFullError as exc:
             await anyio.sleep(min(delay, exc.retry_after))
             delay = min(delay * 2, 0.5)
+
+
+async def gather(calls: Sequence[Awaitable[Any]]) -> list[Any]:
+    """Await `calls` together (one batch in the engine), their results in order."""
+    out: list[Any] = [None] * len(calls)
+
+    async def one(i: int) -> None:
+        out[i] = await calls[i]
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(calls)):
+            tg.start_soon(one, i)
+    return out

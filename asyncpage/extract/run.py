@@ -22,8 +22,9 @@ from asyncpage.errors import (
 from asyncpage.extract import grounding, types
 from asyncpage.extract import retry as redo
 from asyncpage.extract.beams import beam_for, beam_params
-from asyncpage.extract.decisions import Context, Decider, Plan, applied
+from asyncpage.extract.decisions import Context, Decider, Plan
 from asyncpage.extract.prompt import PromptTemplate, schema_prompt
+from asyncpage.extract.readings import applied
 from asyncpage.guided import GuidedSpec
 from asyncpage.outputs import Beam, GenerateOutput
 from asyncpage.params import SamplingParams
