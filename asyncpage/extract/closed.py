@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, NamedTuple
 
-from asyncpage.extract.grounding import COPY, resolve
+from asyncpage.extract.grounding import COPY, resolve, with_outer
 
 MAX_OPTIONS = 16  # more options than this are left to the grammar: one scoring request each per record
 _SCALARS = ("string", "number", "integer")
@@ -103,8 +103,8 @@ def _present_branch(root: dict[str, Any], s: dict[str, Any]) -> dict[str, Any] |
     others = [a for a in resolved if a.get("type") != "null"]
     if len(others) != 1 or others[0].get("type") not in _SCALARS or _options(root, others[0], 0) is not None:
         return None
-    branch = dict(others[0])
-    for key in ("minLength", "maxLength", "pattern", COPY):  # written beside the anyOf, they hold as well
-        if key in s:
-            branch[key] = s[key]
+    # Written beside the anyOf, the string keywords hold as well: both bounds and both patterns (with_outer).
+    branch = with_outer(s, others[0]) if others[0].get("type") == "string" else dict(others[0])
+    if COPY in s:
+        branch[COPY] = s[COPY]
     return branch

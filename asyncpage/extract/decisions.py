@@ -1,55 +1,21 @@
 """Decisions by scoring: every closed choice of a value is decided by how likely the model finds each option,
 calibrated on reference records, not by the first token the grammar allows (issue 35).
 
-What is decided, and the rule for each (`Decider`, one per job; `Plan`, one per record):
+`Decider` (one per job) finds what is decided and measures each reading's offset on the reference records;
+`Plan` (one per record) builds its probes and reads the outcome:
 
-- A plain boolean (booleans.py): its statement read after the record, true when its log-likelihood beats its
-  mean on the reference records.
-- An option among listed ones (`enum`, `const` alternatives, `Literal`, a nullable boolean: closed.py): each
-  option read after the record on its field's label line, " critical" after "<record>\n\nSeverity:" (the
-  field's title, else its name; null reads "not given"). Each option's score is that log-likelihood less its
-  mean over the reference records (its prior: how likely the option is on that line after any support
-  message; contextual calibration, Zhao et al., 2021); the best score wins. Its confidence is that option's
-  share of the softmax of the calibrated scores. No per-token normalization: the prior carries each option's
-  own length. On the 22 dev tickets that state a severity (tests/data/dev_tickets.jsonl), generated it was
-  "low" for all (6 right); read in context after `"severity":` in the JSON, calibrated, 7-9 (the bias to the
-  first option listed stays); as a statement (" the severity is critical." after "In this message,") 14-15;
-  as a heading before the record (noisy channel) 10; on the label line 18 (against 15 calibrated on the four
-  solved records alone). Chosen among those six readings on these 22 tickets: the figure is optimistic.
-- Null or present, for a nullable copied field (an order id): read on its label line after the record, as an
-  option is. The likeliest span of the record there (a beam search over the spans the field allows, one line,
-  ranked by total log-probability, " ORD-82264\n": the line's end is scored, so a span is ranked whole) against
-  " not given\n"; present, with that span as the value whatever the model wrote, when its margin beats its
-  mean over the reference records. On the 44 labeled tickets of tests/data (dev and the spent v2 set), 42 order
-  ids right against 36 in context (below), where the JSON context let shorter spans win ("12", "14:22",
-  "Ravi"): on the label line the record's own "Order ORD-82264" is the pattern the model copies.
-- Where a copied value ends, for a copied field that may not be null: the model writes it in the JSON (its
-  start is good: every customer of the labeled sets), but runs on past the name ("Marlow Duo coffee grinder"
-  for "the product brand"). Each word prefix of what it wrote (2 to MAX_END_WORDS words; those the field's
-  schema refuses left out) is read on the field's described line after the record, " Marlow Duo\n" after
-  "<record>\n\nThe product brand the ticket is about:" (its description, else its label), and the likeliest
-  is the value. On the 64 labeled tickets (dev, v2, v3), read after the model's JSON: products 32 -> 53 right,
-  customers 64 -> 64 (on the label line "Product:" 46; every sub-span rather than prefixes, 50). Its start
-  stays the model's: a whole span searched on the label line lost names and brands to order ids ("Product:
-  ORD-18846"), 8 of 44 customers right against all 44 written in the JSON.
-- Null or present, for a nullable field whose other branch is an open scalar not copied (a string, a
-  number): in context, after the field's key in the generated JSON, the log-probability per token of
-  " null" against that of the likeliest value the grammar allows there (a beam search over the copied spans
-  or the branch's schema, ranked by total log-probability), present when the margin beats its mean over the
-  reference records. Per token, because a value is many tokens and null one: whole values ranked by total
-  log-probability (what the record's beams do) left five of 15 order ids of the dev tickets null. When the
-  model wrote null and present wins, the value is the one the search found; when it wrote a value, that value
-  is kept (it was ranked with the whole record), or replaced by null.
+- a plain boolean: its statement read after the record (booleans.py), true when it beats its offset;
+- an option among listed ones (closed.py): each option on its field's label line after the record, less its
+  offset (contextual calibration); the best wins, its softmax share the confidence;
+- null or present, for a nullable copied field: its likeliest span on its label line against " not given";
+- where a copied value that may not be null ends: each word prefix of what the model wrote, on its
+  description's line, the likeliest kept;
+- null or present, for a nullable field not copied: in context after its key in the JSON, per token.
 
-The record's value is generated first, as before; the decisions replace what the model wrote (`applied`),
-before the caller's type judges the value. Every decision of a record is read on the value as generated
-(one round: an order id a decision fills in is not seen by the decisions of the fields after it). A decision
-whose probes could not run (a record too long for the context with its statement) is left to the model.
-
-Cost: the probes (probes.py) share their context's KV through the prefix cache, and run batched with the
-job: a statement's record text is computed once per record (one probe first, the rest after it), each option
-then costs its statement's few tokens; a copied null-or-present field costs a 4-beam search of a short span
-after the record and its label line, a field not copied one after the record's own cached prompt and value.
+The decided values replace what the model wrote (readings.applied) before the caller's type judges the value;
+one the field's whole schema refuses is not applied, nor one the caller's type refuses (run.decode_value): the
+model's own stands there. A decision whose probes could not run is left to the model. Why each reading, and
+the figures behind it: docs/extraction.md, "Decisions by scoring".
 """
 
 from __future__ import annotations
@@ -67,7 +33,17 @@ from asyncpage.extract import retry as redo
 from asyncpage.extract.closed import Closed, closed_fields
 from asyncpage.extract.probes import BEST_MAX_TOKENS, Probe, Scored, gather
 from asyncpage.extract.prompt import REFERENCES
-from asyncpage.extract.readings import LINE_END, Context, Said, described, logistic, mean, reading, value_grammar
+from asyncpage.extract.readings import (
+    LINE_END,
+    Context,
+    Said,
+    checker,
+    described,
+    logistic,
+    mean,
+    reading,
+    value_grammar,
+)
 
 if TYPE_CHECKING:
     from asyncpage.core.client import EngineClient
@@ -101,13 +77,20 @@ class Decider:
         self.present: dict[str, Closed] = {n: c for n, c in closed.items()
                                            if c.present is not None and n not in self.spans}
         # A copied field that may not be null: where its span ends is read on its description's line (`ends`).
-        self.ends: dict[str, tuple[str, dict[str, Any]]] = {}  # field -> (its line's lead, its schema)
+        self.ends: dict[str, str] = {}  # field -> its line's lead
         for name, prop in props.items() if choices else ():
             p = grounding.resolve(schema, prop)
             if isinstance(p, dict) and p.get(grounding.COPY) is True and name not in self.spans:
-                self.ends[name] = (described(name, p), p)
+                self.ends[name] = described(name, p)
         self.offsets: dict[str, float] = {}  # a statement's (or a heading's) key -> its mean on the references
         self.margins: dict[str, float] = {}  # a null-or-present field -> its mean margin on the references
+        decided = {*self.readings, *self.options, *self.spans, *self.present, *self.ends}
+        self._checks = {name: checker(schema, prop) for name, prop in props.items() if name in decided}
+
+    def holds(self, name: str, value: Any) -> bool:
+        """Whether a decided value holds to its field's whole schema (else the model's own stands)."""
+        check = self._checks.get(name)
+        return check is not None and check(value)
 
     @property
     def active(self) -> bool:
@@ -205,12 +188,14 @@ class Plan:
         self._statements: list[Said] | None = None
         self._named: dict[str, flags.Reading] | None = None
         self._spans: list[str] | None = None
+        self._ends = True  # read the copied values' ends (not on the references)
         self.ready = False  # the statement probes are built (the record's text tokenized)
         self._engine: EngineClient | None = None  # what the probes ran on (their results are read through it)
 
     def only(self, statements: list[Said], named: dict[str, flags.Reading], spans: Sequence[str] = ()) -> None:
-        """Score only these (calibration)."""
+        """Score only these (calibration: no copied value's end is read)."""
         self._statements, self._named, self._spans = statements, named, list(spans)
+        self._ends = False
 
     async def prepare(self, engine: EngineClient) -> None:
         """Build the probes that read the record's text (statements, headings)."""
@@ -231,8 +216,10 @@ class Plan:
                     probes.append(probe)
             for name in spans:
                 label, branch = self.d.spans[name]
-                grammar = grounding.line_grammar(branch, self.sources, " ", LINE_END) if label == lead else None
-                if grammar is None or len(ctx) + BEST_MAX_TOKENS > fits:
+                if label != lead or len(ctx) + BEST_MAX_TOKENS > fits:
+                    continue
+                grammar = grounding.line_grammar(branch, self.sources, " ", LINE_END)
+                if grammar is None:
                     continue
                 self.line_nulls[name] = Probe.text(engine, ctx, " not given" + LINE_END)
                 self.line_best[name] = Probe.best(ctx, grammar)
@@ -253,7 +240,7 @@ class Plan:
         copied values whose end is read (their probes built by `pump`: tokenizing their line is awaited)."""
         fields = redo.top_fields(ctx.text)
         for f in fields or ():
-            if f.key in self.d.ends and self.text:
+            if f.key in self.d.ends and self.text and self._ends:
                 value = json.loads(ctx.text[f.start:f.end])
                 if isinstance(value, str) and 2 <= len(value.split()) <= MAX_END_WORDS:
                     self.wrote_ends[f.key] = value
@@ -299,18 +286,14 @@ class Plan:
         """Each copied value's word prefixes (itself included) read on its field's described line after the
         record (" Marlow Duo\n" after "<record>\n\nThe product brand the ticket is about:"); those the field's
         schema refuses are left out."""
-        from asyncpage.guided.untrusted import bounded_validator
-
         for name, value in self.wrote_ends.items():
-            lead, prop = self.d.ends[name]
-            ctx = await engine.tokenize(self.text + lead)
-            try:
-                valid = bounded_validator({k: v for k, v in prop.items() if k != grounding.COPY}).is_valid
-            except Exception:  # a constraint the bounded checker cannot run: the model's value stands
-                continue
+            lead = self.d.ends[name]
             cands = [value[:m.start()] for m in re.finditer(r"\s+", value)] + [value]
-            probes = {c: Probe.text(engine, ctx, f" {c}{LINE_END}") for c in cands
-                      if any(ch.isalnum() for ch in c) and valid(c)}
+            cands = [c for c in cands if any(ch.isalnum() for ch in c) and self.d.holds(name, c)]
+            if len(cands) < 2:
+                continue
+            ctx = await engine.tokenize(self.text + lead)
+            probes = {c: Probe.text(engine, ctx, f" {c}{LINE_END}") for c in cands}
             longest = max((len(p.prompt) + p.params.max_tokens for p in probes.values()), default=0)
             if len(probes) > 1 and longest <= engine.config.max_model_len:
                 self.trims[name] = probes
@@ -353,7 +336,8 @@ class Plan:
 
     def forget(self, engine: EngineClient) -> None:
         """Drop the record's own grammars (its values' spans) from the engine's cache."""
-        for p in [*self.nulls.values(), *self.best.values(), *self.line_nulls.values(), *self.line_best.values()]:
+        for p in [*self.nulls.values(), *self.best.values(), *self.line_nulls.values(), *self.line_best.values(),
+                  *(p for probes in self.trims.values() for p in probes.values())]:
             p.forget(engine)
 
     # ---- what the probes measured ---------------------------------------------------------------------------
@@ -424,6 +408,9 @@ class Plan:
                     decided[name] = json.loads(found.text[len(self.bridge[name]):])
                 except ValueError:
                     shares.pop(name)
+        for name in [n for n, v in decided.items() if not self.d.holds(n, v)]:
+            del decided[name]  # a span or a value its search found that the field's whole schema refuses
+            shares.pop(name, None)
         return decided, shares
 
 

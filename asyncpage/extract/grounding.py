@@ -149,11 +149,11 @@ def _string_branch(root: dict[str, Any], s: dict[str, Any]) -> dict[str, Any] | 
             strings = [a for a in resolved if a.get("type") != "null"]
             if len(strings) == 1 and len(alts) - len(strings) <= 1:
                 inner = _string_branch(root, strings[0])
-                return None if inner is None else _with_outer(s, inner)
+                return None if inner is None else with_outer(s, inner)
     return None
 
 
-def _with_outer(outer: dict[str, Any], inner: dict[str, Any]) -> dict[str, Any]:
+def with_outer(outer: dict[str, Any], inner: dict[str, Any]) -> dict[str, Any]:
     """The string branch with the string keywords written beside its anyOf / oneOf, which hold as
     well: {"anyOf": [{"type": "string"}, {"type": "null"}], "maxLength": 3} caps the string at 3."""
     merged = dict(inner)
@@ -166,7 +166,8 @@ def _with_outer(outer: dict[str, Any], inner: dict[str, Any]) -> dict[str, Any]:
         merged["minLength"] = max(outer["minLength"], inner.get("minLength", 0))
     if "maxLength" in outer:
         merged["maxLength"] = min(outer["maxLength"], inner.get("maxLength", outer["maxLength"]))
-    merged[_PATTERNS] = (*_patterns(outer), *_patterns(inner))
+    if _patterns(outer):
+        merged[_PATTERNS] = (*_patterns(outer), *_patterns(inner))
     for key in ("enum", "const", "format"):  # they make the field not a free string: seen, to be refused
         if key in outer:
             merged.setdefault(key, outer[key])

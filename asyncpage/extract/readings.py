@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
@@ -46,7 +46,7 @@ class Said(NamedTuple):
 def reading(name: str, prop: dict[str, Any], option: Any) -> Said:
     """How an option reads after the record: its field's label line ("\n\nSeverity:") then the option
     (" critical"). The label is the field's title, else its name; null reads "not given"."""
-    label = " ".join(str(prop.get("title") or name.replace("_", " ")).split())
+    label = " ".join(str(prop.get("title") or name.replace("_", " ")).split()).rstrip(":")
     word = "not given" if option is None else option if isinstance(option, str) else spelling(option)
     return Said(f"\n\n{label[:1].upper()}{label[1:]}:", f" {' '.join(str(word).split())}")
 
@@ -75,6 +75,30 @@ def value_grammar(root: dict[str, Any], branch: dict[str, Any], sources: Sequenc
                             "x-guidance": {"whitespace_flexible": False, "item_separator": grounding.ITEM_SEP,
                                            "key_separator": grounding.KEY_SEP}}
     return f"%llguidance {{}}\nstart: {lead}v\nv: %json {json.dumps(body)}\n"
+
+
+def checker(root: dict[str, Any], prop: Any) -> Callable[[Any], bool]:
+    """Whether a decided value holds to its field's schema (`prop`, `root`'s definitions beside it). Never
+    raises: a schema the bounded checker cannot run (a reference it cannot follow, a pattern RE2 refuses)
+    holds no decided value, and the model's own stands there."""
+    from asyncpage.guided.untrusted import bounded_validator
+
+    if not isinstance(prop, dict):
+        return lambda value: prop is True
+    body = {**{k: root[k] for k in ("$schema", "$defs", "definitions") if k in root},
+            **{k: v for k, v in prop.items() if k != grounding.COPY}}
+    try:
+        validator = bounded_validator(body)
+    except Exception:  # any failure to build it (the schema is the caller's): nothing decided is applied
+        return lambda value: False
+
+    def holds(value: Any) -> bool:
+        try:
+            return bool(validator.is_valid(value))
+        except Exception:  # raised lazily (an unresolvable $ref, a pattern RE2 refuses): not applied
+            return False
+
+    return holds
 
 
 def applied(text: str, decided: dict[str, Any]) -> str:

@@ -138,10 +138,20 @@ def decode_value(text: str, target: Any, decided: dict[str, Any] | None = None) 
     """The generated JSON as `target` (json_params' target: a msgspec type, a pydantic one, or None for plain
     JSON values), with the `decided` fields (decisions.py: scored booleans and closed choices) in place of the
     model's own; raises msgspec.DecodeError (types.Refused, a msgspec.ValidationError, where the type's
-    validation refuses it)."""
+    validation refuses it). A decided value the type refuses gives way to the model's own there."""
     fields = redo.top_fields(text)
-    text = applied(text, decided or {})
-    return types.decode(text, target, [f.key for f in fields or ()])
+    order = [f.key for f in fields or ()]
+    decided = dict(decided or {})
+    while True:
+        try:
+            return types.decode(applied(text, decided), target, order)
+        except types.Refused as exc:
+            if not decided:
+                raise
+            if exc.field in decided:
+                del decided[exc.field]
+            else:  # another field, or the whole value: judged on the model's own values alone
+                decided = {}
 
 
 class Attempts:
