@@ -137,6 +137,75 @@ async def test_a_schema_that_does_not_compile_is_a_400_naming_it_as_the_body_wro
                 assert "_args" not in err["message"] and " | " not in err["message"], err["message"]
 
 
+async def test_in_a_json_call_format_a_schema_that_does_not_compile_names_the_part_at_fault(
+        engine: AsyncEngine) -> None:
+    """Llama 3's format (and the generic one) writes calls as JSON, so with tool_choice "auto" the
+    answer and the calls are one JSON Schema: a failure in it names the part that fails alone, the
+    answer's schema or the tool (it named `tools` either way); parts that compile alone but not as one
+    schema are response_format, which brought the answer in, and the message says so."""
+    from asyncpage.openai import app
+
+    fine = {"type": "object", "properties": {"a": {"type": "string"}}}
+    broken = {"type": "object", "properties": {"a": {"type": "nonsense"}}}
+    # Valid, and its parts compile alone, but its $ref goes through its root's $id, which the one schema
+    # does not keep (grammar.scoped drops it, a limitation of its own): the pair is what fails.
+    by_id = {"$id": "https://example.com/s", "type": "object", "$defs": {"x": {"type": "string"}},
+             "properties": {"a": {"$ref": "https://example.com/s#/$defs/x"}}}
+
+    def answer(schema: Any) -> dict[str, Any]:
+        return {"text": {"format": {"type": "json_schema", "name": "a", "schema": schema}}}
+
+    def flat(params: Any) -> list[dict[str, Any]]:
+        return [{"type": "function", "name": "g"}, {"type": "function", "name": "f", "parameters": params}]
+
+    cases: list[tuple[str, dict[str, Any], str]] = [
+        ("/v1/chat/completions", {"tools": [tool("g"), tool("f", fine)], "response_format": json_schema(broken)},
+         "response_format.json_schema.schema"),
+        ("/v1/chat/completions", {"tools": [tool("g"), tool("f", broken)], "response_format": json_schema(fine)},
+         "tools[1].function.parameters"),
+        ("/v1/chat/completions", {"tools": [tool("g"), tool("f", fine)], "response_format": json_schema(by_id)},
+         "response_format"),
+        ("/v1/responses", {"tools": flat(fine), **answer(broken)}, "text.format.schema"),
+        ("/v1/responses", {"tools": flat(broken), **answer(fine)}, "tools[1].parameters"),
+        ("/v1/responses", {"tools": flat(fine), **answer(by_id)}, "text.format")]
+    llama3 = {"chat_template": chat_templates.LLAMA3, "max_tokens": 2}
+    application = app(engine, trust_request_chat_template=True)
+    async with engine, httpx.AsyncClient(transport=httpx.ASGITransport(application), base_url="http://t") as c:
+        for path, body, param in cases:
+            prompt = {"messages": ASK} if path == "/v1/chat/completions" else {"input": "hi"}
+            together = param in ("response_format", "text.format")
+            for stream in (False, True):
+                r = await c.post(path, json={**prompt, **body, **llama3, "stream": stream})
+                err = r.json()["error"]
+                assert r.status_code == 400 and err["param"] == param, (path, stream, r.text)
+                assert "%json" not in err["message"] and " | " not in err["message"], err["message"]
+                assert ("one JSON Schema" in err["message"]) == together, err["message"]
+            # The engine's own template (Hermes' format: calls are not JSON Schema) names the same part,
+            # and takes the pair that only fails as one schema.
+            r = await c.post(path, json={**prompt, **body, "max_tokens": 2})
+            assert (r.status_code, (r.json().get("error") or {}).get("param")) == ((200, None) if together
+                                                                               else (400, param)), r.text
+
+
+async def test_a_tool_whose_parameters_declare_no_properties_is_offered_and_called(engine: AsyncEngine) -> None:
+    """An object schema without `properties` ({"type": "object"}: any object) is a tool OpenAI takes:
+    the template, which reads `parameters.properties`, is shown an empty one (it refused to render, a
+    400 naming `messages`), and the grammar keeps the schema as sent (any object, not only `{}`)."""
+    from asyncpage.openai import app
+
+    async with engine, httpx.AsyncClient(transport=httpx.ASGITransport(app(engine)), base_url="http://t") as c:
+        for params in ({"type": "object"}, {"type": "object", "additionalProperties": {"type": "integer"}}):
+            r = await c.post("/v1/chat/completions", json={"messages": ASK, "tools": [tool("f", params)],
+                                                          "tool_choice": "required", "max_tokens": 64})
+            assert r.status_code == 200, (params, r.text)
+            calls = r.json()["choices"][0]["message"]["tool_calls"]
+            assert calls[0]["function"]["name"] == "f" and isinstance(json.loads(calls[0]["function"]["arguments"]),
+                                                                      dict), calls
+    turn = await prepare(engine, ASK, tools=[tool("f", {"type": "object"})])
+    assert "f: {}" in engine.tokenizer.decode(turn.prompt)
+    assert turn.params.grammar is not None and '"additionalProperties": false' not in turn.params.grammar
+
+
 class _Untouchable(dict[str, Any]):
     def get(self, *a: Any) -> Any:
         raise AssertionError("a tool was read before the count was checked")

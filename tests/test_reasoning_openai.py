@@ -124,4 +124,4 @@ async def test_a_request_template_is_taken_in_process_and_refused_by_an_untrusti
         res = await http.post("/chat/completions", json={"model": "m", "messages": MSGS, "reasoning_effort": "huge"})
         assert res.status_code == 400 and res.json()["error"]["param"] == "reasoning_effort"
         res = await http.post("/responses", json={"model": "m", "input": "x", "reasoning": {"effort": "huge"}})
-        assert res.status_code == 400 and res.json()["error"]["param"] == "reasoning_effort"
+        assert res.status_code == 400 and res.json()["error"]["param"] == "reasoning.effort"

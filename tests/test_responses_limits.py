@@ -46,6 +46,14 @@ def test_an_error_from_chat_names_the_field_as_the_responses_body_wrote_it(ours:
     assert body_field(ours) == theirs
 
 
+def test_a_bad_reasoning_effort_is_named_as_the_responses_body_wrote_it() -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        _turn(reasoning={"effort": "extreme"})
+    assert err.value.field == "reasoning.effort", err.value
+    assert _turn(reasoning={"effort": "low"}).args["reasoning_effort"] == "low"
+    _turn(reasoning={"effort": "extreme"}, max_reasoning_tokens=64)  # outranked by the budget, as in chat()
+
+
 def test_an_output_for_a_call_never_made_is_refused_naming_it() -> None:
     with pytest.raises(InvalidRequestError) as err:
         _turn(input=[{"role": "user", "content": "x"},

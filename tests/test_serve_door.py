@@ -364,6 +364,20 @@ async def test_a_prompt_cache_key_past_the_limit_is_a_400_naming_it_on_every_rou
     assert err.value.field == "cache_key"
 
 
+async def test_a_bad_reasoning_effort_is_a_400_naming_it_as_each_route_spells_it(tiny: AsyncEngine) -> None:
+    """Chat's `reasoning_effort` is the Responses body's `reasoning.effort`: each route names its own."""
+    async with _client(app(tiny)) as hc:
+        for path, body, param in (
+                ("/chat/completions", {**CHAT, "reasoning_effort": "extreme"}, "reasoning_effort"),
+                ("/responses", {"input": "hi", "max_output_tokens": 2, "reasoning": {"effort": "extreme"}},
+                 "reasoning.effort")):
+            for stream in (False, True):
+                r = await hc.post(path, json={**body, "stream": stream})
+                err = r.json()["error"]
+                assert r.status_code == 400 and err["param"] == param, (path, stream, r.text)
+                assert "'extreme'" in err["message"] and "low" in err["message"], err["message"]
+
+
 # ---- `asyncpage serve` ----------------------------------------------------------------------------
 
 def _serve_args(*argv: str) -> Any:

@@ -327,7 +327,7 @@ def render(tokenizer: Any, template: Template, messages: list[dict[str, Any]], t
            fmt: ToolFormat) -> str:
     """The prompt text, generation prompt included. The tools' schemas go into the prompt as well:
     masks alone leave a model guessing what to call."""
-    tool_dicts = [t.openai() for t in tools] or None
+    tool_dicts = [_shown(t) for t in tools] or None
     if not template.knows_tools:
         messages = _plain(messages, fmt)
         if tools:
@@ -352,6 +352,18 @@ def render(tokenizer: Any, template: Template, messages: list[dict[str, Any]], t
         return str(_apply(tokenizer, template.text, rest, tool_dicts))
     except Exception as exc:
         raise bad(template.field, f"the chat template refused them: {exc}") from exc
+
+
+def _shown(tool: Tool) -> dict[str, Any]:
+    """A tool as the template is given it. An object schema may leave `properties` out (any object is
+    its arguments; OpenAI takes {"type": "object"}), and many templates read `parameters.properties`
+    (`| tojson` refuses the Undefined): they are shown an empty one, which allows the same objects.
+    Only the prompt sees it: the grammar keeps the schema as sent (declared properties would close it)."""
+    shown = tool.openai()
+    params = tool.parameters
+    if isinstance(params, dict) and "properties" not in params:
+        shown["function"]["parameters"] = {**params, "properties": {}}
+    return shown
 
 
 def _apply(tokenizer: Any, template: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Any:

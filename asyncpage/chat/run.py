@@ -23,7 +23,8 @@ from asyncpage.chat.api import Turn, prepare
 from asyncpage.chat.phases import Run, pieces
 from asyncpage.chat.read import _Read, _StopCut
 from asyncpage.chat.types import ChatDelta, ChatFinishReason, ChatResult, ToolCall, ToolCallDelta, Usage
-from asyncpage.errors import GrammarError
+from asyncpage.errors import GrammarError, GrammarTimeoutError
+from asyncpage.guided.backend import GuidedSpec
 from asyncpage.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -47,28 +48,62 @@ def _finish(reason: str, has_calls: bool) -> ChatFinishReason:
 _AT_LINE = re.compile(r"at (\d+)\(\d+\): ")
 _LISTING = re.compile(r"\n\s*\d+ \| ")
 _TOOL_ARGS = re.compile(r"call_(\d+)_args")
+# A JSON format's turn under tool_choice "auto" with an answer schema (grammar.py): one JSON Schema
+# holds the answer and the calls, and llguidance compiles only the rules the body reaches.
+_COMBINED = "\nbody: answer_or_calls\n"
 
 
-def _grammar_field(turn: Turn, exc: GrammarError) -> GrammarError:
-    """The engine names `grammar` and quotes the Lark text grammar.py built; the caller wrote a tool's
-    parameters or response_format's schema. The rule the failure is in says which (tools or
-    response_format when it cannot), and the message keeps what is wrong without the grammar."""
-    field = "tools" if turn.spec.calls_allowed else "response_format"
-    message = _LISTING.split(exc.message, maxsplit=1)[0]
+def _located(grammar: str, message: str) -> tuple[str, str]:
+    """(the rule of `grammar` the failure is in, "" when it does not say; the message without the
+    place and the listing)."""
+    message = _LISTING.split(message, maxsplit=1)[0]
     at = _AT_LINE.search(message)
-    if at is not None:
-        message = message[:at.start()] + message[at.end():]
-        lines = (turn.params.grammar or "").split("\n")
-        line = int(at.group(1))
-        rule = lines[line - 1].split(":", 1)[0].strip() if 0 < line <= len(lines) else ""
-        tool = _TOOL_ARGS.fullmatch(rule)
-        if tool is not None and int(tool.group(1)) < len(turn.spec.callable_tools):
-            name = turn.spec.callable_tools[int(tool.group(1))].name
-            index = next(i for i, t in enumerate(turn.spec.tools) if t.name == name)  # names are unique
-            field = f"tools[{index}].function.parameters"
-        elif rule == "answer":
-            field = "response_format.json_schema.schema"
+    if at is None:
+        return "", message
+    lines = grammar.split("\n")
+    line = int(at.group(1))
+    rule = lines[line - 1].split(":", 1)[0].strip() if 0 < line <= len(lines) else ""
+    return rule, message[:at.start()] + message[at.end():]
+
+
+def _grammar_field(turn: Turn, exc: GrammarError, grammar: str | None = None) -> GrammarError:
+    """The engine names `grammar` and quotes the Lark text grammar.py built (`grammar`, else the
+    turn's); the caller wrote a tool's parameters or response_format's schema. The rule the failure
+    is in says which (tools or response_format when it cannot), and the message keeps what is wrong
+    without the grammar."""
+    field = "tools" if turn.spec.calls_allowed else "response_format"
+    rule, message = _located((turn.params.grammar or "") if grammar is None else grammar, exc.message)
+    tool = _TOOL_ARGS.fullmatch(rule)
+    if tool is not None and int(tool.group(1)) < len(turn.spec.callable_tools):
+        name = turn.spec.callable_tools[int(tool.group(1))].name
+        index = next(i for i, t in enumerate(turn.spec.tools) if t.name == name)  # names are unique
+        field = f"tools[{index}].function.parameters"
+    elif rule == "answer":
+        field = "response_format.json_schema.schema"
     return GrammarError(field, message)
+
+
+async def _grammar_failure(engine: EngineClient, turn: Turn, exc: GrammarError) -> GrammarError:
+    """_grammar_field's error; one in the schema that holds both the answer and the calls is the
+    part's that fails alone: the turn's grammar with the answer, then the calls, as its body, compiled
+    as the engine compiles any grammar (cached, bounded in time), on this error's path only. When
+    neither fails alone (or it cannot tell), the two together are what failed: response_format, which
+    brought the answer into the calls' schema, is named, and the message says so."""
+    grammar = turn.params.grammar or ""
+    if _COMBINED not in grammar or _located(grammar, exc.message)[0] != "answer_or_calls":
+        return _grammar_field(turn, exc)
+    for part in ("answer", "calls"):
+        alone = grammar.replace(_COMBINED, f"\nbody: {part}\n", 1)
+        try:
+            await engine.guided.compile(GuidedSpec("grammar", alone))
+        except GrammarTimeoutError:
+            break
+        except GrammarError as failed:
+            rule = _located(alone, failed.message)[0]
+            if rule == "answer" or _TOOL_ARGS.fullmatch(rule):
+                return _grammar_field(turn, failed, alone)
+    return GrammarError("response_format", "with tools, this model's calls and the answer are one JSON Schema, "
+                                           f"which failed to compile: {_grammar_field(turn, exc).message}")
 
 
 def _usage(turn: Turn, run: Run, n_tokens: int) -> Usage:
@@ -97,7 +132,7 @@ async def _parsed(engine: EngineClient, turn: Turn, run: Run) -> AsyncGenerator[
                 if final:
                     return
     except GrammarError as exc:
-        raise _grammar_field(turn, exc) from exc
+        raise await _grammar_failure(engine, turn, exc) from exc
     yield _Read.of(parser.feed("", True)), "stop", n_tokens  # the stream ended without a finish (never expected)
 
 

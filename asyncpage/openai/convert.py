@@ -18,6 +18,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse as _StarletteJSON
 
+from asyncpage.chat.reasoning import budget as effort_budget
 from asyncpage.core.validation import MAX_CACHE_KEY_CHARS
 from asyncpage.errors import (
     EngineDeadError,
@@ -260,6 +261,11 @@ def reasoning_options(body: dict[str, Any], effort: Any = None, trust_template: 
     template from a request runs in this process: it is refused unless the app trusts them (Jinja's
     sandbox bounds what a template may touch, not the time or memory it may take)."""
     budget = body.get("max_reasoning_tokens", body.get("thinking_token_budget"))
+    if effort is not None and budget is None:
+        try:  # checked as chat() checks the reasoning_effort it becomes, to be named as the body names it
+            effort_budget(None, effort)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError("reasoning.effort", exc.message) from None
     effort = body.get("reasoning_effort") if effort is None else effort
     template = body.get("chat_template")
     if template is not None and not trust_template:
