@@ -77,6 +77,7 @@ class Turn:
     stops: tuple[str, ...] = ()  # the caller's stop strings, when this layer applies them (see _prepare_steps)
     plan: reasoning.Plan = field(default_factory=lambda: reasoning.Plan(None))
     budget: Budget | None = None
+    parts: tuple[tuple[str, str], ...] = ()  # grammar.parts_alone's, compiled before the turn runs (run.py)
 
     def parse(self, text: str, final: bool) -> Parsed:
         return self.parser().feed(text, final).parsed()
@@ -190,7 +191,7 @@ def _prepare_steps(engine: EngineClient, msgs: Any, o: Options, deadline: Deadli
     except Exception as exc:  # a lone surrogate and the like (valid JSON): the caller's text, not our fault
         raise InvalidRequestError("messages", f"the tokenizer refused the rendered conversation: {exc}") from exc
     deadline.check()
-    return Turn(ids, params, spec, stops, plan, budget)
+    return Turn(ids, params, spec, stops, plan, budget, grammar.parts_alone(lark))
 
 
 def _budget(plan: reasoning.Plan, params: SamplingParams, special: dict[str, int]) -> Budget:

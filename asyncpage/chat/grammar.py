@@ -165,7 +165,7 @@ def build(spec: TurnSpec, tokenizer: Any, deadline: Deadline = NO_DEADLINE) -> s
         rules.append("call: " + " | ".join(names))
         for rule, tool in zip(names, tools, strict=True):
             rules.append(f"{rule}: {lit(fmt.call_head(tool.name))} {rule}_args {lit('}')}")
-            rules.append(f"{rule}_args: {json_rule(spec.styled(tool.parameters), deadline)}")
+            rules.append(f"{rule}_args: {json_rule(spec.styled(arguments(tool.parameters)), deadline)}")
         more = f" ({lit(fmt.sep)} call)*" if spec.parallel else ""
         rest_of_begin = fmt.begin[len(fmt.trigger):]
         rules.append(f"calls_after_trigger: {lit(rest_of_begin)} call{more} {lit(fmt.end)}".replace("  ", " "))
@@ -235,13 +235,56 @@ def build(spec: TurnSpec, tokenizer: Any, deadline: Deadline = NO_DEADLINE) -> s
     return "%llguidance {}\n" + "\n".join(rules) + "\n"
 
 
+# A turn whose grammar is the answer alone from its first token: compiling it sees all the answer forces.
+ANSWER_ALONE = "%llguidance {}\nstart: body\nbody: answer\n"
+_SCHEMA_RULE = re.compile(r"(call_\d+_args|answer): %json ")
+# Only a reference makes a schema's grammar recursive, and only recursion can force a run without end.
+_REFS = ('"$ref"', '"$dynamicRef"', '"$recursiveRef"')
+
+
+def parts_alone(lark: str | None) -> tuple[tuple[str, str], ...]:
+    """(rule, a grammar that starts with it) for each schema rule of `lark` (build's: a tool's
+    arguments, the answer) that may recurse. A schema without a finite instance ({"properties":
+    {"next": {"$ref": "#"}}, "required": ["next"]}) compiles; the engine refuses a grammar that forces
+    such a run from its start, but one alternative of a turn (the answer beside the calls, a call beside
+    free text, one tool among others, after a reasoning section) is only met mid-decoding, where the
+    matcher refuses the very tokens it forced. Compiled alone (run.py), each one's run is seen. None
+    where the turn is the answer alone: its own compile sees it."""
+    if lark is None or lark.startswith(ANSWER_ALONE) or not any(r in lark for r in _REFS):
+        return ()
+    out = []
+    for line in lark.split("\n"):
+        m = _SCHEMA_RULE.match(line)
+        if m is not None and any(r in line for r in _REFS):
+            out.append((m.group(1), f"%llguidance {{}}\nstart: {m.group(1)}\n{line}\n"))
+    return tuple(out)
+
+
+def arguments(parameters: Any) -> Any:
+    """A tool's `parameters` as the schema of its calls' arguments, which are a JSON object whatever
+    it says (OpenAI's contract): messages.parse_tools takes a schema that leaves its type out (`{}`,
+    any JSON value, a string among them) or lists "object" among others, and the grammar holds the
+    arguments to "object" besides. Where the schema refers to its own root ("#", "#/properties/...") the
+    type would narrow those references too (a `next` that may be a string would have to be an object):
+    the root then moves into its `$defs` (scoped) and the type is added to the new root alone."""
+    kind = parameters.get("type") if isinstance(parameters, dict) else "object"
+    if kind == "object" or not (kind is None or (isinstance(kind, list) and "object" in kind)):
+        return parameters  # an object's already, or a type parse_tools refuses
+    defs: dict[str, Any] = {}
+    body = scoped(parameters, "args", defs)
+    if "args" not in defs:  # nothing refers to the root: the type narrows it alone
+        return {**parameters, "type": "object"}
+    return {**body, "type": "object", "$defs": defs}
+
+
 def _answer_or_calls(spec: TurnSpec, deadline: Deadline) -> str:
     """`%json` of anyOf [the answer, the format's calls as JSON], for JSON formats (generic, Llama 3).
     Properties are listed in the format's order, so the text is exactly what formats.py renders."""
     defs: dict[str, Any] = {}
     fmt = spec.fmt
     one = [{"type": "object",
-            "properties": {"name": {"const": t.name}, fmt.key: scoped(spec.closed(t.parameters), f"t{i}", defs)},
+            "properties": {"name": {"const": t.name},
+                           fmt.key: scoped(spec.closed(arguments(t.parameters)), f"t{i}", defs)},
             "required": ["name", fmt.key], "additionalProperties": False}
            for i, t in enumerate(spec.callable_tools)]
     call = {"anyOf": one}

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncpage.chat import formats
 from asyncpage.chat.api import Turn, prepare
+from asyncpage.chat.grammar import ANSWER_ALONE
 from asyncpage.chat.phases import Run, pieces
 from asyncpage.chat.read import _Read, _StopCut
 from asyncpage.chat.types import ChatDelta, ChatFinishReason, ChatResult, ToolCall, ToolCallDelta, Usage
@@ -51,6 +52,9 @@ _TOOL_ARGS = re.compile(r"call_(\d+)_args")
 # A JSON format's turn under tool_choice "auto" with an answer schema (grammar.py): one JSON Schema
 # holds the answer and the calls, and llguidance compiles only the rules the body reaches.
 _COMBINED = "\nbody: answer_or_calls\n"
+# The engine's refusal of a grammar that forces a run without end (guided/llg.py, xgr.py); llguidance's
+# reason ("Too many items ...; try avoiding single-byte/short lexemes") speaks of its grammar, not of a schema.
+_NO_END = "has no finite instance"
 
 
 def _located(grammar: str, message: str) -> tuple[str, str]:
@@ -66,13 +70,17 @@ def _located(grammar: str, message: str) -> tuple[str, str]:
     return rule, message[:at.start()] + message[at.end():]
 
 
-def _grammar_field(turn: Turn, exc: GrammarError, grammar: str | None = None) -> GrammarError:
+def _grammar_field(turn: Turn, exc: GrammarError, grammar: str | None = None, part: str = "") -> GrammarError:
     """The engine names `grammar` and quotes the Lark text grammar.py built (`grammar`, else the
     turn's); the caller wrote a tool's parameters or response_format's schema. The rule the failure
-    is in says which (tools or response_format when it cannot), and the message keeps what is wrong
-    without the grammar."""
+    is in (else `part`, the rule that grammar starts with) says which (tools or response_format when
+    it cannot), and the message keeps what is wrong without the grammar."""
     field = "tools" if turn.spec.calls_allowed else "response_format"
     rule, message = _located((turn.params.grammar or "") if grammar is None else grammar, exc.message)
+    rule = rule or part
+    if rule and _NO_END in message:
+        message = ("the schema has no finite instance: the JSON it forces never ends (a required property "
+                   "that refers back to the object holding it, say)")
     tool = _TOOL_ARGS.fullmatch(rule)
     if tool is not None and int(tool.group(1)) < len(turn.spec.callable_tools):
         name = turn.spec.callable_tools[int(tool.group(1))].name
@@ -91,7 +99,8 @@ async def _grammar_failure(engine: EngineClient, turn: Turn, exc: GrammarError) 
     brought the answer into the calls' schema, is named, and the message says so."""
     grammar = turn.params.grammar or ""
     if _COMBINED not in grammar or _located(grammar, exc.message)[0] != "answer_or_calls":
-        return _grammar_field(turn, exc)
+        endless = grammar.startswith(ANSWER_ALONE) and _NO_END in exc.message  # the answer's endless run
+        return _grammar_field(turn, exc, part="answer" if endless else "")
     for part in ("answer", "calls"):
         alone = grammar.replace(_COMBINED, f"\nbody: {part}\n", 1)
         try:
@@ -106,6 +115,19 @@ async def _grammar_failure(engine: EngineClient, turn: Turn, exc: GrammarError) 
                                            f"which failed to compile: {_grammar_field(turn, exc).message}")
 
 
+async def _check_parts(engine: EngineClient, turn: Turn) -> None:
+    """Refuses, naming it, a tool's parameters or the answer's schema without a finite instance,
+    before the turn runs: each of turn.parts (grammar.parts_alone) compiled as the engine compiles any
+    grammar (cached, single-flight, bounded in time), whose check sees the run it forces from its start.
+    In the turn's grammar the run was only met mid-decoding (the request failed, a 500)."""
+    for rule, alone in turn.parts:
+        try:
+            await engine.guided.compile(GuidedSpec("grammar", alone))
+        except GrammarError as exc:
+            engine.check_usable()  # the engine stopped meanwhile (as its submit): that is the error
+            raise _grammar_field(turn, exc, alone, rule) from exc
+
+
 def _usage(turn: Turn, run: Run, n_tokens: int) -> Usage:
     return Usage(len(turn.prompt), n_tokens, run.cached, run.reasoning_tokens or 0)
 
@@ -114,6 +136,7 @@ async def _parsed(engine: EngineClient, turn: Turn, run: Run) -> AsyncGenerator[
     """The turn as read after each chunk: (read so far, finish reason on the last one, tokens so far).
     The last item is always read as final; leaving early aborts the request and frees its blocks.
     One parser keeps its place across chunks: each chunk costs work in proportion to its own text."""
+    await _check_parts(engine, turn)
     parser, n_tokens = turn.parser(), 0
     cut = _StopCut(turn.stops) if turn.stops else None
     try:
