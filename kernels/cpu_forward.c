@@ -277,7 +277,7 @@ static void mat_part(const Mat *m, const Act *a, const float *xf, int rows, long
     float res[16];
     for (int r0 = 0; r0 < rows; r0 += 4) {
         const int nr = rows - r0 < 4 ? rows - r0 : 4;
-        const int tw = tile_rows(m->type, m->form, nr);
+        const int tw = tile_rows(m->type, m->form, nr, m->n * m->rb >= STREAMED_BYTES);
         for (long i = i0; i < i1;) {
             const int wr = i1 - i >= tw ? tw : i1 - i >= 2 && tw >= 2 ? 2 : 1;
             m->kern(m->w + i * m->rb, m->rb, wr, m->nb, a, r0, nr, res);

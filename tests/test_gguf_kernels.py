@@ -87,6 +87,15 @@ def test_a_long_matrix_at_decode_rows_gives_every_output_row_in_its_longer_chunk
         _check(t, rows, gk.default_form(), n=9001)
 
 
+@pytest.mark.parametrize("form", gk.forms())
+@pytest.mark.parametrize("t", [T.Q4_0, T.Q5_0, T.Q8_0], ids=lambda t: t.name)
+def test_a_weight_streamed_from_memory_at_one_row_gives_every_output_in_every_form(t: T, form: str) -> None:
+    # A 32-element weight of 8 MiB or more (STREAMED_BYTES: an LM head) is read one row after another at one
+    # activation row, not four interleaved; a count of rows that is not a multiple of four.
+    n = (8 << 20) // gk.row_bytes(gk.GGMLType(t), _k(t)) + 7
+    _check(t, 1, form, n=n)
+
+
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_get_rows_dequantizes_only_the_rows_asked_for(t: T) -> None:
     k = _k(t)
