@@ -57,11 +57,12 @@
 enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 enum { FORM_PORTABLE = 0, FORM_AVX2 = 1, FORM_VNNI = 2 };
 enum { E_MEMORY = -1, E_SHAPE = -2, E_TYPE = -3, E_FORM = -4, E_INDEX = -5 };
-/* A weight of at least this many bytes is streamed from memory at one activation row (an LM head): its
-   rows are read one after another, not four interleaved. Four rows' streams 680 B apart kept one core's
-   read of a 178 MB Q8_0 head at 8.5 GB/s (21.7 ms); one row at a time, with the same prefetch four rows
-   ahead, 20 GB/s (9.1 ms; two threads 12.6 -> 5.7 ms, a 2-core AMD EPYC VM, /tmp bench, 2026-12-04). The
-   layers' weights (at most a few MB) keep four rows: one row at a time was slower there. */
+/* A 32-element weight of at least this many bytes is streamed from memory at one activation row (an LM
+   head; a bigger model's layers too): its rows are read one after another, not four interleaved. Four rows'
+   streams 680 B apart kept one core's read of a 178 MB Q8_0 head at 8.5 GB/s (21.7 ms); one row at a time,
+   with the same prefetch four rows ahead, 20 GB/s (9.1 ms; two threads 12.6 -> 5.7 ms; Q8_0 2048 x 65536
+   6.1 -> 4.7 ms, Q5_0 4.1 -> 3.2; a 2-core AMD EPYC VM, 2026-12-04). The default model's layer weights (at
+   most a few MB, partly cached between tokens) keep four rows; no gain was measured for the K-quants. */
 #define STREAMED_BYTES (8L << 20)
 
 /* Elements and bytes per block; 0 for a type this file has no kernel for. */
