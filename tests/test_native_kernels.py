@@ -251,8 +251,10 @@ def test_a_compiler_without_openmp_builds_the_kernels_serial(monkeypatch: pytest
         kernels = native.load()
         assert kernels is not None
         w, x = torch.randint(-127, 128, (8, 64), dtype=torch.int8), torch.randn(2, 64)
-        if kernels.q8_granule:
-            assert torch.allclose(kernels.linear_q8(x, w, torch.ones(8)).double(), _q8_reference(x, w, torch.ones(8)))
+        if kernels.q8_granule:  # float32 sums against float64: within float rounding of the largest output
+            want = _q8_reference(x, w, torch.ones(8))
+            got = kernels.linear_q8(x, w, torch.ones(8)).double()
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     finally:
         native.load.cache_clear()
 
