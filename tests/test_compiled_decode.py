@@ -173,7 +173,10 @@ def test_compiled_decode_with_quantized_weights(tiny_models: dict[str, tuple[Pat
 def test_default_model_compiled_matches_transformers_greedy(reference: dict[str, Any]) -> None:
     """The real default model, float32, compile=True: transformers' greedy tokens for one stream
     (1-row steps) and for eight at once (8-row steps), as the eager path gives them (test_default_model)."""
-    engine = AsyncEngine.from_pretrained(dtype="float32", max_num_batched_tokens=256, compile=True)
+    # quantization=None: the dequantized float32 weights transformers' reference was made with (the default,
+    # "auto", keeps the GGUF's blocks: tests/test_gguf_auto.py checks that one).
+    engine = AsyncEngine.from_pretrained(dtype="float32", max_num_batched_tokens=256, compile=True,
+                                         quantization=None)
     assert engine.model.compiled is not None
     print(f"\ncompiled in {engine.model.compiled.compile_s:.1f} s")
     cases = reference["cases"]
