@@ -296,8 +296,8 @@ class Plan:
                 continue
             ctx = await engine.tokenize(self.text + lead)
             probes = {c: Probe.text(engine, ctx, f" {c}{LINE_END}") for c in cands}
-            longest = max((len(p.prompt) + p.params.max_tokens for p in probes.values()), default=0)
-            if len(probes) > 1 and longest <= engine.config.max_model_len:
+            longest = max(len(p.prompt) + p.params.max_tokens for p in probes.values())
+            if longest <= engine.config.max_model_len:
                 self.trims[name] = probes
                 self.now += list(probes.values())
         if not self.trims:

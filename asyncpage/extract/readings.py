@@ -60,18 +60,23 @@ def described(name: str, prop: dict[str, Any]) -> str:
     return f"\n\n{desc[:1].upper()}{desc[1:]}:"
 
 
+def definitions(root: dict[str, Any]) -> dict[str, Any]:
+    """The root's `$defs` / `definitions`: what a field's own `$ref`s point into, carried beside it."""
+    return {k: root[k] for k in ("$defs", "definitions") if k in root}
+
+
 def value_grammar(root: dict[str, Any], branch: dict[str, Any], sources: Sequence[str], bridge: str) -> str | None:
     """The Lark grammar of `bridge` then one value of a present branch: a span of `sources` when it is copied,
     else the branch's JSON Schema."""
     lead = json.dumps(bridge) + " " if bridge else ""
     if branch.get(grounding.COPY) is True:
         try:
-            text = grounding.grammar({**branch, **{k: root[k] for k in ("$defs", "definitions") if k in root}},
+            text = grounding.grammar({**branch, **definitions(root)},
                                      sources)
         except InvalidRequestError:  # nothing to copy from (no letter or digit): present is not possible
             return None
         return text.replace("\nstart: ", f"\nstart: {lead}", 1)
-    body: dict[str, Any] = {**branch, **{k: root[k] for k in ("$defs", "definitions") if k in root},
+    body: dict[str, Any] = {**branch, **definitions(root),
                             "x-guidance": {"whitespace_flexible": False, "item_separator": grounding.ITEM_SEP,
                                            "key_separator": grounding.KEY_SEP}}
     return f"%llguidance {{}}\nstart: {lead}v\nv: %json {json.dumps(body)}\n"
@@ -85,8 +90,9 @@ def checker(root: dict[str, Any], prop: Any) -> Callable[[Any], bool]:
 
     if not isinstance(prop, dict):
         return lambda value: prop is True
-    body = {**{k: root[k] for k in ("$schema", "$defs", "definitions") if k in root},
-            **{k: v for k, v in prop.items() if k != grounding.COPY}}
+    body = {**definitions(root), **{k: v for k, v in prop.items() if k != grounding.COPY}}
+    if "$schema" in root:
+        body.setdefault("$schema", root["$schema"])
     try:
         validator = bounded_validator(body)
     except Exception:  # any failure to build it (the schema is the caller's): nothing decided is applied
