@@ -79,6 +79,36 @@ def test_matmul_matches_the_dequantized_weights_in_every_form(t: T, form: str) -
         _check(t, rows, form)
 
 
+@pytest.mark.parametrize("form", gk.forms())
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_a_decode_steps_rows_each_get_the_bits_of_a_one_row_call(t: T, form: str) -> None:
+    # Up to 8 activation rows (a decode step, a speculative verify of up to 7 drafts) every output has the
+    # bits a one-row call gives it: greedy speculation must reproduce one-token steps exactly.
+    raw = torch.from_numpy(_weights(t, N, _k(t), seed=3))
+    x = torch.from_numpy(np.random.default_rng(8).standard_normal((8, _k(t))).astype(np.float32))
+    one = torch.cat([gk.matmul(x[r : r + 1], raw, t, form=form) for r in range(8)])
+    for rows in range(2, 9):
+        assert torch.equal(gk.matmul(x[:rows], raw, t, form=form), one[:rows]), rows
+
+
+@pytest.mark.skipif("vnni" not in gk.forms(), reason="the interleaved path is the VNNI form's")
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_the_interleaved_path_past_eight_rows_matches_the_reference_at_ragged_shapes(t: T) -> None:
+    # Past 8 rows every format unpacks 8 weight rows at a time and takes activation rows 8 (4 for the
+    # K-quants) at a time: weight rows 1, 8, 9 and 37 (a short last group), activation rows 9, 15 and 40,
+    # and a long k (the scratch tile of 8 rows: 128 blocks of 32, 16 of 256).
+    for n in (1, 8, 9, N):
+        for rows in (9, 15, 40):
+            _check(t, rows, "vnni", n=n)
+    k = 4096
+    raw = _weights(t, 12, k)
+    w = gguf.quants.dequantize(raw, t).astype(np.float64)
+    x = np.random.default_rng(0).standard_normal((11, k)).astype(np.float32)
+    out = gk.matmul(torch.from_numpy(x), torch.from_numpy(raw), t, form="vnni").numpy()
+    xq = _round(x, gk.BLOCKS[gk.GGMLType(t)][0])
+    assert np.all(np.abs(out - xq @ w.T) <= 1e-6 * (np.abs(xq) @ np.abs(w).T))
+
+
 @pytest.mark.parametrize("t", [T.Q8_0, T.Q4_K], ids=lambda t: t.name)
 def test_a_long_matrix_at_decode_rows_gives_every_output_row_in_its_longer_chunks(t: T) -> None:
     # At up to 4 activation rows a long matrix (an LM head) is handed out in longer chunks of rows; 9,001

@@ -219,6 +219,15 @@ class Bound:
         self.w, self.type = w, int(ggml_type)
         self.form = FORMS.index(_form_name(form) if form is not None else default_form())
         self.ptr = w.data_ptr()
+        # The most rows for which these kernels beat dequantize + torch's bf16 GEMM (None: any count). In
+        # the VNNI form every format takes the interleaved path past 8 rows (kernels/gguf_quants.c,
+        # matmul_ilv). The 32-element formats are ahead at every count measured (ffn_up Q5_0 [2048, 640]
+        # at 32 rows 0.25 ms vs 0.53, at 512 3.1 vs 3.5; the Q8_0 LM head at 32 rows 43 vs 128 ms, at 128
+        # 152 vs 166); the K-quants up to about 48 (ffn_down Q6_K [640, 2048] at 32 rows 0.39 vs 0.55 ms, 64
+        # even, at 512 5.3 vs 3.9). The other forms tile four activation rows at a time and fall behind
+        # past 8 (gguf_linear.py's docstring).
+        vnni, block = self.form == FORMS.index("vnni"), _block(self.type)[0]
+        self.max_rows: int | None = (None if block == 32 else 48) if vnni else 8
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, k] (any float dtype, CPU) times the weight^T: float32 [rows, n]."""

@@ -2,17 +2,21 @@
 copy of the weights (`GGUFLinear`, `GGUFFused`, `GGUFEmbedding`), and `install`, which puts them
 into a model built on the meta device before anything dense is allocated for them.
 
-A projection of up to `KERNEL_ROWS` rows (decode steps, small batches) runs gguf_kernels' integer
-kernels on the blocks (activations rounded to int8 blocks, as llama.cpp does). A call with more rows
-(prefill chunks, large batches) dequantizes the weight to the model dtype in one transient tile
+A projection of up to `GGUFLinear.kernel_rows` rows runs gguf_kernels' integer kernels on the blocks
+(activations rounded to int8 blocks, as llama.cpp does): `KERNEL_ROWS` (8: decode steps, small batches)
+where the kernels only tile rows four at a time; any count for the 32-element formats and up to 48 rows
+for the K-quants where the CPU has AVX-512 VNNI (the interleaved path past 8 rows, gguf_kernels.Bound's
+max_rows says what it was measured against). A call with more rows (prefill chunks, large batches)
+dequantizes the weight to the model dtype in one transient tile
 (gguf_kernels.dequantize, multithreaded; tiles of at most `TILE_BYTES` for the LM head) and runs
 torch's GEMM on it (bfloat16 uses AMX / AVX-512 BF16 where the CPU has them); the tile is dropped
 after the call. The embedding reads only the rows it is asked for (get_rows), and a tied LM head
 reads the same bytes: one copy for both.
 
-The crossover, measured on the default model's tensors (2 shared cores, AVX-512 VNNI + AMX, 2 threads,
-bfloat16, best of 5; scripts/gguf_kernel_bench.py measures the kernels alone), kernel vs dequantize +
-GEMM in ms: ffn_up Q5_0 [2048, 640] 8 rows 0.24 vs 0.44, 16 rows 0.50 vs 0.44, 32 rows 0.95 vs 0.79;
+The crossover of the four-row tiles (the AVX2 and portable forms still; the VNNI form's own figures are
+in gguf_kernels.Bound), measured on the default model's tensors (2 shared cores, AVX-512 VNNI + AMX, 2
+threads, bfloat16, best of 5; scripts/gguf_kernel_bench.py measures the kernels alone), kernel vs
+dequantize + GEMM in ms: ffn_up Q5_0 [2048, 640] 8 rows 0.24 vs 0.44, 16 rows 0.50 vs 0.44, 32 rows 0.95 vs 0.79;
 ffn_down Q6_K [640, 2048] 8 rows 0.26 vs 0.84, 16 rows 0.40 vs 0.48, 32 rows 0.81 vs 0.56; ffn_down
 Q4_K 8 rows 0.21 vs 0.30, 16 rows 0.39 vs 0.33; attn_v Q8_0 [256, 640] 8 rows 0.069 vs 0.083, 16 rows
 0.086 vs 0.066. Eight rows is where every format still wins with the kernel, and also the compiled
@@ -34,7 +38,7 @@ from asyncpage.model import gguf_kernels as gk
 
 log = logging.getLogger("asyncpage")
 
-KERNEL_ROWS = 8  # at most this many rows: the block kernels; more: dequantize + dense GEMM (see above)
+KERNEL_ROWS = 8  # the block kernels' tiles beat dequantize + dense GEMM up to this many rows (see above)
 TILE_BYTES = 32 << 20  # the largest transient dense tile (the LM head is dequantized in such slices)
 
 # A tensor as the GGUF stores it: (ggml type, uint8 [rows, bytes per row], values per row).
@@ -63,13 +67,15 @@ class GGUFLinear(nn.Module):
         # Plain attributes, not buffers: to_empty() / .to(dtype) must never touch the blocks.
         self.qweight = data.contiguous()
         self.bound = gk.Bound(self.qweight, self.ggml_type)
+        # Past this many rows: dequantize + dense GEMM (gguf_kernels.Bound.max_rows; never: 2**62).
+        self.kernel_rows = self.bound.max_rows or 1 << 62
         self.dtype = dtype
         self.out_dtype = out_dtype or dtype  # the LM head returns the kernel's float32 logits
         self.bias = None if bias is None else bias.detach().to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] <= KERNEL_ROWS:
+        if x2.shape[0] <= self.kernel_rows:
             if torch.compiler.is_compiling():  # an opaque operator in compiled graphs
                 y = torch.ops.asyncpage.gguf_matmul(x2, self.qweight, self.ggml_type)
             else:
@@ -98,8 +104,10 @@ class GGUFLinear(nn.Module):
         return gk.dequantize(self.qweight, self.ggml_type)
 
     def extra_repr(self) -> str:
+        above = ("at any row count" if self.bound.max_rows is None else
+                 f"up to {self.kernel_rows} rows, dequantized {str(self.dtype).removeprefix('torch.')} GEMM above")
         return (f"{gk.GGMLType(self.ggml_type).name}, in={self.in_features}, out={self.out_features}, "
-                f"blocks up to {KERNEL_ROWS} rows, dequantized {str(self.dtype).removeprefix('torch.')} GEMM above")
+                f"blocks {above}")
 
 
 class GGUFFused(nn.Module):
