@@ -17,7 +17,9 @@ from gguf.quants import quantize
 
 from asyncpage import AsyncEngine, SamplingParams
 from asyncpage.model import gguf_kernels
-from asyncpage.model.gguf_linear import KERNEL_ROWS, GGUFEmbedding, GGUFFused, GGUFLinear, block_bytes
+from asyncpage.model.attention import paged_attention
+from asyncpage.model.batch import FlatBatch
+from asyncpage.model.gguf_linear import KERNEL_ROWS, GGUFEmbedding, GGUFFused, GGUFLinear, block_bytes, unpadded_rows
 from asyncpage.model.weights import load
 from tests.gguf_writer import write_qwen2_gguf
 from tests.test_quantization import _prefill_logits
@@ -126,6 +128,33 @@ def test_the_head_splits_its_dense_path_into_tiles_with_the_same_result(monkeypa
     whole = layer.dense_matmul(x)
     monkeypatch.setattr(gl, "TILE_BYTES", 64 * 4 * 96)  # tiles of 96 rows: 11 of them, the last short
     assert torch.allclose(layer.dense_matmul(x), whole, atol=1e-5)
+
+
+def _step_length(exact_rows: int, tokens: int) -> int:
+    flat = FlatBatch(16, 0, torch.device("cpu"), paged_attention, exact_rows)
+    for i in range(tokens):  # one decode row per sequence
+        flat.add([7], 3, [i])
+    return len(flat.build()[0])
+
+
+def test_a_step_is_padded_to_a_bucket_only_past_the_rows_every_projection_runs_its_block_kernel(
+        tiny_quantized_gguf: Path) -> None:
+    # The tiny GGUF keeps its Q4_1 down projections dense: its steps keep the buckets (13 rows -> 16).
+    model: Any = load(tiny_quantized_gguf, torch.float32, torch.device("cpu"), "auto").model
+    assert unpadded_rows(model.model) == 0
+    assert _step_length(unpadded_rows(model.model), 13) == 16
+    assert _step_length(unpadded_rows(model.model), KERNEL_ROWS) == KERNEL_ROWS
+    # Every projection a block kernel: no padding up to the fewest rows any of them takes.
+    g = torch.Generator().manual_seed(0)
+    blocks = [(int(t), torch.from_numpy(quantize(torch.randn(64, 128, generator=g).numpy(), t)), 128)
+              for t in (Q.Q8_0, Q.Q5_0, Q.Q4_0)]
+    layers = torch.nn.ModuleList([GGUFLinear(b, torch.float32) for b in blocks])
+    rows = unpadded_rows(layers)
+    assert rows == min(m.kernel_rows for m in layers) >= KERNEL_ROWS
+    assert _step_length(rows, 13) == (13 if rows >= 13 else 16)
+    assert _step_length(rows, min(rows, 70)) == min(rows, 70)
+    layers.append(torch.nn.Linear(128, 64))  # one dense projection beside them: buckets again
+    assert unpadded_rows(layers) == 0
 
 
 async def test_auto_engine_generates_as_the_dequantized_one_on_a_tiny_gguf(tiny_quantized_gguf: Path) -> None:

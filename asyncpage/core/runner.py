@@ -24,6 +24,7 @@ from asyncpage.guided.backend import bitmask_width
 from asyncpage.guided.budget import matcher_error
 from asyncpage.model.attention import KV_QMAX, AttentionMetadata, paged_attention
 from asyncpage.model.batch import EXACT_ROWS, FlatBatch
+from asyncpage.model.gguf_linear import unpadded_rows
 from asyncpage.model.registry import CausalLM
 from asyncpage.outputs import TokenLogprob
 
@@ -94,6 +95,8 @@ class ModelRunner:
         self.caches: list[tuple[torch.Tensor, ...]] = []
         # One block more than the pool hands out: padding tokens write their K/V there.
         self.pad_slot = num_blocks * block_size
+        # Steps of up to this many tokens are not padded to a bucket (FlatBatch.build).
+        self.exact_rows = unpadded_rows(model.model)
         for layer in model.model.layers:
             attn = layer.self_attn
             shape = (num_blocks + 1, block_size, attn.num_kv_heads, attn.head_dim)
@@ -120,7 +123,7 @@ class ModelRunner:
 
     # ---- on the event loop -----------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> StepBatch:
-        flat = FlatBatch(self.block_size, self.pad_slot, self.device, self.attention)
+        flat = FlatBatch(self.block_size, self.pad_slot, self.device, self.attention, self.exact_rows)
         logit_rows: list[int] = []
         spec_rows: list[int] = []
         specs: list[SampleSpec] = []

@@ -21,8 +21,10 @@ class FlatBatch:
     model (core/draft.py), and by compiled decode's warm-up (model/compiled.py)."""
 
     def __init__(self, block_size: int, pad_slot: int, device: torch.device,
-                 attention: Callable[..., torch.Tensor]) -> None:
+                 attention: Callable[..., torch.Tensor], exact_rows: int = EXACT_ROWS) -> None:
+        """`exact_rows`: steps of up to this many tokens are not padded (see build)."""
         self.block_size, self.pad_slot, self.device, self.attention = block_size, pad_slot, device, attention
+        self.exact_rows = max(exact_rows, EXACT_ROWS)
         self.input_ids: list[int] = []
         self.positions: list[int] = []
         self.slots: list[int] = []
@@ -53,9 +55,11 @@ class FlatBatch:
     def build(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input ids, positions, attention metadata). The batch is padded to a few bucket sizes: the
         CPU matmul libraries build a kernel per new shape (~0.5 ms per matmul), which cost a cold
-        engine 30% of its throughput when every step had a new token count. Padding rows attend to
-        nothing and write their K/V to the pad slot."""
-        pad = _bucket(len(self.input_ids)) - len(self.input_ids)
+        engine 30% of its throughput when every step had a new token count. A model whose projections
+        are all block kernels up to some row count (gguf_linear.unpadded_rows: no per-shape kernel, a
+        cost linear in the rows) is not padded up to it. Padding rows attend to nothing and write their
+        K/V to the pad slot."""
+        pad = _bucket(len(self.input_ids), self.exact_rows) - len(self.input_ids)
         meta = AttentionMetadata(block_size=self.block_size, slot_mapping=self._t(self.slots + [self.pad_slot] * pad),
                                  prefills=self.prefills, attention=self.attention)
         if self.decode_rows:
@@ -70,9 +74,9 @@ class FlatBatch:
         return torch.tensor(xs, dtype=torch.long, device=self.device)
 
 
-def _bucket(n: int) -> int:
-    """1..EXACT_ROWS exactly (one stream must not pay for padding), then 16, 24, ..., 64, then multiples of 64."""
-    if n <= EXACT_ROWS:
+def _bucket(n: int, exact: int = EXACT_ROWS) -> int:
+    """1..`exact` exactly (one stream must not pay for padding), then multiples of 8 up to 64, then of 64."""
+    if n <= exact:
         return n
     if n <= 64:
         return -(-n // 8) * 8

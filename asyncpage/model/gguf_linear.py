@@ -110,6 +110,20 @@ class GGUFLinear(nn.Module):
                 f"blocks {above}")
 
 
+def unpadded_rows(model: nn.Module) -> int:
+    """Row counts up to which every projection of `model` (each module with `in_features`) is a
+    GGUFLinear running its block kernel: a cost linear in the rows and no kernel built per shape, so
+    the runner need not pad a step to a bucket (model/batch.py) below it. 0 when any projection is
+    something else (nn.Linear, QuantLinear: their GEMMs want the buckets)."""
+    rows = 1 << 62
+    for m in model.modules():
+        if isinstance(m, GGUFLinear):
+            rows = min(rows, m.kernel_rows)
+        elif hasattr(m, "in_features"):
+            return 0
+    return rows
+
+
 class GGUFFused(nn.Module):
     """FusedLinear's contract (one call, a tuple per projection): one merged GGUFLinear where the parts
     share a format (their rows concatenated, the parts' own copies dropped), else each part in turn
