@@ -274,9 +274,10 @@ static void mat_part(const Mat *m, const Act *a, const float *xf, int rows, long
             }
         return;
     }
-    float res[16];
-    for (int r0 = 0; r0 < rows; r0 += 4) {
-        const int nr = rows - r0 < 4 ? rows - r0 : 4;
+    float res[32];
+    const int ta = tile_acts(m->type, m->form);
+    for (int r0 = 0; r0 < rows; r0 += ta) {
+        const int nr = rows - r0 < ta ? rows - r0 : ta;
         const int tw = tile_rows(m->type, m->form, nr, m->n * m->rb >= STREAMED_BYTES);
         for (long i = i0; i < i1;) {
             const int wr = i1 - i >= tw ? tw : i1 - i >= 2 && tw >= 2 ? 2 : 1;

@@ -30,17 +30,22 @@
 
    Decode tiles: the 32-element formats take 4 weight rows at a time (2 with AVX2 past one activation
    row), one __m256 accumulator per (weight row, activation row), the offsets folded into the int32 dot,
-   and a software prefetch ahead of the streams; the K-quants 4 weight rows at one activation row
-   (one at more), with the same prefetch. Past 8 activation rows (VNNI form, 32-element formats) the
-   interleaved path: 8 weight rows unpacked once into a scratch tile, activation values broadcast against
-   it (matmul_ilv; 2.0-4.7x the tiles at 32 rows, ahead of dequantize + bf16 GEMM up to 512 rows).
+   and a software prefetch ahead of the streams; at 5-8 activation rows (VNNI form) two activation rows
+   share each 512-bit register, lane for lane the same arithmetic, in one pass over the weights
+   (rows32x2). The K-quants take 4 weight rows at one activation row (one at more), with the same
+   prefetch. Past 8 activation rows (VNNI form, every format) the interleaved path: 8 weight rows
+   unpacked once into a scratch tile (K-quants: with their sub-block scales and mins as int32 lanes),
+   activation values broadcast against it (matmul_ilv; 2.0-4.7x the tiles at 32 rows).
 
    Threads: OpenMP over chunks of output rows (torch's libgomp, see native.py), taken dynamically.
-   Within a chunk, activation rows go four at a time: each weight block is unpacked once and used for
-   all four, and a chunk's weight rows (a few KB) stay in L1 while every activation tile passes them.
+   Within a chunk, activation rows go four (eight: rows32x2) at a time: each weight block is unpacked
+   once and used for all of them, and a chunk's weight rows (a few KB) stay in L1 while every activation
+   tile passes them.
 
    No repacking of the stored weights: the kernels read the bytes of the GGUF's tensor as they are (rows
-   are not vector aligned: every load is unaligned; the interleaved path's tile is per call, in L1). A NaN or infinity in an activation block gives NaN outputs. */
+   are not vector aligned: every load is unaligned; the interleaved path unpacks into a per-thread
+   scratch tile of 8 weight rows: 9 bytes per value of k, about 12.4 for the K-quants). A NaN or infinity
+   in an activation block gives NaN outputs. */
 
 #ifndef GQ_SECTION /* the common part; the per-form section is at the end */
 
@@ -66,7 +71,7 @@ enum { E_MEMORY = -1, E_SHAPE = -2, E_TYPE = -3, E_FORM = -4, E_INDEX = -5 };
    6.1 -> 4.7 ms, Q5_0 4.1 -> 3.2; a 2-core AMD EPYC VM, 2026-12-04). The default model's layer weights (at
    most a few MB, partly cached between tokens) keep four rows; no gain was measured for the K-quants. */
 #define STREAMED_BYTES (8L << 20)
-/* From this many activation rows the 32-element formats take the interleaved path (matmul_ilv, VNNI form):
+/* From this many activation rows every format takes the interleaved path (matmul_ilv, VNNI form):
    past the 8 rows of a decode or speculative-verify step (native_step.MAX_ROWS), so those keep the tile
    kernels' arithmetic whatever their row count and a verify gives the bits one-row steps give. */
 #define ILV_ROWS 9
@@ -202,7 +207,7 @@ static void quantize_rows(const float *x, long k, int block, int offset, int row
 }
 
 /* A tile kernel: wr weight rows (w, w + rb, ..; nb blocks of its type each; wr = 1, 2 or 4) against
-   activation rows r0 .. r0 + nr - 1 (nr <= 4): res[i * nr + j] = dot of weight row i with activation
+   activation rows r0 .. r0 + nr - 1 (nr <= tile_acts): res[i * nr + j] = dot of weight row i with activation
    row r0 + j. Several weight rows at once give independent accumulator chains, share each activation
    load, and amortize the per-row reduction (the LM head's rows are only 20 blocks long). */
 typedef void (*row_kernel)(const uint8_t *w, long rb, int wr, long nb, const Act *a, int r0, int nr, float *res);
@@ -326,6 +331,11 @@ static int tile_rows(int type, int form, int nr, int streamed) {
     return form == FORM_VNNI || nr == 1 ? 4 : 2;
 }
 
+/* Activation rows per tile: 8 for the 32-element formats in the VNNI form (rows32x2), else 4. */
+static int tile_acts(int type, int form) {
+    return GQ_X86 && form == FORM_VNNI && gguf_block_elems(type) == 32 ? 8 : 4;
+}
+
 /* Whether a product of `rows` activation rows takes the interleaved path (matmul_ilv). */
 static int uses_ilv(int type, int form, int rows) {
     return GQ_X86 && form == FORM_VNNI && rows >= ILV_ROWS;
@@ -419,9 +429,10 @@ int gguf_matmul(int type, int form, const float *x, const uint8_t *w, long n, lo
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && chunks > 1)
     for (long c = 0; c < chunks; c++) {
         const long i0 = c * chunk, i1 = i0 + chunk < n ? i0 + chunk : n;
-        float res[16];
-        for (int r0 = 0; r0 < rows; r0 += 4) {
-            const int nr = rows - r0 < 4 ? rows - r0 : 4;
+        float res[32];
+        const int ta = tile_acts(type, form);
+        for (int r0 = 0; r0 < rows; r0 += ta) {
+            const int nr = rows - r0 < ta ? rows - r0 : ta;
             const int tw = tile_rows(type, form, nr, streamed);
             for (long i = i0; i < i1;) {
                 const int wr = i1 - i >= tw ? tw : i1 - i >= 2 && tw >= 2 ? 2 : 1;
@@ -770,6 +781,87 @@ GQ_INLINE void F(rowsk)(const int type, const uint8_t *w, long rb, long nb, cons
             res[i * NR + r] = F(hsum)(_mm256_sub_ps(acc[i][r], offv[i][r]));
 }
 
+#if GQ_FORM == 2
+/* rows32 at 5..8 activation rows (VNNI form): two activation rows in one 512-bit register, row 2p in the
+   low half and 2p + 1 in the high half, each half the very lanes rows32 computes for its row (the same
+   integer dot, conversion, product dw * dx, multiply-add order and horizontal sum), so every row gets the
+   bits of a one-row call (a speculative verify those of one-token steps), 8 rows in one pass over the
+   weights instead of two (LM head, 8 rows: 17.4 -> 15.6 ms; a verify step of 5-8 rows, forward and head,
+   7-14% less; at 2-4 rows the ymm tiles stayed ahead). NR odd: the last pair's high half repeats its low
+   row. */
+GQ_INLINE __m512i F(pair_i)(__m256i lo, __m256i hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+GQ_INLINE void F(rows32x2)(const int type, const uint8_t *w, long rb, long nb, const Act *a, int r0, const int NR,
+                           const int WR, float *res) {
+    const int bytes = type == T_Q4_0 ? 18 : type == T_Q5_0 ? 22 : 34;
+    const int NP = (NR + 1) / 2;
+    __m512 acc[4][4];
+    const int8_t *xq[8];
+    const float *xd[8];
+    const int32_t *xc[8];
+    for (int r = 0; r < 2 * NP; r++) {
+        const int rr = r0 + (r < NR ? r : NR - 1);
+        xq[r] = a->q + (long)rr * a->k;
+        xd[r] = a->d + (long)rr * a->nb;
+        xc[r] = a->c + (long)rr * a->nb;
+    }
+    for (int i = 0; i < WR; i++)
+        for (int p = 0; p < NP; p++)
+            acc[i][p] = _mm512_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        __m512i u[4];
+        float dw[4];
+        for (int i = 0; i < WR; i++) {
+            const uint8_t *p = w + i * rb + b * bytes;
+            _mm_prefetch((const char *)p + 4 * WR * rb, _MM_HINT_T0);
+            dw[i] = _cvtsh_ss(rd16(p));
+            __m256i v;
+            if (type == T_Q4_0)
+                v = F(nibbles16)(p + 2);
+            else if (type == T_Q5_0)
+                v = _mm256_or_si256(F(nibbles16)(p + 6), F(bits16)(rd32(p + 2)));
+            else
+                v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 2)), _mm256_set1_epi8((char)0x80));
+            u[i] = _mm512_broadcast_i64x4(v);
+        }
+        for (int q = 0; q < NP; q++) {
+            const int r = 2 * q;
+            const __m512i x = F(pair_i)(_mm256_loadu_si256((const __m256i *)(xq[r] + 32 * b)),
+                                        _mm256_loadu_si256((const __m256i *)(xq[r + 1] + 32 * b)));
+            const __m512i c = F(pair_i)(_mm256_zextsi128_si256(_mm_cvtsi32_si128(xc[r][b])),
+                                        _mm256_zextsi128_si256(_mm_cvtsi32_si128(xc[r + 1][b])));
+            const __m512 dx = _mm512_castpd_ps(_mm512_insertf64x4(
+                _mm512_castps_pd(_mm512_set1_ps(xd[r][b])), _mm256_castps_pd(_mm256_set1_ps(xd[r + 1][b])), 1));
+            for (int i = 0; i < WR; i++)
+                acc[i][q] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(dw[i]), dx),
+                                            _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c, u[i], x)), acc[i][q]);
+        }
+    }
+    for (int i = 0; i < WR; i++)
+        for (int q = 0; q < NP; q++) {
+            res[i * NR + 2 * q] = F(hsum)(_mm512_castps512_ps256(acc[i][q]));
+            if (2 * q + 1 < NR)
+                res[i * NR + 2 * q + 1] = F(hsum)(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i][q]), 1)));
+        }
+}
+
+#define GQ_CASES32(TYPE, WR)                                                                       \
+    switch (nr) {                                                                                  \
+    case 1: F(rows32)(TYPE, w, rb, nb, a, r0, 1, WR, res); break;                                  \
+    case 2: F(rows32)(TYPE, w, rb, nb, a, r0, 2, WR, res); break;                                  \
+    case 3: F(rows32)(TYPE, w, rb, nb, a, r0, 3, WR, res); break;                                  \
+    case 4: F(rows32)(TYPE, w, rb, nb, a, r0, 4, WR, res); break;                                  \
+    case 5: F(rows32x2)(TYPE, w, rb, nb, a, r0, 5, WR, res); break;                                \
+    case 6: F(rows32x2)(TYPE, w, rb, nb, a, r0, 6, WR, res); break;                                \
+    case 7: F(rows32x2)(TYPE, w, rb, nb, a, r0, 7, WR, res); break;                                \
+    default: F(rows32x2)(TYPE, w, rb, nb, a, r0, 8, WR, res); break;                               \
+    }
+#else
+#define GQ_CASES32(TYPE, WR) GQ_CASES(rows32, TYPE, WR)
+#endif
+
 /* Each (type, form) as a row_kernel, its row counts constants in each case so the loops unroll. */
 #define GQ_CASES(BODY, TYPE, WR)                                                                   \
     switch (nr) {                                                                                  \
@@ -781,11 +873,11 @@ GQ_INLINE void F(rowsk)(const int type, const uint8_t *w, long rb, long nb, cons
 #define GQ_KERNEL32(NAME, TYPE)                                                                    \
     static void F(NAME)(const uint8_t *w, long rb, int wr, long nb, const Act *a, int r0, int nr, float *res) { \
         if (wr == 4)                                                                               \
-            GQ_CASES(rows32, TYPE, 4)                                                              \
+            GQ_CASES32(TYPE, 4)                                                                    \
         else if (wr == 2)                                                                          \
-            GQ_CASES(rows32, TYPE, 2)                                                              \
+            GQ_CASES32(TYPE, 2)                                                                    \
         else                                                                                       \
-            GQ_CASES(rows32, TYPE, 1)                                                              \
+            GQ_CASES32(TYPE, 1)                                                                    \
     }
 #define GQ_KERNEL(NAME, BODY, TYPE)                                                                \
     static void F(NAME)(const uint8_t *w, long rb, int wr, long nb, const Act *a, int r0, int nr, float *res) { \

@@ -119,6 +119,23 @@ def test_a_gguf_linear_computes_its_dequantized_weight_at_any_row_count(rows: in
     assert rel < (0.02 if dtype == torch.bfloat16 or rows <= layer.kernel_rows else 1e-5), rel
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_gguf_linear_past_its_kernel_rows_gives_the_dequantized_gemm_with_its_bias(dtype: torch.dtype) -> None:
+    # Where the interleaved kernels take every row count (VNNI), the dense path is reached only past
+    # kernel_rows (the K-quants past 48): the same layer with the bound lowered, a 3-d input.
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 128, generator=g)
+    layer = GGUFLinear((int(Q.Q8_0), torch.from_numpy(quantize(w.numpy(), Q.Q8_0)), 128), dtype,
+                       bias=torch.randn(96, generator=g))
+    layer.kernel_rows = 4
+    x = torch.randn(2, 5, 128, generator=g).to(dtype)
+    got = layer(x)
+    ref = torch.nn.functional.linear(x, layer.dequantized().to(dtype), layer.bias)
+    assert got.dtype == dtype and got.shape == (2, 5, 96)
+    exact = dtype == torch.float32
+    assert torch.allclose(got, ref, atol=1e-5 if exact else 0.05, rtol=1e-4 if exact else 0.02)
+
+
 def test_the_head_splits_its_dense_path_into_tiles_with_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
     import asyncpage.model.gguf_linear as gl
 

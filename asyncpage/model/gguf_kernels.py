@@ -23,8 +23,9 @@ file) / the LM head [262144, 640] (Q8_0):
     76 us / 39.8 ms float32;
   - this module, on the file's own blocks (VNNI form): 56 us / 23.0 ms (12.9 ms for 4 rows).
 At one to eight rows these kernels are the only exact path on the file's bytes and beat the dense
-matmuls; at 32+ rows they are not yet competitive with torch's bfloat16 GEMM, which uses AMX on this CPU
-(512 rows of ffn_up: 13.8 ms here against 0.64 ms bfloat16 and 4.3 ms float32): see the bench.
+matmuls; past eight rows the VNNI form's interleaved path (gguf_quants.c matmul_ilv) keeps them ahead of
+dequantize + bfloat16 GEMM for the 32-element formats at every row count measured (up to 512) and for
+the K-quants up to 48 rows (Bound.max_rows); scripts/gguf_kernel_bench.py prints both.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, ggml_type: int, *, form: str | None
     rc = lib.matmul(int(ggml_type), f, x.data_ptr(), w.data_ptr(), n, k, x.shape[0],
                     threads or torch.get_num_threads(), out.data_ptr())
     if rc == -1:
-        raise MemoryError("gguf_matmul: no memory for the rounded activations")
+        raise MemoryError("gguf_matmul: no memory for its rounded activations or scratch")
     if rc != 0:
         raise ValueError(f"gguf_matmul refused type {ggml_type}, k={k}, form {FORMS[f]} (code {rc})")
     return out
@@ -236,7 +237,7 @@ class Bound:
         rc = self.lib.matmul(self.type, self.form, x.data_ptr(), self.ptr, self.n, self.k, x.shape[0],
                              torch.get_num_threads(), out.data_ptr())
         if rc != 0:
-            raise MemoryError("gguf_matmul: no memory for the rounded activations") if rc == -1 else \
+            raise MemoryError("gguf_matmul: no memory for its rounded activations or scratch") if rc == -1 else \
                 ValueError(f"gguf_matmul refused type {self.type} (code {rc})")
         return out
 
