@@ -1196,6 +1196,7 @@ static int F(matmul_ilv)(int type, const Act *a, const uint8_t *w, long n, long 
 }
 #endif
 #undef GQ_CASES
+#undef GQ_CASES32
 #undef GQ_KERNEL32
 #undef GQ_KERNEL
 #undef GQ_INLINE

@@ -136,6 +136,19 @@ def test_a_gguf_linear_past_its_kernel_rows_gives_the_dequantized_gemm_with_its_
     assert torch.allclose(got, ref, atol=1e-5 if exact else 0.05, rtol=1e-4 if exact else 0.02)
 
 
+@pytest.mark.parametrize("amx", [False, True])
+def test_where_bfloat16_gemm_runs_on_amx_the_kernels_take_at_most_amx_rows(
+        amx: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncpage.model.gguf_linear as gl
+
+    monkeypatch.setattr(gl, "_amx", lambda: amx)
+    w = torch.from_numpy(quantize(torch.randn(64, 256).numpy(), Q.Q5_0))
+    for dtype in (torch.bfloat16, torch.float32):
+        layer = GGUFLinear((int(Q.Q5_0), w, 256), dtype)
+        free = layer.bound.max_rows or 1 << 62
+        assert layer.kernel_rows == (min(free, gl.AMX_ROWS) if amx and dtype == torch.bfloat16 else free)
+
+
 def test_the_head_splits_its_dense_path_into_tiles_with_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
     import asyncpage.model.gguf_linear as gl
 

@@ -159,6 +159,38 @@ def test_a_mask_that_leaves_no_finite_logit_yields_no_token() -> None:
     assert out.invalid == {0} and out.tokens[1] == int(logits[1].argmax())
 
 
+def test_greedy_under_a_grammar_mask_picks_what_masking_the_whole_row_picks() -> None:
+    # Rows whose own maximum the mask allows are not masked (guided.keeps_maximum): the token must be the
+    # one masking gives, ties (coarse logits), a disallowed maximum, NaN / inf rows and an empty mask included.
+    from asyncpage.decoding.speculative import _greedy
+    from asyncpage.guided.backend import apply_bitmask, bitmask_width
+
+    g = torch.Generator().manual_seed(0)
+    n, v = 64, 300
+    logits = torch.randint(0, 6, (n, v), generator=g).float()  # many tied maxima
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (n, bitmask_width(v)), generator=g, dtype=torch.int32)
+    bitmask[0] = 0  # nothing allowed
+    bitmask[1] = -1  # everything allowed
+    logits[2, 5] = float("nan")
+    logits[3, 9] = float("inf")
+    logits[4, 11] = float("-inf")
+    bitmask[2, 0] |= 1 << 5  # the NaN and the inf allowed: their rows have no token
+    bitmask[3, 0] |= 1 << 9
+    for r in range(5, 20):  # the row's first maximum disallowed
+        t = int(logits[r].argmax())
+        bitmask[r, t >> 5] &= ~(1 << (t & 31))
+    masked = logits.clone()
+    apply_bitmask(masked, bitmask)
+    want = masked.argmax(-1).tolist()
+    finite = torch.isfinite(masked.max(-1).values).tolist()
+    specs = [SampleSpec(i, SamplingParams(temperature=0), None, matcher=object()) for i in range(n)]  # type: ignore[arg-type]
+    out = sample(logits, specs, bitmask)
+    assert out.invalid == {i for i in range(n) if not finite[i]} and {0, 2, 3} <= out.invalid
+    assert [t for i, t in enumerate(out.tokens) if finite[i]] == [t for i, t in enumerate(want) if finite[i]]
+    assert [_greedy(logits[i], bitmask[i]) for i in range(n)] == [t if finite[i] else None for i, t in enumerate(want)]
+    assert logits[2, 5].isnan()  # the caller's logits are left raw
+
+
 def test_top_k_then_top_p_renormalizes_over_the_top_k_like_transformers() -> None:
     """Defect 4: top-p ran over the full distribution instead of the top-k renormalized."""
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper

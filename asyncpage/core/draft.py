@@ -204,7 +204,7 @@ class DraftProposer:
 
     def _flat(self) -> FlatBatch:
         r = self.runner
-        return FlatBatch(r.block_size, r.pad_slot, r.device, r.attention)
+        return FlatBatch(r.block_size, r.pad_slot, r.device, r.attention, r.exact_rows)
 
     def _greedy(self, flat: FlatBatch, rows: list[int]) -> list[int]:
         input_ids, positions, meta = flat.build()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncpage.guided import Matcher, apply_bitmask
+from asyncpage.guided.backend import keeps_maximum
 from asyncpage.outputs import TokenLogprob
 from asyncpage.params import SamplingParams
 
@@ -52,8 +53,14 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor 
     raw_logprobs = None
     if any(s.params.logprobs is not None for s in specs):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-    guided_rows = [i for i, s in enumerate(specs) if s.matcher is not None] if bitmask is not None else []
     penalized = [i for i, s in enumerate(specs) if needs_history(s.params)]
+    guided_rows = [i for i, s in enumerate(specs) if s.matcher is not None] if bitmask is not None else []
+    if guided_rows:
+        # A greedy row whose own maximum its grammar allows keeps that token under the mask: only the
+        # other guided rows are masked (guided.keeps_maximum).
+        assert bitmask is not None
+        guided_rows = [i for i in guided_rows if not (specs[i].params.greedy and i not in penalized and
+                                                      keeps_maximum(logits[i], bitmask[i]) is not None)]
     if guided_rows or penalized:
         logits = logits.clone()  # the caller's logits stay raw (logprobs are computed from them)
         if guided_rows:

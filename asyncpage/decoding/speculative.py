@@ -24,6 +24,7 @@ the same.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -33,7 +34,7 @@ import torch
 from asyncpage.decoding.guided_step import guided_step
 from asyncpage.decoding.sampling import SampleResult, SampleSpec, needs_history, sample
 from asyncpage.errors import InvalidRequestError
-from asyncpage.guided.backend import apply_bitmask, bitmask_width
+from asyncpage.guided.backend import apply_bitmask, bitmask_width, keeps_maximum
 
 # Each draft row costs compute (here ~7 ms a row on the default model in float32, LM head included),
 # and a big batch is already compute-bound: measured on free text (71% of drafts kept), speculation
@@ -204,28 +205,36 @@ def draft_masks(v: Verify, mask_vocab: int) -> torch.Tensor | None:
     return masks
 
 
+def _greedy(row: torch.Tensor, mask: torch.Tensor | None) -> int | None:
+    """Row's greedy token under its grammar mask (None: no finite one; sample() then says why). The
+    mask is applied only where the row's own maximum is not allowed (keeps_maximum)."""
+    if mask is not None:
+        if (t := keeps_maximum(row, mask)) is not None:
+            return t
+        row = row[None].clone()
+        apply_bitmask(row, mask[None])
+        row = row[0]
+    value, token = row.max(dim=-1)
+    return int(token) if math.isfinite(float(value)) else None
+
+
 def verify(v: Verify, logits: torch.Tensor, masks: torch.Tensor | None) -> Verified:
     """Sample each position of a speculating sequence in order, as plain decode steps would, while
     the sampled token equals the draft. `logits` holds the step's rows (v.rows index it), `masks`
     the grammar's mask of each of them (draft_masks)."""
     s = v.spec
     m = s.matcher
-    rows = logits[v.rows]
-    greedy = None
+    greedy: list[int | None] | None = None
     if s.params.greedy and not needs_history(s.params):
         # Every row's greedy token at once: only the sampled-token order matters, not the draws.
-        if masks is not None:
-            rows = rows.clone()
-            apply_bitmask(rows, masks)
-        greedy = rows.argmax(dim=-1).tolist()
+        greedy = [_greedy(logits[r], masks[i] if masks is not None else None) for i, r in enumerate(v.rows)]
     tokens: list[int] = []
     for i in range(len(v.rows)):
         mask = masks[i : i + 1] if masks is not None else None
         spec = replace(s, output_ids=s.output_ids + tokens if s.output_ids is not None else None,
                        budget=s.budget - i if s.budget is not None else None)
-        row = rows[i : i + 1]
-        if greedy is not None and bool(torch.isfinite(row[0, greedy[i]])):
-            result = SampleResult([greedy[i]], [None])
+        if greedy is not None and (g := greedy[i]) is not None:
+            result = SampleResult([g], [None])
         else:  # sampled (a seeded draw per emitted token, in order), penalized, or an invalid row
             result = sample(logits[v.rows[i] : v.rows[i] + 1], [spec], mask)
         if result.invalid:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -133,6 +134,18 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     n, v = logits.shape
     allowed = ((bitmask[:, :, None] >> _BITS) & 1).reshape(n, -1)[:, :v].bool()
     logits.masked_fill_(~allowed, float("-inf"))
+
+
+def keeps_maximum(row: torch.Tensor, bitmask_row: torch.Tensor) -> int | None:
+    """The token a greedy pick takes from `row` (one row of logits) under `bitmask_row`, when the mask
+    need not be applied to know it: the row's first maximal token if it is finite and the grammar allows
+    it (masking only removes tokens, so it stays the first maximal one); None otherwise (mask the row).
+    A 262k row costs ~0.1 ms to search and ~0.6 ms to mask."""
+    value, token = row.max(dim=-1)
+    t = int(token)
+    if not math.isfinite(float(value)) or t >= 32 * bitmask_row.shape[0]:
+        return None
+    return t if (int(bitmask_row[t >> 5]) >> (t & 31)) & 1 else None
 
 
 def choice_regex(choices: list[str]) -> str:

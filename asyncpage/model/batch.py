@@ -11,7 +11,7 @@ import torch
 
 from asyncpage.model.attention import AttentionMetadata, PrefillChunk
 
-EXACT_ROWS = 8  # steps of up to this many tokens are not padded (the fused and compiled decode steps' rows)
+EXACT_ROWS = 8  # steps of up to this many tokens are never padded (the fused and compiled decode steps' rows)
 
 
 class FlatBatch:
