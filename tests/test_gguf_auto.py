@@ -147,6 +147,9 @@ def test_where_bfloat16_gemm_runs_on_amx_the_kernels_take_at_most_amx_rows(
         layer = GGUFLinear((int(Q.Q5_0), w, 256), dtype)
         free = layer.bound.max_rows or 1 << 62
         assert layer.kernel_rows == (min(free, gl.AMX_ROWS) if amx and dtype == torch.bfloat16 else free)
+    # An LM head (float32 logits from a bfloat16 model) keeps the kernels at any row count: no bf16 rounding.
+    head = GGUFLinear((int(Q.Q5_0), w, 256), torch.bfloat16, out_dtype=torch.float32)
+    assert head.kernel_rows == (head.bound.max_rows or 1 << 62)
 
 
 def test_the_head_splits_its_dense_path_into_tiles_with_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:

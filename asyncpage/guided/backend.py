@@ -141,9 +141,11 @@ def keeps_maximum(row: torch.Tensor, bitmask_row: torch.Tensor) -> int | None:
     need not be applied to know it: the row's first maximal token if it is finite and the grammar allows
     it (masking only removes tokens, so it stays the first maximal one); None otherwise (mask the row).
     A 262k row costs ~0.1 ms to search and ~0.6 ms to mask."""
+    if 32 * bitmask_row.shape[0] < row.shape[-1]:
+        return None  # a mask narrower than the row: apply_bitmask refuses it, loudly
     value, token = row.max(dim=-1)
     t = int(token)
-    if not math.isfinite(float(value)) or t >= 32 * bitmask_row.shape[0]:
+    if not math.isfinite(float(value)):
         return None
     return t if (int(bitmask_row[t >> 5]) >> (t & 31)) & 1 else None
 

@@ -222,7 +222,8 @@ class Bound:
         self.ptr = w.data_ptr()
         # The most rows for which these kernels beat dequantize + torch's bf16 GEMM (None: any count). In
         # the VNNI form every format takes the interleaved path past 8 rows (kernels/gguf_quants.c,
-        # matmul_ilv). The 32-element formats are ahead at every count measured (ffn_up Q5_0 [2048, 640]
+        # matmul_ilv). Without AMX (a 2-core AMD EPYC VM; where a bf16 GEMM runs on AMX, gguf_linear caps
+        # this at AMX_ROWS) the 32-element formats are ahead at every count measured (ffn_up Q5_0 [2048, 640]
         # at 32 rows 0.25 ms vs 0.53, at 512 3.1 vs 3.5; the Q8_0 LM head at 32 rows 43 vs 128 ms, at 128
         # 152 vs 166); the K-quants up to about 48 (ffn_down Q6_K [640, 2048] at 32 rows 0.39 vs 0.55 ms, 64
         # even, at 512 5.3 vs 3.9). The other forms tile four activation rows at a time and fall behind

@@ -50,8 +50,13 @@ Blocks = tuple[int, torch.Tensor, int]
 
 @functools.cache
 def _amx() -> bool:
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # torch's own check (cpuinfo + the OS grant)
-    return bool(probe()) if probe is not None else False
+    """Whether the CPU has AMX tiles (torch's cpuinfo check; a private function, so guarded: any failure
+    reads as no AMX, which costs speed only)."""
+    try:
+        probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+        return bool(probe()) if probe is not None else False
+    except Exception:
+        return False
 
 
 def amx_bf16(dtype: torch.dtype) -> bool:
@@ -89,11 +94,11 @@ class GGUFLinear(nn.Module):
         self.bound = gk.Bound(self.qweight, self.ggml_type)
         # Past this many rows: dequantize + dense GEMM (gguf_kernels.Bound.max_rows; never: 2**62), at most
         # AMX_ROWS where torch's bfloat16 GEMM runs on AMX tiles (amx_bf16).
-        self.kernel_rows = self.bound.max_rows or 1 << 62
-        if amx_bf16(dtype):
-            self.kernel_rows = min(self.kernel_rows, AMX_ROWS)
         self.dtype = dtype
         self.out_dtype = out_dtype or dtype  # the LM head returns the kernel's float32 logits
+        self.kernel_rows = self.bound.max_rows or 1 << 62
+        if amx_bf16(dtype) and self.out_dtype == dtype:  # a head keeps its float32 logits at any row count
+            self.kernel_rows = min(self.kernel_rows, AMX_ROWS)
         self.bias = None if bias is None else bias.detach().to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
