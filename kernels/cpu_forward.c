@@ -274,20 +274,8 @@ static void mat_part(const Mat *m, const Act *a, const float *xf, int rows, long
             }
         return;
     }
-    float res[32];
-    const int ta = tile_acts(m->type, m->form);
-    for (int r0 = 0; r0 < rows; r0 += ta) {
-        const int nr = rows - r0 < ta ? rows - r0 : ta;
-        const int tw = tile_rows(m->type, m->form, nr, m->n * m->rb >= STREAMED_BYTES);
-        for (long i = i0; i < i1;) {
-            const int wr = i1 - i >= tw ? tw : i1 - i >= 2 && tw >= 2 ? 2 : 1;
-            m->kern(m->w + i * m->rb, m->rb, wr, m->nb, a, r0, nr, res);
-            for (int t = 0; t < wr; t++)
-                for (int j = 0; j < nr; j++)
-                    out[(long)(r0 + j) * ldo + i + t - col0] = res[t * nr + j] + (m->bias ? m->bias[i + t] : 0.0f);
-            i += wr;
-        }
-    }
+    tile_pass(m->kern, m->type, m->form, m->w, m->rb, m->nb, a, rows, i0, i1, m->n * m->rb >= STREAMED_BYTES, out, ldo,
+              col0, m->bias);
 }
 
 static Act act_for(const Rounded *s, const Mat *m, long k) {

@@ -373,6 +373,27 @@ static row_kernel kernel_for(int type, int form) {
     return NULL;
 }
 
+/* Weight rows [i0, i1) (rb bytes, nb blocks each, from w) against activation rows 0..rows-1 through the
+   tile kernel `kern`: out[r * ldo + i - col0] (+ bias[i] where bias is given). gguf_matmul's chunks and
+   the fused step's matrix parts (cpu_forward.c mat_part) both go through here. */
+static void tile_pass(row_kernel kern, int type, int form, const uint8_t *w, long rb, long nb, const Act *a, int rows,
+                      long i0, long i1, int streamed, float *out, long ldo, long col0, const float *bias) {
+    float res[32]; /* tile_rows (at most 4) x tile_acts (at most 8) */
+    const int ta = tile_acts(type, form);
+    for (int r0 = 0; r0 < rows; r0 += ta) {
+        const int nr = rows - r0 < ta ? rows - r0 : ta;
+        const int tw = tile_rows(type, form, nr, streamed);
+        for (long i = i0; i < i1;) {
+            const int wr = i1 - i >= tw ? tw : i1 - i >= 2 && tw >= 2 ? 2 : 1;
+            kern(w + i * rb, rb, wr, nb, a, r0, nr, res);
+            for (int t = 0; t < wr; t++)
+                for (int j = 0; j < nr; j++)
+                    out[(long)(r0 + j) * ldo + i + t - col0] = bias ? res[t * nr + j] + bias[i + t] : res[t * nr + j];
+            i += wr;
+        }
+    }
+}
+
 /* out [rows, n] = x [rows, k] times w^T, w [n, k / block] blocks of `type` (rows of
    k / block * bytes). form: 0..2 (see above), at most gguf_form_best(). Returns 0, or E_SHAPE (k not a
    positive multiple of the block), E_TYPE, E_FORM, E_MEMORY (nothing written then). */
@@ -429,20 +450,7 @@ int gguf_matmul(int type, int form, const float *x, const uint8_t *w, long n, lo
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && chunks > 1)
     for (long c = 0; c < chunks; c++) {
         const long i0 = c * chunk, i1 = i0 + chunk < n ? i0 + chunk : n;
-        float res[32];
-        const int ta = tile_acts(type, form);
-        for (int r0 = 0; r0 < rows; r0 += ta) {
-            const int nr = rows - r0 < ta ? rows - r0 : ta;
-            const int tw = tile_rows(type, form, nr, streamed);
-            for (long i = i0; i < i1;) {
-                const int wr = i1 - i >= tw ? tw : i1 - i >= 2 && tw >= 2 ? 2 : 1;
-                kern(w + i * row_bytes, row_bytes, wr, nb, &a, r0, nr, res);
-                for (int t = 0; t < wr; t++)
-                    for (int j = 0; j < nr; j++)
-                        out[(long)(r0 + j) * n + i + t] = res[t * nr + j];
-                i += wr;
-            }
-        }
+        tile_pass(kern, type, form, w, row_bytes, nb, &a, rows, i0, i1, streamed, out, n, 0, NULL);
     }
     free(a.q);
     free(a.d);
@@ -629,6 +637,16 @@ GQ_INLINE __m256i F(bits16)(uint32_t bits) {
 #endif
 }
 
+/* A 32-element block's values (p: the block) as the unsigned bytes the VNNI form reads: Q4_0 q, Q5_0 q
+   (its fifth bits or-ed in), Q8_0 q + 128; the offsets come back through the activations' c. */
+GQ_INLINE __m256i F(values32)(const int type, const uint8_t *p) {
+    if (type == T_Q4_0)
+        return F(nibbles16)(p + 2);
+    if (type == T_Q5_0)
+        return _mm256_or_si256(F(nibbles16)(p + 6), F(bits16)(rd32(p + 2)));
+    return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 2)), _mm256_set1_epi8((char)0x80));
+}
+
 /* The 32-element formats: WR weight rows against NR activation rows, one float accumulator per pair
    (a block's int32 lanes converted and multiplied-added by the block's d * dx: no horizontal sum until
    the end). The weights' offset enters the integer dot through the activations' c (exact). */
@@ -652,14 +670,11 @@ GQ_INLINE void F(rows32)(const int type, const uint8_t *w, long rb, long nb, con
                without it (LM head, one row: 13.4 -> 7.6 ms, scripts/gguf_kernel_bench.py). */
             _mm_prefetch((const char *)p + 4 * WR * rb, _MM_HINT_T0);
             dw[i] = _cvtsh_ss(rd16(p));
-            if (type == T_Q4_0)
-                u[i] = F(nibbles16)(p + 2);
-            else if (type == T_Q5_0)
-                u[i] = _mm256_or_si256(F(nibbles16)(p + 6), F(bits16)(rd32(p + 2)));
-            else {
+            if (sign) {
                 raw[i] = _mm256_loadu_si256((const __m256i *)(p + 2));
-                u[i] = sign ? _mm256_sign_epi8(raw[i], raw[i]) : _mm256_xor_si256(raw[i], _mm256_set1_epi8((char)0x80));
-            }
+                u[i] = _mm256_sign_epi8(raw[i], raw[i]);
+            } else
+                u[i] = F(values32)(type, p);
         }
         for (int r = 0; r < NR; r++) {
             const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * a->k + 32 * b));
@@ -817,14 +832,7 @@ GQ_INLINE void F(rows32x2)(const int type, const uint8_t *w, long rb, long nb, c
             const uint8_t *p = w + i * rb + b * bytes;
             _mm_prefetch((const char *)p + 4 * WR * rb, _MM_HINT_T0);
             dw[i] = _cvtsh_ss(rd16(p));
-            __m256i v;
-            if (type == T_Q4_0)
-                v = F(nibbles16)(p + 2);
-            else if (type == T_Q5_0)
-                v = _mm256_or_si256(F(nibbles16)(p + 6), F(bits16)(rd32(p + 2)));
-            else
-                v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 2)), _mm256_set1_epi8((char)0x80));
-            u[i] = _mm512_broadcast_i64x4(v);
+            u[i] = _mm512_broadcast_i64x4(F(values32)(type, p));
         }
         for (int q = 0; q < NP; q++) {
             const int r = 2 * q;
@@ -945,12 +953,7 @@ static void F(unpack8)(const int type, const uint8_t *w, long rb, int wr, long n
             const uint8_t *p = w + i * rb + b * bytes;
             _mm_prefetch((const char *)p + 8 * rb, _MM_HINT_T0); /* the next group's same block */
             dw[8 * b + i] = _cvtsh_ss(rd16(p));
-            if (type == T_Q4_0)
-                v[i] = F(nibbles16)(p + 2);
-            else if (type == T_Q5_0)
-                v[i] = _mm256_or_si256(F(nibbles16)(p + 6), F(bits16)(rd32(p + 2)));
-            else
-                v[i] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 2)), _mm256_set1_epi8((char)0x80));
+            v[i] = F(values32)(type, p);
         }
         F(transpose8)(v);
         for (int q = 0; q < 8; q++)

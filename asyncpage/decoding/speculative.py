@@ -224,16 +224,13 @@ def verify(v: Verify, logits: torch.Tensor, masks: torch.Tensor | None) -> Verif
     the grammar's mask of each of them (draft_masks)."""
     s = v.spec
     m = s.matcher
-    greedy: list[int | None] | None = None
-    if s.params.greedy and not needs_history(s.params):
-        # Every row's greedy token at once: only the sampled-token order matters, not the draws.
-        greedy = [_greedy(logits[r], masks[i] if masks is not None else None) for i, r in enumerate(v.rows)]
+    greedy = s.params.greedy and not needs_history(s.params)  # no draws: a row's token is its own
     tokens: list[int] = []
     for i in range(len(v.rows)):
         mask = masks[i : i + 1] if masks is not None else None
         spec = replace(s, output_ids=s.output_ids + tokens if s.output_ids is not None else None,
                        budget=s.budget - i if s.budget is not None else None)
-        if greedy is not None and (g := greedy[i]) is not None:
+        if greedy and (g := _greedy(logits[v.rows[i]], masks[i] if masks is not None else None)) is not None:
             result = SampleResult([g], [None])
         else:  # sampled (a seeded draw per emitted token, in order), penalized, or an invalid row
             result = sample(logits[v.rows[i] : v.rows[i] + 1], [spec], mask)

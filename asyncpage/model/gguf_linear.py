@@ -92,10 +92,10 @@ class GGUFLinear(nn.Module):
         # Plain attributes, not buffers: to_empty() / .to(dtype) must never touch the blocks.
         self.qweight = data.contiguous()
         self.bound = gk.Bound(self.qweight, self.ggml_type)
-        # Past this many rows: dequantize + dense GEMM (gguf_kernels.Bound.max_rows; never: 2**62), at most
-        # AMX_ROWS where torch's bfloat16 GEMM runs on AMX tiles (amx_bf16).
         self.dtype = dtype
         self.out_dtype = out_dtype or dtype  # the LM head returns the kernel's float32 logits
+        # Past this many rows: dequantize + dense GEMM (gguf_kernels.Bound.max_rows; never: 2**62), at most
+        # AMX_ROWS where torch's bfloat16 GEMM runs on AMX tiles (amx_bf16).
         self.kernel_rows = self.bound.max_rows or 1 << 62
         if amx_bf16(dtype) and self.out_dtype == dtype:  # a head keeps its float32 logits at any row count
             self.kernel_rows = min(self.kernel_rows, AMX_ROWS)
