@@ -195,12 +195,12 @@ def test_speculated_tokens_follow_the_target_distribution(params: SamplingParams
 
 def test_ngram_proposer_continues_the_latest_earlier_occurrence() -> None:
     state = SpecState(SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3))
-    tokens = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7, 3, 4, 5, 6]
-    assert state.propose(tokens, 10) == [7, 3, 4]  # "5 6" last seen before the end at index 7
-    assert state.propose([*tokens, 7], 10) == [3, 4, 5]  # "5 6 7": the longest suffix wins
+    tokens = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7, 8, 4, 5, 6]
+    assert state.propose(tokens, 10) == [7, 8, 4]  # "5 6" last seen before the end at index 7
+    assert state.propose([*tokens, 7], 10) == [8, 4, 5]  # "5 6 7": the longest suffix wins
     assert state.propose([*tokens, 7, 99], 10) == []  # nothing ends in "7 99"
     fresh = SpecState(SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3))
-    assert fresh.propose([*tokens, 7], 2) == [3, 4]  # never more than the room
+    assert fresh.propose([*tokens, 7], 2) == [8, 4]  # never more than the room
 
 
 def test_bad_speculative_configs_are_refused_by_name() -> None:

@@ -32,6 +32,7 @@ from asyncpage.core.request import Request, SeqStatus, Sequence
 from asyncpage.core.runner import ModelRunner, StepResult
 from asyncpage.core.scheduler import Scheduler, SchedulerOutput
 from asyncpage.decoding.beam import BeamParams, BeamSearch
+from asyncpage.decoding.ngram import TokenForms
 from asyncpage.errors import (
     AsyncPageError,
     EngineDeadError,
@@ -76,7 +77,7 @@ class EngineCore:
         self.output = OutputProcessor(tokenizer)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.max_model_len, self.output.stop_strings(),
-                                   config.speculative)
+                                   config.speculative, TokenForms(tokenizer) if spec is not None else None)
         # The two queues outside code may touch (deque append/popleft are atomic in CPython).
         self._adds: deque[Request] = deque()
         self._aborts: deque[Request] = deque()

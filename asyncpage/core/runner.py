@@ -129,11 +129,12 @@ class ModelRunner:
         specs: list[SampleSpec] = []
         verifies: list[Verify] = []
         scored: list[PromptRows] = []
-        # A step of only decodes and their drafts, within the rows a decode step takes unpadded (the
-        # fused and compiled decode steps): each draft a decode row of its own (FlatBatch.add). Larger
-        # steps keep a verify as one chunk (one gather of its context, not one per row).
-        as_rows = (sum(s.num_new_tokens for s in out.scheduled) <= EXACT_ROWS
-                   and all(s.num_new_tokens == len(s.draft) + 1 for s in out.scheduled))
+        # A step within the rows a decode step takes unpadded (the fused and compiled decode steps): each
+        # token a decode row of its own (FlatBatch.add), drafts, a run a grammar forced and a short prompt
+        # alike, so that a row's arithmetic does not depend on what shares its step (a forced run of 4
+        # computed as one chunk, and the same 4 with 4 drafts as rows, rounded differently and changed
+        # greedy output). Larger steps keep a run as one chunk (one gather of its context, not one per row).
+        as_rows = sum(s.num_new_tokens for s in out.scheduled) <= EXACT_ROWS
         for sched in out.scheduled:
             seq, n = sched.seq, sched.num_new_tokens
             nc = seq.num_computed_tokens

@@ -30,6 +30,7 @@ from asyncpage.core.priority import URGENT_STEP_TOKENS, Priorities, rank
 from asyncpage.core.request import Request, SeqStatus, Sequence
 from asyncpage.core.speculation import FORCED_RUN, Speculation
 from asyncpage.decoding.detokenizer import StopStrings
+from asyncpage.decoding.ngram import TokenForms
 from asyncpage.decoding.sampling import seeded_generator
 from asyncpage.decoding.speculative import SpeculativeConfig
 from asyncpage.errors import AsyncPageError, RequestFailedError
@@ -66,15 +67,16 @@ class SchedulerOutput:
 class Scheduler(Priorities, BeamSteps):
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, stop_strings: StopStrings | None = None,
-                 speculative: SpeculativeConfig | None = None) -> None:
-        """`stop_strings`: how beam search finds a stop string in a beam (none: beams ignore them)."""
+                 speculative: SpeculativeConfig | None = None, token_forms: TokenForms | None = None) -> None:
+        """`stop_strings`: how beam search finds a stop string in a beam (none: beams ignore them);
+        `token_forms`: the tokenizer's view of tokens, for the n-gram proposer (none: ids compared)."""
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.stop_strings = stop_strings
         self._seed_rng = random.SystemRandom()  # seeds of unseeded samples
-        self.spec = Speculation(speculative, kv, max_model_len)
+        self.spec = Speculation(speculative, kv, max_model_len, token_forms)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0

@@ -4,9 +4,14 @@ model; verification is speculative.verify, on the compute thread)."""
 
 from __future__ import annotations
 
+import logging
+
 from asyncpage.core.request import SeqStatus, Sequence
+from asyncpage.decoding.ngram import TokenForms
 from asyncpage.decoding.speculative import DraftAsk, SpecState, SpeculativeConfig
 from asyncpage.kv.cache import KVCacheManager
+
+log = logging.getLogger("asyncpage")
 
 # Speculate after a pending run of at most this many tokens (a decode has 1; grammar fast-forward
 # leaves a few): longer ones are prefill chunks, whose own cost dwarfs what drafts could save.
@@ -14,8 +19,10 @@ FORCED_RUN = 16
 
 
 class Speculation:
-    def __init__(self, config: SpeculativeConfig | None, kv: KVCacheManager, max_model_len: int) -> None:
-        self.config, self.kv, self.max_model_len = config, kv, max_model_len
+    def __init__(self, config: SpeculativeConfig | None, kv: KVCacheManager, max_model_len: int,
+                 forms: TokenForms | None = None) -> None:
+        """`forms`: the tokenizer's view of tokens for the n-gram lookups (None: compared by id)."""
+        self.config, self.kv, self.max_model_len, self.forms = config, kv, max_model_len, forms
         self.proposed = 0  # drafts verified, over all sequences
         self.accepted = 0  # drafts kept
         self.verify_steps = 0  # sequence-steps that verified drafts
@@ -32,18 +39,27 @@ class Speculation:
         if req.width > 1 and not req.forked:
             return 0  # the step that forks its n samples: each speculates on its own from the next
         if seq.spec is None:
-            seq.spec = SpecState(self.config)
+            seq.spec = SpecState(self.config, self.forms)
         return min(seq.spec.k, p.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
 
     def propose(self, seq: Sequence, room: int) -> list[int]:
         """Drafts for a decoding sequence (n-gram lookup over its own tokens, or what the draft model
         proposed): at most `room`, never past max_tokens or the context, cut where the grammar refuses
-        one or at a stop token."""
-        room = min(room, self.room(seq))
+        one or at a stop token. After a pending run (tokens a grammar forced), its rows and the drafts are
+        together at most num_speculative_tokens + 1, a plain verify's rows: a step of more rows runs other
+        kernels than one-token steps (model/batch.py EXACT_ROWS), and greedy output would no longer be
+        what it is without speculation."""
+        assert self.config is not None
+        pending = seq.num_tokens - seq.num_computed_tokens
+        room = min(room, self.room(seq), self.config.num_speculative_tokens + 1 - pending)
         if room <= 0:
             return []
         assert seq.spec is not None
-        draft = seq.spec.propose(seq.token_ids, room)
+        try:
+            draft = seq.spec.propose(seq.token_ids, room)
+        except Exception:  # a proposer's fault costs this step its drafts, never the engine
+            log.exception("speculative proposal failed; the step goes on without drafts")
+            return []
         cut = next((i for i, t in enumerate(draft) if t in seq.request.stop_ids), len(draft))
         if seq.matcher is not None and cut:
             cut = seq.matcher.valid_prefix(draft[:cut])

@@ -8,9 +8,10 @@ them all, and as many as the model itself would have produced are kept, plus the
 token after them.
 
 Proposing: with "ngram" (engine loop, scheduler.py) the longest recent suffix of the sequence
-(prompt_lookup_max down to prompt_lookup_min tokens) found earlier in its own tokens proposes what
-followed it there; with "draft" a second model's greedy tokens (draft.py, run on the compute thread
-just before the step is scheduled). Drafts the grammar refuses are cut before verification.
+(prompt_lookup_max down to prompt_lookup_min tokens, compared by text; a word alone; a field's
+label) found earlier in its own tokens proposes what followed it there (ngram.py); with "draft" a
+second model's greedy tokens (draft.py, run on the compute thread just before the step is
+scheduled). Drafts the grammar refuses are cut before verification.
 
 Verifying (worker thread, runner.py): position i of the run is sampled exactly as a normal decode
 step would sample it (mask from the grammar state after the tokens before it, penalties over the
@@ -32,9 +33,10 @@ import msgspec
 import torch
 
 from asyncpage.decoding.guided_step import guided_step
+from asyncpage.decoding.ngram import NgramIndex, TokenForms
 from asyncpage.decoding.sampling import SampleResult, SampleSpec, needs_history, sample
 from asyncpage.errors import InvalidRequestError
-from asyncpage.guided.backend import apply_bitmask, bitmask_width, keeps_maximum
+from asyncpage.guided.backend import apply_bitmask, bitmask_width
 
 # Each draft row costs compute (here ~7 ms a row on the default model in float32, LM head included),
 # and a big batch is already compute-bound: measured on free text (71% of drafts kept), speculation
@@ -110,41 +112,29 @@ def cli_config(value: str) -> dict[str, Any]:
 
 @dataclass(eq=False)
 class SpecState:
-    """One sequence's proposer: an index of where each n-gram of its tokens last ended, extended as
-    tokens arrive (tokens only ever append), and how many drafts to offer next."""
+    """One sequence's proposer: its n-gram index (ngram.py), extended as tokens arrive, and how many
+    drafts to offer next."""
 
     config: SpeculativeConfig
+    forms: TokenForms | None = None  # the tokenizer's view of tokens (None: n-grams compared by id)
     k: int = 0  # drafts to offer next step
     acceptance: float = 0.5  # moving average of the share of drafts kept
     pending: list[int] = field(default_factory=list)  # "draft": what the draft model proposed for this step
-    _ends: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
-    _indexed: int = 0  # n-grams ending before this position are in _ends
+    _index: NgramIndex | None = None
 
     def __post_init__(self) -> None:
         self.k = self.config.num_speculative_tokens
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
-        """Up to min(k, limit) drafts to follow `tokens`, or [] when no suffix recurs (n-gram), or the
+        """Up to min(k, limit) drafts to follow `tokens`, or [] when no lookup matches (n-gram), or the
         draft model proposed none this step."""
         c = self.config
         if c.method == "draft":
             drafts, self.pending = self.pending[: min(self.k, limit)], []
             return drafts
-        end = len(tokens)
-        # Index every n-gram ending before the last position: the suffix itself must not match itself.
-        for e in range(max(self._indexed, 1), end):
-            for n in range(c.prompt_lookup_min, c.prompt_lookup_max + 1):
-                if e >= n:
-                    self._ends.setdefault(n, {})[tuple(tokens[e - n : e])] = e
-        self._indexed = max(self._indexed, end)
-        k = min(self.k, limit)
-        if k <= 0:
-            return []
-        for n in range(min(c.prompt_lookup_max, end), c.prompt_lookup_min - 1, -1):
-            at = self._ends.get(n, {}).get(tuple(tokens[end - n :]))
-            if at is not None:
-                return tokens[at : at + k]
-        return []
+        if self._index is None:
+            self._index = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max, self.forms)
+        return self._index.propose(tokens, min(self.k, limit))
 
     def observe(self, proposed: int, accepted: int) -> None:
         """Adapt k to the measured acceptance: the expected run of kept drafts is a / (1 - a)."""
@@ -205,17 +195,19 @@ def draft_masks(v: Verify, mask_vocab: int) -> torch.Tensor | None:
     return masks
 
 
-def _greedy(row: torch.Tensor, mask: torch.Tensor | None) -> int | None:
-    """Row's greedy token under its grammar mask (None: no finite one; sample() then says why). The
-    mask is applied only where the row's own maximum is not allowed (keeps_maximum)."""
-    if mask is not None:
-        if (t := keeps_maximum(row, mask)) is not None:
-            return t
-        row = row[None].clone()
-        apply_bitmask(row, mask[None])
-        row = row[0]
-    value, token = row.max(dim=-1)
-    return int(token) if math.isfinite(float(value)) else None
+def _greedy(row: torch.Tensor, mask: torch.Tensor | None, top: tuple[float, int]) -> int | None:
+    """Row's greedy token under its grammar mask (None: no finite one; sample() then says why). `top`:
+    the row's maximum and its first index (found for every row of the verify at once); the mask is
+    applied only where that token is not allowed (keeps_maximum's rule: masking only removes tokens)."""
+    value, t = top
+    if mask is None:
+        return t if math.isfinite(value) else None
+    if math.isfinite(value) and 32 * mask.shape[0] >= row.shape[-1] and (int(mask[t >> 5]) >> (t & 31)) & 1:
+        return t
+    masked = row[None].clone()
+    apply_bitmask(masked, mask[None])  # a mask narrower than the row is refused here, loudly
+    value2, token = masked[0].max(dim=-1)
+    return int(token) if math.isfinite(float(value2)) else None
 
 
 def verify(v: Verify, logits: torch.Tensor, masks: torch.Tensor | None) -> Verified:
@@ -225,12 +217,18 @@ def verify(v: Verify, logits: torch.Tensor, masks: torch.Tensor | None) -> Verif
     s = v.spec
     m = s.matcher
     greedy = s.params.greedy and not needs_history(s.params)  # no draws: a row's token is its own
+    tops: list[tuple[float, int]] = []
+    if greedy:  # every row's maximum in one call (one search of 262k logits a row, threaded)
+        r = v.rows
+        block = logits[r[0] : r[-1] + 1] if r == list(range(r[0], r[-1] + 1)) else logits[r]  # a view, no copy
+        values, ids = block.max(dim=-1)
+        tops = list(zip(values.tolist(), ids.tolist(), strict=True))
     tokens: list[int] = []
     for i in range(len(v.rows)):
         mask = masks[i : i + 1] if masks is not None else None
         spec = replace(s, output_ids=s.output_ids + tokens if s.output_ids is not None else None,
                        budget=s.budget - i if s.budget is not None else None)
-        if greedy and (g := _greedy(logits[v.rows[i]], masks[i] if masks is not None else None)) is not None:
+        if greedy and (g := _greedy(logits[v.rows[i]], masks[i] if masks is not None else None, tops[i])) is not None:
             result = SampleResult([g], [None])
         else:  # sampled (a seeded draw per emitted token, in order), penalized, or an invalid row
             result = sample(logits[v.rows[i] : v.rows[i] + 1], [spec], mask)

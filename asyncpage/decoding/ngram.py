@@ -1,0 +1,192 @@
+"""The n-gram proposer of speculative decoding (prompt lookup): where a sequence's last tokens occurred
+before in its own tokens (prompt and output), what followed them there is the draft.
+
+Three lookups, in order; the first that finds a usable match proposes:
+
+1. n-grams, the longest first (prompt_lookup_max down to prompt_lookup_min), compared by a token's
+   form: its text without the tokenizer's leading-space mark, so " Margaret" in a record and "Margaret"
+   right after a JSON string's opening quote are one word (the model writes a copied value's first
+   token without its space: compared by id, the copy was found only from its third token on);
+2. the last token alone, when it is a word of at least WORD_CHARS characters ("Margaret", "marg");
+3. a label: when the sequence ends in separators after a word (`"address": "`), the same word earlier,
+   case aside, followed by separators (`Shipping address: `): what follows those separators there (a
+   record's field, copied into a structured output under its own name), its first token without its
+   leading space when the sequence's last token already ends in a space or an opening quote, after the
+   separator that most often followed the sequence's last one (`":` then ` "`); tried before a match of
+   separators alone.
+
+A match is used only when its last two occurrences were followed by the same token: `": "` before each
+of a JSON object's values (separators a grammar forces) predicts nothing from its second value on, and
+the lookup goes on; a loop that repeats itself predicts from its second turn. What each lookup gave on
+`asyncpage bench --speculative ngram`: docs/performance.md.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+WORD_CHARS = 3  # the shortest form a one-token lookup (2.) takes: shorter ones ("1", "OR") recur everywhere
+SEPARATORS = frozenset(" \t\r\n:=\"'[{")  # what stands between a label and its value
+_SPACE_MARKS = ("\u2581", "\u0120")  # SentencePiece's and byte-level BPE's leading space
+_NEWLINE_MARK = "\u010a"  # byte-level BPE's newline
+_OPENERS = frozenset(" \t\n\"'([{")
+
+
+class TokenForms:
+    """What the proposer reads of a token beyond its id, from the tokenizer's vocabulary, looked up once
+    per token id on first sight (a dict each: the loop's own, never shared with other threads)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._info: dict[int, tuple[str, str, bool, bool, bool]] = {}
+        self._unspaced: dict[int, int | None] = {}
+
+    def _read(self, t: int) -> tuple[str, str, bool, bool, bool]:
+        """(form, casefolded form, is a word, is separators only, ends opening a value)."""
+        info = self._info.get(t)
+        if info is None:
+            try:
+                raw = self._tokenizer.convert_ids_to_tokens(t)
+            except Exception:  # an id the vocabulary lacks (a model's padded rows): a form of its own
+                raw = None
+            if not isinstance(raw, str) or not raw:
+                info = (f"\0{t}", f"\0{t}", False, False, False)
+            else:
+                text = raw.replace(_NEWLINE_MARK, "\n")
+                for mark in _SPACE_MARKS:
+                    text = text.replace(mark, " ")
+                form = text.lstrip(" ") or text
+                info = (form, form.casefold(), any(c.isalnum() for c in form), all(c in SEPARATORS for c in text),
+                        text[-1] in _OPENERS)
+            self._info[t] = info
+        return info
+
+    def form(self, t: int) -> str:
+        return self._read(t)[0]
+
+    def folded(self, t: int) -> str:
+        return self._read(t)[1]
+
+    def word(self, t: int) -> bool:
+        return self._read(t)[2]
+
+    def separator(self, t: int) -> bool:
+        return self._read(t)[3]
+
+    def opens(self, t: int) -> bool:
+        """Its text ends in a space or an opening quote or bracket: what follows starts without a space."""
+        return self._read(t)[4]
+
+    def unspaced(self, t: int) -> int | None:
+        """The same token without its leading-space mark (" Margaret" -> "Margaret"), itself when it has
+        none, None when the vocabulary has no such token."""
+        if t not in self._unspaced:
+            out: int | None = t
+            try:
+                raw = self._tokenizer.convert_ids_to_tokens(t)
+                if isinstance(raw, str) and raw[:1] in _SPACE_MARKS and len(raw) > 1:
+                    other = self._tokenizer.convert_tokens_to_ids(raw[1:])
+                    unk = getattr(self._tokenizer, "unk_token_id", None)
+                    out = other if isinstance(other, int) and other != unk else None
+            except Exception:  # an id the vocabulary lacks: drafted as it is
+                out = t
+            self._unspaced[t] = out
+        return self._unspaced[t]
+
+
+class NgramIndex:
+    """One sequence's lookups: where each n-gram of its tokens (by form) and each label last ended, and
+    whether what followed them always agreed, extended as tokens arrive (tokens only ever append)."""
+
+    def __init__(self, lookup_min: int, lookup_max: int, forms: TokenForms | None) -> None:
+        self.lookup_min, self.lookup_max, self.forms = lookup_min, lookup_max, forms
+        # n -> gram -> (where its latest occurrence ended, the form after it, whether the occurrence before
+        # had that form after it too)
+        self._grams: dict[int, dict[tuple[object, ...], tuple[int, object, bool]]] = {}
+        self._labels: dict[str, tuple[int, object, bool]] = {}  # folded word -> the same for its value
+        self._bridges: dict[int, Counter[int]] = {}  # separator token -> the separator tokens that followed it
+        self._keys: list[object] = []  # each indexed token's form
+        self._label: str | None = None  # the last word, while only separators followed it
+        self._gap = False  # at least one separator since that word
+        self._indexed = 0  # tokens before this position are in the index
+
+    def _key(self, t: int) -> object:
+        return t if self.forms is None else self.forms.form(t)
+
+    def _note(self, table: dict[Any, tuple[int, object, bool]], key: object, end: int, after: object) -> None:
+        seen = table.get(key)
+        table[key] = (end, after, seen is None or seen[1] == after)
+
+    def extend(self, tokens: list[int], stop: int) -> None:
+        """Index tokens[:stop] (those not yet indexed)."""
+        f = self.forms
+        keys = self._keys
+        for e in range(self._indexed, stop):
+            t = tokens[e]
+            key = self._key(t)
+            keys.append(key)
+            # Every n-gram ending just before e, with what follows it (token e).
+            for n in range(1, self.lookup_max + 1):
+                if e >= n:
+                    self._note(self._grams.setdefault(n, {}), tuple(keys[e - n : e]), e, key)
+            if f is None:
+                continue
+            if e and f.separator(t) and f.separator(tokens[e - 1]):
+                self._bridges.setdefault(tokens[e - 1], Counter())[t] += 1
+            if f.separator(t):
+                self._gap = self._label is not None
+                continue
+            if self._label is not None and self._gap:
+                self._note(self._labels, self._label, e, key)
+            self._label = f.folded(t) if f.word(t) else None
+            self._gap = False
+        self._indexed = max(self._indexed, stop)
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k drafts to follow `tokens` (the tokens indexed so far plus any not yet), [] when no
+        lookup finds a usable match."""
+        end = len(tokens)
+        if end < 1 or k <= 0:
+            return []
+        self.extend(tokens, end - 1)  # n-grams ending before the last position: a suffix must not match itself
+        suffix = [self._key(t) for t in tokens[-self.lookup_max :]]
+        f = self.forms
+        for n in range(min(self.lookup_max, end - 1), 0, -1):
+            if n < self.lookup_min and not (n == 1 and f is not None and f.word(tokens[-1])
+                                            and len(f.form(tokens[-1])) >= WORD_CHARS):
+                continue
+            hit = self._grams.get(n, {}).get(tuple(suffix[-n:]))
+            if hit is not None and hit[2]:
+                if f is not None and all(f.separator(t) for t in tokens[-n:]):
+                    # Separators alone (`": "` after a key): a label before them says more.
+                    return self._label_draft(tokens, k) or tokens[hit[0] : hit[0] + k]
+                return tokens[hit[0] : hit[0] + k]
+        return self._label_draft(tokens, k) if f is not None else []
+
+    def _label_draft(self, tokens: list[int], k: int) -> list[int]:
+        f = self.forms
+        assert f is not None
+        i = len(tokens) - 1
+        while i >= 0 and f.separator(tokens[i]):
+            i -= 1
+        if i == len(tokens) - 1 or i < 0 or not f.word(tokens[i]):
+            return []
+        hit = self._labels.get(f.folded(tokens[i]))
+        if hit is None or not hit[2] or hit[0] >= i:
+            return []
+        # The separator that most often followed the last one, when that is most of the times (`":` then
+        # ` "` before a JSON string; the grammar leaves the space free, so it is not forced): drafted first.
+        bridge: list[int] = []
+        seen = self._bridges.get(tokens[-1])
+        if seen:
+            (t, times), = seen.most_common(1)
+            if times >= 2 and 2 * times > sum(seen.values()):
+                bridge = [t]
+        draft = tokens[hit[0] : hit[0] + k - len(bridge)]
+        if draft and f.opens(bridge[-1] if bridge else tokens[-1]):
+            first = f.unspaced(draft[0])
+            if first is None:
+                return []
+            draft[0] = first
+        return (bridge + draft)[:k]
