@@ -3,8 +3,18 @@ tokenizer's vocabulary (a fake one here, SentencePiece-style: "▁" marks a lead
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asyncpage import SamplingParams
 from asyncpage.decoding.ngram import NgramIndex, TokenForms
-from asyncpage.decoding.speculative import SpecState, SpeculativeConfig
+from asyncpage.decoding.sampling import SampleSpec
+from asyncpage.decoding.speculative import SpecState, SpeculativeConfig, Verify, draft_masks, verify
+from asyncpage.model.batch import EXACT_ROWS
+from tests.test_engine_lifecycle import PROMPTS, tiny_engine
 
 
 class Vocab:
@@ -86,3 +96,74 @@ def test_an_unknown_token_id_has_a_form_of_its_own() -> None:
 
     forms = TokenForms(Broken(["a"]))
     assert forms.form(10_000) != forms.form(10_001) and not forms.word(10_000)
+
+
+class Forcing:
+    """A matcher that allows everything and, after token 5, forces a run of `run` tokens (100, 101, ...)."""
+
+    def __init__(self, run: int) -> None:
+        self.run, self.seen = run, []
+
+    def accept(self, t: int) -> bool:
+        self.seen.append(t)
+        return True
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def forced_tokens(self) -> list[int]:
+        return list(range(100, 100 + self.run)) if self.seen and self.seen[-1] == 5 else []
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = -1
+
+    def rollback(self, n: int) -> None:
+        del self.seen[len(self.seen) - n :]
+
+
+@pytest.mark.parametrize("run", [3, 7, 8, 12])
+def test_a_kept_draft_whose_forced_run_makes_a_chunk_is_computed_again_with_it(run: int) -> None:
+    # Without drafts, token 5 and the run its grammar forces are computed next step together: as decode
+    # rows when they fit a decode step (8 rows), else as one chunk. A draft kept here was computed as a
+    # row; past 8 the run would be a chunk one token shorter, rounded otherwise: not kept then.
+    logits = torch.full((3, 300), -1.0)
+    logits[0, 5] = 1.0
+    spec = SampleSpec(0, SamplingParams(temperature=0), None, matcher=Forcing(run))  # type: ignore[arg-type]
+    out = verify(Verify(spec, [5, 7], [0, 1, 2], frozenset()), logits, draft_masks(
+        Verify(spec, [5, 7], [0, 1, 2], frozenset()), 300))
+    assert out.tokens == [5] and out.forced == list(range(100, 100 + run))
+    assert out.accepted == (1 if 1 + run <= EXACT_ROWS else 0)
+
+
+def test_a_draft_never_names_a_token_past_the_model_rows() -> None:
+    forms = TokenForms(V, vocab_size=V.ids["Margaret"])  # "Margaret" exists in the tokenizer, not in the model
+    assert forms.unspaced(V.ids["▁Margaret"]) is None
+    assert TokenForms(V).unspaced(V.ids["▁Margaret"]) == V.ids["Margaret"]
+
+
+async def test_a_proposer_that_raises_costs_its_sequence_the_drafts_not_the_engine(
+        tiny_models: dict[str, tuple[Path, Any]], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    path = tiny_models["llama"][0]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    async with tiny_engine(path) as plain:
+        want = [(await plain.generate(p, params)).token_ids for p in PROMPTS[:2]]
+
+    def broken(self: NgramIndex, tokens: list[int], k: int) -> list[int]:
+        raise RuntimeError("proposer bug")
+
+    monkeypatch.setattr(NgramIndex, "propose", broken)
+    async with tiny_engine(path, speculative_config={"method": "ngram"}) as spec:
+        got = [(await spec.generate(p, params)).token_ids for p in PROMPTS[:2]]
+        assert spec.stats().spec_proposed_tokens == 0
+    assert got == want
+    assert sum("speculative proposal failed" in r.getMessage() for r in caplog.records) == 2  # once a sequence
+
+
+def test_a_long_prompt_is_indexed_over_several_proposals() -> None:
+    from asyncpage.decoding.ngram import INDEX_PER_CALL
+
+    idx = NgramIndex(2, 4, None)
+    tokens = [*range(1000, 1000 + 3 * INDEX_PER_CALL), 7, 8, 9, 7, 8]  # "7 8" recurs only at the very end
+    # Each proposal indexes INDEX_PER_CALL more tokens: the match is found on the fourth.
+    assert [idx.propose(tokens, 2) for _ in range(4)] == [[], [], [], [9, 7]]

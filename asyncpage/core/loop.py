@@ -77,7 +77,8 @@ class EngineCore:
         self.output = OutputProcessor(tokenizer)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.max_model_len, self.output.stop_strings(),
-                                   config.speculative, TokenForms(tokenizer) if spec is not None else None)
+                                   config.speculative,
+                                   TokenForms(tokenizer, self.runner.vocab_size) if spec is not None else None)
         # The two queues outside code may touch (deque append/popleft are atomic in CPython).
         self._adds: deque[Request] = deque()
         self._aborts: deque[Request] = deque()

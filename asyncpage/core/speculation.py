@@ -34,7 +34,8 @@ class Speculation:
     def room(self, seq: Sequence) -> int:
         """How many drafts a sequence may take now (0: it does not speculate)."""
         req, p = seq.request, seq.params
-        if self.config is None or req.beam is not None or p.logprobs is not None:
+        if self.config is None or req.beam is not None or p.logprobs is not None or (
+                seq.spec is not None and seq.spec.broken):
             return 0
         if req.width > 1 and not req.forked:
             return 0  # the step that forks its n samples: each speculates on its own from the next
@@ -49,21 +50,25 @@ class Speculation:
         together at most num_speculative_tokens + 1, a plain verify's rows: a step of more rows runs other
         kernels than one-token steps (model/batch.py EXACT_ROWS), and greedy output would no longer be
         what it is without speculation."""
-        assert self.config is not None
-        pending = seq.num_tokens - seq.num_computed_tokens
-        room = min(room, self.room(seq), self.config.num_speculative_tokens + 1 - pending)
+        room = min(room, self.room(seq), self.rows_left(seq))
         if room <= 0:
             return []
         assert seq.spec is not None
         try:
             draft = seq.spec.propose(seq.token_ids, room)
-        except Exception:  # a proposer's fault costs this step its drafts, never the engine
-            log.exception("speculative proposal failed; the step goes on without drafts")
+        except Exception:  # a proposer's fault costs this sequence its drafts, never the engine
+            log.exception("speculative proposal failed: this sequence goes on without drafts")
+            seq.spec.broken = True
             return []
         cut = next((i for i, t in enumerate(draft) if t in seq.request.stop_ids), len(draft))
         if seq.matcher is not None and cut:
             cut = seq.matcher.valid_prefix(draft[:cut])
         return draft[:cut]
+
+    def rows_left(self, seq: Sequence) -> int:
+        """Drafts that fit beside the sequence's pending run (its last token, or a forced run)."""
+        assert self.config is not None
+        return self.config.num_speculative_tokens + 1 - (seq.num_tokens - seq.num_computed_tokens)
 
     def draft_asks(self, running: list[Sequence]) -> list[DraftAsk]:
         """The running sequences that will decode next step and may speculate, for the draft model
@@ -76,7 +81,7 @@ class Speculation:
             if seq.status is not SeqStatus.RUNNING or pending <= 0 or (k := self.room(seq)) <= 0:
                 continue
             # A prompt still prefilling: the draft reads it meanwhile (k=0), so it drafts from the first decode.
-            asks.append(DraftAsk(seq.seq_id, list(seq.token_ids), k if pending <= FORCED_RUN else 0,
+            asks.append(DraftAsk(seq.seq_id, list(seq.token_ids), max(0, min(k, self.rows_left(seq))),
                                  seq.params.cache_salt))
         return asks
 

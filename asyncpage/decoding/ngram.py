@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+INDEX_PER_CALL = 2048  # tokens indexed per proposal at most (~5 us each: ~10 ms)
+LABEL_GAP = 8  # separators between a label and the end looked back over at most
 WORD_CHARS = 3  # the shortest form a one-token lookup (2.) takes: shorter ones ("1", "OR") recur everywhere
 SEPARATORS = frozenset(" \t\r\n:=\"'[{")  # what stands between a label and its value
 _SPACE_MARKS = ("\u2581", "\u0120")  # SentencePiece's and byte-level BPE's leading space
@@ -37,8 +39,10 @@ class TokenForms:
     """What the proposer reads of a token beyond its id, from the tokenizer's vocabulary, looked up once
     per token id on first sight (a dict each: the loop's own, never shared with other threads)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int | None = None) -> None:
+        """`vocab_size`: the model's rows; a token id the tokenizer names past them is never drafted."""
         self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
         self._info: dict[int, tuple[str, str, bool, bool, bool]] = {}
         self._unspaced: dict[int, int | None] = {}
 
@@ -50,6 +54,11 @@ class TokenForms:
                 raw = self._tokenizer.convert_ids_to_tokens(t)
             except Exception:  # an id the vocabulary lacks (a model's padded rows): a form of its own
                 raw = None
+            if isinstance(raw, str) and len(raw) == 6 and raw.startswith("<0x") and raw.endswith(">"):
+                try:  # a byte-fallback token: "<0x0A>" is a newline
+                    raw = chr(int(raw[3:5], 16)) if int(raw[3:5], 16) < 128 else raw
+                except ValueError:
+                    pass
             if not isinstance(raw, str) or not raw:
                 info = (f"\0{t}", f"\0{t}", False, False, False)
             else:
@@ -88,7 +97,8 @@ class TokenForms:
                 if isinstance(raw, str) and raw[:1] in _SPACE_MARKS and len(raw) > 1:
                     other = self._tokenizer.convert_tokens_to_ids(raw[1:])
                     unk = getattr(self._tokenizer, "unk_token_id", None)
-                    out = other if isinstance(other, int) and other != unk else None
+                    out = other if isinstance(other, int) and other != unk and 0 <= other < (
+                        self._vocab_size if self._vocab_size is not None else other + 1) else None
             except Exception:  # an id the vocabulary lacks: drafted as it is
                 out = t
             self._unspaced[t] = out
@@ -119,29 +129,37 @@ class NgramIndex:
         table[key] = (end, after, seen is None or seen[1] == after)
 
     def extend(self, tokens: list[int], stop: int) -> None:
-        """Index tokens[:stop] (those not yet indexed)."""
+        """Index tokens[:stop] not yet indexed, at most INDEX_PER_CALL of them (a long prompt is indexed
+        over its first steps, not in one stall of the engine loop; drafts meanwhile come from what is
+        indexed). A token joins only once all its entries are made: a failure leaves the index whole."""
         f = self.forms
         keys = self._keys
-        for e in range(self._indexed, stop):
+        one_all = self.lookup_min <= 1
+        for e in range(self._indexed, min(stop, self._indexed + INDEX_PER_CALL)):
             t = tokens[e]
             key = self._key(t)
-            keys.append(key)
-            # Every n-gram ending just before e, with what follows it (token e).
+            # Every n-gram ending just before e, with what follows it (token e); one token alone only where
+            # lookup 2. can use it.
             for n in range(1, self.lookup_max + 1):
-                if e >= n:
+                if e >= n and (n > 1 or one_all or self._word(tokens[e - 1])):
                     self._note(self._grams.setdefault(n, {}), tuple(keys[e - n : e]), e, key)
-            if f is None:
-                continue
-            if e and f.separator(t) and f.separator(tokens[e - 1]):
-                self._bridges.setdefault(tokens[e - 1], Counter())[t] += 1
-            if f.separator(t):
-                self._gap = self._label is not None
-                continue
-            if self._label is not None and self._gap:
-                self._note(self._labels, self._label, e, key)
-            self._label = f.folded(t) if f.word(t) else None
-            self._gap = False
-        self._indexed = max(self._indexed, stop)
+            if f is not None:
+                if f.separator(t):
+                    if e and f.separator(tokens[e - 1]):
+                        self._bridges.setdefault(tokens[e - 1], Counter())[t] += 1
+                    self._gap = self._label is not None
+                else:
+                    if self._label is not None and self._gap:
+                        self._note(self._labels, self._label, e, key)
+                    self._label = f.folded(t) if f.word(t) else None
+                    self._gap = False
+            keys.append(key)
+            self._indexed = e + 1
+
+    def _word(self, t: int) -> bool:
+        """A token the one-token lookup (2.) takes: a word of at least WORD_CHARS characters."""
+        f = self.forms
+        return f is not None and f.word(t) and len(f.form(t)) >= WORD_CHARS
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to k drafts to follow `tokens` (the tokens indexed so far plus any not yet), [] when no
@@ -153,8 +171,7 @@ class NgramIndex:
         suffix = [self._key(t) for t in tokens[-self.lookup_max :]]
         f = self.forms
         for n in range(min(self.lookup_max, end - 1), 0, -1):
-            if n < self.lookup_min and not (n == 1 and f is not None and f.word(tokens[-1])
-                                            and len(f.form(tokens[-1])) >= WORD_CHARS):
+            if n < self.lookup_min and not (n == 1 and self._word(tokens[-1])):
                 continue
             hit = self._grams.get(n, {}).get(tuple(suffix[-n:]))
             if hit is not None and hit[2]:
@@ -168,7 +185,7 @@ class NgramIndex:
         f = self.forms
         assert f is not None
         i = len(tokens) - 1
-        while i >= 0 and f.separator(tokens[i]):
+        while i >= len(tokens) - LABEL_GAP and i >= 0 and f.separator(tokens[i]):
             i -= 1
         if i == len(tokens) - 1 or i < 0 or not f.word(tokens[i]):
             return []

@@ -37,6 +37,7 @@ from asyncpage.decoding.ngram import NgramIndex, TokenForms
 from asyncpage.decoding.sampling import SampleResult, SampleSpec, needs_history, sample
 from asyncpage.errors import InvalidRequestError
 from asyncpage.guided.backend import apply_bitmask, bitmask_width
+from asyncpage.model.batch import EXACT_ROWS
 
 # Each draft row costs compute (here ~7 ms a row on the default model in float32, LM head included),
 # and a big batch is already compute-bound: measured on free text (71% of drafts kept), speculation
@@ -118,8 +119,9 @@ class SpecState:
     config: SpeculativeConfig
     forms: TokenForms | None = None  # the tokenizer's view of tokens (None: n-grams compared by id)
     k: int = 0  # drafts to offer next step
-    acceptance: float = 0.5  # moving average of the share of drafts kept
+    acceptance: float | None = None  # moving average of the share of drafts kept (None: nothing verified yet)
     pending: list[int] = field(default_factory=list)  # "draft": what the draft model proposed for this step
+    broken: bool = False  # its proposer raised once: no more drafts for this sequence
     _index: NgramIndex | None = None
 
     def __post_init__(self) -> None:
@@ -140,7 +142,9 @@ class SpecState:
         """Adapt k to the measured acceptance: the expected run of kept drafts is a / (1 - a)."""
         if not proposed:
             return
-        self.acceptance = 0.7 * self.acceptance + 0.3 * accepted / proposed
+        share = accepted / proposed
+        # The first verify sets it: from a prior of 1/2, six drafts of six kept left k at 3 for the next.
+        self.acceptance = share if self.acceptance is None else 0.7 * self.acceptance + 0.3 * share
         a = min(self.acceptance, 0.95)
         self.k = max(1, min(self.config.num_speculative_tokens, round(a / (1 - a)) + 1))
 
@@ -246,6 +250,11 @@ def verify(v: Verify, logits: torch.Tensor, masks: torch.Tensor | None) -> Verif
         token = result.tokens[0]
         tokens.append(token)
         matched = i < len(v.draft) and token == v.draft[i]  # its KV was computed in this step too
+        if matched and 1 + len(ff) > EXACT_ROWS:
+            # Without drafts this token and the run its grammar forces are computed next step as one
+            # chunk; kept here, it would be a decode row and the run a chunk one token shorter, each
+            # rounded otherwise (greedy JSON changed): it is computed again with its run instead.
+            matched = False
         # Forced tokens were consumed by the grammar already: they end the run, and follow it.
         if done or ff or token in v.stop_ids or not matched:
             return Verified(tokens, i + 1 if matched else i, grammar_done=done, forced=ff)
