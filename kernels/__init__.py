@@ -21,10 +21,18 @@ if __name__ == "kernels":
 
     _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
     _saved = list(_sys.path)
+    _me = _sys.modules[__name__]
     _sys.path[:] = [p for p in _saved if _os.path.abspath(p or _os.curdir) != _root]
     del _sys.modules[__name__]
     try:
         _real = _importlib.import_module(__name__)
+    except ImportError:
+        # PyPI's `kernels` is not installed. Raising here broke transformers before 5.25, which imports a
+        # package it finds without metadata and lets the error out (`from transformers import LlamaConfig`
+        # failed in a checkout's root). Stay an empty module without __file__ or __version__ instead, which
+        # transformers reads as a namespace-package shadow: absent.
+        _real = _me
+        globals().pop("__file__", None)
     finally:
         _sys.path[:] = _saved
     _sys.modules[__name__] = _real

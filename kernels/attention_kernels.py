@@ -26,7 +26,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr
     gmask = offs_g < G
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
     ctx = tl.load(ctx_ptr + b)
-    first = 0
+    first = ctx * 0  # ctx's type (int64): compiled Triton refuses a branch that changes a variable's type
     if window > 0:
         first = tl.maximum(ctx - window, 0)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
@@ -78,7 +78,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qstart_ptr, qlen_ptr, 
                 mask=rmask[:, None], other=0.0)
     q_pos = n_comp + offs_m  # absolute positions of this tile's queries
     last = n_comp + tl.minimum(mt * BM + BM, q_len) - 1  # the tile's last query position
-    first = 0
+    first = n_comp * 0  # n_comp's type (int64), as in the decode kernel
     if window > 0:
         first = tl.maximum(n_comp + mt * BM - window + 1, 0)
     m_i = tl.full([BM], float("-inf"), tl.float32)

@@ -68,20 +68,22 @@ def test_importing_asyncpage_loads_no_measurement_or_optional_code() -> None:
 
 def test_the_checkouts_kernels_folder_never_shadows_pypis_kernels_which_transformers_imports() -> None:
     # Run from the checkout's root (as `python -m ...` and pytest run here), `kernels/` is importable as a
-    # top-level `kernels`: that is PyPI's package, which transformers 5.25+ imports when installed.
+    # top-level `kernels`: that is PyPI's package, which transformers imports when it finds it.
     root = Path(__file__).resolve().parents[1]
     code = ("import importlib.metadata as m, sys\n"
             "try:\n    m.distribution('kernels'); installed = True\n"
             "except m.PackageNotFoundError:\n    installed = False\n"
-            "try:\n    import kernels\nexcept ImportError:\n    print('absent', installed); sys.exit()\n"
-            "print(kernels.__file__, installed)\n"
+            "import kernels\n"
+            "print(getattr(kernels, '__file__', None) or 'absent', installed)\n"
             "import transformers.activations, asyncpage.kernels\n"
             "print(asyncpage.kernels.__file__)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
     lines = out.stdout.split("\n")
     where, installed = lines[0].rsplit(" ", 1)
     if installed == "False":
-        assert where == "absent"  # no distribution: the name does not resolve to the checkout's folder
+        # No distribution: an empty stand-in without __file__, which transformers' availability check (it
+        # imports a package without metadata) reads as absent; its models still import.
+        assert where == "absent" and Path(lines[1]).parent == root / "kernels"
     else:
         assert Path(where).parent != root / "kernels" and "site-packages" in where
         assert Path(lines[1]).parent == root / "kernels"  # asyncpage's own kernels still load

@@ -166,8 +166,9 @@ class ModelRunner:
         # take rows 0..n-1 in order unless a fork shares a row or verified drafts sit between them
         # (counting rows is not enough: a 2-row verify beside a 3-way fork balances the count).
         forked = spec_rows != list(range(len(specs)))
-        return StepBatch(input_ids, positions, meta, self._t(logit_rows), self._t(spec_rows), specs,
-                         list(out.block_copies), forked=forked, verifies=verifies, scored=scored)
+        # spec_rows index the logits after they are moved to the CPU (execute): a CPU tensor on every device.
+        return StepBatch(input_ids, positions, meta, self._t(logit_rows), torch.tensor(spec_rows, dtype=torch.long),
+                         specs, list(out.block_copies), forked=forked, verifies=verifies, scored=scored)
 
     def _t(self, xs: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.long, device=self.device)
