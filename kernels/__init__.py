@@ -26,13 +26,17 @@ if __name__ == "kernels":
     del _sys.modules[__name__]
     try:
         _real = _importlib.import_module(__name__)
-    except ImportError:
-        # PyPI's `kernels` is not installed. Raising here broke transformers before 5.25, which imports a
-        # package it finds without metadata and lets the error out (`from transformers import LlamaConfig`
-        # failed in a checkout's root). Stay an empty module without __file__ or __version__ instead, which
-        # transformers reads as a namespace-package shadow: absent.
+    except ModuleNotFoundError as _exc:
+        if _exc.name != __name__:
+            raise  # PyPI's `kernels` is there but broken: its own error, not a stand-in
+        # PyPI's `kernels` is not installed. Raising here broke transformers (5.17 and 5.25 alike import a
+        # package they find without metadata and let the error out: `from transformers import LlamaConfig`
+        # failed in a checkout's root). Stay an empty module without __file__, __version__ or submodules
+        # instead (no second copy of asyncpage.kernels' modules under this name), which transformers reads
+        # as a namespace-package shadow: absent.
         _real = _me
         globals().pop("__file__", None)
+        __path__.clear()
     finally:
         _sys.path[:] = _saved
     _sys.modules[__name__] = _real

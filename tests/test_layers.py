@@ -66,24 +66,53 @@ def test_importing_asyncpage_loads_no_measurement_or_optional_code() -> None:
     assert out.stdout.strip() == "[]", out.stdout
 
 
-def test_the_checkouts_kernels_folder_never_shadows_pypis_kernels_which_transformers_imports() -> None:
+# Hides PyPI's `kernels` (module and metadata) from the interpreter it runs in.
+_HIDE_KERNELS = """
+import sys, importlib.machinery as mach, importlib.metadata as md
+class NoKernels:
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name == "kernels" or name.startswith("kernels."):
+            path = [p for p in (sys.path if path is None else path) if "site-packages" not in p]
+            spec = mach.PathFinder.find_spec(name, path, target)
+            if spec is None:
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return spec
+        return None
+sys.meta_path.insert(0, NoKernels)
+find = mach.PathFinder.find_distributions
+mach.PathFinder.find_distributions = staticmethod(
+    lambda context=md.DistributionFinder.Context(): (d for d in find(context) if d.metadata["Name"] != "kernels"))
+"""
+
+
+@pytest.mark.parametrize("pypi_kernels", ["as installed", "absent"])
+def test_the_checkouts_kernels_folder_never_shadows_pypis_kernels_which_transformers_imports(pypi_kernels: str) -> None:
     # Run from the checkout's root (as `python -m ...` and pytest run here), `kernels/` is importable as a
     # top-level `kernels`: that is PyPI's package, which transformers imports when it finds it.
     root = Path(__file__).resolve().parents[1]
-    code = ("import importlib.metadata as m, sys\n"
+    code = ((_HIDE_KERNELS if pypi_kernels == "absent" else "") +
+            "import importlib.metadata as m, sys\n"
             "try:\n    m.distribution('kernels'); installed = True\n"
             "except m.PackageNotFoundError:\n    installed = False\n"
             "import kernels\n"
             "print(getattr(kernels, '__file__', None) or 'absent', installed)\n"
-            "import transformers.activations, asyncpage.kernels\n"
-            "print(asyncpage.kernels.__file__)\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+            "from transformers import LlamaConfig\n"
+            "from transformers.utils.import_utils import is_kernels_available\n"
+            "import asyncpage.kernels.attention_kernels as a\n"
+            "print(a.__file__, is_kernels_available())\n"
+            "try:\n    import kernels.attention_kernels\n    print('submodule')\n"
+            "except ImportError:\n    print('no submodule')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.split("\n")
     where, installed = lines[0].rsplit(" ", 1)
+    ours, available = lines[1].rsplit(" ", 1)
+    assert Path(ours).parent == root / "kernels"  # asyncpage's own kernels load from the checkout
     if installed == "False":
-        # No distribution: an empty stand-in without __file__, which transformers' availability check (it
-        # imports a package without metadata) reads as absent; its models still import.
-        assert where == "absent" and Path(lines[1]).parent == root / "kernels"
+        # No distribution: an empty stand-in without __file__ or submodules, which transformers' availability
+        # check (it imports a package without metadata) reads as absent; its models still import.
+        assert where == "absent" and available == "False" and lines[2] == "no submodule"
     else:
+        assert pypi_kernels == "as installed"
         assert Path(where).parent != root / "kernels" and "site-packages" in where
-        assert Path(lines[1]).parent == root / "kernels"  # asyncpage's own kernels still load

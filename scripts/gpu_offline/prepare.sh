@@ -9,7 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p .gpu/wheels .gpu/tools
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)  # a worktree's .git is a file
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
 cp scripts/gpu_offline/run.sh scripts/gpu_offline/engine_check.py .gpu/
 PIP=(.venv/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
      --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64

@@ -12,7 +12,7 @@
 # Logs and results go to $OUT (default .gpu/out). Exit status: 0 only if steps 3-5 all passed.
 # DRY_RUN=1 (a local try of the install steps, no GPU needed): steps 1-3 only.
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 2
+cd "$(dirname "$0")" && until [ -f pyproject.toml ] || [ "$PWD" = / ]; do cd ..; done  # .gpu/ or scripts/gpu_offline/
 REPO=$PWD
 OUT=${OUT:-$REPO/.gpu/out}
 mkdir -p "$OUT"
@@ -67,7 +67,7 @@ EOF
 
     # pip: the remote python's own, else the one in .gpu/tools (a wheel runs as a zip)
     local PIP
-    if "$PY" -m pip --version; then PIP=("$PY" -m pip); else PIP=("$PY" "$(ls "$REPO"/.gpu/tools/pip-*.whl)/pip"); "${PIP[@]}" --version; fi
+    if "$PY" -m pip --version; then PIP=("$PY" -m pip); else PIP=("$PY" "$(ls "$REPO"/.gpu/tools/pip-*.whl | tail -1)/pip"); "${PIP[@]}" --version; fi
 
     # ---- 2. the missing wheels -> .gpu/site ------------------------------------------------------
     local missing
