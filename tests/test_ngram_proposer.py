@@ -167,3 +167,14 @@ def test_a_long_prompt_is_indexed_over_several_proposals() -> None:
     tokens = [*range(1000, 1000 + 3 * INDEX_PER_CALL), 7, 8, 9, 7, 8]  # "7 8" recurs only at the very end
     # Each proposal indexes INDEX_PER_CALL more tokens: the match is found on the fourth.
     assert [idx.propose(tokens, 2) for _ in range(4)] == [[], [], [], [9, 7]]
+
+
+def test_a_label_spelled_in_several_tokens_is_one_word() -> None:
+    # Byte-level BPE, its own marks: "Email" is "E" + "mail" in the record, "email" one token in the JSON.
+    bpe = Vocab(["E", "mail", ":", "Ġmarg", "marg", "aret", "Ċ", "{\"", "email", "\":", "Ġ\"", "ĠE"])
+    idx = NgramIndex(2, 4, TokenForms(bpe))
+    prompt = bpe("E", "mail", ":", "Ġmarg", "aret", "Ċ")
+    assert idx.propose([*prompt, *bpe("{\"", "email", "\":", "Ġ\"")], 2) == bpe("marg", "aret")
+    # A key that is only the label's tail ("mail") is another word: no draft from "Email:".
+    other = NgramIndex(2, 4, TokenForms(bpe))
+    assert other.propose([*prompt, *bpe("{\"", "mail", "\":", "Ġ\"")], 2) == []

@@ -43,11 +43,11 @@ class TokenForms:
         """`vocab_size`: the model's rows; a token id the tokenizer names past them is never drafted."""
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
-        self._info: dict[int, tuple[str, str, bool, bool, bool]] = {}
+        self._info: dict[int, tuple[str, str, bool, bool, bool, bool]] = {}
         self._unspaced: dict[int, int | None] = {}
 
-    def _read(self, t: int) -> tuple[str, str, bool, bool, bool]:
-        """(form, casefolded form, is a word, is separators only, ends opening a value)."""
+    def _read(self, t: int) -> tuple[str, str, bool, bool, bool, bool]:
+        """(form, casefolded form, is a word, is separators only, ends opening a value, starts with a space)."""
         info = self._info.get(t)
         if info is None:
             try:
@@ -60,14 +60,14 @@ class TokenForms:
                 except ValueError:
                     pass
             if not isinstance(raw, str) or not raw:
-                info = (f"\0{t}", f"\0{t}", False, False, False)
+                info = (f"\0{t}", f"\0{t}", False, False, False, True)
             else:
                 text = raw.replace(_NEWLINE_MARK, "\n")
                 for mark in _SPACE_MARKS:
                     text = text.replace(mark, " ")
                 form = text.lstrip(" ") or text
                 info = (form, form.casefold(), any(c.isalnum() for c in form), all(c in SEPARATORS for c in text),
-                        text[-1] in _OPENERS)
+                        text[-1] in _OPENERS, not text[0].isalnum())
             self._info[t] = info
         return info
 
@@ -82,6 +82,11 @@ class TokenForms:
 
     def separator(self, t: int) -> bool:
         return self._read(t)[3]
+
+    def starts_word(self, t: int) -> bool:
+        """Its text starts with a space or a sign: it is not the continuation of the word before it
+        ("E" "mail" is one word, "Email" "Ġaddress" two)."""
+        return self._read(t)[5]
 
     def opens(self, t: int) -> bool:
         """Its text ends in a space or an opening quote or bracket: what follows starts without a space."""
@@ -117,7 +122,7 @@ class NgramIndex:
         self._labels: dict[str, tuple[int, object, bool]] = {}  # folded word -> the same for its value
         self._bridges: dict[int, Counter[int]] = {}  # separator token -> the separator tokens that followed it
         self._keys: list[object] = []  # each indexed token's form
-        self._label: str | None = None  # the last word, while only separators followed it
+        self._label: str | None = None  # the last word (its tokens' folded forms), while only separators followed
         self._gap = False  # at least one separator since that word
         self._indexed = 0  # tokens before this position are in the index
 
@@ -151,7 +156,12 @@ class NgramIndex:
                 else:
                     if self._label is not None and self._gap:
                         self._note(self._labels, self._label, e, key)
-                    self._label = f.folded(t) if f.word(t) else None
+                    if not f.word(t):
+                        self._label = None
+                    elif self._label is not None and not self._gap and not f.starts_word(t):
+                        self._label += f.folded(t)  # a word in several tokens: "E" "mail"
+                    else:
+                        self._label = f.folded(t)
                     self._gap = False
             keys.append(key)
             self._indexed = e + 1
@@ -189,8 +199,11 @@ class NgramIndex:
             i -= 1
         if i == len(tokens) - 1 or i < 0 or not f.word(tokens[i]):
             return []
-        hit = self._labels.get(f.folded(tokens[i]))
-        if hit is None or not hit[2] or hit[0] >= i:
+        start = i  # the word's first token: back over the tokens that continue it
+        while start > 0 and i - start < LABEL_GAP and not f.starts_word(tokens[start]) and f.word(tokens[start - 1]):
+            start -= 1
+        hit = self._labels.get("".join(f.folded(t) for t in tokens[start : i + 1]))
+        if hit is None or not hit[2] or hit[0] >= start:
             return []
         # The separator that most often followed the last one, when that is most of the times (`":` then
         # ` "` before a JSON string; the grammar leaves the space free, so it is not forced): drafted first.
