@@ -178,3 +178,15 @@ def test_a_label_spelled_in_several_tokens_is_one_word() -> None:
     # A key that is only the label's tail ("mail") is another word: no draft from "Email:".
     other = NgramIndex(2, 4, TokenForms(bpe))
     assert other.propose([*prompt, *bpe("{\"", "mail", "\":", "Ġ\"")], 2) == []
+
+
+def test_a_word_longer_than_any_label_matches_no_shorter_label() -> None:
+    letters = [chr(c) for c in range(ord("a"), ord("m"))]
+    bpe = Vocab([*letters, ":", "Ġ", "VAL", "Ċ", "{\"", "\":", "Ġ\"", "x", "ĉ", "E", "mail", "email"])
+    # A 12-token word in the record, then keys that are its 9- and 2-token tails: neither is that label.
+    rec = bpe(*letters, ":", "Ġ", "VAL", "Ċ")
+    for tail in (letters[-9:], letters[-2:], ["x", *letters[-9:]]):
+        assert NgramIndex(2, 4, TokenForms(bpe)).propose([*rec, *bpe("{\"", *tail, "\":", "Ġ\"")], 2) == []
+    # A tab (byte-level "ĉ") is no letter: the label after it is still "email".
+    tab = bpe("ĉ", "E", "mail", ":", "Ġ", "VAL", "Ċ", "{\"", "email", "\":", "Ġ\"")
+    assert NgramIndex(2, 4, TokenForms(bpe)).propose(tab, 1) == bpe("VAL")

@@ -31,7 +31,7 @@ LABEL_GAP = 8  # separators between a label and the end looked back over at most
 WORD_CHARS = 3  # the shortest form a one-token lookup (2.) takes: shorter ones ("1", "OR") recur everywhere
 SEPARATORS = frozenset(" \t\r\n:=\"'[{")  # what stands between a label and its value
 _SPACE_MARKS = ("\u2581", "\u0120")  # SentencePiece's and byte-level BPE's leading space
-_NEWLINE_MARK = "\u010a"  # byte-level BPE's newline
+_BYTE_MARKS = {"\u010a": "\n", "\u0109": "\t", "\u010d": "\r"}  # byte-level BPE's newline, tab, CR
 _OPENERS = frozenset(" \t\n\"'([{")
 
 
@@ -62,12 +62,14 @@ class TokenForms:
             if not isinstance(raw, str) or not raw:
                 info = (f"\0{t}", f"\0{t}", False, False, False, True)
             else:
-                text = raw.replace(_NEWLINE_MARK, "\n")
+                text = raw
+                for mark, byte in _BYTE_MARKS.items():
+                    text = text.replace(mark, byte)
                 for mark in _SPACE_MARKS:
                     text = text.replace(mark, " ")
                 form = text.lstrip(" ") or text
                 info = (form, form.casefold(), any(c.isalnum() for c in form), all(c in SEPARATORS for c in text),
-                        text[-1] in _OPENERS, not text[0].isalnum())
+                        text[-1] in _OPENERS, not (text[0].isalnum() and text[0].isascii()))
             self._info[t] = info
         return info
 
@@ -84,8 +86,9 @@ class TokenForms:
         return self._read(t)[3]
 
     def starts_word(self, t: int) -> bool:
-        """Its text starts with a space or a sign: it is not the continuation of the word before it
-        ("E" "mail" is one word, "Email" "Ġaddress" two)."""
+        """Its text starts with a space, a sign or a character past ASCII (a byte-level BPE's bytes of an
+        emoji read as letters): it is not the continuation of the word before it ("E" "mail" is one word,
+        "Email" "Ġaddress" two)."""
         return self._read(t)[5]
 
     def opens(self, t: int) -> bool:
@@ -123,6 +126,7 @@ class NgramIndex:
         self._bridges: dict[int, Counter[int]] = {}  # separator token -> the separator tokens that followed it
         self._keys: list[object] = []  # each indexed token's form
         self._label: str | None = None  # the last word (its tokens' folded forms), while only separators followed
+        self._label_len = 0  # the tokens of the word the index is in (0: not in a word)
         self._gap = False  # at least one separator since that word
         self._indexed = 0  # tokens before this position are in the index
 
@@ -152,16 +156,20 @@ class NgramIndex:
                 if f.separator(t):
                     if e and f.separator(tokens[e - 1]):
                         self._bridges.setdefault(tokens[e - 1], Counter())[t] += 1
-                    self._gap = self._label is not None
+                    self._gap = True
                 else:
                     if self._label is not None and self._gap:
                         self._note(self._labels, self._label, e, key)
                     if not f.word(t):
-                        self._label = None
-                    elif self._label is not None and not self._gap and not f.starts_word(t):
-                        self._label += f.folded(t)  # a word in several tokens: "E" "mail"
+                        self._label, self._label_len = None, 0
+                    elif self._label_len and not self._gap and not f.starts_word(t):
+                        # A word in several tokens ("E" "mail"); past the LABEL_GAP + 1 tokens a lookup joins,
+                        # no label at all (its tail could match a shorter one), to the word's end.
+                        self._label_len += 1
+                        self._label = self._label + f.folded(t) if (
+                            self._label is not None and self._label_len <= LABEL_GAP + 1) else None
                     else:
-                        self._label = f.folded(t)
+                        self._label, self._label_len = f.folded(t), 1
                     self._gap = False
             keys.append(key)
             self._indexed = e + 1
@@ -200,7 +208,9 @@ class NgramIndex:
         if i == len(tokens) - 1 or i < 0 or not f.word(tokens[i]):
             return []
         start = i  # the word's first token: back over the tokens that continue it
-        while start > 0 and i - start < LABEL_GAP and not f.starts_word(tokens[start]) and f.word(tokens[start - 1]):
+        while start > 0 and not f.starts_word(tokens[start]) and f.word(tokens[start - 1]):
+            if i - start == LABEL_GAP:
+                return []  # longer than any label the index keeps
             start -= 1
         hit = self._labels.get("".join(f.folded(t) for t in tokens[start : i + 1]))
         if hit is None or not hit[2] or hit[0] >= start:
