@@ -36,7 +36,7 @@ from asyncpage.decoding.guided_step import guided_step
 from asyncpage.decoding.ngram import NgramIndex, TokenForms
 from asyncpage.decoding.sampling import SampleResult, SampleSpec, needs_history, sample
 from asyncpage.errors import InvalidRequestError
-from asyncpage.guided.backend import apply_bitmask, bitmask_width
+from asyncpage.guided.backend import apply_bitmask, bitmask_width, keeps_maximum
 from asyncpage.model.batch import EXACT_ROWS
 
 # Each draft row costs compute (here ~7 ms a row on the default model in float32, LM head included),
@@ -202,11 +202,10 @@ def draft_masks(v: Verify, mask_vocab: int) -> torch.Tensor | None:
 def _greedy(row: torch.Tensor, mask: torch.Tensor | None, top: tuple[float, int]) -> int | None:
     """Row's greedy token under its grammar mask (None: no finite one; sample() then says why). `top`:
     the row's maximum and its first index (found for every row of the verify at once); the mask is
-    applied only where that token is not allowed (keeps_maximum's rule: masking only removes tokens)."""
-    value, t = top
+    applied only where that token is not allowed (keeps_maximum)."""
     if mask is None:
-        return t if math.isfinite(value) else None
-    if math.isfinite(value) and 32 * mask.shape[0] >= row.shape[-1] and (int(mask[t >> 5]) >> (t & 31)) & 1:
+        return top[1] if math.isfinite(top[0]) else None
+    if (t := keeps_maximum(row, mask, top)) is not None:
         return t
     masked = row[None].clone()
     apply_bitmask(masked, mask[None])  # a mask narrower than the row is refused here, loudly
