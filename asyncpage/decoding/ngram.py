@@ -24,7 +24,7 @@ the lookup goes on; a loop that repeats itself predicts from its second turn. Wh
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, NamedTuple
 
 INDEX_PER_CALL = 2048  # tokens indexed per proposal at most (~5 us each: ~10 ms)
 LABEL_GAP = 8  # separators between a label and the end looked back over at most
@@ -35,6 +35,17 @@ _BYTE_MARKS = {"\u010a": "\n", "\u0109": "\t", "\u010d": "\r"}  # byte-level BPE
 _OPENERS = frozenset(" \t\n\"'([{")
 
 
+class _Form(NamedTuple):
+    """One token as the proposer reads it."""
+
+    form: str  # its text without the leading-space mark
+    folded: str  # the same, case-folded (labels)
+    word: bool  # it holds a letter or digit
+    separator: bool  # only SEPARATORS
+    opens: bool  # ends in a space or an opening quote or bracket
+    starts_word: bool  # starts with a space, a sign or a character past ASCII
+
+
 class TokenForms:
     """What the proposer reads of a token beyond its id, from the tokenizer's vocabulary, looked up once
     per token id on first sight (a dict each: the loop's own, never shared with other threads)."""
@@ -43,11 +54,10 @@ class TokenForms:
         """`vocab_size`: the model's rows; a token id the tokenizer names past them is never drafted."""
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
-        self._info: dict[int, tuple[str, str, bool, bool, bool, bool]] = {}
+        self._info: dict[int, _Form] = {}
         self._unspaced: dict[int, int | None] = {}
 
-    def _read(self, t: int) -> tuple[str, str, bool, bool, bool, bool]:
-        """(form, casefolded form, is a word, is separators only, ends opening a value, starts with a space)."""
+    def _read(self, t: int) -> _Form:
         info = self._info.get(t)
         if info is None:
             try:
@@ -60,7 +70,7 @@ class TokenForms:
                 except ValueError:
                     pass
             if not isinstance(raw, str) or not raw:
-                info = (f"\0{t}", f"\0{t}", False, False, False, True)
+                info = _Form(f"\0{t}", f"\0{t}", False, False, False, True)
             else:
                 text = raw
                 for mark, byte in _BYTE_MARKS.items():
@@ -68,32 +78,32 @@ class TokenForms:
                 for mark in _SPACE_MARKS:
                     text = text.replace(mark, " ")
                 form = text.lstrip(" ") or text
-                info = (form, form.casefold(), any(c.isalnum() for c in form), all(c in SEPARATORS for c in text),
-                        text[-1] in _OPENERS, not (text[0].isalnum() and text[0].isascii()))
+                info = _Form(form, form.casefold(), any(c.isalnum() for c in form), all(c in SEPARATORS for c in text),
+                             text[-1] in _OPENERS, not (text[0].isalnum() and text[0].isascii()))
             self._info[t] = info
         return info
 
     def form(self, t: int) -> str:
-        return self._read(t)[0]
+        return self._read(t).form
 
     def folded(self, t: int) -> str:
-        return self._read(t)[1]
+        return self._read(t).folded
 
     def word(self, t: int) -> bool:
-        return self._read(t)[2]
+        return self._read(t).word
 
     def separator(self, t: int) -> bool:
-        return self._read(t)[3]
+        return self._read(t).separator
 
     def starts_word(self, t: int) -> bool:
         """Its text starts with a space, a sign or a character past ASCII (a byte-level BPE's bytes of an
         emoji read as letters): it is not the continuation of the word before it ("E" "mail" is one word,
         "Email" "Ġaddress" two)."""
-        return self._read(t)[5]
+        return self._read(t).starts_word
 
     def opens(self, t: int) -> bool:
         """Its text ends in a space or an opening quote or bracket: what follows starts without a space."""
-        return self._read(t)[4]
+        return self._read(t).opens
 
     def unspaced(self, t: int) -> int | None:
         """The same token without its leading-space mark (" Margaret" -> "Margaret"), itself when it has
