@@ -14,7 +14,7 @@ import pytest
 
 from asyncpage import AsyncEngine, ExtractionError, InvalidRequestError, SamplingParams
 from asyncpage.extract import json_params
-from asyncpage.extract.closed import Closed, closed_fields
+from asyncpage.extract.closed import Closed, closed_fields, named
 from asyncpage.extract.decisions import Context, Decider, Plan, Said, reading
 from asyncpage.extract.grounding import mark
 from asyncpage.extract.jobs import run_job
@@ -103,8 +103,13 @@ async def test_the_option_returned_is_the_one_its_calibrated_scores_chose(tiny_l
         want, share = {}, {}
         for t in TEXTS:
             scores = {o: await _after(engine, t, s) - prior[o] for o, s in said.items()}
-            want[t] = max(scores, key=lambda o: scores[o])
-            share[t] = 1 / sum(math.exp(v - scores[want[t]]) for v in scores.values())
+            total = sum(math.exp(v) for v in scores.values())
+            mix = {o: math.exp(v) / total for o, v in scores.items()}
+            if "critical" in t:  # the record names it: half the decision is an even share among named options
+                mix = {o: p / 2 + (o == "critical") / 2 for o, p in mix.items()}
+            want[t] = max(mix, key=lambda o: mix[o])
+            share[t] = mix[want[t]]
+        assert want[TEXTS[0]] == "critical"
         for t in TEXTS:
             res = await engine.extract(f"{t}\nJSON: ", TICKET, PARAMS, copy_from=t, beam_width=1, confidence=True)
             assert res.value["severity"] == want[t]
@@ -119,6 +124,34 @@ async def test_the_option_returned_is_the_one_its_calibrated_scores_chose(tiny_l
         off = [r async for r in engine.extract_many([{"id": 1, "text": TEXTS[0]}], TICKET, params=PARAMS,
                                                     copy_fields="auto", beam_width=1, score_choices=False)]
         assert off[0].ok and off[0].value["severity"] in SEVERITY["enum"]
+
+
+def test_an_option_is_named_by_its_words_in_the_record_whole_and_in_any_case() -> None:
+    opts = ["low", "medium", "high", "critical", "high_priority", "no", 3, None, True]
+    assert named(opts, "URGENT and Critical: High priority, no time") == [
+        False, False, True, True, True, False, False, False, False]
+    assert named(opts, "slow, highly, below, Critically") == [False] * len(opts)  # inside other words: not named
+    assert named(["sent", "lost"], "the parcel was lost in transit") == [False, True]
+
+
+async def test_a_lone_named_option_wins_and_several_named_are_the_model_s_choice(tiny_llama: Path) -> None:
+    schema = {"type": "object", "properties": {"severity": SEVERITY}, "required": ["severity"]}
+    async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
+        for text in ["this is critical", "Low severity, nothing broke", "a medium problem"]:
+            res = await engine.extract(f"{text}\nJSON: ", schema, PARAMS, copy_from=text, beam_width=1,
+                                       confidence=True)
+            word = next(o for o in SEVERITY["enum"] if o in text.lower())
+            assert res.value == {"severity": word} and res.confidence["severity"] >= 0.5
+        text = "high or low, you decide"
+        d = Decider(mark(schema, "auto"), booleans=False, choices=True)
+        await d.calibrate(engine, None)
+        plan = Plan(d, text, [text])
+        await plan.run(engine)
+        scores = {o: plan.statement_score(s) - d.offsets[s.key] for s, o in d.options["severity"].items()}
+        between = max(("high", "low"), key=lambda o: scores[o])
+        decided, shares = plan.outcome(engine)
+        assert decided["severity"] == between  # the model's pick among the named two (0.25 each from the words)
+        assert shares["severity"] > 0.25
 
 
 async def test_a_copied_nullable_field_is_null_or_the_likeliest_span_on_its_label_line(tiny_llama: Path) -> None:

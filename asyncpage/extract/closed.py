@@ -11,11 +11,18 @@ asyncpage.extract.decisions.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from asyncpage.extract.grounding import COPY, resolve, with_outer
 
 MAX_OPTIONS = 16  # more options than this are left to the grammar: one scoring request each per record
+# An option the record names in its own words ("This is critical") is copied with this weight: the decision is
+# the mix (1 - NAMED_WEIGHT) * the model's share + NAMED_WEIGHT * an even share among the named options, so a
+# lone named option wins and the model chooses among several (docs/extraction.md, "Decisions by scoring").
+NAMED_WEIGHT = 0.5
+_MIN_NAMED = 3  # shorter options ("a", "no") name nothing: they occur in most texts as other words
 _SCALARS = ("string", "number", "integer")
 
 
@@ -31,6 +38,19 @@ class Closed(NamedTuple):
 def spelling(value: Any) -> str:
     """An option as the grammar writes it: its JSON text (json.dumps' spelling, non-ASCII kept)."""
     return json.dumps(value, ensure_ascii=False)
+
+
+def named(options: Sequence[Any], text: str) -> list[bool]:
+    """Which options `text` names in its own words: a string option of at least three characters, holding a
+    letter, found as whole words, case and spacing aside ("High priority" for "high_priority" or "high-priority").
+    Numbers, booleans and null name nothing."""
+    found = []
+    for o in options:
+        words = re.findall(r"[^\W_]+", o) if isinstance(o, str) and len(o.strip()) >= _MIN_NAMED else []
+        hit = bool(words) and any(ch.isalpha() for ch in o) and re.search(
+            r"(?<![^\W_])" + r"[\s_-]+".join(map(re.escape, words)) + r"(?![^\W_])", text, re.IGNORECASE) is not None
+        found.append(hit)
+    return found
 
 
 def closed_fields(schema: dict[str, Any]) -> dict[str, Closed]:

@@ -6,7 +6,8 @@ calibrated on reference records, not by the first token the grammar allows (issu
 
 - a plain boolean: its statement read after the record (booleans.py), true when it beats its offset;
 - an option among listed ones (closed.py): each option on its field's label line after the record, less its
-  offset (contextual calibration); the best wins, its softmax share the confidence;
+  offset (contextual calibration), its softmax share mixed with an even share among the options the record
+  names in its own words (closed.named: "This is critical"); the best wins, its mixed share the confidence;
 - null or present, for a nullable copied field: its likeliest span on its label line against " not given";
 - where a copied value that may not be null ends: each word prefix of what the model wrote, on its
   description's line, the likeliest kept;
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from asyncpage.extract import booleans as flags
 from asyncpage.extract import grounding
 from asyncpage.extract import retry as redo
-from asyncpage.extract.closed import Closed, closed_fields
+from asyncpage.extract.closed import NAMED_WEIGHT, Closed, closed_fields, named
 from asyncpage.extract.probes import BEST_MAX_TOKENS, Probe, Scored, gather
 from asyncpage.extract.prompt import REFERENCES
 from asyncpage.extract.readings import (
@@ -380,9 +381,15 @@ class Plan:
                 if g is not None and prior is not None:
                     scores[said] = g - prior
             if len(scores) == len(opts):
-                best = max(scores, key=lambda s: scores[s])
-                decided[name] = opts[best]
-                shares[name] = 1 / sum(math.exp(v - scores[best]) for v in scores.values())
+                top = max(scores.values())
+                total = sum(math.exp(v - top) for v in scores.values())
+                mix = {s: math.exp(v - top) / total for s, v in scores.items()}  # the model's shares
+                hits = dict(zip(opts, named(list(opts.values()), self.text), strict=True))
+                if 0 < sum(hits.values()) < len(hits):  # an option the record names is copied (NAMED_WEIGHT)
+                    mix = {s: (1 - NAMED_WEIGHT) * p + NAMED_WEIGHT * hits[s] / sum(hits.values())
+                           for s, p in mix.items()}
+                best = max(mix, key=lambda s: mix[s])
+                decided[name], shares[name] = opts[best], mix[best]
         for name, probes in self.trims.items():
             read = {c: got.logprob for c, p in probes.items() if (got := self._got(p)) is not None}
             if len(read) == len(probes):
