@@ -127,11 +127,43 @@ async def test_the_option_returned_is_the_one_its_calibrated_scores_chose(tiny_l
 
 
 def test_an_option_is_named_by_its_words_in_the_record_whole_and_in_any_case() -> None:
-    opts = ["low", "medium", "high", "critical", "high_priority", "no", 3, None, True]
-    assert named(opts, "URGENT and Critical: High priority, no time") == [
-        False, False, True, True, True, False, False, False, False]
-    assert named(opts, "slow, highly, below, Critically") == [False] * len(opts)  # inside other words: not named
-    assert named(["sent", "lost"], "the parcel was lost in transit") == [False, True]
+    opts = ["low", "medium", "high", "critical", None, 3]
+    assert named(opts, "URGENT and Critical, high-priority") == [False, False, True, True, False, False]
+    assert named(opts, "slow, highly, Critically, HIGH_TEMP, support@critical.io") == [False] * len(opts)
+    assert named(opts, "This is not critical, isn't that high? A low\nMEDIUM") == [True, True, False, False,
+                                                                                   False, False]
+    assert named(["high_priority", "low_priority"], "High priority please") == [True, False]
+    assert named(["high_priority", "low_priority"], "Impact: high\nPriority: low") == [False, False]  # not across lines
+    # A string option that cannot be named: none is, so no option wins for being nameable.
+    for unfair in (["yes", "no"], ["C", "C++", "Java"], ["A++", "B"], ["a.*", "abc"], [" ".join(["w"] * 9), "abc"]):
+        assert named(unfair, "yes C++ A++ abc w w w w w w w w w a.*") is None
+
+
+def _decide(enum: list[Any], text: str, scores: list[float], **extra: Any) -> tuple[dict[str, Any], dict[str, float]]:
+    """A record's outcome for one enum field whose calibrated option scores are `scores` (no model)."""
+    d = Decider({"type": "object", "properties": {"f": {"enum": enum, **extra}}, "required": ["f"]},
+                booleans=False, choices=True)
+    opts = d.options["f"]
+    d.offsets = {said.key: 0.0 for said in opts}
+    plan = Plan(d, text, [text])
+    score = dict(zip(enum, scores, strict=True))
+    plan.statement_score = lambda said: score[opts[said]]  # type: ignore[method-assign]
+    return plan.outcome(None)  # type: ignore[arg-type]
+
+
+def test_a_named_option_wins_even_when_the_model_s_share_rounds_to_nothing() -> None:
+    assert _decide(["low", "critical"], "this is critical", [0.0, -40.0])[0] == {"f": "critical"}
+    assert _decide(["critical", "low"], "this is critical", [-40.0, 0.0])[0] == {"f": "critical"}
+
+
+def test_naming_every_string_option_of_a_nullable_enum_leaves_the_model_s_choice() -> None:
+    decided, shares = _decide(["low", "high", None], "high or low", [0.0, 0.0, 1.0])
+    assert decided == {"f": None} and shares["f"] == pytest.approx(math.e / (2 + math.e))
+
+
+def test_the_likeliest_option_the_field_s_schema_holds_is_decided() -> None:
+    # "critical" is named, but maxLength refuses it: the best the schema holds is decided, not nothing.
+    assert _decide(["a", "critical", "low"], "this is critical", [-5.0, -1.0, 0.0], maxLength=3)[0] == {"f": "low"}
 
 
 async def test_a_lone_named_option_wins_and_several_named_are_the_model_s_choice(tiny_llama: Path) -> None:
@@ -149,9 +181,11 @@ async def test_a_lone_named_option_wins_and_several_named_are_the_model_s_choice
         await plan.run(engine)
         scores = {o: plan.statement_score(s) - d.offsets[s.key] for s, o in d.options["severity"].items()}
         between = max(("high", "low"), key=lambda o: scores[o])
+        total = sum(math.exp(v) for v in scores.values())
+        mix = {o: math.exp(v) / total / 2 + (o in ("high", "low")) / 4 for o, v in scores.items()}
         decided, shares = plan.outcome(engine)
         assert decided["severity"] == between  # the model's pick among the named two (0.25 each from the words)
-        assert shares["severity"] > 0.25
+        assert shares["severity"] == pytest.approx(mix[between], rel=1e-6)
 
 
 async def test_a_copied_nullable_field_is_null_or_the_likeliest_span_on_its_label_line(tiny_llama: Path) -> None:

@@ -22,7 +22,12 @@ MAX_OPTIONS = 16  # more options than this are left to the grammar: one scoring 
 # the mix (1 - NAMED_WEIGHT) * the model's share + NAMED_WEIGHT * an even share among the named options, so a
 # lone named option wins and the model chooses among several (docs/extraction.md, "Decisions by scoring").
 NAMED_WEIGHT = 0.5
-_MIN_NAMED = 3  # shorter options ("a", "no") name nothing: they occur in most texts as other words
+# A nameable option: 1-8 words of letters and digits, one space, "_" or "-" between them, 3+ of those characters,
+# a letter among them. Shorter ones ("a", "no", "on") occur in most texts as other words.
+_NAMEABLE = re.compile(r"[^\W_]+(?:[ _-][^\W_]+){0,7}")
+_MIN_NAMED = 3
+_BETWEEN = r"[ \t\u00a0_-]+"  # words of an option as a text may space them (never across a line)
+_NEGATED = re.compile(r"(?:\b(?:not|no|never)|n't)\s+(?:\w+\s+)?$", re.IGNORECASE)  # "not critical", "isn't that high"
 _SCALARS = ("string", "number", "integer")
 
 
@@ -40,16 +45,25 @@ def spelling(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def named(options: Sequence[Any], text: str) -> list[bool]:
-    """Which options `text` names in its own words: a string option of at least three characters, holding a
-    letter, found as whole words, case and spacing aside ("High priority" for "high_priority" or "high-priority").
-    Numbers, booleans and null name nothing."""
+def named(options: Sequence[Any], text: str) -> list[bool] | None:
+    """Which options `text` names in its own words: found as whole words (not inside a word, an address or a
+    "HIGH_TEMP"), any case, the option's " ", "_" and "-" alike ("High priority" for "high_priority"), not right
+    after a negation ("not critical", "isn't that high"). Options that are not strings name nothing. None when a
+    string option cannot be named (see _NAMEABLE: "no" beside "yes", "C++"): then none is, so that no option wins
+    for being the one a text can name."""
+    strings = [o.strip() for o in options if isinstance(o, str)]
+    if not strings or not all(_NAMEABLE.fullmatch(o) and sum(ch.isalnum() for ch in o) >= _MIN_NAMED
+                              and any(ch.isalpha() for ch in o) for o in strings):
+        return None
     found = []
     for o in options:
-        words = re.findall(r"[^\W_]+", o) if isinstance(o, str) and len(o.strip()) >= _MIN_NAMED else []
-        hit = bool(words) and any(ch.isalpha() for ch in o) and re.search(
-            r"(?<![^\W_])" + r"[\s_-]+".join(map(re.escape, words)) + r"(?![^\W_])", text, re.IGNORECASE) is not None
-        found.append(hit)
+        if not isinstance(o, str):
+            found.append(False)
+            continue
+        words = re.findall(r"[^\W_]+", o)
+        pattern = re.compile(r"(?<![\w@])" + _BETWEEN.join(map(re.escape, words)) + r"(?![\w@]|\.\w)",
+                             re.IGNORECASE)
+        found.append(any(not _NEGATED.search(text[max(0, m.start() - 40):m.start()]) for m in pattern.finditer(text)))
     return found
 
 

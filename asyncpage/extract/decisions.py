@@ -384,12 +384,16 @@ class Plan:
                 top = max(scores.values())
                 total = sum(math.exp(v - top) for v in scores.values())
                 mix = {s: math.exp(v - top) / total for s, v in scores.items()}  # the model's shares
-                hits = dict(zip(opts, named(list(opts.values()), self.text), strict=True))
-                if 0 < sum(hits.values()) < len(hits):  # an option the record names is copied (NAMED_WEIGHT)
-                    mix = {s: (1 - NAMED_WEIGHT) * p + NAMED_WEIGHT * hits[s] / sum(hits.values())
-                           for s, p in mix.items()}
-                best = max(mix, key=lambda s: mix[s])
-                decided[name], shares[name] = opts[best], mix[best]
+                said_named = named(list(opts.values()), self.text) or [False] * len(opts)
+                hits = dict(zip(opts, said_named, strict=True))
+                n, strings = sum(hits.values()), sum(isinstance(o, str) for o in opts.values())
+                if 0 < n < strings:  # an option the record names is copied (NAMED_WEIGHT); all named: no news
+                    mix = {s: (1 - NAMED_WEIGHT) * p + NAMED_WEIGHT * hits[s] / n for s, p in mix.items()}
+                # the likeliest the field's whole schema holds; on a tie (a share rounded away) a named one
+                ranked = sorted(mix, key=lambda s: (mix[s], hits[s]), reverse=True)
+                best = next((s for s in ranked if self.d.holds(name, opts[s])), None)
+                if best is not None:
+                    decided[name], shares[name] = opts[best], mix[best]
         for name, probes in self.trims.items():
             read = {c: got.logprob for c, p in probes.items() if (got := self._got(p)) is not None}
             if len(read) == len(probes):
