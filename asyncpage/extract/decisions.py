@@ -10,7 +10,9 @@ calibrated on reference records, not by the first token the grammar allows (issu
   names in its own words (closed.named: "This is critical"); the best wins, its mixed share the confidence;
 - null or present, for a nullable copied field: its likeliest span on its label line against " not given";
 - where a copied value that may not be null ends: each word prefix of what the model wrote, on its
-  description's line, the likeliest kept;
+  description's line, the likeliest kept; and where it starts: the likeliest span on that line replaces what
+  the model wrote when both readings together (that line, and the value in the model's JSON) find it likelier
+  by START_MARGIN;
 - null or present, for a nullable field not copied: in context after its key in the JSON, per token.
 
 The decided values replace what the model wrote (readings.applied) before the caller's type judges the value;
@@ -53,6 +55,12 @@ if TYPE_CHECKING:
 # A copied value of more words keeps its end (a name, a brand, an id: not a paragraph). A subject line's tail
 # ("Vireo Flask 750 lid leaks all over my bag every single day", 12 words) is within it.
 MAX_END_WORDS = 12
+# The likeliest span on a copied field's described line replaces the model's value when its log-likelihood on
+# that line plus in the model's JSON beats the model's value's by this much (e^4: 55 times likelier): an e-mail
+# address or a tracking number the model wrote as the customer or the product gives way to the name, a nearly
+# as likely one does not. A span inside the model's value ("Cirrus 2" in "Marrowind Cirrus 2") is not a start:
+# where that value ends is read on the same line (`trims`).
+START_MARGIN = 4.0
 _KEPT = 256  # offsets an engine keeps (engine.reading_offsets, shared with booleans.py)
 
 
@@ -81,10 +89,12 @@ class Decider:
                                            if c.present is not None and n not in self.spans}
         # A copied field that may not be null: where its span ends is read on its description's line (`ends`).
         self.ends: dict[str, str] = {}  # field -> its line's lead
+        self.branches: dict[str, dict[str, Any]] = {}  # field -> its schema (what a span on its line must hold)
         for name, prop in props.items() if choices else ():
             p = grounding.resolve(schema, prop)
             if isinstance(p, dict) and p.get(grounding.COPY) is True and name not in self.spans:
                 self.ends[name] = described(name, p)
+                self.branches[name] = p
         self.offsets: dict[str, float] = {}  # a statement's (or a heading's) key -> its mean on the references
         self.margins: dict[str, float] = {}  # a null-or-present field -> its mean margin on the references
         decided = {*self.readings, *self.options, *self.spans, *self.present, *self.ends}
@@ -188,6 +198,10 @@ class Plan:
         self.line_best: dict[str, Probe] = {}  # a copied field -> the likeliest span on its label line
         self.wrote_ends: dict[str, str] = {}  # a copied field -> the value the model wrote, its end to be read
         self.trims: dict[str, dict[str, Probe]] = {}  # a copied field -> {a word prefix of its value: its probe}
+        self.starts: dict[str, Probe] = {}  # a copied field -> the likeliest span on its described line
+        self.start_lines: dict[str, list[int]] = {}  # a copied field -> its described line's context
+        self.values: dict[str, tuple[str, list[int]]] = {}  # a copied field -> (the model's value, its JSON context)
+        self.switch: dict[str, dict[str, tuple[Probe, Probe]]] = {}  # -> {the model's value, the span: (line, JSON)}
         self._statements: list[Said] | None = None
         self._named: dict[str, flags.Reading] | None = None
         self._spans: list[str] | None = None
@@ -227,6 +241,12 @@ class Plan:
                 self.line_nulls[name] = Probe.text(engine, ctx, " not given" + LINE_END)
                 self.line_best[name] = Probe.best(ctx, grammar)
                 probes += [self.line_nulls[name], self.line_best[name]]
+        for name, lead in self.d.ends.items() if self._ends else ():
+            ctx = await engine.tokenize(self.text + lead)
+            grammar = grounding.line_grammar(self.d.branches[name], self.sources, " ", LINE_END)
+            if grammar is not None and len(ctx) + BEST_MAX_TOKENS <= fits:
+                self.start_lines[name], self.starts[name] = ctx, Probe.best(ctx, grammar)
+                probes.append(self.starts[name])
         if probes:
             self.waves += [probes[:1], probes[1:]]  # the first computes the text; the rest find it cached
         if named:
@@ -242,14 +262,21 @@ class Plan:
         """The record's value is generated: its null-or-present fields' probes, after each field's key, and the
         copied values whose end is read (their probes built by `pump`: tokenizing their line is awaited)."""
         fields = redo.top_fields(ctx.text)
+        ends: list[int] | None = None
         for f in fields or ():
             if f.key in self.d.ends and self.text and self._ends:
                 value = json.loads(ctx.text[f.start:f.end])
                 if isinstance(value, str) and 2 <= len(value.split()) <= MAX_END_WORDS:
                     self.wrote_ends[f.key] = value
+                if isinstance(value, str):  # its context (for `starts`): the JSON up to its opening quote
+                    ends = redo.token_ends(engine.tokenizer, ctx.token_ids) if ends is None else ends
+                    k = redo.kept_tokens(ends, f.start + 1)
+                    head = ctx.text[(ends[k - 1] if k else 0):f.start + 1]
+                    self.values[f.key] = (value, ctx.prompt_ids + list(ctx.token_ids[:k]) + list(
+                        engine.tokenizer(head, add_special_tokens=False)["input_ids"] if head else []))
         if not fields or not self.d.present:
             return
-        ends = redo.token_ends(engine.tokenizer, ctx.token_ids)
+        ends = redo.token_ends(engine.tokenizer, ctx.token_ids) if ends is None else ends
         wave: list[Probe] = []
         for f in fields:
             closed = self.d.present.get(f.key)
@@ -276,6 +303,7 @@ class Plan:
         """Submit what may go now: the in-context probes, and the next wave whose turn it is."""
         if self.wrote_ends and not self.trims:
             await self._read_ends(engine)
+        self._read_starts(engine)
         while self.now or (self.waves and all(p.done for p in self.live)):
             if self.now:
                 wave, self.now = self.now, []
@@ -304,9 +332,27 @@ class Plan:
         if not self.trims:
             self.wrote_ends = {}
 
+    def _read_starts(self, engine: EngineClient) -> None:
+        """Once a copied field's likeliest span on its line is found and the model's value is written: both read
+        on that line and in the model's JSON (its `switch`; none where they agree or the span cannot be)."""
+        for name in [n for n in self.starts if n in self.values and n not in self.switch and self.starts[n].done]:
+            found = self.starts[name].result(engine)
+            mine, in_json = self.values[name]
+            span = found.text.strip() if found is not None else ""
+            self.switch[name] = {}
+            if not span or span in mine or not self.d.holds(name, span):  # inside the model's value: its end's
+                continue
+            probes = {c: (Probe.text(engine, self.start_lines[name], f" {c}{LINE_END}"),
+                          Probe.text(engine, in_json, json.dumps(c, ensure_ascii=False)[1:])) for c in (mine, span)}
+            if max(len(p.prompt) + p.params.max_tokens for pair in probes.values() for p in pair) \
+                    <= engine.config.max_model_len:
+                self.switch[name] = probes
+                self.now += [p for pair in probes.values() for p in pair]
+
     @property
     def done(self) -> bool:
-        return self.ready and not self.waves and not self.now and all(p.done for p in self.sent)
+        waiting = any(n in self.values and n not in self.switch for n in self.starts)  # its probes not built yet
+        return self.ready and not waiting and not self.waves and not self.now and all(p.done for p in self.sent)
 
     async def run(self, engine: EngineClient, *, priority: int = 0, cache_key: str | None = None) -> None:
         """All its probes, to the end (for one record alone, and for the references)."""
@@ -340,7 +386,8 @@ class Plan:
     def forget(self, engine: EngineClient) -> None:
         """Drop the record's own grammars (its values' spans) from the engine's cache."""
         for p in [*self.nulls.values(), *self.best.values(), *self.line_nulls.values(), *self.line_best.values(),
-                  *(p for probes in self.trims.values() for p in probes.values())]:
+                  *(p for probes in self.trims.values() for p in probes.values()), *self.starts.values(),
+                  *(p for pairs in self.switch.values() for pair in pairs.values() for p in pair)]:
             p.forget(engine)
 
     # ---- what the probes measured ---------------------------------------------------------------------------
@@ -400,6 +447,14 @@ class Plan:
                 end = max(read, key=lambda c: read[c])
                 decided[name] = end
                 shares[name] = 1 / sum(math.exp(v - read[end]) for v in read.values())
+        for name, pairs in self.switch.items():
+            both = {c: (self._got(pair[0]), self._got(pair[1])) for c, pair in pairs.items()}
+            sums = {c: a.logprob + b.logprob for c, (a, b) in both.items() if a is not None and b is not None}
+            if len(sums) == 2:
+                mine, span = pairs
+                margin = sums[span] - sums[mine]
+                if margin > START_MARGIN:
+                    decided[name], shares[name] = span, logistic(margin)
         for name in self.line_best:
             m, off, found = self.span_margin(name), self.d.offsets.get(self.d.span_key(name)), \
                 self._got(self.line_best[name])
