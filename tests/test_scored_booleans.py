@@ -11,7 +11,7 @@ import pytest
 
 from asyncpage import AsyncEngine, ExtractionError, InvalidRequestError, SamplingParams
 from asyncpage.extract import booleans as flags
-from asyncpage.extract import decisions, decode_value, json_params, readings
+from asyncpage.extract import decisions, decode_value, json_params, readings, scored_booleans
 from asyncpage.extract.booleans import Reading
 from asyncpage.extract.decisions import Decider, Plan
 from asyncpage.extract.prompt import REFERENCES
@@ -116,14 +116,15 @@ async def test_the_value_returned_is_the_one_the_scores_chose(tiny_llama: Path,
     async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
         # The threshold: the statement's mean log-likelihood after the built-in reference records.
         offset = sum([await _after(engine, d, "a refund is asked") for d in REFERENCES]) / len(REFERENCES)
-        assert offset != 0.0 and await decisions.boolean_offsets(engine, schema) == {"refund": pytest.approx(offset)}
+        assert offset != 0.0
+        assert await scored_booleans.boolean_offsets(engine, schema) == {"refund": pytest.approx(offset)}
         want = {t: await _after(engine, t, "a refund is asked") > offset for t in texts}
         assert set(want.values()) == {True, False}  # both readings occur: the grammar writes what was decided
-        assert await decisions.decide_booleans(engine, schema, "", {"refund": offset}) == {}
-        assert await decisions.decide_booleans(engine, schema, texts[0], {}) == {}  # no offset: not scored
+        assert await scored_booleans.decide_booleans(engine, schema, "", {"refund": offset}) == {}
+        assert await scored_booleans.decide_booleans(engine, schema, texts[0], {}) == {}  # no offset: not scored
         params = SamplingParams(max_tokens=200, temperature=0)
         for t in texts:
-            assert await decisions.decide_booleans(engine, schema, t, {"refund": offset}) == {"refund": want[t]}
+            assert await scored_booleans.decide_booleans(engine, schema, t, {"refund": offset}) == {"refund": want[t]}
             value = await _value(engine.extract(f"{t}\nJSON: ", schema, params, copy_from=t, beam_width=1))
             assert value["refund"] is want[t]
         got = {r.id: r.value["refund"] async for r in engine.extract_many(
@@ -133,10 +134,10 @@ async def test_the_value_returned_is_the_one_the_scores_chose(tiny_llama: Path,
         named = {"type": "object", "properties": {"refund": {"type": "boolean"}}, "required": ["refund"]}
         heading = "Record where refund.\n\n"
         bar = sum([await _gain(engine, heading, d) for d in REFERENCES]) / len(REFERENCES)
-        assert await decisions.boolean_offsets(engine, named) == {"refund": pytest.approx(bar)}
+        assert await scored_booleans.boolean_offsets(engine, named) == {"refund": pytest.approx(bar)}
         for t in texts:
             said = await _gain(engine, heading, t) > bar
-            assert await decisions.decide_booleans(engine, named, t, {"refund": bar}) == {"refund": said}
+            assert await scored_booleans.decide_booleans(engine, named, t, {"refund": bar}) == {"refund": said}
 
         # Asked off, or nothing copied in a job: nothing is scored, the model writes the boolean itself.
         async def refuse(*args: Any, **kwargs: Any) -> None:
@@ -157,10 +158,11 @@ async def test_scoring_needs_the_record_text_and_steps_aside_when_it_does_not_fi
         with pytest.raises(InvalidRequestError, match="score_booleans"):
             await engine.extract("x", schema, score_booleans=True)
         long = " ".join(["word"] * 100)  # past the 64-token context with a heading: the model decides
-        assert await decisions.decide_booleans(engine, schema, long, {"ok": 0.0}) == {}
-        assert await decisions.decide_booleans(engine, schema, "a short record", {"ok": 0.0}) != {}
+        assert await scored_booleans.decide_booleans(engine, schema, long, {"ok": 0.0}) == {}
+        assert await scored_booleans.decide_booleans(engine, schema, "a short record", {"ok": 0.0}) != {}
     async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32", max_model_len=16) as engine:
-        assert await decisions.boolean_offsets(engine, schema) == {}  # no reference record fits: no offset, not scored
+        # no reference record fits: no offset, not scored
+        assert await scored_booleans.boolean_offsets(engine, schema) == {}
 
 
 async def test_the_offsets_use_all_the_reference_records_or_none(tiny_llama: Path) -> None:
@@ -169,16 +171,16 @@ async def test_the_offsets_use_all_the_reference_records_or_none(tiny_llama: Pat
         heading = next(iter(flags.statements(schema).values())).key
         lengths = [len(await engine.tokenize(heading)) + len(engine.tokenizer(d.strip(), add_special_tokens=False)
                                                              ["input_ids"]) for d in REFERENCES]
-        full = await decisions.boolean_offsets(engine, schema)
+        full = await scored_booleans.boolean_offsets(engine, schema)
     assert full["refund"] != 0.0
     # Some references fit, some do not: the threshold does not move with which of them did.
     some = sorted(lengths)[1] + 1
     described = {"type": "object", "properties": {"name": {"type": "string"}, "refund": {
         "type": "boolean", "description": "true when a refund is asked"}}, "required": ["name", "refund"]}
     async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32", max_model_len=some) as engine:
-        assert await decisions.boolean_offsets(engine, schema) == {}
+        assert await scored_booleans.boolean_offsets(engine, schema) == {}
         # No threshold stands in (a statement's log-likelihood is below any 0): the model writes it.
-        assert await decisions.boolean_offsets(engine, described) == {}
+        assert await scored_booleans.boolean_offsets(engine, described) == {}
         results = [r async for r in engine.extract_many(
             [{"id": 1, "text": "refund pls"}, {"id": 2, "text": "refund now"}], described,
             params=SamplingParams(max_tokens=60, temperature=0), copy_fields="auto", beam_width=1,
@@ -188,8 +190,8 @@ async def test_the_offsets_use_all_the_reference_records_or_none(tiny_llama: Pat
     long = {"type": "object", "properties": {"refund": {"type": "boolean"}, "other": {
         "type": "boolean", "description": "the customer " + "really " * (max(lengths) + 1) + "asks"}}}
     async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32", max_model_len=max(lengths) + 1) as engine:
-        assert await decisions.boolean_offsets(engine, long) == {"refund": pytest.approx(full["refund"])}
-        assert await decisions.boolean_offsets(engine, schema) == {"refund": pytest.approx(full["refund"])}
+        assert await scored_booleans.boolean_offsets(engine, long) == {"refund": pytest.approx(full["refund"])}
+        assert await scored_booleans.boolean_offsets(engine, schema) == {"refund": pytest.approx(full["refund"])}
 
 
 async def test_an_engine_keeps_a_bounded_number_of_offsets_and_answers_every_heading(
@@ -205,10 +207,10 @@ async def test_an_engine_keeps_a_bounded_number_of_offsets_and_answers_every_hea
 
     async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
         many = [f"b{i}" for i in range(decisions._KEPT + 44)]
-        assert await decisions.boolean_offsets(engine, booleans(many)) == dict.fromkeys(many, 1.0)
+        assert await scored_booleans.boolean_offsets(engine, booleans(many)) == dict.fromkeys(many, 1.0)
         assert len(engine.reading_offsets) <= decisions._KEPT
         three = ["b0", "b299", "new"]
-        assert await decisions.boolean_offsets(engine, booleans(three)) == dict.fromkeys(three, 1.0)
+        assert await scored_booleans.boolean_offsets(engine, booleans(three)) == dict.fromkeys(three, 1.0)
         assert len(engine.reading_offsets) <= decisions._KEPT
 
 
@@ -219,7 +221,7 @@ async def test_the_offsets_decide_the_value_and_are_measured_once_per_engine(tin
     texts = ["Anna Berg wants a refund for the lamp", "Tom Reyes says the app is slow"]
     params = SamplingParams(max_tokens=200, temperature=0)
     async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
-        first = await decisions.boolean_offsets(engine, schema)
+        first = await scored_booleans.boolean_offsets(engine, schema)
         measured = Plan.prepare
 
         async def count(plan: Plan, engine: Any) -> None:
@@ -228,7 +230,7 @@ async def test_the_offsets_decide_the_value_and_are_measured_once_per_engine(tin
 
         calls: list[str] = []
         monkeypatch.setattr(Plan, "prepare", count)
-        assert await decisions.boolean_offsets(engine, schema) == first and calls == []  # kept on the engine
+        assert await scored_booleans.boolean_offsets(engine, schema) == first and calls == []  # kept on the engine
         for bar, want in ((1e9, False), (-1e9, True)):  # what the threshold says is what the value holds
             engine.reading_offsets.update(dict.fromkeys(engine.reading_offsets, bar))
             got = [await _value(engine.extract(f"{t}\nJSON: ", schema, params, copy_from=t, beam_width=1))
@@ -257,8 +259,8 @@ async def test_a_decided_boolean_that_is_not_required_still_comes_back_as_decide
              "Ola Nordmann asks about the invoice"]
     params = SamplingParams(max_tokens=200, temperature=0)
     async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
-        offset = await decisions.boolean_offsets(engine, schema)
-        want = {t: (await decisions.decide_booleans(engine, schema, t, offset))["refund"] for t in texts}
+        offset = await scored_booleans.boolean_offsets(engine, schema)
+        want = {t: (await scored_booleans.decide_booleans(engine, schema, t, offset))["refund"] for t in texts}
         assert True in want.values()  # the default (False) alone would not show the decision was kept
         got = {r.id: r.value.refund async for r in engine.extract_many(
             [{"id": t, "text": t} for t in texts], Claim, params=params, copy_fields="auto", beam_width=1)}
@@ -272,7 +274,7 @@ async def test_a_record_whose_scoring_prompt_outgrows_the_pool_is_generated_not_
     text = "please refund my lamp now " * 4
     # A 200-token pool: the record's prompt fits, its text after the long heading does not.
     async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32", block_size=4, num_kv_blocks=50) as engine:
-        assert await decisions.decide_booleans(engine, schema, text, {"refund": -1e9}) == {}
+        assert await scored_booleans.decide_booleans(engine, schema, text, {"refund": -1e9}) == {}
         results = [r async for r in engine.extract_many([{"id": 1, "text": text}], schema, prompt="{text}",
                                                          params=SamplingParams(max_tokens=20, temperature=0),
                                                          score_booleans=True)]

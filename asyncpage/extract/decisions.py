@@ -10,9 +10,8 @@ calibrated on reference records, not by the first token the grammar allows (issu
   names in its own words (closed.named: "This is critical"); the best wins, its mixed share the confidence;
 - null or present, for a nullable copied field: its likeliest span on its label line against " not given";
 - where a copied value that may not be null ends: each word prefix of what the model wrote, on its
-  description's line, the likeliest kept; and where it starts: the likeliest span on that line replaces what
-  the model wrote when both readings together (that line, and the value in the model's JSON) find it likelier
-  by START_MARGIN;
+  description's line, the likeliest kept; and where it starts: the likeliest span on that line, when it and
+  the model's JSON together find it likelier (starts.py);
 - null or present, for a nullable field not copied: in context after its key in the JSON, per token.
 
 The decided values replace what the model wrote (readings.applied) before the caller's type judges the value;
@@ -47,6 +46,7 @@ from asyncpage.extract.readings import (
     reading,
     value_grammar,
 )
+from asyncpage.extract.starts import Starts
 
 if TYPE_CHECKING:
     from asyncpage.core.client import EngineClient
@@ -55,12 +55,6 @@ if TYPE_CHECKING:
 # A copied value of more words keeps its end (a name, a brand, an id: not a paragraph). A subject line's tail
 # ("Vireo Flask 750 lid leaks all over my bag every single day", 12 words) is within it.
 MAX_END_WORDS = 12
-# The likeliest span on a copied field's described line replaces the model's value when its log-likelihood on
-# that line plus in the model's JSON beats the model's value's by this much (e^4: 55 times likelier): an e-mail
-# address or a tracking number the model wrote as the customer or the product gives way to the name, a nearly
-# as likely one does not. A span inside the model's value ("Cirrus 2" in "Marrowind Cirrus 2") is not a start:
-# where that value ends is read on the same line (`trims`).
-START_MARGIN = 4.0
 _KEPT = 256  # offsets an engine keeps (engine.reading_offsets, shared with booleans.py)
 
 
@@ -198,10 +192,7 @@ class Plan:
         self.line_best: dict[str, Probe] = {}  # a copied field -> the likeliest span on its label line
         self.wrote_ends: dict[str, str] = {}  # a copied field -> the value the model wrote, its end to be read
         self.trims: dict[str, dict[str, Probe]] = {}  # a copied field -> {a word prefix of its value: its probe}
-        self.starts: dict[str, Probe] = {}  # a copied field -> the likeliest span on its described line
-        self.start_lines: dict[str, list[int]] = {}  # a copied field -> its described line's context
-        self.values: dict[str, tuple[str, list[int]]] = {}  # a copied field -> (the model's value, its JSON context)
-        self.switch: dict[str, dict[str, tuple[Probe, Probe]]] = {}  # -> {the model's value, the span: (line, JSON)}
+        self.starts = Starts()  # where a copied value that may not be null starts
         self._statements: list[Said] | None = None
         self._named: dict[str, flags.Reading] | None = None
         self._spans: list[str] | None = None
@@ -245,8 +236,7 @@ class Plan:
             ctx = await engine.tokenize(self.text + lead)
             grammar = grounding.line_grammar(self.d.branches[name], self.sources, " ", LINE_END)
             if grammar is not None and len(ctx) + BEST_MAX_TOKENS <= fits:
-                self.start_lines[name], self.starts[name] = ctx, Probe.best(ctx, grammar)
-                probes.append(self.starts[name])
+                probes.append(self.starts.search(name, ctx, grammar))
         if probes:
             self.waves += [probes[:1], probes[1:]]  # the first computes the text; the rest find it cached
         if named:
@@ -272,7 +262,7 @@ class Plan:
                     ends = redo.token_ends(engine.tokenizer, ctx.token_ids) if ends is None else ends
                     k = redo.kept_tokens(ends, f.start + 1)
                     head = ctx.text[(ends[k - 1] if k else 0):f.start + 1]
-                    self.values[f.key] = (value, ctx.prompt_ids + list(ctx.token_ids[:k]) + list(
+                    self.starts.wrote(f.key, value, ctx.prompt_ids + list(ctx.token_ids[:k]) + list(
                         engine.tokenizer(head, add_special_tokens=False)["input_ids"] if head else []))
         if not fields or not self.d.present:
             return
@@ -303,7 +293,7 @@ class Plan:
         """Submit what may go now: the in-context probes, and the next wave whose turn it is."""
         if self.wrote_ends and not self.trims:
             await self._read_ends(engine)
-        self._read_starts(engine)
+        self.now += self.starts.build(engine, self.d.holds)
         while self.now or (self.waves and all(p.done for p in self.live)):
             if self.now:
                 wave, self.now = self.now, []
@@ -332,27 +322,10 @@ class Plan:
         if not self.trims:
             self.wrote_ends = {}
 
-    def _read_starts(self, engine: EngineClient) -> None:
-        """Once a copied field's likeliest span on its line is found and the model's value is written: both read
-        on that line and in the model's JSON (its `switch`; none where they agree or the span cannot be)."""
-        for name in [n for n in self.starts if n in self.values and n not in self.switch and self.starts[n].done]:
-            found = self.starts[name].result(engine)
-            mine, in_json = self.values[name]
-            span = found.text.strip() if found is not None else ""
-            self.switch[name] = {}
-            if not span or span in mine or not self.d.holds(name, span):  # inside the model's value: its end's
-                continue
-            probes = {c: (Probe.text(engine, self.start_lines[name], f" {c}{LINE_END}"),
-                          Probe.text(engine, in_json, json.dumps(c, ensure_ascii=False)[1:])) for c in (mine, span)}
-            if max(len(p.prompt) + p.params.max_tokens for pair in probes.values() for p in pair) \
-                    <= engine.config.max_model_len:
-                self.switch[name] = probes
-                self.now += [p for pair in probes.values() for p in pair]
-
     @property
     def done(self) -> bool:
-        waiting = any(n in self.values and n not in self.switch for n in self.starts)  # its probes not built yet
-        return self.ready and not waiting and not self.waves and not self.now and all(p.done for p in self.sent)
+        settled = not self.starts.waiting and not self.waves and not self.now
+        return self.ready and settled and all(p.done for p in self.sent)
 
     async def run(self, engine: EngineClient, *, priority: int = 0, cache_key: str | None = None) -> None:
         """All its probes, to the end (for one record alone, and for the references)."""
@@ -386,8 +359,7 @@ class Plan:
     def forget(self, engine: EngineClient) -> None:
         """Drop the record's own grammars (its values' spans) from the engine's cache."""
         for p in [*self.nulls.values(), *self.best.values(), *self.line_nulls.values(), *self.line_best.values(),
-                  *(p for probes in self.trims.values() for p in probes.values()), *self.starts.values(),
-                  *(p for pairs in self.switch.values() for pair in pairs.values() for p in pair)]:
+                  *(p for probes in self.trims.values() for p in probes.values()), *self.starts.probes()]:
             p.forget(engine)
 
     # ---- what the probes measured ---------------------------------------------------------------------------
@@ -447,14 +419,8 @@ class Plan:
                 end = max(read, key=lambda c: read[c])
                 decided[name] = end
                 shares[name] = 1 / sum(math.exp(v - read[end]) for v in read.values())
-        for name, pairs in self.switch.items():
-            both = {c: (self._got(pair[0]), self._got(pair[1])) for c, pair in pairs.items()}
-            sums = {c: a.logprob + b.logprob for c, (a, b) in both.items() if a is not None and b is not None}
-            if len(sums) == 2:
-                mine, span = pairs
-                margin = sums[span] - sums[mine]
-                if margin > START_MARGIN:
-                    decided[name], shares[name] = span, logistic(margin)
+        for name, (span, share) in self.starts.outcome(self._got).items():
+            decided[name], shares[name] = span, share
         for name in self.line_best:
             m, off, found = self.span_margin(name), self.d.offsets.get(self.d.span_key(name)), \
                 self._got(self.line_best[name])
@@ -480,22 +446,3 @@ class Plan:
             del decided[name]  # a span or a value its search found that the field's whole schema refuses
             shares.pop(name, None)
         return decided, shares
-
-
-async def boolean_offsets(engine: EngineClient, schema: dict[str, Any]) -> dict[str, float]:
-    """The scored booleans of `schema` and their offsets (each one's mean score on the reference records);
-    a boolean without one (a reference that does not fit the context) is left out, left to the model."""
-    d = Decider(schema, booleans=True, choices=False)
-    await d.calibrate(engine, None)
-    return {name: d.offsets[r.key] for name, r in d.readings.items() if r.key in d.offsets}
-
-
-async def decide_booleans(engine: EngineClient, schema: dict[str, Any], text: str,
-                          offset: dict[str, float]) -> dict[str, bool]:
-    """The booleans of `schema` that have an `offset`, decided on a record's `text` ({} where none can be)."""
-    d = Decider(schema, booleans=True, choices=False)
-    d.readings = {n: r for n, r in d.readings.items() if n in offset}
-    d.offsets = {r.key: offset[n] for n, r in d.readings.items()}
-    plan = Plan(d, text, [])
-    await plan.run(engine)
-    return {n: bool(v) for n, v in plan.outcome(engine)[0].items()}

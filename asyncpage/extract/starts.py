@@ -1,0 +1,89 @@
+"""Where a copied value that may not be null starts (a decision of decisions.Plan, one `Starts` per record).
+
+The model writes a copied field's value in its JSON; its start is usually right, but an e-mail address, a
+greeting ("Obrigado") or a tracking number is sometimes what it copies as the customer or the product. The
+likeliest span of the record on the field's described line ("<record>\\n\\nFull name of the person who wrote the
+ticket:" + " Anna Berg\\n", a beam search over the spans the field allows) is read beside the model's value, both
+on that line and in the model's JSON (after the field's opening quote, its closing quote scored); the span
+replaces the model's value when the two log-likelihoods summed find it likelier by START_MARGIN. Each reading
+alone got it wrong as often as right (the line alone prefers a model name without its brand, a generic noun, an
+agent's name); summed, with the margin, the name wins where the model's value was an address or an id. A span
+inside the model's value is not a start: where that value ends is read on the same line (decisions.Plan's
+`trims`). The figures: docs/extraction.md, "Decisions by scoring".
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from asyncpage.extract.probes import Probe
+from asyncpage.extract.readings import LINE_END, logistic
+
+if TYPE_CHECKING:
+    from asyncpage.core.client import EngineClient
+    from asyncpage.extract.probes import Scored
+
+# The span replaces the model's value when its log-likelihood on the line plus in the JSON beats the model's
+# value's by this much (e^4: 55 times likelier); a nearly as likely span does not.
+START_MARGIN = 4.0
+
+
+class Starts:
+    """One record's start decisions: `search` (a field's line and its beam, before the value), `wrote` (the
+    model's value and its JSON context), `build` (the four readings, once both are there), `outcome`."""
+
+    def __init__(self) -> None:
+        self.found: dict[str, Probe] = {}  # field -> the likeliest span on its described line (a beam search)
+        self.lines: dict[str, list[int]] = {}  # field -> its described line's context (record + lead)
+        self.values: dict[str, tuple[str, list[int]]] = {}  # field -> (the model's value, its JSON context)
+        self.pairs: dict[str, dict[str, tuple[Probe, Probe]]] = {}  # field -> {value, span: (line, JSON)}; {}: none
+
+    def search(self, name: str, line: list[int], grammar: str) -> Probe:
+        self.lines[name], self.found[name] = line, Probe.best(line, grammar)
+        return self.found[name]
+
+    def wrote(self, name: str, value: str, in_json: list[int]) -> None:
+        self.values[name] = (value, in_json)
+
+    @property
+    def waiting(self) -> bool:
+        """A field whose value is written and whose readings are not built yet (the record is not done)."""
+        return any(n in self.values and n not in self.pairs for n in self.found)
+
+    def build(self, engine: EngineClient, holds: Callable[[str, str], bool]) -> list[Probe]:
+        """The readings of each field whose span is found and value written (none where the span is the value,
+        inside it, refused by the field's schema (`holds`), or past the context)."""
+        out: list[Probe] = []
+        for name in [n for n in self.found if n in self.values and n not in self.pairs and self.found[n].done]:
+            found = self.found[name].result(engine)
+            mine, in_json = self.values[name]
+            span = found.text.strip() if found is not None else ""
+            self.pairs[name] = {}
+            if not span or span in mine or not holds(name, span):
+                continue
+            pairs = {c: (Probe.text(engine, self.lines[name], f" {c}{LINE_END}"),
+                         Probe.text(engine, in_json, json.dumps(c, ensure_ascii=False)[1:])) for c in (mine, span)}
+            if max(len(p.prompt) + p.params.max_tokens for pair in pairs.values() for p in pair) \
+                    <= engine.config.max_model_len:
+                self.pairs[name] = pairs
+                out += [p for pair in pairs.values() for p in pair]
+        return out
+
+    def probes(self) -> list[Probe]:
+        """Every probe it made (their grammars are the record's own: forgotten with it)."""
+        return [*self.found.values(), *(p for pairs in self.pairs.values() for pair in pairs.values() for p in pair)]
+
+    def outcome(self, got: Callable[[Probe], Scored | None]) -> dict[str, tuple[str, float]]:
+        """field -> (the span, its share against the model's value) where the span wins by START_MARGIN."""
+        out: dict[str, tuple[str, float]] = {}
+        for name, pairs in self.pairs.items():
+            both = {c: (got(pair[0]), got(pair[1])) for c, pair in pairs.items()}
+            sums = {c: a.logprob + b.logprob for c, (a, b) in both.items() if a is not None and b is not None}
+            if len(sums) == 2:
+                mine, span = pairs
+                margin = sums[span] - sums[mine]
+                if margin > START_MARGIN:
+                    out[name] = (span, logistic(margin))
+        return out
