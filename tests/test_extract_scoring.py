@@ -13,13 +13,14 @@ import msgspec
 import pytest
 
 from asyncpage import AsyncEngine, ExtractionError, InvalidRequestError, SamplingParams
-from asyncpage.extract import decisions, json_params
+from asyncpage.extract import json_params, starts
 from asyncpage.extract.closed import Closed, closed_fields, named
-from asyncpage.extract.decisions import START_MARGIN, Context, Decider, Plan, Said, reading
+from asyncpage.extract.decisions import Context, Decider, Plan, Said, reading
 from asyncpage.extract.grounding import mark
 from asyncpage.extract.jobs import run_job
 from asyncpage.extract.probes import Probe, Scored
 from asyncpage.extract.prompt import REFERENCES
+from asyncpage.extract.starts import START_MARGIN
 
 SEVERITY = {"enum": ["low", "medium", "high", "critical"], "description": "how severe the issue is"}
 TICKET = {
@@ -292,7 +293,7 @@ async def test_a_record_too_long_for_its_statements_is_left_to_the_model(tiny_ll
 
 async def test_a_copied_value_ends_where_its_described_line_reads_likeliest(tiny_llama: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(decisions, "START_MARGIN", math.inf)  # its start stays the model's (the test below)
+    monkeypatch.setattr(starts, "START_MARGIN", math.inf)  # its start stays the model's (the test below)
     schema = mark({"type": "object", "properties": {
         "product": {"type": "string", "description": "the product brand the ticket is about", "minLength": 7},
         "customer": {"type": "string"}}, "required": ["product", "customer"]}, "auto")
@@ -343,20 +344,20 @@ async def test_a_copied_value_s_start_gives_way_to_its_line_s_likeliest_span_onl
         plan.add_context(engine, Context(await engine.tokenize("JSON: "), value, ids))
         cached = set(engine.guided._cache)
         await plan.run(engine)
-        found = plan.starts["customer"].result(engine)
+        found = plan.starts.found["customer"].result(engine)
         assert found is not None
         span = found.text.strip()
-        mine, in_json = plan.values["customer"]
+        mine, in_json = plan.starts.values["customer"]
         assert mine == "anna.berg@mail.example" and engine.tokenizer.decode(in_json).endswith('{"customer": "')
         decided, shares = plan.outcome(engine)
         plan.forget(engine)
         assert set(engine.guided._cache) <= cached  # the line's span grammar is the record's own: let go
         if span == mine:
-            assert plan.switch["customer"] == {}
+            assert plan.starts.pairs["customer"] == {}
             return
-        assert span in text and list(plan.switch["customer"]) == [mine, span]
+        assert span in text and list(plan.starts.pairs["customer"]) == [mine, span]
         read = {c: sum(p.result(engine).logprob for p in pair)  # type: ignore[union-attr]
-                for c, pair in plan.switch["customer"].items()}
+                for c, pair in plan.starts.pairs["customer"].items()}
         margin = read[span] - read[mine]
         assert (decided.get("customer") == span) == (margin > START_MARGIN)
         if margin > START_MARGIN:
@@ -371,7 +372,7 @@ def test_the_span_replaces_the_model_s_value_past_start_margin_and_not_below() -
         plan = Plan(d, "x", ["x"])
         line, in_json = Probe([1], SamplingParams()), Probe([1], SamplingParams())
         span_line, span_json = Probe([1], SamplingParams()), Probe([1], SamplingParams())
-        plan.switch["customer"] = {"a@b.c": (line, in_json), "Anna Berg": (span_line, span_json)}
+        plan.starts.pairs["customer"] = {"a@b.c": (line, in_json), "Anna Berg": (span_line, span_json)}
         got = {line: -9.0, in_json: -6.0, span_line: -9.0 + gain / 2, span_json: -6.0 + gain / 2}
         plan._got = lambda p, got=got: None if p is None else Scored(got[p], 3, "")  # type: ignore[method-assign]
         decided, _ = plan.outcome(None)  # type: ignore[arg-type]
