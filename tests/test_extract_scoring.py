@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
+import anyio
 import msgspec
 import pytest
 
@@ -454,3 +455,16 @@ def test_a_decided_value_the_caller_s_type_refuses_gives_way_to_the_model_s() ->
         count: int = msgspec.field(default=0)
 
     assert decode_value('{"product": "A", "count": 2}', Plain, {"count": "two"}) == Plain("A", 2)
+
+
+async def test_a_record_whose_start_search_is_refused_still_finishes(tiny_llama: Path) -> None:
+    # Four beams exceed max_num_seqs=2: the start's search is refused at submission (done, nothing to wake on).
+    schema = {"type": "object", "properties": {"customer": {"type": "string"}}, "required": ["customer"]}
+    text = "From: Anna Berg <anna.berg@mail.example>"
+    async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32", max_num_seqs=2) as engine:
+        with anyio.fail_after(60):
+            res = await engine.extract(f"{text}\nJSON: ", schema, PARAMS, copy_from=text, beam_width=1)
+            assert isinstance(res["customer"], str) and res["customer"] in text
+            got = [r async for r in engine.extract_many([{"id": 1, "text": text}], schema, params=PARAMS,
+                                                        copy_fields="auto", beam_width=1)]
+            assert got[0].ok and got[0].value["customer"] in text

@@ -353,3 +353,17 @@ def test_int8_layers_keep_a_dense_copy_and_time_each_kernel_on_its_own(monkeypat
         assert plain.q8 is None and timed  # measured afresh, not taken from linear_q8's entry
     finally:
         native.load.cache_clear()
+
+
+def test_an_int8_layer_whose_inputs_are_not_a_multiple_of_16_runs_in_a_bfloat16_model() -> None:
+    # torch's int8 kernel with bfloat16 activations crashed the process at K = 72 (a segfault, not an error):
+    # such a layer computes in float32 and gives the dense copy's values.
+    layer = QuantLinear.from_float("int8", torch.randn(256, 72), torch.bfloat16)
+    x = torch.randn(5, 72).to(torch.bfloat16)
+    for rows in (1, 2, 5):
+        y = layer(x[:rows])
+        assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+        want = x[:rows].float() @ layer.dequantized().float().t()
+        assert torch.allclose(y.float(), want, rtol=0.05, atol=0.1)
+    if layer.q8 is None:
+        assert layer.act_dtype == torch.float32

@@ -293,8 +293,11 @@ class Plan:
         """Submit what may go now: the in-context probes, and the next wave whose turn it is."""
         if self.wrote_ends and not self.trims:
             await self._read_ends(engine)
-        self.now += self.starts.build(engine, self.d.holds)
-        while self.now or (self.waves and all(p.done for p in self.live)):
+        while True:
+            # Each time, as a start's beam refused at submission is done with nothing left to wake this plan.
+            self.now += self.starts.build(engine, self.d.holds)
+            if not (self.now or (self.waves and all(p.done for p in self.live))):
+                return
             if self.now:
                 wave, self.now = self.now, []
             else:

@@ -76,8 +76,14 @@ def packed_mm(kind: str, x: torch.Tensor, packed: torch.Tensor, scales: torch.Te
 def kernel_dtype(layer: QuantLinear, scales: torch.Tensor) -> torch.dtype:
     """The activation dtype the packed kernel runs fastest in at one row, for a float32 model:
     float32 or bfloat16, measured on this machine once per kernel and shape (a 16-bit model
-    computes in its own dtype)."""
-    if layer.dtype != torch.float32 or layer.packed.device.type != "cpu":
+    computes in its own dtype), except where torch's int8 kernel cannot take 16-bit activations."""
+    if layer.packed.device.type != "cpu":
+        return layer.dtype
+    if layer.kind == "int8" and layer.in_features % 16:
+        # torch's _weight_int8pack_mm with bfloat16 activations crashes the process (segfault, torch 2.13 on
+        # AVX-512) when K is not a multiple of 16 (K = 72, 136, 200; 64, 80, 96 ran): float32 activations there.
+        return torch.float32
+    if layer.dtype != torch.float32:
         return layer.dtype
     key = ("act", layer.kind, layer.out_features, layer.in_features, torch.get_num_threads())
     if key not in _crossovers:
