@@ -290,11 +290,11 @@ class Plan:
 
     async def pump(self, engine: EngineClient, mailbox: Callable[[], Mailbox], *, priority: int = 0,
                    cache_key: str | None = None) -> None:
-        """Submit what may go now: the in-context probes, and the next wave whose turn it is."""
+        """Submit what may go now: the in-context probes, the start readings (after every submission: a search
+        refused there is done, nothing left to wake this plan), and the next wave whose turn it is."""
         if self.wrote_ends and not self.trims:
             await self._read_ends(engine)
         while True:
-            # Each time, as a start's beam refused at submission is done with nothing left to wake this plan.
             self.now += self.starts.build(engine, self.d.holds)
             if not (self.now or (self.waves and all(p.done for p in self.live))):
                 return
