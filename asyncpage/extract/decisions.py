@@ -327,8 +327,7 @@ class Plan:
 
     @property
     def done(self) -> bool:
-        settled = not self.starts.waiting and not self.waves and not self.now
-        return self.ready and settled and all(p.done for p in self.sent)
+        return self.ready and not (self.starts.waiting or self.waves or self.now) and all(p.done for p in self.sent)
 
     async def run(self, engine: EngineClient, *, priority: int = 0, cache_key: str | None = None) -> None:
         """All its probes, to the end (for one record alone, and for the references)."""
