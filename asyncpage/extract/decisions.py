@@ -260,10 +260,7 @@ class Plan:
                     self.wrote_ends[f.key] = value
                 if isinstance(value, str):  # its context (for `starts`): the JSON up to its opening quote
                     ends = redo.token_ends(engine.tokenizer, ctx.token_ids) if ends is None else ends
-                    k = redo.kept_tokens(ends, f.start + 1)
-                    head = ctx.text[(ends[k - 1] if k else 0):f.start + 1]
-                    self.starts.wrote(f.key, value, ctx.prompt_ids + list(ctx.token_ids[:k]) + list(
-                        engine.tokenizer(head, add_special_tokens=False)["input_ids"] if head else []))
+                    self.starts.wrote(f.key, value, redo.ids_upto(engine.tokenizer, ctx, ends, f.start + 1))
         if not fields or not self.d.present:
             return
         ends = redo.token_ends(engine.tokenizer, ctx.token_ids) if ends is None else ends
@@ -276,10 +273,7 @@ class Plan:
             grammar = value_grammar(self.d.schema, closed.present, self.sources, ctx.text[colon + 1:f.start])
             if grammar is None:
                 continue
-            k = redo.kept_tokens(ends, colon + 1)
-            head = ctx.text[(ends[k - 1] if k else 0):colon + 1]
-            ids = ctx.prompt_ids + list(ctx.token_ids[:k]) + list(
-                engine.tokenizer(head, add_special_tokens=False)["input_ids"] if head else [])
+            ids = redo.ids_upto(engine.tokenizer, ctx, ends, colon + 1)
             bridge = ctx.text[colon + 1:f.start]
             self.bridge[f.key] = bridge
             self.wrote[f.key] = json.loads(ctx.text[f.start:f.end])

@@ -165,6 +165,15 @@ def kept_tokens(ends: Sequence[int], upto: int) -> int:
     return k
 
 
+def ids_upto(tokenizer: Any, ctx: Any, ends: Sequence[int], upto: int) -> list[int]:
+    """A generated value's context up to character `upto` of its text (`ctx`: readings.Context): the prompt,
+    the generated tokens that end by then (`ends`: token_ends), and the rest of the text up to it tokenized."""
+    k = kept_tokens(ends, upto)
+    head = ctx.text[(ends[k - 1] if k else 0):upto]
+    return list(ctx.prompt_ids) + list(ctx.token_ids[:k]) + list(
+        tokenizer(head, add_special_tokens=False)["input_ids"] if head else [])
+
+
 def field_confidence(text: str, ends: Sequence[int], logprobs: Sequence[float | None]) -> dict[str, float]:
     """Per top-level field: the product of the probabilities (raw model output) of the tokens that overlap its
     value's text. {} when the text is not an object or a token has no log-probability."""
