@@ -59,6 +59,16 @@ async def test_forced_tool_call_returns_valid_arguments(client: openai.AsyncOpen
     _check_calls(ch.message.tool_calls, ("get_weather", "get_time") if choice == "required" else ("get_weather",))
 
 
+async def test_a_named_tool_choice_is_one_call_even_with_parallel_calls_allowed(client: openai.AsyncOpenAI) -> None:
+    # OpenAI's default parallel_tool_calls=True: a base model would repeat the forced call to max_tokens.
+    r = await client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME], max_tokens=96,
+                                             tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                             temperature=0)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls or []) == 1
+    _check_calls(ch.message.tool_calls, ("get_time",))
+
+
 async def test_streamed_tool_call_assembles_from_index_stable_deltas(client: openai.AsyncOpenAI) -> None:
     kw: Any = dict(model="m", messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
                    max_tokens=48, temperature=0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Literal
 
 import pytest
 from pydantic import BaseModel, Field
@@ -92,3 +93,35 @@ async def test_openai_agents_sdk_runner_with_a_function_tool(default_engine: Asy
                   tool_use_behavior="stop_on_first_tool")
     result = await Runner.run(agent, "Weather in Paris?", max_turns=4)
     assert len(calls) == 1 and result.final_output == f"21 C in {calls[0]}"
+
+
+class Ticket(BaseModel):
+    customer: str = Field(max_length=40)
+    severity: Literal["low", "medium", "high", "critical"]
+    refund: bool
+
+
+TICKET = [{"role": "user", "content": "Extract the ticket.\nFrom: Dana Kim\n"
+                                      "Our Acme printer broke down again, this is critical."}]
+
+
+async def test_openai_parse_with_a_pydantic_response_format_returns_the_instance(default_engine: AsyncEngine) -> None:
+    # The openai client's .parse sends a strict json_schema (additionalProperties false) and reads the
+    # message back into the model.
+    r = await default_engine.openai_client().chat.completions.parse(
+        model="gemma", messages=TICKET, response_format=Ticket, temperature=0, max_tokens=64)
+    ch = r.choices[0]
+    assert ch.finish_reason == "stop" and isinstance(ch.message.parsed, Ticket)
+    assert ch.message.parsed.severity == "critical"
+
+
+@pytest.mark.parametrize("mode", ["JSON_SCHEMA", "TOOLS"])
+async def test_instructor_returns_a_typed_instance(default_engine: AsyncEngine, mode: str) -> None:
+    # TOOLS mode forces the named tool: exactly one call comes back, whatever parallel_tool_calls says
+    # (instructor leaves it at OpenAI's default, True).
+    import instructor
+
+    client = instructor.from_openai(default_engine.openai_client(), mode=getattr(instructor.Mode, mode))
+    out = await client.chat.completions.create(model="gemma", response_model=Ticket, messages=TICKET,
+                                               max_retries=0, temperature=0, max_tokens=64)
+    assert isinstance(out, Ticket) and out.severity == "critical"

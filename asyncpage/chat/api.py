@@ -44,7 +44,7 @@ class Options:
 
     tools: Any = None
     tool_choice: Any = "auto"
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool = True  # under "auto" and "required"; a named tool_choice is one call
     response_format: Any = None
     params: SamplingParams | None = None
     tool_format: str | None = None  # "hermes" | "llama3" | "mistral" | "generic": overrides the detected format
@@ -162,7 +162,10 @@ def _prepare_steps(engine: EngineClient, msgs: Any, o: Options, deadline: Deadli
     marks = plan.markers or reasoning.THINK
     two_phase = plan.budget is not None
     # With a budget the grammar is the answer's alone: the section before it is phase 1's free text.
-    spec = grammar.TurnSpec(fmt, tool_list, mode, bool(o.parallel_tool_calls), answer,
+    # A named tool_choice is one call of that tool (vLLM's and OpenAI's behaviour, and what instructor's
+    # TOOLS mode and other forced-function clients read back); parallel_tool_calls applies to the others.
+    parallel = bool(o.parallel_tool_calls) and mode in ("auto", "required")
+    spec = grammar.TurnSpec(fmt, tool_list, mode, parallel, answer,
                             plan.markers is not None and not two_phase, plan.opened and not two_phase,
                             params.json_separators, params.json_closed_objects, markers=marks)
     try:
