@@ -42,6 +42,12 @@ def test_each_plain_boolean_reads_as_the_statement_that_makes_it_true() -> None:
         "vip_customer": Reading("vip customer", described=False),  # nor a title: its name
     }  # nullable and const booleans are left to the grammar
     assert Reading("it is late", True).key == "\n\nIn this message, it is late."
+    # The subject is read as context; what the statement says of it is scored (the key stays the whole).
+    assert Reading("the customer asks for money back", True).after == ("\n\nIn this message, the customer",
+                                                                        " asks for money back.")
+    assert flags.subject_of("payment failed twice") == ("payment", "failed twice")
+    assert flags.subject_of("Her order is late") == ("Her order", "is late")
+    assert flags.subject_of("the refund") == ("", "the refund") and flags.subject_of("urgent") == ("", "urgent")
     assert Reading("vip customer", False).key == "Record where vip customer.\n\n"
     schema = json_params(Order, None)[0].json_schema
     assert schema is not None
@@ -90,10 +96,10 @@ async def _gain(engine: Any, heading: str, text: str) -> float:
     return (await _scores(engine, heading, text.strip()) - await _scores(engine, flags.PLAIN, text.strip())) / n
 
 
-async def _after(engine: Any, text: str, statement: str) -> float:
-    """Log-likelihood of `statement` read after `text`, by hand."""
-    said = engine.tokenizer(f" {statement}.", add_special_tokens=False)["input_ids"]
-    ids = await engine.tokenize(text.strip() + "\n\nIn this message,") + said
+async def _after(engine: Any, text: str, subject: str, rest: str) -> float:
+    """Log-likelihood of a statement's `rest` read after `text` and its `subject`, by hand."""
+    said = engine.tokenizer(f" {rest}.", add_special_tokens=False)["input_ids"]
+    ids = await engine.tokenize(text.strip() + f"\n\nIn this message, {subject}") + said
     out = await engine.generate(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
     return sum(e.logprob for e in out.prompt_logprobs[-len(said):])
 
@@ -114,11 +120,12 @@ async def test_the_value_returned_is_the_one_the_scores_chose(tiny_llama: Path,
               "required": ["name", "refund"]}
     texts = ["Anna Berg wants a refund for the lamp", "Tom Reyes says the app is slow", "Li Wei: refund please now"]
     async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
-        # The threshold: the statement's mean log-likelihood after the built-in reference records.
-        offset = sum([await _after(engine, d, "a refund is asked") for d in REFERENCES]) / len(REFERENCES)
+        # The threshold: the statement's mean log-likelihood after the built-in reference records (its
+        # subject, "a refund", read as context).
+        offset = sum([await _after(engine, d, "a refund", "is asked") for d in REFERENCES]) / len(REFERENCES)
         assert offset != 0.0
         assert await scored_booleans.boolean_offsets(engine, schema) == {"refund": pytest.approx(offset)}
-        want = {t: await _after(engine, t, "a refund is asked") > offset for t in texts}
+        want = {t: await _after(engine, t, "a refund", "is asked") > offset for t in texts}
         assert set(want.values()) == {True, False}  # both readings occur: the grammar writes what was decided
         assert await scored_booleans.decide_booleans(engine, schema, "", {"refund": offset}) == {}
         assert await scored_booleans.decide_booleans(engine, schema, texts[0], {}) == {}  # no offset: not scored

@@ -109,7 +109,7 @@ class Decider:
         return "span\0" + lead + json.dumps(branch, sort_keys=True, default=str)
 
     def _statements(self) -> list[Said]:
-        said = [Said(flags.AFTER, f" {r.statement}.") for r in self.readings.values() if r.described]
+        said = [Said(*r.after) for r in self.readings.values() if r.described]
         return said + [s for opts in self.options.values() for s in opts]
 
     async def calibrate(self, engine: EngineClient, reference: Callable[[str], Awaitable[Context | None]] | None,
@@ -386,7 +386,7 @@ class Plan:
         shares: dict[str, float] = {}
         for name, r in self.d.readings.items():
             key = r.key
-            g = self.statement_score(Said(flags.AFTER, f" {r.statement}.")) if r.described else self.named_gain(name)
+            g = self.statement_score(Said(*r.after)) if r.described else self.named_gain(name)
             if g is not None and key in self.d.offsets:
                 decided[name], shares[name] = g > self.d.offsets[key], logistic(abs(g - self.d.offsets[key]))
         for name, opts in self.d.options.items():
