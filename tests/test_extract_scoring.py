@@ -324,6 +324,13 @@ async def test_a_copied_value_ends_where_its_described_line_reads_likeliest(tiny
         assert decided == {"product": best}  # a word prefix of what the model wrote, never a new value
         assert shares["product"] == pytest.approx(1 / sum(math.exp(v - scores[best]) for v in scores.values()),
                                                   rel=1e-3)
+        # A name opens after its article: "the Marlow Duo coffee grinder" is read as its prefixes without "the"
+        # (a lone "the" was the likeliest end of such a value on two fresh tickets).
+        decided, _ = await decide("the Marlow Duo coffee grinder", "Anna")
+        assert decided == {"product": best}
+        # One word left: it is the value, where the schema holds it ("Marlow" is under minLength: left alone).
+        decided, shares = await decide("The Marlow", "the Anna")
+        assert decided == {"customer": "Anna"} and shares["customer"] == 1.0
         # One word, or more than MAX_END_WORDS: the end stays the model's (a name or a brand, not a paragraph).
         decided, _ = await decide("Marlow", "Anna")
         assert decided == {}

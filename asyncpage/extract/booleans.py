@@ -37,7 +37,7 @@ from __future__ import annotations
 import re
 from typing import Any, NamedTuple
 
-from asyncpage.extract.grounding import resolve
+from asyncpage.extract.grounding import DETERMINERS, resolve
 
 PLAIN = "Record.\n\n"
 AFTER = "\n\nIn this message,"
@@ -90,16 +90,13 @@ def statements(schema: dict[str, Any]) -> dict[str, Reading]:
     return out
 
 
-# Words that open a noun phrase: a statement's subject runs to the next word ("the customer", "her order").
-_DETERMINERS = frozenset("the a an this that these those his her its their my our your each every any some no".split())
-
-
 def subject_of(statement: str) -> tuple[str, str]:
-    """(subject, the rest) of a statement: its first word, and the next one where the first is a determiner
+    """(subject, the rest) of a statement: its first word, and the next one where the first opens a noun phrase
+    (grounding.DETERMINERS)
     ("the customer" | "asks for money back"; "payment" | "failed twice"). A statement of no more words than
     its subject is all scored ("", "urgent")."""
     words = statement.split()
-    n = 2 if words and words[0].lower() in _DETERMINERS else 1
+    n = 2 if words and words[0].lower() in DETERMINERS else 1
     if len(words) <= n:
         return "", " ".join(words)
     return " ".join(words[:n]), " ".join(words[n:])

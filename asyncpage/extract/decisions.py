@@ -301,14 +301,16 @@ class Plan:
                 await p.submit(engine, mailbox(), priority=priority, cache_key=cache_key)
 
     async def _read_ends(self, engine: EngineClient) -> None:
-        """Each copied value's word prefixes (itself included) read on its field's described line after the
-        record (" Marlow Duo\n" after "<record>\n\nThe product brand the ticket is about:"); those the field's
-        schema refuses are left out."""
-        for name, value in self.wrote_ends.items():
-            lead = self.d.ends[name]
+        """Each copied value's word prefixes (itself included, its opening articles not) read on its field's
+        described line after the record (" Marlow Duo\n" after "<record>\n\nThe product brand the ticket is
+        about:"); those the field's schema refuses are left out."""
+        for name, wrote in self.wrote_ends.items():
+            lead, value = self.d.ends[name], wrote
+            while (head := value.split(maxsplit=1))[0].lower() in grounding.DETERMINERS and len(head) > 1:
+                value = head[1]  # "The Glossvane Sleek 3 straightener": a name opens after its article
             cands = [value[:m.start()] for m in re.finditer(r"\s+", value)] + [value]
             cands = [c for c in cands if any(ch.isalnum() for ch in c) and self.d.holds(name, c)]
-            if len(cands) < 2:
+            if not cands or cands == [wrote]:
                 continue
             ctx = await engine.tokenize(self.text + lead)
             probes = {c: Probe.text(engine, ctx, f" {c}{LINE_END}") for c in cands}
