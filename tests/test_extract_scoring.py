@@ -331,6 +331,11 @@ async def test_a_copied_value_ends_where_its_described_line_reads_likeliest(tiny
         # One word left: it is the value, where the schema holds it ("Marlow" is under minLength: left alone).
         decided, shares = await decide("The Marlow", "the Anna")
         assert decided == {"customer": "Anna"} and shares["customer"] == 1.0
+        # Never a lone determiner; names that open with "My" or "No" keep it (only articles are dropped).
+        decided, _ = await decide("Marlow Duo", "the a")
+        assert "customer" not in decided
+        decided, _ = await decide("Marlow Duo", "My Little Pony")
+        assert decided.get("customer", "My Little Pony") in ("My Little", "My Little Pony")
         # One word, or more than MAX_END_WORDS: the end stays the model's (a name or a brand, not a paragraph).
         decided, _ = await decide("Marlow", "Anna")
         assert decided == {}

@@ -167,6 +167,11 @@ async def test_malformed_request_gets_a_400_naming_the_parameter(client: openai.
         await client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER],
                                              tool_choice={"type": "function", "function": {"name": "nope"}})
     assert e.value.param == "tool_choice"
+    auto_tool = {"type": "function", "function": {"name": "auto", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as e:  # would read as tool_choice="auto": refused, not misread
+        await client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, auto_tool],
+                                             tool_choice={"type": "function", "function": {"name": "auto"}})
+    assert e.value.param == "tool_choice" and "rename" in str(e.value)
     with pytest.raises(openai.BadRequestError) as e:
         await client.chat.completions.create(model="m", messages=[{"role": "wizard", "content": "x"}])
     assert e.value.param == "messages[0].role"

@@ -160,6 +160,8 @@ def parse_tool_choice(tool_choice: Any, tools: list[Tool]) -> str:
             raise bad("tool_choice", "a named choice is {'type': 'function', 'function': {'name': ...}}")
         if not any(t.name == name for t in tools):
             raise bad("tool_choice", f"names {name!r}, which is not among the tools")
+        if name in ("none", "auto", "required"):  # the turn's mode is the tool's name: it would read as the keyword
+            raise bad("tool_choice", f"a tool named {name!r} cannot be chosen by name (rename it)")
         return name
     raise bad("tool_choice", f"must be a str or a dict, got {type(tool_choice).__name__}")
 

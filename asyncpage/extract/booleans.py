@@ -58,7 +58,7 @@ class Reading(NamedTuple):
     @property
     def key(self) -> str:
         """The words scored, as the engine keeps its offset."""
-        return f"{AFTER} {self.statement}." if self.described else f"Record where {self.statement}.\n\n"
+        return "".join(self.after) if self.described else f"Record where {self.statement}.\n\n"
 
     @property
     def after(self) -> tuple[str, str]:
@@ -82,7 +82,8 @@ def statements(schema: dict[str, Any]) -> dict[str, Reading]:
         p = resolve(schema, prop)
         if not isinstance(p, dict) or p.get("type") != "boolean" or "enum" in p or "const" in p:
             continue
-        said = _OPENING.sub("", " ".join(_text(p.get("description")).split()).rstrip(".?!"))  # one line
+        # One line, no end mark (a space before it, French-style, included).
+        said = _OPENING.sub("", " ".join(_text(p.get("description")).split()).rstrip(".?! ")).rstrip(".?! ")
         if re.search(r"\w", said):  # a statement, not an opening alone ("Whether") or a dash
             out[name] = Reading(said, True)
         elif named := " ".join((_text(p.get("title")) or name.replace("_", " ")).split()).rstrip(".?!"):
@@ -91,15 +92,14 @@ def statements(schema: dict[str, Any]) -> dict[str, Reading]:
 
 
 def subject_of(statement: str) -> tuple[str, str]:
-    """(subject, the rest) of a statement: its first word, and the next one where the first opens a noun phrase
-    (grounding.DETERMINERS)
-    ("the customer" | "asks for money back"; "payment" | "failed twice"). A statement of no more words than
-    its subject is all scored ("", "urgent")."""
+    """(subject, the rest) of a statement that opens with a noun phrase: a determiner (grounding.DETERMINERS)
+    and the word after it ("the customer" | "asks for money back"). Any other statement ("Contains PII", "Did
+    the customer ask for a refund", "payment failed") and one of no more words than its subject are scored
+    whole ("", "the refund")."""
     words = statement.split()
-    n = 2 if words and words[0].lower() in DETERMINERS else 1
-    if len(words) <= n:
+    if len(words) <= 2 or words[0].lower() not in DETERMINERS:
         return "", " ".join(words)
-    return " ".join(words[:n]), " ".join(words[n:])
+    return " ".join(words[:2]), " ".join(words[2:])
 
 
 def _text(x: Any) -> str:

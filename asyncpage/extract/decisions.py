@@ -217,9 +217,9 @@ class Plan:
         fits = engine.config.max_model_len
         for lead in dict.fromkeys([r.lead for r in said] + [self.d.spans[n][0] for n in spans]):
             ctx = await engine.tokenize(self.text + lead)
-            for r in said:
+            for r in (r for r in said if r.lead == lead):
                 probe = Probe.text(engine, ctx, r.text)
-                if r.lead == lead and len(probe.prompt) + probe.params.max_tokens <= fits:
+                if len(probe.prompt) + probe.params.max_tokens <= fits:
                     self.said[r] = probe  # else it does not fit: that reading is left out
                     probes.append(probe)
             for name in spans:
@@ -301,15 +301,16 @@ class Plan:
                 await p.submit(engine, mailbox(), priority=priority, cache_key=cache_key)
 
     async def _read_ends(self, engine: EngineClient) -> None:
-        """Each copied value's word prefixes (itself included, its opening articles not) read on its field's
-        described line after the record (" Marlow Duo\n" after "<record>\n\nThe product brand the ticket is
-        about:"); those the field's schema refuses are left out."""
+        """Each copied value's word prefixes (itself included; without its opening articles; never a lone "my"
+        or "the") read on its field's described line after the record (" Marlow Duo\n" after "<record>\n\nThe
+        product brand the ticket is about:"); those the field's schema refuses are left out."""
         for name, wrote in self.wrote_ends.items():
             lead, value = self.d.ends[name], wrote
-            while (head := value.split(maxsplit=1))[0].lower() in grounding.DETERMINERS and len(head) > 1:
+            while (head := value.split(maxsplit=1))[0].lower() in grounding.ARTICLES and len(head) > 1:
                 value = head[1]  # "The Glossvane Sleek 3 straightener": a name opens after its article
             cands = [value[:m.start()] for m in re.finditer(r"\s+", value)] + [value]
-            cands = [c for c in cands if any(ch.isalnum() for ch in c) and self.d.holds(name, c)]
+            cands = [c for c in cands if any(ch.isalnum() for ch in c) and c.lower() not in grounding.DETERMINERS
+                     and self.d.holds(name, c)]
             if not cands or cands == [wrote]:
                 continue
             ctx = await engine.tokenize(self.text + lead)

@@ -23,8 +23,11 @@ from asyncpage.errors import InvalidRequestError
 
 COPY = "x-copy"
 # Words that open a noun phrase ("the customer", "her order"): a statement's subject runs past one to the next word
-# (booleans.subject_of); a copied value does not open with one ("The Glossvane Sleek 3" reads as "Glossvane Sleek 3").
+# (booleans.subject_of).
 DETERMINERS = frozenset("the a an this that these those his her its their my our your each every any some no".split())
+# A copied value's end is read without these at its start ("The Glossvane Sleek 3" as "Glossvane Sleek 3"); names
+# that open with "My", "Our" or "No" keep them ("The Ordinary" does not: a name of that kind loses its article).
+ARTICLES = frozenset(("the", "a", "an"))
 # One JSON string character as the grammar sees it: escaped forms count as one.
 _JSON_CHAR = r'(?:[^"\\\x00-\x1f]|\\(?:["\\\/bfnrt]|u[0-9a-fA-F]{4}))'
 # A JSON string character that is not whitespace (escaped \n, \t, \r included), and a span that
