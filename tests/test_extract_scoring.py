@@ -480,3 +480,25 @@ async def test_a_record_whose_start_search_is_refused_still_finishes(tiny_llama:
             got = [r async for r in engine.extract_many([{"id": 1, "text": text}], schema, params=PARAMS,
                                                         copy_fields="auto", beam_width=1)]
             assert got[0].ok and got[0].value["customer"] in text
+
+
+def test_a_start_never_takes_another_field_s_value_and_gives_way_when_the_model_copied_one() -> None:
+    from types import SimpleNamespace
+
+    def run(written: dict[str, Any], decided: dict[str, Any], mine: float, span: float) -> dict[str, Any]:
+        s = starts.Starts()
+        s.written = {k: json.dumps(v) for k, v in written.items()}
+        probes = {c: (object(), object()) for c in (written["product"], "M-40218")}  # (the model's, the span)
+        s.pairs = {"product": probes}
+        scores = {id(probes[written["product"]][0]): mine, id(probes["M-40218"][0]): span}
+        return {n: v[0] for n, v in s.outcome(lambda p: SimpleNamespace(logprob=scores.get(id(p), 0.0)),
+                                              decided).items()}
+
+    # Likelier by the margin, but the order id's value (as written, or as decided): the product stays the model's.
+    assert run({"product": "Marlisse Dawn 6 alarm clock", "order_id": None}, {"order_id": "M-40218"}, -19, -14) == {}
+    assert run({"product": "Marlisse Dawn 6 alarm clock", "order_id": "M-40218"}, {}, -19, -14) == {}
+    assert run({"product": "Marlisse Dawn 6 alarm clock", "order_id": None}, {}, -19, -14) == {"product": "M-40218"}
+    assert run({"product": "Marlisse Dawn 6 alarm clock", "order_id": None}, {}, -19, -16) == {}  # under the margin
+    # The model wrote another field's value as this one: any margin lets the span in.
+    assert run({"product": "HX/2024/5518", "order_id": "HX/2024/5518"}, {}, -12, -11) == {"product": "M-40218"}
+    assert run({"product": "HX/2024/5518", "order_id": "HX/2024/5518"}, {}, -12, -13) == {}

@@ -252,6 +252,7 @@ class Plan:
         """The record's value is generated: its null-or-present fields' probes, after each field's key, and the
         copied values whose end is read (their probes built by `pump`: tokenizing their line is awaited)."""
         fields = redo.top_fields(ctx.text)
+        self.starts.written = {f.key: ctx.text[f.start:f.end] for f in fields or ()}  # each field's JSON
         ends: list[int] | None = None
         for f in fields or ():
             if f.key in self.d.ends and self.text and self._ends:
@@ -418,8 +419,6 @@ class Plan:
                 end = max(read, key=lambda c: read[c])
                 decided[name] = end
                 shares[name] = 1 / sum(math.exp(v - read[end]) for v in read.values())
-        for name, (span, share) in self.starts.outcome(self._got).items():
-            decided[name], shares[name] = span, share
         for name in self.line_best:
             m, off, found = self.span_margin(name), self.d.offsets.get(self.d.span_key(name)), \
                 self._got(self.line_best[name])
@@ -441,6 +440,8 @@ class Plan:
                     decided[name] = json.loads(found.text[len(self.bridge[name]):])
                 except ValueError:
                     shares.pop(name)
+        for name, (span, share) in self.starts.outcome(self._got, decided).items():
+            decided[name], shares[name] = span, share
         for name in [n for n, v in decided.items() if not self.d.holds(n, v)]:
             del decided[name]  # a span or a value its search found that the field's whole schema refuses
             shares.pop(name, None)

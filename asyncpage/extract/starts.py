@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from asyncpage.extract.probes import Probe
 from asyncpage.extract.readings import LINE_END, logistic
@@ -39,6 +39,7 @@ class Starts:
         self.lines: dict[str, list[int]] = {}  # field -> its described line's context (record + lead)
         self.values: dict[str, tuple[str, list[int]]] = {}  # field -> (the model's value, its JSON context)
         self.pairs: dict[str, dict[str, tuple[Probe, Probe]]] = {}  # field -> {value, span: (line, JSON)}; {}: none
+        self.written: dict[str, str] = {}  # every top-level field -> its JSON as the model wrote it
 
     def search(self, name: str, line: list[int], grammar: str) -> Probe:
         self.lines[name], self.found[name] = line, Probe.best(line, grammar)
@@ -75,8 +76,12 @@ class Starts:
         """Every probe it made (their grammars are the record's own: forgotten with it)."""
         return [*self.found.values(), *(p for pairs in self.pairs.values() for pair in pairs.values() for p in pair)]
 
-    def outcome(self, got: Callable[[Probe], Scored | None]) -> dict[str, tuple[str, float]]:
-        """field -> (the span, its share against the model's value) where the span wins by START_MARGIN."""
+    def outcome(self, got: Callable[[Probe], Scored | None], decided: dict[str, Any]) -> dict[str, tuple[str, float]]:
+        """field -> (the span, its share against the model's value) where the span wins by START_MARGIN (by any
+        margin where the model's value is another field's: it wrote the order id as the product) and is not
+        another field's value (as written, or as `decided`): the line of "the product brand" found the record's
+        order id, and the person's name, likelier than a long product name the model wrote (two fresh tickets)."""
+        values = {n: v for n, text in self.written.items() if (v := _loads(text)) is not _BAD} | decided
         out: dict[str, tuple[str, float]] = {}
         for name, pairs in self.pairs.items():
             both = {c: (got(pair[0]), got(pair[1])) for c, pair in pairs.items()}
@@ -84,6 +89,17 @@ class Starts:
             if len(sums) == 2:
                 mine, span = pairs
                 margin = sums[span] - sums[mine]
-                if margin > START_MARGIN:
+                others = [v for n, v in values.items() if n != name]
+                if margin > (0.0 if mine in others else START_MARGIN) and span not in others:
                     out[name] = (span, logistic(margin))
         return out
+
+
+_BAD = object()
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return _BAD
