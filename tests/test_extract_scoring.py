@@ -485,20 +485,35 @@ async def test_a_record_whose_start_search_is_refused_still_finishes(tiny_llama:
 def test_a_start_never_takes_another_field_s_value_and_gives_way_when_the_model_copied_one() -> None:
     from types import SimpleNamespace
 
-    def run(written: dict[str, Any], decided: dict[str, Any], mine: float, span: float) -> dict[str, Any]:
+    def run(written: dict[str, Any], decided: dict[str, Any], margins: dict[str, tuple[str, float]]) -> dict[str, Any]:
+        """`margins`: field -> (its line's span, how much likelier than the model's value)."""
         s = starts.Starts()
         s.written = {k: json.dumps(v) for k, v in written.items()}
-        probes = {c: (object(), object()) for c in (written["product"], "M-40218")}  # (the model's, the span)
-        s.pairs = {"product": probes}
-        scores = {id(probes[written["product"]][0]): mine, id(probes["M-40218"][0]): span}
+        s.values = {k: (v, []) for k, v in written.items() if k != "order_id"}  # the copied fields that are not null
+        scores: dict[int, float] = {}
+        for name, (span, margin) in margins.items():
+            pairs = {c: (object(), object()) for c in (written[name], span)}  # (the model's, the span)
+            s.pairs[name] = pairs
+            scores[id(pairs[written[name]][0])], scores[id(pairs[span][0])] = -20.0, -20.0 + margin
         return {n: v[0] for n, v in s.outcome(lambda p: SimpleNamespace(logprob=scores.get(id(p), 0.0)),
                                               decided).items()}
 
+    clock = {"product": "Marlisse Dawn 6 alarm clock", "order_id": None}
     # Likelier by the margin, but the order id's value (as written, or as decided): the product stays the model's.
-    assert run({"product": "Marlisse Dawn 6 alarm clock", "order_id": None}, {"order_id": "M-40218"}, -19, -14) == {}
-    assert run({"product": "Marlisse Dawn 6 alarm clock", "order_id": "M-40218"}, {}, -19, -14) == {}
-    assert run({"product": "Marlisse Dawn 6 alarm clock", "order_id": None}, {}, -19, -14) == {"product": "M-40218"}
-    assert run({"product": "Marlisse Dawn 6 alarm clock", "order_id": None}, {}, -19, -16) == {}  # under the margin
+    assert run(clock, {"order_id": "M-40218"}, {"product": ("M-40218", 5)}) == {}
+    assert run({**clock, "order_id": "m-40218 "}, {}, {"product": ("M-40218", 5)}) == {}  # stripped, any case
+    assert run({**clock, "order_id": "M-40218"}, {"order_id": "M-4"}, {"product": ("M-40218", 5)}) == {}  # both
+    assert run(clock, {}, {"product": ("M-40218", 5)}) == {"product": "M-40218"}
+    assert run(clock, {}, {"product": ("M-40218", 3)}) == {}  # under START_MARGIN
     # The model wrote another field's value as this one: any margin lets the span in.
-    assert run({"product": "HX/2024/5518", "order_id": "HX/2024/5518"}, {}, -12, -11) == {"product": "M-40218"}
-    assert run({"product": "HX/2024/5518", "order_id": "HX/2024/5518"}, {}, -12, -13) == {}
+    serial = {"product": "HX/2024/5518", "order_id": "HX/2024/5518"}
+    assert run(serial, {}, {"product": ("Hexwold", 1)}) == {"product": "Hexwold"}
+    assert run(serial, {}, {"product": ("Hexwold", -1)}) == {}
+    assert run({**serial, "order_id": None}, {"order_id": "HX/2024/5518"}, {"product": ("Hexwold", 1)}) == \
+        {"product": "Hexwold"}  # the order id as decided on its line
+    # Only as written: a product trimmed to the brand's value does not let the brand give way at a small margin.
+    two = {"product": "Marlisse Dawn 6 alarm clock", "brand": "Marlisse"}
+    assert run(two, {"product": "Marlisse"}, {"brand": ("Dawn", 1)}) == {}
+    # Two fields never take the same span: the larger margin has it.
+    assert run({"product": "Dawn 6", "brand": "Marlisse"}, {}, {"product": ("Zed", 6), "brand": ("Zed", 9)}) == \
+        {"brand": "Zed"}

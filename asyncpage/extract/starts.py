@@ -78,21 +78,36 @@ class Starts:
 
     def outcome(self, got: Callable[[Probe], Scored | None], decided: dict[str, Any]) -> dict[str, tuple[str, float]]:
         """field -> (the span, its share against the model's value) where the span wins by START_MARGIN (by any
-        margin where the model's value is another field's: it wrote the order id as the product) and is not
-        another field's value (as written, or as `decided`): the line of "the product brand" found the record's
-        order id, and the person's name, likelier than a long product name the model wrote (two fresh tickets)."""
-        values = {n: v for n, text in self.written.items() if (v := _loads(text)) is not _BAD} | decided
-        out: dict[str, tuple[str, float]] = {}
+        margin where the model's value is another field's: the order id as the product) and is no
+        other field's value (as written, as `decided`, or as a start decided here, the larger margin first): the
+        line of "the product brand" found the record's order id, and once the person's name, likelier than a long
+        product name the model wrote (two fresh tickets). Values compare stripped and casefolded."""
+        written = {n: _key(v) for n, text in self.written.items() if (v := _loads(text)) is not _BAD}
+        taken = {n: {written.get(n), _key(decided.get(n))} - {None} for n in {*written, *decided}}
+        ranked: list[tuple[float, str, str]] = []
         for name, pairs in self.pairs.items():
             both = {c: (got(pair[0]), got(pair[1])) for c, pair in pairs.items()}
             sums = {c: a.logprob + b.logprob for c, (a, b) in both.items() if a is not None and b is not None}
             if len(sums) == 2:
                 mine, span = pairs
-                margin = sums[span] - sums[mine]
-                others = [v for n, v in values.items() if n != name]
-                if margin > (0.0 if mine in others else START_MARGIN) and span not in others:
-                    out[name] = (span, logistic(margin))
+                # Another field's as the model wrote it, or as decided where that is no copied value's end (a trim
+                # to "Marlisse" does not make the brand "Marlisse" a copy).
+                copied = any(_key(mine) == v for n, v in written.items() if n != name) or \
+                    any(_key(mine) == _key(v) for n, v in decided.items() if n != name and n not in self.values)
+                if (margin := sums[span] - sums[mine]) > (0.0 if copied else START_MARGIN):
+                    ranked.append((margin, name, span))
+        out: dict[str, tuple[str, float]] = {}
+        for margin, name, span in sorted(ranked, reverse=True):
+            if not any(_key(span) in keys for n, keys in taken.items() if n != name):
+                out[name] = (span, logistic(margin))
+                taken[name] = {_key(span)}
         return out
+
+
+def _key(value: Any) -> Any:
+    """A value as compared with another field's: a string stripped and casefolded, else None (numbers, lists and
+    objects are not spans)."""
+    return " ".join(value.split()).casefold() if isinstance(value, str) else None
 
 
 _BAD = object()
