@@ -517,3 +517,16 @@ def test_a_start_never_takes_another_field_s_value_and_gives_way_when_the_model_
     # Two fields never take the same span: the larger margin has it.
     assert run({"product": "Dawn 6", "brand": "Marlisse"}, {}, {"product": ("Zed", 6), "brand": ("Zed", 9)}) == \
         {"brand": "Zed"}
+
+
+def test_an_optional_copied_field_s_span_needs_more_where_the_record_does_not_name_the_field_near_it() -> None:
+    from asyncpage.extract.readings import NAMELESS, NEAR, anchors, doubt
+
+    assert anchors("order_id", {}) == ("order",) and anchors("orderNumber", {}) == ("order",)
+    assert anchors("x", {"title": "Tracking number"}) == ("tracking",) and anchors("id", {}) == ()
+    far = "I ordered a lamp from your shop last month and it broke on the second day. Tracking 1Z999 8812."
+    assert far.index("1Z999") - far.index("ordered") > NEAR
+    assert doubt(far, "1Z999", ("order",)) == math.inf  # the record names orders, not there: a tracking number
+    assert doubt("Order #A-1 arrived broken", "A-1", ("order",)) == 0.0  # "Order #" right before it
+    assert doubt("Ref 1Z999, the lamp broke", "1Z999", ("order",)) == NAMELESS  # never named: more evidence
+    assert doubt(far, "1Z999", ()) == 0.0  # a field with no naming word ("id") is left to the margin alone

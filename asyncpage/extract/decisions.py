@@ -39,8 +39,10 @@ from asyncpage.extract.readings import (
     LINE_END,
     Context,
     Said,
+    anchors,
     checker,
     described,
+    doubt,
     logistic,
     mean,
     reading,
@@ -79,6 +81,7 @@ class Decider:
         for name, c in closed.items():
             if c.present is not None and c.present.get(grounding.COPY) is True:
                 self.spans[name] = (reading(name, grounding.resolve(schema, props[name]), None).lead, c.present)
+        self.anchors = {n: anchors(n, grounding.resolve(schema, props[n])) for n in self.spans}  # words that name it
         self.present: dict[str, Closed] = {n: c for n, c in closed.items()
                                            if c.present is not None and n not in self.spans}
         # A copied field that may not be null: where its span ends is read on its description's line (`ends`).
@@ -302,9 +305,8 @@ class Plan:
                 await p.submit(engine, mailbox(), priority=priority, cache_key=cache_key)
 
     async def _read_ends(self, engine: EngineClient) -> None:
-        """Each copied value's word prefixes (itself included; without its opening articles; never a lone "my"
-        or "the") read on its field's described line after the record (" Marlow Duo\n" after "<record>\n\nThe
-        product brand the ticket is about:"); those the field's schema refuses are left out."""
+        """Each copied value's word prefixes (itself included, not its opening articles, never a lone "my") read on its
+        field's described line after the record (" Marlow Duo\n"); those the field's schema refuses are left out."""
         for name, wrote in self.wrote_ends.items():
             lead, value = self.d.ends[name], wrote
             while (head := value.split(maxsplit=1))[0].lower() in grounding.ARTICLES and len(head) > 1:
@@ -422,11 +424,11 @@ class Plan:
         for name in self.line_best:
             m, off, found = self.span_margin(name), self.d.offsets.get(self.d.span_key(name)), \
                 self._got(self.line_best[name])
-            if m is None or off is None or found is None:
+            if m is None or off is None or not (value := found.text.strip() if found else ""):
                 continue
-            shares[name] = logistic(abs(m - off))
-            value = found.text.strip()
-            decided[name] = value if m > off and value else None
+            need = off + doubt(self.text, value, self.d.anchors[name])  # where the record names the field
+            shares[name] = logistic(abs(m - (need if math.isfinite(need) else off)))
+            decided[name] = value if m > need else None
         for name in self.nulls:
             m, off = self.margin(name), self.d.margins.get(name)
             found = self._got(self.best.get(name))
