@@ -520,13 +520,19 @@ def test_a_start_never_takes_another_field_s_value_and_gives_way_when_the_model_
 
 
 def test_an_optional_copied_field_s_span_needs_more_where_the_record_does_not_name_the_field_near_it() -> None:
-    from asyncpage.extract.readings import NAMELESS, NEAR, anchors, doubt
+    from asyncpage.extract.readings import ELSEWHERE, NAMELESS, NEAR, anchors, doubt
 
     assert anchors("order_id", {}) == ("order",) and anchors("orderNumber", {}) == ("order",)
     assert anchors("x", {"title": "Tracking number"}) == ("tracking",) and anchors("id", {}) == ()
+    assert anchors("order_ref", {"title": "Reference"}) == ("order",)  # the name's words and the title's
+    assert anchors("pedido", {"title": "Número de pedido"}) == ("pedido", "número")  # any script
+    assert anchors("sku", {}) == () and anchors("tax_id", {}) == ()  # 3 letters open too many words ("taxi")
     far = "I ordered a lamp from your shop last month and it broke on the second day. Tracking 1Z999 8812."
     assert far.index("1Z999") - far.index("ordered") > NEAR
-    assert doubt(far, "1Z999", ("order",)) == math.inf  # the record names orders, not there: a tracking number
+    assert doubt(far, "1Z999", ("order",)) == ELSEWHERE  # the record names orders, not there: a tracking number
     assert doubt("Order #A-1 arrived broken", "A-1", ("order",)) == 0.0  # "Order #" right before it
+    assert doubt("Ticket about ORDER-55123: a broken lamp", "ORDER-55123", ("order",)) == 0.0  # inside the span
+    assert doubt("\u0130" * 100 + " Order #A-1", "A-1", ("order",)) == 0.0  # no lower() shifting the positions
+    assert doubt("Border " + "x " * 40 + "1Z999", "1Z999", ("order",)) == NAMELESS  # "Border" names no order
     assert doubt("Ref 1Z999, the lamp broke", "1Z999", ("order",)) == NAMELESS  # never named: more evidence
     assert doubt(far, "1Z999", ()) == 0.0  # a field with no naming word ("id") is left to the margin alone

@@ -427,7 +427,7 @@ class Plan:
             if m is None or off is None or not (value := found.text.strip() if found else ""):
                 continue
             need = off + doubt(self.text, value, self.d.anchors[name])  # where the record names the field
-            shares[name] = logistic(abs(m - (need if math.isfinite(need) else off)))
+            shares[name] = logistic(abs(m - need))
             decided[name] = value if m > need else None
         for name in self.nulls:
             m, off = self.margin(name), self.d.margins.get(name)

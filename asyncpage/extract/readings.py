@@ -64,29 +64,38 @@ def described(name: str, prop: dict[str, Any]) -> str:
 # Words of a field's name that say what kind of value it is, not what it is of ("order_id": "order").
 _GENERIC = frozenset("id ids identifier number num no nr code ref reference name value key the of a an".split())
 NEAR = 60  # characters before a copied span that may name its field ("Order #", "order number was")
-NAMELESS = 4.0  # nats more a span needs where the record never names its field (readings.doubt)
+NAMELESS = 4.0  # nats more a span needs where the record never names its field (doubt)
+ELSEWHERE = 8.0  # nats more where the record names it only away from the span (doubt)
+MAX_ANCHORS = 8
 
 
 def anchors(name: str, prop: dict[str, Any]) -> tuple[str, ...]:
-    """The words that name a field in a record: its title's (else its name's) words, camelCase and snake_case
-    split, lower case, generic ones left out. () where none is left: the field is not read for them."""
-    words = re.findall(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])", str(prop.get("title") or name))
-    return tuple(dict.fromkeys(w.lower() for w in words if w.lower() not in _GENERIC and len(w) > 2))
+    """The words that name a field in a record: its name's and its title's words (camelCase and snake_case split,
+    any script, casefolded), generic ones and those of 3 letters or fewer left out ("tax" opens "taxi"), at most
+    MAX_ANCHORS. () where none is left: the field is not read for them."""
+    title = prop.get("title") if isinstance(prop.get("title"), str) else ""
+    split = re.sub(r"(?<=[a-z])(?=[A-Z])", " ", f"{name} {title}")
+    words = (w.casefold() for w in re.findall(r"[^\W\d_]+", split))
+    return tuple(dict.fromkeys(w for w in words if w not in _GENERIC and len(w) > 3))[:MAX_ANCHORS]
 
 
 def doubt(text: str, span: str, words: Sequence[str]) -> float:
     """How much more a nullable copied field's span must beat its offset by, from where the record names the field
-    (a word of `words` opening one of its words: "order", "ordered"): nothing where one comes within NEAR
-    characters before the span ("Order #A-1"), or where the field has no such word; NAMELESS (e^4: 55 times the
-    evidence) where the record never names it; never, where it names it only elsewhere: the span is then another
-    number (a tracking or serial number where the order id was asked)."""
+    (a word of `words` opening one of its words, any case: "order", "ordered"): nothing where one comes within
+    NEAR characters before the span or inside it ("Order #A-1", "ORDER-55123"), or where the field has no such
+    word; NAMELESS where the record never names it; ELSEWHERE (e^8) where it names it only away from the span:
+    the span is then likely another number (a tracking or serial number where the order id was asked)."""
     if not words or not span:
         return 0.0
-    low, pattern = text.lower(), re.compile(r"\b(?:" + "|".join(map(re.escape, words)) + ")")
-    if not pattern.search(low):
+    pattern = re.compile(r"\b(?:" + "|".join(map(re.escape, words)) + ")", re.IGNORECASE)
+    if not pattern.search(text):
         return NAMELESS
-    at = [i for i in range(len(text)) if text.startswith(span, i)]
-    return 0.0 if any(pattern.search(low[max(0, i - NEAR):i]) for i in at) else math.inf
+    i = text.find(span)
+    while i >= 0:
+        if pattern.search(text, max(0, i - NEAR), i + len(span)):
+            return 0.0
+        i = text.find(span, i + 1)
+    return ELSEWHERE
 
 
 def definitions(root: dict[str, Any]) -> dict[str, Any]:
