@@ -488,7 +488,7 @@ def test_a_start_never_takes_another_field_s_value_and_gives_way_when_the_model_
     def run(written: dict[str, Any], decided: dict[str, Any], margins: dict[str, tuple[str, float]]) -> dict[str, Any]:
         """`margins`: field -> (its line's span, how much likelier than the model's value)."""
         s = starts.Starts()
-        s.written = {k: json.dumps(v) for k, v in written.items()}
+        s.written = dict(written)
         s.values = {k: (v, []) for k, v in written.items() if k != "order_id"}  # the copied fields that are not null
         scores: dict[int, float] = {}
         for name, (span, margin) in margins.items():

@@ -255,11 +255,11 @@ class Plan:
         """The record's value is generated: its null-or-present fields' probes, after each field's key, and the
         copied values whose end is read (their probes built by `pump`: tokenizing their line is awaited)."""
         fields = redo.top_fields(ctx.text)
-        self.starts.written = {f.key: ctx.text[f.start:f.end] for f in fields or ()}  # each field's JSON
+        self.starts.written = {f.key: json.loads(ctx.text[f.start:f.end]) for f in fields or ()}  # each field's value
         ends: list[int] | None = None
         for f in fields or ():
             if f.key in self.d.ends and self.text and self._ends:
-                value = json.loads(ctx.text[f.start:f.end])
+                value = self.starts.written[f.key]
                 if isinstance(value, str) and 2 <= len(value.split()) <= MAX_END_WORDS:
                     self.wrote_ends[f.key] = value
                 if isinstance(value, str):  # its context (for `starts`): the JSON up to its opening quote
@@ -280,7 +280,7 @@ class Plan:
             ids = redo.ids_upto(engine.tokenizer, ctx, ends, colon + 1)
             bridge = ctx.text[colon + 1:f.start]
             self.bridge[f.key] = bridge
-            self.wrote[f.key] = json.loads(ctx.text[f.start:f.end])
+            self.wrote[f.key] = self.starts.written[f.key]
             self.nulls[f.key] = Probe.text(engine, ids, bridge + "null")
             self.best[f.key] = Probe.best(ids, grammar)
             wave += [self.nulls[f.key], self.best[f.key]]

@@ -39,7 +39,7 @@ class Starts:
         self.lines: dict[str, list[int]] = {}  # field -> its described line's context (record + lead)
         self.values: dict[str, tuple[str, list[int]]] = {}  # field -> (the model's value, its JSON context)
         self.pairs: dict[str, dict[str, tuple[Probe, Probe]]] = {}  # field -> {value, span: (line, JSON)}; {}: none
-        self.written: dict[str, str] = {}  # every top-level field -> its JSON as the model wrote it
+        self.written: dict[str, Any] = {}  # every top-level field -> its value as the model wrote it
 
     def search(self, name: str, line: list[int], grammar: str) -> Probe:
         self.lines[name], self.found[name] = line, Probe.best(line, grammar)
@@ -82,7 +82,7 @@ class Starts:
         other field's value (as written, as `decided`, or as a start decided here, the larger margin first): the
         line of "the product brand" found the record's order id, and once the person's name, likelier than a long
         product name the model wrote (two fresh tickets). Values compare stripped and casefolded."""
-        written = {n: _key(v) for n, text in self.written.items() if (v := _loads(text)) is not _BAD}
+        written = {n: _key(v) for n, v in self.written.items()}
         taken = {n: {written.get(n), _key(decided.get(n))} - {None} for n in {*written, *decided}}
         ranked: list[tuple[float, str, str]] = []
         for name, pairs in self.pairs.items():
@@ -108,13 +108,3 @@ def _key(value: Any) -> Any:
     """A value as compared with another field's: a string stripped and casefolded, else None (numbers, lists and
     objects are not spans)."""
     return " ".join(value.split()).casefold() if isinstance(value, str) else None
-
-
-_BAD = object()
-
-
-def _loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return _BAD
