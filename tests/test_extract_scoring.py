@@ -15,7 +15,7 @@ import pytest
 
 from asyncpage import AsyncEngine, ExtractionError, InvalidRequestError, SamplingParams
 from asyncpage.extract import json_params, starts
-from asyncpage.extract.closed import Closed, closed_fields, named
+from asyncpage.extract.closed import Closed, closed_fields, mentions, named
 from asyncpage.extract.decisions import Context, Decider, Plan, Said, reading
 from asyncpage.extract.grounding import mark
 from asyncpage.extract.jobs import run_job
@@ -108,8 +108,9 @@ async def test_the_option_returned_is_the_one_its_calibrated_scores_chose(tiny_l
             scores = {o: await _after(engine, t, s) - prior[o] for o, s in said.items()}
             total = sum(math.exp(v) for v in scores.values())
             mix = {o: math.exp(v) / total for o, v in scores.items()}
-            if "critical" in t:  # the record names it: half the decision is an even share among named options
-                mix = {o: p / 2 + (o == "critical") / 2 for o, p in mix.items()}
+            # Each record states a level (scales.py): half the decision is an even share among named options.
+            stated = next(o for word, o in (("critical", "critical"), ("minor", "low"), ("urgent", "high")) if word in t)
+            mix = {o: p / 2 + (o == stated) / 2 for o, p in mix.items()}
             want[t] = max(mix, key=lambda o: mix[o])
             share[t] = mix[want[t]]
         assert want[TEXTS[0]] == "critical"
@@ -140,6 +141,39 @@ def test_an_option_is_named_by_its_words_in_the_record_whole_and_in_any_case() -
     # A string option that cannot be named: none is, so no option wins for being nameable.
     for unfair in (["yes", "no"], ["C", "C++", "Java"], ["A++", "B"], ["a.*", "abc"], [" ".join(["w"] * 9), "abc"]):
         assert named(unfair, "yes C++ A++ abc w w w w w w w w w a.*") is None
+
+
+def test_a_naming_the_record_denies_in_its_clause_is_no_naming() -> None:
+    denied = ["I don't want a refund, just a new strap", "I'm not asking for a refund", "No refund needed",
+              "I do not wish for a refund", "rather than a refund, a repair", "instead of a refund",
+              "i dont want a refund", "A refund isn't the point", "a refund would not help me", "no refund, thanks"]
+    for text in denied:
+        assert not mentions("refund", text), text
+    said = ["I want a refund", "No, I want a refund", "a refund, not a repair", "not the box but a refund",
+            "Not urgent. I'd like a full refund", "Subject: refund request", "I never got it and I want a refund"]
+    for text in said:
+        assert mentions("refund", text), text
+    assert named(["low", "critical"], "Not urgent at all, but critical for us") == [False, True]
+
+
+def _boolean(text: str, score: float) -> tuple[dict[str, Any], dict[str, float]]:
+    """A record's outcome for a described `refund` boolean whose statement scores `score` over its offset."""
+    d = Decider({"type": "object", "properties": {"refund": {"type": "boolean", "description": "true when the "
+                 "customer asks for money back"}}, "required": ["refund"]}, booleans=True, choices=False)
+    d.offsets = {d.readings["refund"].key: 0.0}
+    plan = Plan(d, text, [text])
+    plan.statement_score = lambda said: score  # type: ignore[method-assign]
+    return plan.outcome(None)  # type: ignore[arg-type]
+
+
+def test_a_boolean_the_record_names_is_true_as_a_lone_named_option_wins() -> None:
+    # "I'd like a refund" read as not asking for money back (the default model's commonest miss): the words win.
+    decided, shares = _boolean("The lid leaks. I'd like a refund, please.", -3.0)
+    assert decided == {"refund": True} and shares["refund"] == pytest.approx(0.5 + 0.5 / (1 + math.e ** 3))
+    assert _boolean("The lid leaks. I don't want a refund, just a new lid.", -3.0)[0] == {"refund": False}
+    assert _boolean("The lid leaks. Send my money back.", 2.0) == ({"refund": True}, {"refund": pytest.approx(
+        1 / (1 + math.e ** -2))})  # not named: the score alone, as before
+    assert _boolean("The lid leaks.", -40000.0)[0] == {"refund": False}  # no overflow far below the offset
 
 
 def _decide(enum: list[Any], text: str, scores: list[float], **extra: Any) -> tuple[dict[str, Any], dict[str, float]]:

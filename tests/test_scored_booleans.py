@@ -37,9 +37,9 @@ class Order(msgspec.Struct):
 
 def test_each_plain_boolean_reads_as_the_statement_that_makes_it_true() -> None:
     assert flags.statements(TICKET) == {
-        "refund": Reading("the customer asks for money back", described=True),
-        "urgent": Reading("Needs an answer today", described=False),  # no description: its title, as a heading
-        "vip_customer": Reading("vip customer", described=False),  # nor a title: its name
+        "refund": Reading("the customer asks for money back", described=True, name="refund"),
+        "urgent": Reading("Needs an answer today", described=False, name="urgent"),  # no description: its title
+        "vip_customer": Reading("vip customer", described=False, name="vip customer"),  # nor a title: its name
     }  # nullable and const booleans are left to the grammar
     assert Reading("it is late", True).key == "\n\nIn this message, it is late."
     # The subject is read as context; what the statement says of it is scored (the key stays the whole).
@@ -58,10 +58,10 @@ def test_each_plain_boolean_reads_as_the_statement_that_makes_it_true() -> None:
     assert Reading("vip customer", False).key == "Record where vip customer.\n\n"
     schema = json_params(Order, None)[0].json_schema
     assert schema is not None
-    assert flags.statements(schema) == {"paid": Reading("the order was paid", True)}
+    assert flags.statements(schema) == {"paid": Reading("the order was paid", True, "paid")}
     for alone in ("Whether", "true when", "True if.", "Whether or not?", "-", " ? "):  # no statement: the name
         one = {"type": "object", "properties": {"x": {"type": "boolean", "description": alone}}}
-        assert flags.statements(one) == {"x": Reading("x", False)}, alone
+        assert flags.statements(one) == {"x": Reading("x", False)}, alone  # "x": no name a record could say
     said = {"Indicates whether the parcel arrived late.": "the parcel arrived late",
             "Set to true if the customer is angry": "the customer is angry",
             "Did the customer ask for a refund?": "Did the customer ask for a refund"}
@@ -123,25 +123,27 @@ async def _value(extraction: Any) -> Any:
 async def test_the_value_returned_is_the_one_the_scores_chose(tiny_llama: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     refund = {"type": "boolean", "description": "true when a refund is asked"}
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "refund": refund},
-              "required": ["name", "refund"]}
+    # Named so that no record names it ("money back"): what is decided is the score alone (named: below).
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "money_back": refund},
+              "required": ["name", "money_back"]}
     texts = ["Anna Berg wants a refund for the lamp", "Tom Reyes says the app is slow", "Li Wei: refund please now"]
     async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
         # The threshold: the statement's mean log-likelihood after the built-in reference records (its
         # subject, "a refund", read as context).
         offset = sum([await _after(engine, d, "a refund", "is asked") for d in REFERENCES]) / len(REFERENCES)
         assert offset != 0.0
-        assert await scored_booleans.boolean_offsets(engine, schema) == {"refund": pytest.approx(offset)}
+        assert await scored_booleans.boolean_offsets(engine, schema) == {"money_back": pytest.approx(offset)}
         want = {t: await _after(engine, t, "a refund", "is asked") > offset for t in texts}
         assert set(want.values()) == {True, False}  # both readings occur: the grammar writes what was decided
-        assert await scored_booleans.decide_booleans(engine, schema, "", {"refund": offset}) == {}
+        assert await scored_booleans.decide_booleans(engine, schema, "", {"money_back": offset}) == {}
         assert await scored_booleans.decide_booleans(engine, schema, texts[0], {}) == {}  # no offset: not scored
         params = SamplingParams(max_tokens=200, temperature=0)
         for t in texts:
-            assert await scored_booleans.decide_booleans(engine, schema, t, {"refund": offset}) == {"refund": want[t]}
+            decided = await scored_booleans.decide_booleans(engine, schema, t, {"money_back": offset})
+            assert decided == {"money_back": want[t]}
             value = await _value(engine.extract(f"{t}\nJSON: ", schema, params, copy_from=t, beam_width=1))
-            assert value["refund"] is want[t]
-        got = {r.id: r.value["refund"] async for r in engine.extract_many(
+            assert value["money_back"] is want[t]
+        got = {r.id: r.value["money_back"] async for r in engine.extract_many(
             [{"id": t, "text": t} for t in texts], schema, params=params, copy_fields="auto", beam_width=1)}
         assert got == want
         # One without a description: its name as a heading, its gain per token over the plain heading.
@@ -149,8 +151,8 @@ async def test_the_value_returned_is_the_one_the_scores_chose(tiny_llama: Path,
         heading = "Record where refund.\n\n"
         bar = sum([await _gain(engine, heading, d) for d in REFERENCES]) / len(REFERENCES)
         assert await scored_booleans.boolean_offsets(engine, named) == {"refund": pytest.approx(bar)}
-        for t in texts:
-            said = await _gain(engine, heading, t) > bar
+        for t in texts:  # true by its gain, or where the record says "refund" (the first and the last)
+            said = await _gain(engine, heading, t) > bar or t != texts[1]
             assert await scored_booleans.decide_booleans(engine, named, t, {"refund": bar}) == {"refund": said}
 
         # Asked off, or nothing copied in a job: nothing is scored, the model writes the boolean itself.
@@ -161,9 +163,9 @@ async def test_the_value_returned_is_the_one_the_scores_chose(tiny_llama: Path,
         monkeypatch.setattr(Decider, "calibrate", refuse)
         off = await _value(engine.extract(f"{texts[0]}\nJSON: ", schema, params, copy_from=texts[0],
                                           beam_width=1, score_booleans=False, score_choices=False))
-        assert isinstance(off["refund"], bool)
+        assert isinstance(off["money_back"], bool)
         async for r in engine.extract_many([{"id": 1, "text": texts[0]}], schema, params=params):
-            assert isinstance(r.value["refund"], bool)
+            assert isinstance(r.value["money_back"], bool)
 
 
 async def test_scoring_needs_the_record_text_and_steps_aside_when_it_does_not_fit(tiny_llama: Path) -> None:

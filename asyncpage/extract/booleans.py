@@ -37,7 +37,9 @@ from __future__ import annotations
 import re
 from typing import Any, NamedTuple
 
+from asyncpage.extract.closed import NAMED_WEIGHT, mentions, nameable
 from asyncpage.extract.grounding import DETERMINERS, resolve
+from asyncpage.extract.readings import logistic
 
 PLAIN = "Record.\n\n"
 AFTER = "\n\nIn this message,"
@@ -47,13 +49,26 @@ _OPENING = re.compile(r"^\s*(?:(?:is\s+|set\s+to\s+)?true\s+(?:when|if|whenever)
                       re.IGNORECASE)
 
 
+# Verbs that open a boolean's name and say nothing of what a record names ("is_urgent", "wants_money_back").
+_VERBS = frozenset("is are was were has have had did does do can should will wants want needs need asks ask "
+                   "requires require requested".split())
+
+
 class Reading(NamedTuple):
     """How one boolean is scored: `statement` read after the record ("<text>\n\nIn this message,
     <statement>.") when the field has a description, else as a heading before it ("Record where
-    <name>.\n\n<text>", against "Record.\n\n<text>")."""
+    <name>.\n\n<text>", against "Record.\n\n<text>"). `name`: the words a record names it by (`called`)."""
 
     statement: str
     described: bool
+    name: str = ""
+
+    def share(self, score: float, text: str) -> float:
+        """How likely true, from the score less its offset: its logistic, mixed as a closed choice's options are
+        where `text` names the field in its own words and does not deny it ("I'd like a refund"): a named true
+        wins, as a lone named option does (closed.NAMED_WEIGHT)."""
+        p = logistic(score)
+        return (1 - NAMED_WEIGHT) * p + NAMED_WEIGHT if self.name and mentions(self.name, text) else p
 
     @property
     def key(self) -> str:
@@ -84,11 +99,22 @@ def statements(schema: dict[str, Any]) -> dict[str, Reading]:
             continue
         # One line, no end mark (a space before it, French-style, included).
         said = _OPENING.sub("", " ".join(_text(p.get("description")).split()).rstrip(".?! ")).rstrip(".?! ")
+        heading = " ".join((_text(p.get("title")) or name.replace("_", " ")).split()).rstrip(".?!")
         if re.search(r"\w", said):  # a statement, not an opening alone ("Whether") or a dash
-            out[name] = Reading(said, True)
-        elif named := " ".join((_text(p.get("title")) or name.replace("_", " ")).split()).rstrip(".?!"):
-            out[name] = Reading(named, False)
+            out[name] = Reading(said, True, called(name))
+        elif heading:
+            out[name] = Reading(heading, False, called(name))
     return out
+
+
+def called(name: str) -> str:
+    """The words a record names a boolean field by: its name's, less a verb opening it ("refund", "urgent" for
+    `is_urgent`, "money back" for `wants_money_back`); "" where a record cannot name it (closed.nameable)."""
+    words = re.sub(r"([a-z])([A-Z])", r"\1 \2", name).replace("_", " ").replace("-", " ").split()
+    while len(words) > 1 and words[0].lower() in _VERBS:
+        words = words[1:]
+    phrase = " ".join(words).lower()
+    return phrase if nameable(phrase) else ""
 
 
 def subject_of(statement: str) -> tuple[str, str]:

@@ -27,7 +27,14 @@ NAMED_WEIGHT = 0.5
 _NAMEABLE = re.compile(r"[^\W_]+(?:[ _-][^\W_]+){0,7}")
 _MIN_NAMED = 3
 _BETWEEN = r"[ \t\u00a0_-]+"  # words of an option as a text may space them (never across a line)
-_NEGATED = re.compile(r"(?:\b(?:not|no|never)|n't)\s+(?:\w+\s+)?$", re.IGNORECASE)  # "not critical", "isn't that high"
+# A naming that is denied: a negation and at most three more words before it, or a verb denying it right after, in
+# its own clause ("I don't want a refund", "not asking for a refund", "rather than a refund", "nothing serious",
+# "A refund isn't the point"; "No, this is critical" and "a refund, not a repair" are not denials of it).
+_DENIED_BEFORE = re.compile(r"(?:\b(?:not|no|never|nothing|without|nor|than|instead\s+of"
+                            r"|dont|didnt|doesnt|isnt|wont|cant)\b|n['’]t)(?:\s+[\w'’]+){0,3}\s*$", re.IGNORECASE)
+_DENIED_AFTER = re.compile(r"^\s+(?:(?:is|was|would|will|does|did|do|could|can|should)(?:n['’]t|\s+not\b|\s+never\b)"
+                           r"|(?:isn|wasn|won|doesn|don)['’]t\b)", re.IGNORECASE)
+_CLAUSE = re.compile(r"[.,;:!?()\[\]\n–—]|\s-\s|\bbut\b", re.IGNORECASE)
 _SCALARS = ("string", "number", "integer")
 
 
@@ -46,25 +53,35 @@ def spelling(value: Any) -> str:
 
 
 def named(options: Sequence[Any], text: str) -> list[bool] | None:
-    """Which options `text` names in its own words: found as whole words (not inside a word, an address or a
-    "HIGH_TEMP"), any case, the option's " ", "_" and "-" alike ("High priority" for "high_priority"), not right
-    after a negation ("not critical", "isn't that high"). Options that are not strings name nothing. None when a
-    string option cannot be named (see _NAMEABLE: "no" beside "yes", "C++"): then none is, so that no option wins
-    for being the one a text can name."""
+    """Which options `text` names in its own words (`mentions`). Options that are not strings name nothing. None
+    when a string option cannot be named (see _NAMEABLE: "no" beside "yes", "C++"): then none is, so that no
+    option wins for being the one a text can name."""
     strings = [o.strip() for o in options if isinstance(o, str)]
-    if not strings or not all(_NAMEABLE.fullmatch(o) and sum(ch.isalnum() for ch in o) >= _MIN_NAMED
-                              and any(ch.isalpha() for ch in o) for o in strings):
+    if not strings or not all(nameable(o) for o in strings):
         return None
-    found = []
-    for o in options:
-        if not isinstance(o, str):
-            found.append(False)
-            continue
-        words = re.findall(r"[^\W_]+", o)
-        pattern = re.compile(r"(?<![\w@])" + _BETWEEN.join(map(re.escape, words)) + r"(?![\w@]|\.\w)",
-                             re.IGNORECASE)
-        found.append(any(not _NEGATED.search(text[max(0, m.start() - 40):m.start()]) for m in pattern.finditer(text)))
-    return found
+    return [isinstance(o, str) and mentions(o, text) for o in options]
+
+
+def nameable(phrase: str) -> bool:
+    """Whether a text can name `phrase` in its own words (_NAMEABLE, 3+ letters and digits, a letter)."""
+    return bool(_NAMEABLE.fullmatch(phrase) and sum(ch.isalnum() for ch in phrase) >= _MIN_NAMED
+                and any(ch.isalpha() for ch in phrase))
+
+
+def mentions(phrase: str, text: str) -> bool:
+    """Whether `text` names `phrase`: as whole words (not inside a word, an address or a "HIGH_TEMP"), any case,
+    its " ", "_" and "-" alike ("High priority" for "high_priority"), within one line, and not denied in its
+    clause ("not critical", "isn't that high", "I don't want a refund", "a refund isn't the point")."""
+    words = re.findall(r"[^\W_]+", phrase)
+    if not words:
+        return False
+    pattern = re.compile(r"(?<![\w@])" + _BETWEEN.join(map(re.escape, words)) + r"(?![\w@]|\.\w)", re.IGNORECASE)
+    for m in pattern.finditer(text):
+        before = _CLAUSE.split(text[max(0, m.start() - 80):m.start()])[-1]
+        after = _CLAUSE.split(text[m.end():m.end() + 40])[0]
+        if not (_DENIED_BEFORE.search(before) or _DENIED_AFTER.search(after)):
+            return True
+    return False
 
 
 def closed_fields(schema: dict[str, Any]) -> dict[str, Closed]:

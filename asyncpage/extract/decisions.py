@@ -30,9 +30,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from asyncpage.extract import booleans as flags
-from asyncpage.extract import grounding
+from asyncpage.extract import grounding, scales
 from asyncpage.extract import retry as redo
-from asyncpage.extract.closed import NAMED_WEIGHT, Closed, closed_fields, named
+from asyncpage.extract.closed import NAMED_WEIGHT, Closed, closed_fields
 from asyncpage.extract.probes import BEST_MAX_TOKENS, Probe, Scored, gather
 from asyncpage.extract.prompt import REFERENCES
 from asyncpage.extract.readings import (
@@ -391,10 +391,10 @@ class Plan:
         decided: dict[str, Any] = {}
         shares: dict[str, float] = {}
         for name, r in self.d.readings.items():
-            key = r.key
             g = self.statement_score(Said(*r.after)) if r.described else self.named_gain(name)
-            if g is not None and key in self.d.offsets:
-                decided[name], shares[name] = g > self.d.offsets[key], logistic(abs(g - self.d.offsets[key]))
+            if g is not None and r.key in self.d.offsets:  # true where it beats its offset or the record names it
+                p = r.share(g - self.d.offsets[r.key], self.text)
+                decided[name], shares[name] = p > 0.5, max(p, 1 - p)
         for name, opts in self.d.options.items():
             scores: dict[Said, float] = {}
             for said in opts:
@@ -405,7 +405,7 @@ class Plan:
                 top = max(scores.values())
                 total = sum(math.exp(v - top) for v in scores.values())
                 mix = {s: math.exp(v - top) / total for s, v in scores.items()}  # the model's shares
-                said_named = named(list(opts.values()), self.text) or [False] * len(opts)
+                said_named = scales.named(list(opts.values()), self.text) or [False] * len(opts)
                 hits = dict(zip(opts, said_named, strict=True))
                 n, strings = sum(hits.values()), sum(isinstance(o, str) for o in opts.values())
                 if 0 < n < strings:  # an option the record names is copied (NAMED_WEIGHT); all named: no news

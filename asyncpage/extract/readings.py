@@ -164,4 +164,4 @@ def mean(xs: Sequence[float | None]) -> float:
 
 
 def logistic(x: float) -> float:
-    return 1 / (1 + math.exp(-x))
+    return 0.5 * (1 + math.tanh(x / 2))  # 1 / (1 + e^-x), not overflowing at large -x

@@ -1,0 +1,59 @@
+"""A severity (priority, urgency) stated in a record's own words names the option of that level."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncpage.extract.decisions import Decider, Plan
+from asyncpage.extract.scales import named, ranks
+
+SEVERITY = ["low", "medium", "high", "critical"]
+
+
+def _said(options: list[Any], text: str) -> list[Any]:
+    hits = named(options, text)
+    assert hits is not None
+    return [o for o, hit in zip(options, hits, strict=True) if hit]
+
+
+def test_a_level_stated_in_common_words_names_its_option() -> None:
+    stated = {
+        "Not urgent at all, the left one still works": "low", "No rush, my trip is in August.": "low",
+        "It's a minor annoyance": "low", "call me back whenever you get a chance": "low",
+        "It's not an emergency at all": "low", "A moderate issue.": "medium", "Please treat this as urgent": "high",
+        "this is a serious problem for us": "high", "URGENT - office offline": "high",
+        "This is an emergency.": "critical", "I consider this a safety hazard": "critical",
+        "This thing is dangerous.": "critical", "it's a fire risk": "critical", "This is critical": "critical",
+    }
+    for text, level in stated.items():
+        assert _said(SEVERITY, text) == [level], text
+    assert _said(SEVERITY, "The thermometer reads 5 degrees too high. Not urgent, a minor annoyance") == ["low", "high"]
+    assert _said(SEVERITY, "nothing serious, just curious") == ["low"]  # "serious" denied in its clause
+    assert _said(SEVERITY, "The firmware is majorly fine, seriousness aside") == []  # whole words only
+
+
+def test_a_scale_is_found_in_the_options_and_each_level_names_the_nearest() -> None:
+    assert ranks(SEVERITY) == [0, 1, 2, 3]
+    assert ranks(["Low priority", "high_priority", None]) == [0, 2, None]
+    assert ranks(["low", "banana"]) is None and ranks(["low", "minor"]) is None and ranks(["high"]) is None
+    assert _said(["low", "medium", "high"], "This is an emergency") == ["high"]  # the top of a shorter scale
+    assert _said(["low", "high"], "a moderate issue") == []  # two as near: none
+    assert _said(["minor", "major", "critical"], "no rush") == ["minor"]
+    assert _said(["low", "normal", "high", "urgent"], "urgent!") == ["urgent"]  # an option's own word: that option
+    assert _said(["low", "normal", "high", "urgent"], "an emergency") == ["urgent"]
+    assert _said(["red", "green"], "no rush, an emergency") == []  # not a scale: only the options' own words
+
+
+def test_a_stated_level_wins_over_the_model_s_medium() -> None:
+    d = Decider({"type": "object", "properties": {"severity": {"enum": SEVERITY}}, "required": ["severity"]},
+                booleans=False, choices=True)
+    opts = d.options["severity"]
+    d.offsets = {said.key: 0.0 for said in opts}
+    score = {"low": -2.0, "medium": 0.0, "high": -2.0, "critical": -3.0}  # the default model's usual reading
+    for text, level in {"No rush at all, it still works.": "low", "This is an emergency!": "critical",
+                        "It stopped working.": "medium"}.items():
+        plan = Plan(d, text, [text])
+        plan.statement_score = lambda said: score[opts[said]]  # type: ignore[method-assign]
+        decided, shares = plan.outcome(None)  # type: ignore[arg-type]
+        assert decided == {"severity": level}, text
+        assert shares["severity"] >= 0.5
