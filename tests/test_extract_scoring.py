@@ -109,7 +109,7 @@ async def test_the_option_returned_is_the_one_its_calibrated_scores_chose(tiny_l
             total = sum(math.exp(v) for v in scores.values())
             mix = {o: math.exp(v) / total for o, v in scores.items()}
             # Each record states a level (scales.py): half the decision is an even share among named options.
-            stated = next(o for word, o in (("critical", "critical"), ("minor", "low"), ("urgent", "high")) if word in t)
+            stated = next(o for w, o in (("critical", "critical"), ("minor", "low"), ("urgent", "high")) if w in t)
             mix = {o: p / 2 + (o == stated) / 2 for o, p in mix.items()}
             want[t] = max(mix, key=lambda o: mix[o])
             share[t] = mix[want[t]]
@@ -419,7 +419,7 @@ def test_the_span_replaces_the_model_s_value_past_start_margin_and_not_below() -
         plan = Plan(d, "x", ["x"])
         line, in_json = Probe([1], SamplingParams()), Probe([1], SamplingParams())
         span_line, span_json = Probe([1], SamplingParams()), Probe([1], SamplingParams())
-        plan.starts.pairs["customer"] = {"a@b.c": (line, in_json), "Anna Berg": (span_line, span_json)}
+        plan.starts.pairs["customer"] = {"Obrigado": (line, in_json), "Anna Berg": (span_line, span_json)}
         got = {line: -9.0, in_json: -6.0, span_line: -9.0 + gain / 2, span_json: -6.0 + gain / 2}
         plan._got = lambda p, got=got: None if p is None else Scored(got[p], 3, "")  # type: ignore[method-assign]
         decided, _ = plan.outcome(None)  # type: ignore[arg-type]
@@ -545,6 +545,15 @@ def test_a_start_never_takes_another_field_s_value_and_gives_way_when_the_model_
     assert run(serial, {}, {"product": ("Hexwold", -1)}) == {}
     assert run({**serial, "order_id": None}, {"order_id": "HX/2024/5518"}, {"product": ("Hexwold", 1)}) == \
         {"product": "Hexwold"}  # the order id as decided on its line
+    # A code where the field names none and the span is not one (a serial as the product, a phone number as the
+    # name): any margin lets the span in; a code field, or a span that is a code too, keeps START_MARGIN.
+    coded = {"product": "SN QMT6-22-0841907", "customer": "+34 611 29 40 87", "order_id": None}
+    assert run(coded, {}, {"product": ("Quenmark Tilt 6", 1), "customer": ("Montserrat Vilaplana", 1)}) == \
+        {"product": "Quenmark Tilt 6", "customer": "Montserrat Vilaplana"}
+    assert run(coded, {}, {"product": ("QMT6-22", 1)}) == {}
+    assert run({"sku": "KP3-77A-01942"}, {}, {"sku": ("Korrigan", 1)}) == {}
+    assert starts.coded("X100") and not starts.coded("Glow 2") and not starts.coded("iPhone 15")
+    assert starts.names_a_code("serialNumber") and not starts.names_a_code("product_brand")
     # Only as written: a product trimmed to the brand's value does not let the brand give way at a small margin.
     two = {"product": "Marlisse Dawn 6 alarm clock", "brand": "Marlisse"}
     assert run(two, {"product": "Marlisse"}, {"brand": ("Dawn", 1)}) == {}

@@ -15,6 +15,7 @@ inside the model's value is not a start: where that value ends is read on the sa
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,12 @@ if TYPE_CHECKING:
 # The span replaces the model's value when its log-likelihood on the line plus in the JSON beats the model's
 # value's by this much (e^4: 55 times likelier); a nearly as likely span does not.
 START_MARGIN = 4.0
+# A word of three letters or more, no digit in it: what a name or a brand has and a code does not ("KP3-77A-01942",
+# "SN QMT6-22-0841907", "+34 611 29 40 87" have none).
+_WORD = re.compile(r"(?<![\w-])[^\W\d_]{3,}(?![\w-])")
+# Words of a field's name that say its value is a code ("order_id", "serial_number", "phone").
+_CODE_NAMES = frozenset("id ids identifier number num no nr code ref reference serial sku phone tel zip postcode iban "
+                        "vat ean upc isbn".split())
 
 
 class Starts:
@@ -78,7 +85,8 @@ class Starts:
 
     def outcome(self, got: Callable[[Probe], Scored | None], decided: dict[str, Any]) -> dict[str, tuple[str, float]]:
         """field -> (the span, its share against the model's value) where the span wins by START_MARGIN (by any
-        margin where the model's value is another field's: the order id as the product) and is no
+        margin where the model's value is another field's, the order id as the product, or a code where the field
+        is no code and the span is not: a serial number as the product, a phone number as the name) and is no
         other field's value (as written, as `decided`, or as a start decided here, the larger margin first): the
         line of "the product brand" found the record's order id, and once the person's name, likelier than a long
         product name the model wrote (two fresh tickets). Values compare stripped and casefolded."""
@@ -94,6 +102,7 @@ class Starts:
                 # to "Marlisse" does not make the brand "Marlisse" a copy).
                 copied = any(_key(mine) == v for n, v in written.items() if n != name) or \
                     any(_key(mine) == _key(v) for n, v in decided.items() if n != name and n not in self.values)
+                copied = copied or (coded(mine) and not coded(span) and not names_a_code(name))
                 if (margin := sums[span] - sums[mine]) > (0.0 if copied else START_MARGIN):
                     ranked.append((margin, name, span))
         out: dict[str, tuple[str, float]] = {}
@@ -102,6 +111,17 @@ class Starts:
                 out[name] = (span, logistic(margin))
                 taken[name] = {_key(span)}
         return out
+
+
+def coded(value: str) -> bool:
+    """Whether a value is shaped as a code or a number: no word of three letters or more without a digit."""
+    return _WORD.search(value) is None
+
+
+def names_a_code(field: str) -> bool:
+    """Whether a field's name says its value is a code ("order_id", "serialNumber", "phone")."""
+    words = re.sub(r"([a-z])([A-Z])", r"\1 \2", field).replace("_", " ").replace("-", " ").lower().split()
+    return any(w in _CODE_NAMES for w in words)
 
 
 def _key(value: Any) -> Any:
