@@ -42,6 +42,10 @@ def test_a_scale_is_found_in_the_options_and_each_level_names_the_nearest() -> N
     assert _said(["low", "normal", "high", "urgent"], "urgent!") == ["urgent"]  # an option's own word: that option
     assert _said(["low", "normal", "high", "urgent"], "an emergency") == ["urgent"]
     assert _said(["red", "green"], "no rush, an emergency") == []  # not a scale: only the options' own words
+    # Read only for a field whose name says it is a level: a budget's "high" is not an urgent message's.
+    assert named(SEVERITY, "Urgent: a budget laptop", "budget") == [False] * 4
+    assert named(SEVERITY, "Urgent: a budget laptop", "ticket_priority") == [False, False, True, False]
+    assert _said(SEVERITY, "This is a non-urgent request") == [] and _said(SEVERITY, "hardly urgent") == []
 
 
 def test_a_stated_level_wins_over_the_model_s_medium() -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from asyncpage import AsyncEngine, ExtractionError, InvalidRequestError, SamplingParams
 from asyncpage.extract import json_params, starts
-from asyncpage.extract.closed import Closed, closed_fields, mentions, named
+from asyncpage.extract.closed import Closed, closed_fields, mentions, named, namings
 from asyncpage.extract.decisions import Context, Decider, Plan, Said, reading
 from asyncpage.extract.grounding import mark
 from asyncpage.extract.jobs import run_job
@@ -154,6 +154,14 @@ def test_a_naming_the_record_denies_in_its_clause_is_no_naming() -> None:
     for text in said:
         assert mentions("refund", text), text
     assert named(["low", "critical"], "Not urgent at all, but critical for us") == [False, True]
+    # Hyphens, answers, hard-wrapped lines, other apostrophes; no denial in a condition or of "the refund".
+    for text in ("a non-refund policy", "Refund: No", "I don't\nwant a refund", "I donʼt want a refund",
+                 "a repair than a refund", "refund isnt needed"):
+        assert not mentions("refund", text), text
+    for text in ("If I don't get a refund by Friday, I'll call my bank", "The refund wasn't processed",
+                 "I have waited longer than promised for a refund"):
+        assert mentions("refund", text), text
+    assert namings("refund", "I asked for a refund. Actually, I don't want a refund.") == (1, 1)
 
 
 def _boolean(text: str, score: float) -> tuple[dict[str, Any], dict[str, float]]:
@@ -174,6 +182,9 @@ def test_a_boolean_the_record_names_is_true_as_a_lone_named_option_wins() -> Non
     assert _boolean("The lid leaks. Send my money back.", 2.0) == ({"refund": True}, {"refund": pytest.approx(
         1 / (1 + math.e ** -2))})  # not named: the score alone, as before
     assert _boolean("The lid leaks.", -40000.0)[0] == {"refund": False}  # no overflow far below the offset
+    assert _boolean("I'd like a refund, please.", -40000.0) == ({"refund": True}, {"refund": 0.5})  # still named
+    # Named and denied in one record (an agent's offer, declined): no naming; the score alone decides.
+    assert _boolean("Agent: I can offer a refund. Customer: no, I don't want a refund.", -3.0)[0] == {"refund": False}
 
 
 def _decide(enum: list[Any], text: str, scores: list[float], **extra: Any) -> tuple[dict[str, Any], dict[str, float]]:
@@ -553,7 +564,10 @@ def test_a_start_never_takes_another_field_s_value_and_gives_way_when_the_model_
     assert run(coded, {}, {"product": ("QMT6-22", 1)}) == {}
     assert run({"sku": "KP3-77A-01942"}, {}, {"sku": ("Korrigan", 1)}) == {}
     assert starts.coded("X100") and not starts.coded("Glow 2") and not starts.coded("iPhone 15")
-    assert starts.names_a_code("serialNumber") and not starts.names_a_code("product_brand")
+    for name in ("Anne-Marie", "Li Na", "LG", "7-Eleven", "华为 P60", "देवांश खुराना", "T-Mobile"):  # names, not codes
+        assert not starts.coded(name), name
+    assert starts.names_a_code("serialNumber") and starts.names_a_code("orderid") and starts.names_a_code("imei")
+    assert not starts.names_a_code("product_brand") and not starts.names_a_code("paid")
     # Only as written: a product trimmed to the brand's value does not let the brand give way at a small margin.
     two = {"product": "Marlisse Dawn 6 alarm clock", "brand": "Marlisse"}
     assert run(two, {"product": "Marlisse"}, {"brand": ("Dawn", 1)}) == {}

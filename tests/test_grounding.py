@@ -477,3 +477,12 @@ def test_a_job_runs_four_beams_a_record_only_when_a_field_is_copied_and_sizes_it
         beams_per_record(schema, "nobody", None)  # refused before a model loads
     with pytest.raises(InvalidRequestError):
         beams_per_record(schema, "auto", 0)
+
+
+def test_a_copied_name_is_widened_by_the_capitalized_words_that_open_it_in_the_record() -> None:
+    from asyncpage.extract.grounding import widened, word_prefixes
+
+    text = "Hi. My Tovisk Sona 12 hums. There's gas from the Juniperra Flame 6 hob.\nSubject: Flame 6\nHi Sona 12"
+    assert widened(text, "Sona 12") == ["Tovisk Sona 12"] and widened(text, "Flame 6") == ["Juniperra Flame 6"]
+    assert widened("Dear Corrowen Aura 7 team", "Aura 7") == [] and widened(text, "gas from") == []
+    assert word_prefixes("Juniperra Flame 6") == ["Juniperra", "Juniperra Flame", "Juniperra Flame 6"]

@@ -58,7 +58,7 @@ def test_each_plain_boolean_reads_as_the_statement_that_makes_it_true() -> None:
     assert Reading("vip customer", False).key == "Record where vip customer.\n\n"
     schema = json_params(Order, None)[0].json_schema
     assert schema is not None
-    assert flags.statements(schema) == {"paid": Reading("the order was paid", True, "paid")}
+    assert flags.statements(schema) == {"paid": Reading("the order was paid", True)}  # "paid": too generic a name
     for alone in ("Whether", "true when", "True if.", "Whether or not?", "-", " ? "):  # no statement: the name
         one = {"type": "object", "properties": {"x": {"type": "boolean", "description": alone}}}
         assert flags.statements(one) == {"x": Reading("x", False)}, alone  # "x": no name a record could say
@@ -234,7 +234,7 @@ async def test_the_offsets_decide_the_value_and_are_measured_once_per_engine(tin
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "refund": {"type": "boolean"}},
               "required": ["name", "refund"]}
-    texts = ["Anna Berg wants a refund for the lamp", "Tom Reyes says the app is slow"]
+    texts = ["Anna Berg wants her money back for the lamp", "Tom Reyes says the app is slow"]  # neither says "refund"
     params = SamplingParams(max_tokens=200, temperature=0)
     async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
         first = await scored_booleans.boolean_offsets(engine, schema)
@@ -295,3 +295,9 @@ async def test_a_record_whose_scoring_prompt_outgrows_the_pool_is_generated_not_
                                                          params=SamplingParams(max_tokens=20, temperature=0),
                                                          score_booleans=True)]
     assert len(results) == 1 and results[0].ok and isinstance(results[0].value["refund"], bool)
+
+
+def test_a_boolean_is_named_in_a_record_by_its_name_s_telling_words() -> None:
+    assert [flags.called(n) for n in ("refund", "refund_requested", "is_urgent", "wantsMoneyBack")] == \
+        ["refund", "refund", "urgent", "money back"]
+    assert [flags.called(n) for n in ("is_open", "has_order", "is_resolved", "ok", "x")] == [""] * 5  # say too little

@@ -37,7 +37,7 @@ from __future__ import annotations
 import re
 from typing import Any, NamedTuple
 
-from asyncpage.extract.closed import NAMED_WEIGHT, mentions, nameable
+from asyncpage.extract.closed import NAMED_WEIGHT, nameable, namings
 from asyncpage.extract.grounding import DETERMINERS, resolve
 from asyncpage.extract.readings import logistic
 
@@ -54,6 +54,13 @@ _VERBS = frozenset("is are was were has have had did does do can should will wan
                    "requires require requested".split())
 
 
+_PARTICIPLES = frozenset("requested needed required wanted asked given made issued mentioned".split())
+# Single words that name a state or a thing of most records, not the field ("resolved" in "it was not resolved").
+_GENERIC = frozenset("open opened closed resolved solved fixed done complete completed new order ordered return "
+                     "returned active valid paid read sent received available enabled disabled ok true false "
+                     "success error".split())
+
+
 class Reading(NamedTuple):
     """How one boolean is scored: `statement` read after the record ("<text>\n\nIn this message,
     <statement>.") when the field has a description, else as a heading before it ("Record where
@@ -63,12 +70,15 @@ class Reading(NamedTuple):
     described: bool
     name: str = ""
 
-    def share(self, score: float, text: str) -> float:
-        """How likely true, from the score less its offset: its logistic, mixed as a closed choice's options are
-        where `text` names the field in its own words and does not deny it ("I'd like a refund"): a named true
-        wins, as a lone named option does (closed.NAMED_WEIGHT)."""
-        p = logistic(score)
-        return (1 - NAMED_WEIGHT) * p + NAMED_WEIGHT if self.name and mentions(self.name, text) else p
+    def decide(self, score: float, text: str) -> tuple[bool, float]:
+        """(true or false, how sure), from the score less its offset: true when that is positive, its logistic the
+        share; or, where `text` names the field in its own words and never denies it ("I'd like a refund", not
+        beside "I don't want a refund"), true, its share mixed as a lone named option's (closed.NAMED_WEIGHT)."""
+        p = logistic(score) if score == score else 0.5  # NaN: no evidence
+        said, denied = namings(self.name, text) if self.name else (0, 0)
+        if said and not denied:
+            return True, max(0.5, (1 - NAMED_WEIGHT) * p + NAMED_WEIGHT)
+        return score > 0, max(p, 1 - p)
 
     @property
     def key(self) -> str:
@@ -108,13 +118,17 @@ def statements(schema: dict[str, Any]) -> dict[str, Reading]:
 
 
 def called(name: str) -> str:
-    """The words a record names a boolean field by: its name's, less a verb opening it ("refund", "urgent" for
-    `is_urgent`, "money back" for `wants_money_back`); "" where a record cannot name it (closed.nameable)."""
-    words = re.sub(r"([a-z])([A-Z])", r"\1 \2", name).replace("_", " ").replace("-", " ").split()
-    while len(words) > 1 and words[0].lower() in _VERBS:
+    """The words a record names a boolean field by: its name's, less a verb opening them or a participle closing
+    them ("refund" for `refund` and `refund_requested`, "urgent" for `is_urgent`, "money back" for
+    `wants_money_back`); "" where a record cannot name it (closed.nameable) or where one word says too little to
+    name it ("open" for `is_open`, "order" for `has_order`: _GENERIC)."""
+    words = re.sub(r"([a-z])([A-Z])", r"\1 \2", name).replace("_", " ").replace("-", " ").lower().split()
+    while len(words) > 1 and words[0] in _VERBS:
         words = words[1:]
-    phrase = " ".join(words).lower()
-    return phrase if nameable(phrase) else ""
+    while len(words) > 1 and words[-1] in _PARTICIPLES:
+        words = words[:-1]
+    phrase = " ".join(words)
+    return phrase if nameable(phrase) and phrase not in _GENERIC else ""
 
 
 def subject_of(statement: str) -> tuple[str, str]:

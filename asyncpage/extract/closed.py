@@ -28,13 +28,21 @@ _NAMEABLE = re.compile(r"[^\W_]+(?:[ _-][^\W_]+){0,7}")
 _MIN_NAMED = 3
 _BETWEEN = r"[ \t\u00a0_-]+"  # words of an option as a text may space them (never across a line)
 # A naming that is denied: a negation and at most three more words before it, or a verb denying it right after, in
-# its own clause ("I don't want a refund", "not asking for a refund", "rather than a refund", "nothing serious",
-# "A refund isn't the point"; "No, this is critical" and "a refund, not a repair" are not denials of it).
-_DENIED_BEFORE = re.compile(r"(?:\b(?:not|no|never|nothing|without|nor|than|instead\s+of"
-                            r"|dont|didnt|doesnt|isnt|wont|cant)\b|n['’]t)(?:\s+[\w'’]+){0,3}\s*$", re.IGNORECASE)
-_DENIED_AFTER = re.compile(r"^\s+(?:(?:is|was|would|will|does|did|do|could|can|should)(?:n['’]t|\s+not\b|\s+never\b)"
-                           r"|(?:isn|wasn|won|doesn|don)['’]t\b)", re.IGNORECASE)
+# its own clause ("I don't want a refund", "not asking for a refund", "a repair than a refund", "nothing serious",
+# "non-urgent", "A refund isn't the point"; "No, this is critical" and "a refund, not a repair" are not denials of
+# it); none in a condition ("if I don't get a refund"), and none after "the refund" ("the refund wasn't paid").
+_APOS = "'’ʼ´"
+_DENIED_BEFORE = re.compile(rf"(?:\b(?:not|no|non|never|nothing|hardly|without|nor|rather\s+than|instead\s+of"
+                            rf"|far\s+from|dont|didnt|doesnt|isnt|wont|cant|cannot)\b|n[{_APOS}]t)"
+                            rf"(?:[\s-]+[\w{_APOS}]+){{0,3}}[\s-]*$|\bthan(?:\s+\w+)?\s+$", re.IGNORECASE)
+_DENIED_AFTER = re.compile(rf"^\s+(?:(?:is|was|were|are|has|have|would|will|does|did|do|could|can|should)"
+                           rf"(?:n[{_APOS}]t|\s+not\b|\s+never\b)|(?:isn|wasn|won|doesn|don|aren|hasn|haven)[{_APOS}]t\b"
+                           rf"|(?:isnt|wasnt|wont|doesnt|dont|arent|hasnt|havent|cannot)\b)", re.IGNORECASE)
+_CONDITION = re.compile(r"\b(?:if|unless|until|whether)\b", re.IGNORECASE)
+_DEFINITE = re.compile(r"\b(?:the|my|your|our|his|her|their|this|that)\s+$", re.IGNORECASE)
+_ANSWERED_NO = re.compile(r"^[^\S\n]*[:?][^\S\n]*(?:no|not|none|n/?a)\b", re.IGNORECASE)  # "Refund: No"
 _CLAUSE = re.compile(r"[.,;:!?()\[\]\n–—]|\s-\s|\bbut\b", re.IGNORECASE)
+_SOFT_BREAK = re.compile(r"(?<![.!?:;\n])\n(?![\n\[])")  # a hard-wrapped line: one clause goes on
 _SCALARS = ("string", "number", "integer")
 
 
@@ -69,19 +77,30 @@ def nameable(phrase: str) -> bool:
 
 
 def mentions(phrase: str, text: str) -> bool:
-    """Whether `text` names `phrase`: as whole words (not inside a word, an address or a "HIGH_TEMP"), any case,
-    its " ", "_" and "-" alike ("High priority" for "high_priority"), within one line, and not denied in its
-    clause ("not critical", "isn't that high", "I don't want a refund", "a refund isn't the point")."""
+    """Whether `text` names `phrase` (`namings`) at least once undenied."""
+    return namings(phrase, text)[0] > 0
+
+
+def namings(phrase: str, text: str) -> tuple[int, int]:
+    """How often `text` names `phrase` and how often it denies it: as whole words (not inside a word, an address or
+    a "HIGH_TEMP"), any case, its " ", "_" and "-" alike ("High priority" for "high_priority"), within one line;
+    denied in its clause ("not critical", "isn't that high", "I don't want a refund", "a refund isn't the point")
+    or answered no ("Refund: No")."""
     words = re.findall(r"[^\W_]+", phrase)
     if not words:
-        return False
+        return 0, 0
     pattern = re.compile(r"(?<![\w@])" + _BETWEEN.join(map(re.escape, words)) + r"(?![\w@]|\.\w)", re.IGNORECASE)
+    said = denied = 0
     for m in pattern.finditer(text):
-        before = _CLAUSE.split(text[max(0, m.start() - 80):m.start()])[-1]
-        after = _CLAUSE.split(text[m.end():m.end() + 40])[0]
-        if not (_DENIED_BEFORE.search(before) or _DENIED_AFTER.search(after)):
-            return True
-    return False
+        before = _CLAUSE.split(_SOFT_BREAK.sub(" ", text[max(0, m.start() - 80):m.start()]))[-1]
+        rest = text[m.end():m.end() + 40]
+        after = _CLAUSE.split(_SOFT_BREAK.sub(" ", rest))[0]
+        if (_DENIED_BEFORE.search(before) and not _CONDITION.search(before)) or _ANSWERED_NO.match(rest) \
+                or (_DENIED_AFTER.search(after) and not _DEFINITE.search(before)):
+            denied += 1
+        else:
+            said += 1
+    return said, denied
 
 
 def closed_fields(schema: dict[str, Any]) -> dict[str, Closed]:

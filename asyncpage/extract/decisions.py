@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -305,13 +304,14 @@ class Plan:
                 await p.submit(engine, mailbox(), priority=priority, cache_key=cache_key)
 
     async def _read_ends(self, engine: EngineClient) -> None:
-        """Each copied value's word prefixes (itself included, not its opening articles, never a lone "my") read on its
-        field's described line after the record (" Marlow Duo\n"); those the field's schema refuses are left out."""
+        """A copied value's word prefixes and its widened ones (grounding.widened; no opening article, never a lone
+        "my") read on its described line after the record (" Marlow Duo\n"), none the field's schema refuses."""
         for name, wrote in self.wrote_ends.items():
             lead, value = self.d.ends[name], wrote
             while (head := value.split(maxsplit=1))[0].lower() in grounding.ARTICLES and len(head) > 1:
                 value = head[1]  # "The Glossvane Sleek 3 straightener": a name opens after its article
-            cands = [value[:m.start()] for m in re.finditer(r"\s+", value)] + [value]
+            cands = list(dict.fromkeys(c for v in (value, *grounding.widened(self.text, value))
+                                       for c in grounding.word_prefixes(v)))  # "Flame 6", "Juniperra Flame 6"
             cands = [c for c in cands if any(ch.isalnum() for ch in c) and c.lower() not in grounding.DETERMINERS
                      and self.d.holds(name, c)]
             if not cands or cands == [wrote]:
@@ -393,8 +393,7 @@ class Plan:
         for name, r in self.d.readings.items():
             g = self.statement_score(Said(*r.after)) if r.described else self.named_gain(name)
             if g is not None and r.key in self.d.offsets:  # true where it beats its offset or the record names it
-                p = r.share(g - self.d.offsets[r.key], self.text)
-                decided[name], shares[name] = p > 0.5, max(p, 1 - p)
+                decided[name], shares[name] = r.decide(g - self.d.offsets[r.key], self.text)
         for name, opts in self.d.options.items():
             scores: dict[Said, float] = {}
             for said in opts:
@@ -405,7 +404,7 @@ class Plan:
                 top = max(scores.values())
                 total = sum(math.exp(v - top) for v in scores.values())
                 mix = {s: math.exp(v - top) / total for s, v in scores.items()}  # the model's shares
-                said_named = scales.named(list(opts.values()), self.text) or [False] * len(opts)
+                said_named = scales.named(list(opts.values()), self.text, name) or [False] * len(opts)
                 hits = dict(zip(opts, said_named, strict=True))
                 n, strings = sum(hits.values()), sum(isinstance(o, str) for o in opts.values())
                 if 0 < n < strings:  # an option the record names is copied (NAMED_WEIGHT); all named: no news

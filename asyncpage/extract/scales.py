@@ -8,7 +8,8 @@ sentence by sentence it did no better; nearly every miss was such a phrase read 
 string options are all levels of a scale (RANKS: "low", "medium", "high", "critical"; "minor", "major",
 "blocker"; "normal", "urgent"...), a record that states a level in common words (WORDS) names the option of
 that level, as an option named by its own word does (closed.named, mixed at closed.NAMED_WEIGHT): one level
-stated wins, several are the model's choice among them. A level's words name the option nearest it on the
+stated wins, several are the model's choice among them. Only for a field whose name says it is a level
+("severity", "priority", "urgency", "impact"). A level's words name the option nearest it on the
 field's scale, none where two are as near ("moderate" on a low/high scale); a word that is itself an option
 names that option alone ("urgent" on low/normal/high/urgent). Words denied in their clause ("not urgent",
 "nothing serious") name nothing, and some are the lower level's own words. `score_choices=False` turns it off
@@ -40,12 +41,16 @@ WORDS: dict[int, tuple[str, ...]] = {
         "small problem", "small thing", "whenever you get a chance", "whenever you can", "when you get a chance",
         "when you have time", "low priority"),
     1: ("moderate", "moderately", "medium priority", "normal priority"),
-    2: ("urgent", "urgently", "serious", "seriously affected", "major", "asap", "pressing", "high priority",
-        "top priority"),
-    3: ("emergency", "dangerous", "danger", "hazard", "hazardous", "unsafe", "safety issue", "safety concern",
+    2: ("urgent", "urgently", "serious", "seriously affected", "major issue", "major problem", "asap",
+        "high priority", "top priority"),
+    3: ("emergency", "dangerous", "danger", "hazardous", "unsafe", "safety hazard", "safety issue", "safety concern",
         "safety risk", "safety problem", "fire risk", "fire hazard", "life-threatening", "catastrophic",
         "critical"),
 }
+# A field whose name says it is a level (its scale words are read only there: "Urgent: a budget laptop" is no
+# "high" budget).
+_LEVEL_FIELD = re.compile(r"sever|priorit|urgen|importan|impact|critical|seriousness|level|triage|escalat",
+                          re.IGNORECASE)
 _SUFFIX = re.compile(r"^(.+?)[\s_-]+(?:priority|severity|urgency|impact|level)$", re.IGNORECASE)
 
 
@@ -66,12 +71,13 @@ def ranks(options: Sequence[Any]) -> list[float | None] | None:
     return found if len(levels) >= 2 and len(set(levels)) == len(levels) else None
 
 
-def named(options: Sequence[Any], text: str) -> list[bool] | None:
-    """Which options `text` names: by their own words (closed.named), or, on a scale, by the words of the level
-    nearest each (WORDS). None where an option cannot be named at all (closed.named)."""
+def named(options: Sequence[Any], text: str, field: str | None = None) -> list[bool] | None:
+    """Which options `text` names: by their own words (closed.named), or, on a scale of a field whose name says it
+    is a level (`field`: "severity", "priority", "urgency"; None: any), by the words of the level nearest each
+    (WORDS). None where an option cannot be named at all (closed.named)."""
     hits = own_words(options, text)
     scale = ranks(options)
-    if hits is None or scale is None:
+    if hits is None or scale is None or (field is not None and not _LEVEL_FIELD.search(field)):
         return hits
     own = {" ".join(o.split()).lower() for o in options if isinstance(o, str)}
     for level, words in WORDS.items():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -29,13 +30,10 @@ if TYPE_CHECKING:
 # The span replaces the model's value when its log-likelihood on the line plus in the JSON beats the model's
 # value's by this much (e^4: 55 times likelier); a nearly as likely span does not.
 START_MARGIN = 4.0
-# A word of three letters or more, no digit in it: what a name or a brand has and a code does not ("KP3-77A-01942",
-# "SN QMT6-22-0841907", "+34 611 29 40 87" have none).
-_WORD = re.compile(r"(?<![\w-])[^\W\d_]{3,}(?![\w-])")
-# Words of a field's name that say its value is a code ("order_id", "serial_number", "phone").
+# Words of a field's name that say its value is a code ("order_id", "serial_number", "phone", "orderid").
 _CODE_NAMES = frozenset("id ids identifier number num no nr code ref reference serial sku phone tel zip postcode iban "
-                        "vat ean upc isbn".split())
-
+                        "vat ean upc isbn imei vin model tracking invoice version mac plate account".split())
+_CODE_END = re.compile(r"(?:id|number|num|code|ref)$")
 
 class Starts:
     """One record's start decisions: `search` (a field's line and its beam, before the value), `wrote` (the
@@ -114,14 +112,21 @@ class Starts:
 
 
 def coded(value: str) -> bool:
-    """Whether a value is shaped as a code or a number: no word of three letters or more without a digit."""
-    return _WORD.search(value) is None
+    """Whether a value is shaped as a code or a number: a digit in it, and no part (between spaces, hyphens and
+    other marks) that is a word: letters only, three or more, or any outside ASCII ("KP3-77A-01942", "SN
+    QMT6-22-0841907", "+34 611 29 40 87"; not "7-Eleven", "Model-3", "华为 P60", "Li Na", "LG")."""
+    if not any(ch.isdigit() for ch in value):
+        return False
+    for part in re.split(r"[^\w\u0300-\u036f\u0900-\u0dff]+|_", value):
+        if part and all(unicodedata.category(ch)[0] in "LM" for ch in part) and (len(part) >= 3 or not part.isascii()):
+            return False
+    return True
 
 
 def names_a_code(field: str) -> bool:
-    """Whether a field's name says its value is a code ("order_id", "serialNumber", "phone")."""
+    """Whether a field's name says its value is a code ("order_id", "serialNumber", "phone", "orderid")."""
     words = re.sub(r"([a-z])([A-Z])", r"\1 \2", field).replace("_", " ").replace("-", " ").lower().split()
-    return any(w in _CODE_NAMES for w in words)
+    return any(w in _CODE_NAMES or (len(w) > 5 and _CODE_END.search(w)) for w in words)
 
 
 def _key(value: Any) -> Any:
