@@ -237,8 +237,9 @@ async def test_a_lone_named_option_wins_and_several_named_are_the_model_s_choice
 
 
 async def test_a_copied_nullable_field_is_null_or_the_likeliest_span_on_its_label_line(tiny_llama: Path) -> None:
-    schema = {"type": "object", "properties": {"order_id": {"type": ["string", "null"], "maxLength": 12}},
-              "required": ["order_id"]}
+    # "order_ref", not "order_id": the tiny random model's likeliest span may hold no digit, which an id never lacks.
+    schema = {"type": "object", "properties": {"order_ref": {"type": ["string", "null"], "maxLength": 12}},
+              "required": ["order_ref"]}
     text = "Li Wei: order ORD-12345 never came"
     async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
         first = [r async for r in engine.extract_many([{"id": 1, "text": text}], schema, params=PARAMS,
@@ -247,7 +248,7 @@ async def test_a_copied_nullable_field_is_null_or_the_likeliest_span_on_its_labe
         keys = [k for k in engine.reading_offsets if k.startswith("span\0")]
         assert first[0].ok and len(keys) == 1 and engine.reading_offsets[keys[0]] is not None
         assert not [k for k in engine.reading_offsets if k.startswith("present\0")]
-        # The span read by hand: the best of the beams over the record's spans after "Order id:", as the plan found.
+        # The span read by hand: the best of the beams over the record's spans after "Order ref:", as the plan found.
         spans = {text[i:j] for i in range(len(text)) for j in range(i + 1, len(text) + 1)}
         for offset, present in ((1e9, False), (-1e9, True)):  # what the margin says is what the value holds
             engine.reading_offsets[keys[0]] = offset
@@ -255,13 +256,13 @@ async def test_a_copied_nullable_field_is_null_or_the_likeliest_span_on_its_labe
                 [r] = [r async for r in engine.extract_many([{"id": 1, "text": text}], schema, params=PARAMS,
                                                             copy_fields="auto", beam_width=1, confidence=True,
                                                             prompt=prompt)]
-                assert r.ok and r.confidence is not None and 0.5 <= r.confidence["order_id"] <= 1
+                assert r.ok and r.confidence is not None and 0.5 <= r.confidence["order_ref"] <= 1
                 if present:
-                    got = r.value["order_id"]
+                    got = r.value["order_ref"]
                     assert isinstance(got, str) and got in spans and len(got) <= 12  # a span, within maxLength
                     assert got == got.strip() and "\n" not in got
                 else:
-                    assert r.value["order_id"] is None
+                    assert r.value["order_ref"] is None
         # Nothing of the record's grammars stays cached.
         assert set(engine.guided._cache) <= cached
 
@@ -577,7 +578,7 @@ def test_a_start_never_takes_another_field_s_value_and_gives_way_when_the_model_
 
 
 def test_an_optional_copied_field_s_span_needs_more_where_the_record_does_not_name_the_field_near_it() -> None:
-    from asyncpage.extract.readings import ELSEWHERE, NAMELESS, NEAR, anchors, doubt
+    from asyncpage.extract.readings import ELSEWHERE, NAMELESS, NEAR, NO_DIGIT, anchors, doubt, numbered
 
     assert anchors("order_id", {}) == ("order",) and anchors("orderNumber", {}) == ("order",)
     assert anchors("x", {"title": "Tracking number"}) == ("tracking",) and anchors("id", {}) == ()
@@ -592,4 +593,10 @@ def test_an_optional_copied_field_s_span_needs_more_where_the_record_does_not_na
     assert doubt("\u0130" * 100 + " Order #A-1", "A-1", ("order",)) == 0.0  # no lower() shifting the positions
     assert doubt("Border " + "x " * 40 + "1Z999", "1Z999", ("order",)) == NAMELESS  # "Border" names no order
     assert doubt("Ref 1Z999, the lamp broke", "1Z999", ("order",)) == NAMELESS  # never named: more evidence
+    # A field whose name says it holds a digit never takes a span without one (a form's "(left blank)").
+    form = "Order number: (left blank)\nProduct: Lindqvar Glow 2"
+    assert doubt(form, "(left blank)", ("order",), "order_id") == NO_DIGIT == math.inf
+    assert doubt("Order #A-1 arrived broken", "A-1", ("order",), "order_id") == 0.0
+    assert doubt("Promo code SUMMERSALE", "SUMMERSALE", ("promo",), "promo_code") == 0.0  # a code may be a word
+    assert numbered("orderId") and numbered("phone") and not numbered("promo_code") and not numbered("product")
     assert doubt(far, "1Z999", ()) == 0.0  # a field with no naming word ("id") is left to the margin alone

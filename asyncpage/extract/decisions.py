@@ -425,7 +425,7 @@ class Plan:
                 self._got(self.line_best[name])
             if m is None or off is None or not (value := found.text.strip() if found else ""):
                 continue
-            need = off + doubt(self.text, value, self.d.anchors[name])  # where the record names the field
+            need = off + doubt(self.text, value, self.d.anchors[name], name)  # where the record names the field
             shares[name] = logistic(abs(m - need))
             decided[name] = value if m > need else None
         for name in self.nulls:

@@ -66,6 +66,11 @@ _GENERIC = frozenset("id ids identifier number num no nr code ref reference name
 NEAR = 60  # characters before a copied span that may name its field ("Order #", "order number was")
 NAMELESS = 4.0  # nats more a span needs where the record never names its field (doubt)
 ELSEWHERE = 8.0  # nats more where the record names it only away from the span (doubt)
+NO_DIGIT = math.inf  # a span without a digit for a field whose name says it holds one (doubt): never
+# Words of a field's name that say its value holds a digit (an id, a number, a phone): not "code" or "ref", which
+# may be words ("SUMMERSALE").
+_NUMBERED = frozenset("id ids identifier number num no nr serial phone tel zip postcode iban imei vin isbn ean upc "
+                      "tracking invoice".split())
 MAX_ANCHORS = 8
 
 
@@ -79,12 +84,22 @@ def anchors(name: str, prop: dict[str, Any]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(w for w in words if w not in _GENERIC and len(w) > 3))[:MAX_ANCHORS]
 
 
-def doubt(text: str, span: str, words: Sequence[str]) -> float:
+def numbered(field: str) -> bool:
+    """Whether a field's name says its value holds a digit ("order_id", "phone", "serialNumber", "zip")."""
+    words = re.sub(r"([a-z])([A-Z])", r"\1 \2", field).replace("_", " ").replace("-", " ").lower().split()
+    return any(w in _NUMBERED for w in words)
+
+
+def doubt(text: str, span: str, words: Sequence[str], field: str = "") -> float:
     """How much more a nullable copied field's span must beat its offset by, from where the record names the field
     (a word of `words` opening one of its words, any case: "order", "ordered"): nothing where one comes within
     NEAR characters before the span or inside it ("Order #A-1", "ORDER-55123"), or where the field has no such
     word; NAMELESS where the record never names it; ELSEWHERE (e^8) where it names it only away from the span:
-    the span is then likely another number (a tracking or serial number where the order id was asked)."""
+    the span is then likely another number (a tracking or serial number where the order id was asked). And
+    NO_DIGIT (never) where `field`'s name says its value holds a digit and the span has none: a form's "(left
+    blank)" or "N/A (bought in a shop)" as the order id."""
+    if span and numbered(field) and not any(ch.isdigit() for ch in span):
+        return NO_DIGIT
     if not words or not span:
         return 0.0
     pattern = re.compile(r"\b(?:" + "|".join(map(re.escape, words)) + ")", re.IGNORECASE)
