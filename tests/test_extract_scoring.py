@@ -599,4 +599,27 @@ def test_an_optional_copied_field_s_span_needs_more_where_the_record_does_not_na
     assert doubt("Order #A-1 arrived broken", "A-1", ("order",), "order_id") == 0.0
     assert doubt("Promo code SUMMERSALE", "SUMMERSALE", ("promo",), "promo_code") == 0.0  # a code may be a word
     assert numbered("orderId") and numbered("phone") and not numbered("promo_code") and not numbered("product")
+    assert numbered("customerNo") and numbered("ordernumber") and numbered("ORDER_IDS")
+    for head in ("tracking_status", "phone_type", "invoice_email", "id_type", "valid", "android", "notes"):
+        assert not numbered(head), head  # its last word says what it is
+    # A pattern of the field's own says what its values look like: a digit-less booking reference stays possible.
+    assert doubt("Booking XKQZTB", "XKQZTB", (), "booking_id", {"type": "string", "pattern": "^[A-Z]{6}$"}) == 0.0
+    assert doubt("Booking XKQZTB", "XKQZTB", (), "booking_id", {"type": "string"}) == NO_DIGIT
     assert doubt(far, "1Z999", ()) == 0.0  # a field with no naming word ("id") is left to the margin alone
+
+
+def test_a_span_without_a_digit_is_no_id_and_its_confidence_is_the_model_s() -> None:
+    schema = mark({"type": "object", "properties": {"order_id": {"type": ["string", "null"]}},
+                   "required": ["order_id"]}, "auto")
+    d = Decider(schema, booleans=False, choices=True)
+    d.offsets = {d.span_key("order_id"): 0.0}
+    for span, margin, want, share in (("(left blank)", 3.0, None, 1 / (1 + math.e ** 3)),
+                                      ("ORD-12345", 3.0, "ORD-12345", 1 / (1 + math.e ** -3)),
+                                      ("(left blank)", math.inf, None, 0.0)):
+        text = f"Order number: {span}"
+        plan = Plan(d, text, [text])
+        plan.line_best["order_id"] = plan.line_nulls["order_id"] = Probe([1], SamplingParams())
+        plan._got = lambda p, span=span: Scored(0.0, 3, f" {span}")  # type: ignore[method-assign]
+        plan.span_margin = lambda name, margin=margin: margin  # type: ignore[method-assign]
+        decided, shares = plan.outcome(None)  # type: ignore[arg-type]
+        assert decided == {"order_id": want} and shares["order_id"] == pytest.approx(share), span

@@ -425,8 +425,8 @@ class Plan:
                 self._got(self.line_best[name])
             if m is None or off is None or not (value := found.text.strip() if found else ""):
                 continue
-            need = off + doubt(self.text, value, self.d.anchors[name], name)  # where the record names the field
-            shares[name] = logistic(abs(m - need))
+            need = off + doubt(self.text, value, self.d.anchors[name], name, self.d.spans[name][1])
+            shares[name] = logistic(abs(m - need)) if need < math.inf else logistic(off - m)  # no digit: the model's
             decided[name] = value if m > need else None
         for name in self.nulls:
             m, off = self.margin(name), self.d.margins.get(name)

@@ -69,8 +69,9 @@ ELSEWHERE = 8.0  # nats more where the record names it only away from the span (
 NO_DIGIT = math.inf  # a span without a digit for a field whose name says it holds one (doubt): never
 # Words of a field's name that say its value holds a digit (an id, a number, a phone): not "code" or "ref", which
 # may be words ("SUMMERSALE").
-_NUMBERED = frozenset("id ids identifier number num no nr serial phone tel zip postcode iban imei vin isbn ean upc "
-                      "tracking invoice".split())
+_NUMBERED = frozenset("id identifier number num no nr serial phone telephone tel zip postcode iban imei vin isbn ean "
+                      "upc tracking invoice".split())
+_RUN_TOGETHER = r"(?:order|customer|account|ticket|case|booking|transaction|user|member|reference)(?:id|number|nr|no)"
 MAX_ANCHORS = 8
 
 
@@ -85,20 +86,25 @@ def anchors(name: str, prop: dict[str, Any]) -> tuple[str, ...]:
 
 
 def numbered(field: str) -> bool:
-    """Whether a field's name says its value holds a digit ("order_id", "phone", "serialNumber", "zip")."""
-    words = re.sub(r"([a-z])([A-Z])", r"\1 \2", field).replace("_", " ").replace("-", " ").lower().split()
-    return any(w in _NUMBERED for w in words)
+    """Whether a field's name says its value holds a digit: its last word an id, a number, a phone ("order_id",
+    "serialNumber", "customerNo", "ORDER_IDS", "ordernumber"); not "tracking_status" or "phone_type", whose head
+    word says otherwise."""
+    words = re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[^\W\d_A-Za-z]+", field)
+    last = words[-1].lower() if words else ""
+    last = last[:-1] if last.endswith("s") and last[:-1] in _NUMBERED else last
+    return last in _NUMBERED or re.fullmatch(_RUN_TOGETHER, last) is not None
 
 
-def doubt(text: str, span: str, words: Sequence[str], field: str = "") -> float:
+def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: dict[str, Any] | None = None) -> float:
     """How much more a nullable copied field's span must beat its offset by, from where the record names the field
     (a word of `words` opening one of its words, any case: "order", "ordered"): nothing where one comes within
     NEAR characters before the span or inside it ("Order #A-1", "ORDER-55123"), or where the field has no such
     word; NAMELESS where the record never names it; ELSEWHERE (e^8) where it names it only away from the span:
     the span is then likely another number (a tracking or serial number where the order id was asked). And
-    NO_DIGIT (never) where `field`'s name says its value holds a digit and the span has none: a form's "(left
-    blank)" or "N/A (bought in a shop)" as the order id."""
-    if span and numbered(field) and not any(ch.isdigit() for ch in span):
+    NO_DIGIT (never) where `field`'s name says its value holds a digit (`numbered`) and the span has none: a form's
+    "(left blank)" or "N/A (bought in a shop)" as the order id. So a digit-less id ("XKQZTB") is null there, unless
+    the field's schema (`branch`) gives its own `pattern`, which then says what its values look like."""
+    if span and numbered(field) and not (branch or {}).get("pattern") and not any(ch.isdigit() for ch in span):
         return NO_DIGIT
     if not words or not span:
         return 0.0
