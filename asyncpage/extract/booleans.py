@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 from asyncpage.extract.closed import NAMED_WEIGHT, nameable, namings
 from asyncpage.extract.grounding import DETERMINERS, resolve
-from asyncpage.extract.readings import logistic
+from asyncpage.extract.readings import logistic, name_words
 
 PLAIN = "Record.\n\n"
 AFTER = "\n\nIn this message,"
@@ -52,8 +52,7 @@ _OPENING = re.compile(r"^\s*(?:(?:is\s+|set\s+to\s+)?true\s+(?:when|if|whenever)
 # Verbs that open a boolean's name and say nothing of what a record names ("is_urgent", "wants_money_back").
 _VERBS = frozenset("is are was were has have had did does do can should will wants want needs need asks ask "
                    "requires require requested".split())
-
-
+# Participles that close a boolean's name and say nothing of what a record names ("refund_requested").
 _PARTICIPLES = frozenset("requested needed required wanted asked given made issued mentioned".split())
 # Single words that name a state or a thing of most records, not the field ("resolved" in "it was not resolved").
 _GENERIC = frozenset("open opened closed resolved solved fixed done complete completed new order ordered return "
@@ -122,7 +121,7 @@ def called(name: str) -> str:
     them ("refund" for `refund` and `refund_requested`, "urgent" for `is_urgent`, "money back" for
     `wants_money_back`); "" where a record cannot name it (closed.nameable) or where one word says too little to
     name it ("open" for `is_open`, "order" for `has_order`: _GENERIC)."""
-    words = re.sub(r"([a-z])([A-Z])", r"\1 \2", name).replace("_", " ").replace("-", " ").lower().split()
+    words = name_words(name)
     while len(words) > 1 and words[0] in _VERBS:
         words = words[1:]
     while len(words) > 1 and words[-1] in _PARTICIPLES:

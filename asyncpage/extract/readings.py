@@ -85,6 +85,11 @@ def anchors(name: str, prop: dict[str, Any]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(w for w in words if w not in _GENERIC and len(w) > 3))[:MAX_ANCHORS]
 
 
+def name_words(field: str) -> list[str]:
+    """A field's name as lowercase words: camelCase, snake_case and kebab-case split ("wantsMoneyBack", "order_id")."""
+    return re.sub(r"([a-z])([A-Z])", r"\1 \2", field).replace("_", " ").replace("-", " ").lower().split()
+
+
 def numbered(field: str) -> bool:
     """Whether a field's name says its value holds a digit: its last word an id, a number, a phone ("order_id",
     "serialNumber", "customerNo", "ORDER_IDS", "ordernumber"); not "tracking_status" or "phone_type", whose head

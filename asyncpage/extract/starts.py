@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from asyncpage.extract.probes import Probe
-from asyncpage.extract.readings import LINE_END, logistic
+from asyncpage.extract.readings import LINE_END, logistic, name_words
 
 if TYPE_CHECKING:
     from asyncpage.core.client import EngineClient
@@ -34,6 +34,7 @@ START_MARGIN = 4.0
 _CODE_NAMES = frozenset("id ids identifier number num no nr code ref reference serial sku phone tel zip postcode iban "
                         "vat ean upc isbn imei vin model tracking invoice version mac plate account".split())
 _CODE_END = re.compile(r"(?:id|number|num|code|ref)$")
+
 
 class Starts:
     """One record's start decisions: `search` (a field's line and its beam, before the value), `wrote` (the
@@ -125,8 +126,7 @@ def coded(value: str) -> bool:
 
 def names_a_code(field: str) -> bool:
     """Whether a field's name says its value is a code ("order_id", "serialNumber", "phone", "orderid")."""
-    words = re.sub(r"([a-z])([A-Z])", r"\1 \2", field).replace("_", " ").replace("-", " ").lower().split()
-    return any(w in _CODE_NAMES or (len(w) > 5 and _CODE_END.search(w)) for w in words)
+    return any(w in _CODE_NAMES or (len(w) > 5 and _CODE_END.search(w)) for w in name_words(field))
 
 
 def _key(value: Any) -> Any:
