@@ -89,7 +89,9 @@ def from_pretrained(cls: Callable[..., E], model: str | os.PathLike[str] | None,
     draft = None
     if spec is not None and spec.method == "draft":
         draft = compute.run(load_draft, spec, loaded, getattr(torch, dt), torch.device(dev))
-    return compute.run(build, cls, loaded, dt, dev, compute, options, None, draft)
+    engine = compute.run(build, cls, loaded, dt, dev, compute, options, None, draft)
+    trim_heap()  # what building the engine freed (its warm-up, the KV pool's setup), back to the system
+    return engine
 
 
 def clone(cls: Callable[..., E], loaded: LoadedModel, config: EngineConfig, compute: ComputeThread,
