@@ -24,6 +24,13 @@ def test_a_level_stated_in_common_words_names_its_option() -> None:
         "this is a serious problem for us": "high", "URGENT - office offline": "high",
         "This is an emergency.": "critical", "I consider this a safety hazard": "critical",
         "This thing is dangerous.": "critical", "it's a fire risk": "critical", "This is critical": "critical",
+        "It's a nuisance rather than a disaster": "medium", "It's not an emergency, but please look at it": "medium",
+        "I'd like it sorted within the next week": "medium", "This really can't wait.": "high",
+        "we are against the clock here": "high", "there was a burning smell": "critical",
+        "our whole team is at a standstill": "critical",
+        "I consider this extremely serious": "critical",  # a longer phrase hides the level word inside it
+        "It really can\u2019t wait": "high",  # any apostrophe
+        "a slight inconvenience, nothing more": "low",
     }
     for text, level in stated.items():
         assert _said(SEVERITY, text) == [level], text

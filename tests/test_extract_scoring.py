@@ -267,6 +267,27 @@ async def test_a_copied_nullable_field_is_null_or_the_likeliest_span_on_its_labe
         assert set(engine.guided._cache) <= cached
 
 
+async def test_an_id_s_field_reads_the_likeliest_span_holding_a_digit(tiny_llama: Path) -> None:
+    # The tiny random model's likeliest span on "Order id:" is words more often than not; an id's is the likeliest
+    # span with a digit, judged against " not given" the same way. A record with no digit has no id.
+    schema = {"type": "object", "properties": {"order_id": {"type": ["string", "null"], "maxLength": 12}},
+              "required": ["order_id"]}
+    text = "Li Wei: my order ORD-12345 never came, please help"
+    async with AsyncEngine.from_pretrained(tiny_llama, dtype="float32") as engine:
+        [r] = [r async for r in engine.extract_many([{"id": 1, "text": text}], schema, params=PARAMS,
+                                                    copy_fields="auto", beam_width=1)]
+        [key] = [k for k in engine.reading_offsets if k.startswith("span\0")]
+        engine.reading_offsets[key] = -1e9  # any span beats " not given"
+        for record, want_digit in ((text, True), ("Li Wei: my lamp never came, please help", False)):
+            [r] = [r async for r in engine.extract_many([{"id": 1, "text": record}], schema, params=PARAMS,
+                                                        copy_fields="auto", beam_width=1, confidence=True)]
+            got = r.value["order_id"]
+            if want_digit:
+                assert isinstance(got, str) and got in record and any(c.isdigit() for c in got), got
+            else:
+                assert got is None
+
+
 async def test_a_nullable_field_not_copied_follows_its_margin_in_context(tiny_llama: Path) -> None:
     # Short values (maxLength): the tiny random model's reference values then end, and are measured.
     schema = {"type": "object", "properties": {"order_id": {"type": ["string", "null"], "maxLength": 4}},
@@ -619,7 +640,31 @@ def test_a_span_without_a_digit_is_no_id_and_its_confidence_is_the_model_s() -> 
         text = f"Order number: {span}"
         plan = Plan(d, text, [text])
         plan.line_best["order_id"] = plan.line_nulls["order_id"] = Probe([1], SamplingParams())
-        plan._got = lambda p, span=span: Scored(0.0, 3, f" {span}")  # type: ignore[method-assign]
-        plan.span_margin = lambda name, margin=margin: margin  # type: ignore[method-assign]
+        plan._got = lambda p, span=span: None if p is None else Scored(0.0, 3, f" {span}")  # type: ignore[method-assign]
+        plan.span_margin = lambda name, near=False, margin=margin: margin  # type: ignore[method-assign]
         decided, shares = plan.outcome(None)  # type: ignore[arg-type]
         assert decided == {"order_id": want} and shares["order_id"] == pytest.approx(share), span
+
+
+def test_an_id_named_in_the_record_wins_over_a_likelier_number_far_from_its_naming() -> None:
+    from asyncpage.extract.readings import NEAR, near
+
+    text = "Subject: Freezer stopped - order CF-00931-FR\n\n" + "It was delivered six weeks ago. " * 3 + \
+        "(tracking 1Z84F3309211784402) and stopped cooling."
+    assert text.index("1Z84F") - text.index("order") > NEAR
+    [window] = near(text, ("order",))
+    assert "CF-00931-FR" in window and "1Z84F" not in window and near(text, ()) == []
+    schema = mark({"type": "object", "properties": {"order_id": {"type": ["string", "null"]}},
+                   "required": ["order_id"]}, "auto")
+    d = Decider(schema, booleans=False, choices=True)
+    d.offsets = {d.span_key("order_id"): 0.0}
+    plan = Plan(d, text, [text])
+    best, close = Probe([1], SamplingParams()), Probe([2], SamplingParams())
+    plan.line_best["order_id"], plan.line_near["order_id"] = best, close
+    plan.line_nulls["order_id"] = Probe([3], SamplingParams())
+    spans = {id(best): " 1Z84F3309211784402", id(close): " CF-00931-FR"}
+    plan._got = lambda p: None if p is None else Scored(0.0, 3, spans.get(id(p), ""))  # type: ignore[method-assign]
+    for far, named, want in ((5.0, 3.0, "CF-00931-FR"), (5.0, -1.0, None), (9.0, -1.0, "1Z84F3309211784402")):
+        plan.span_margin = lambda name, near=False, far=far, named=named: named if near else far  # type: ignore
+        decided, _ = plan.outcome(None)  # type: ignore[arg-type]
+        assert decided == {"order_id": want}, (far, named)

@@ -81,15 +81,24 @@ def mentions(phrase: str, text: str) -> bool:
     return namings(phrase, text)[0] > 0
 
 
+def phrasing(phrase: str) -> re.Pattern[str] | None:
+    """`phrase` as a text may write it: whole words (not inside a word, an address or a "HIGH_TEMP"), any case, its
+    " ", "_" and "-" alike, within one line, any apostrophe ("can't", "can’t"). None: it has no word."""
+    words = re.findall(rf"[^\W_]+(?:[{_APOS}][^\W_]+)*", phrase)
+    if not words:
+        return None
+    spelled = [f"[{_APOS}]".join(map(re.escape, re.split(f"[{_APOS}]", w))) for w in words]
+    return re.compile(r"(?<![\w@])" + _BETWEEN.join(spelled) + r"(?![\w@]|\.\w)", re.IGNORECASE)
+
+
 def namings(phrase: str, text: str) -> tuple[int, int]:
     """How often `text` names `phrase` and how often it denies it: as whole words (not inside a word, an address or
     a "HIGH_TEMP"), any case, its " ", "_" and "-" alike ("High priority" for "high_priority"), within one line;
     denied in its clause ("not critical", "isn't that high", "I don't want a refund", "a refund isn't the point")
     or answered no ("Refund: No")."""
-    words = re.findall(r"[^\W_]+", phrase)
-    if not words:
+    pattern = phrasing(phrase)
+    if pattern is None:
         return 0, 0
-    pattern = re.compile(r"(?<![\w@])" + _BETWEEN.join(map(re.escape, words)) + r"(?![\w@]|\.\w)", re.IGNORECASE)
     said = denied = 0
     for m in pattern.finditer(text):
         before = _CLAUSE.split(_SOFT_BREAK.sub(" ", text[max(0, m.start() - 80):m.start()]))[-1]

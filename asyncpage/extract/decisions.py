@@ -8,20 +8,19 @@ calibrated on reference records, not by the first token the grammar allows (issu
 - an option among listed ones (closed.py): each option on its field's label line after the record, less its
   offset (contextual calibration), its softmax share mixed with an even share among the options the record
   names in its own words (closed.named: "This is critical"); the best wins, its mixed share the confidence;
-- null or present, for a nullable copied field: its likeliest span on its label line against " not given";
-- where a copied value that may not be null ends: each word prefix of what the model wrote, on its
-  description's line, the likeliest kept; and where it starts: the likeliest span on that line, when it and
-  the model's JSON together find it likelier (starts.py);
+- null or present, for a nullable copied field: its likeliest span on its label line, or the likeliest where the
+  record names the field (with a digit for an id: readings.near, numbered), against " not given";
+- where a copied value that may not be null ends (ends.py) and starts (starts.py), read on its described line;
 - null or present, for a nullable field not copied: in context after its key in the JSON, per token.
 
 The decided values replace what the model wrote (readings.applied) before the caller's type judges the value;
-one the field's whole schema refuses is not applied, nor one the caller's type refuses (run.decode_value): the
-model's own stands there. A decision whose probes could not run is left to the model. Why each reading, and
-the figures behind it: docs/extraction.md, "Decisions by scoring".
+one the field's whole schema, or the caller's type, refuses is not applied (run.decode_value); a decision whose
+probes could not run is left to the model. Why each, with figures: docs/extraction.md, "Decisions by scoring".
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -29,7 +28,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from asyncpage.extract import booleans as flags
-from asyncpage.extract import grounding, scales
+from asyncpage.extract import ends, grounding, scales
 from asyncpage.extract import retry as redo
 from asyncpage.extract.closed import NAMED_WEIGHT, Closed, closed_fields
 from asyncpage.extract.probes import BEST_MAX_TOKENS, Probe, Scored, gather
@@ -44,6 +43,7 @@ from asyncpage.extract.readings import (
     doubt,
     logistic,
     mean,
+    near_grammar,
     reading,
     value_grammar,
 )
@@ -192,6 +192,7 @@ class Plan:
         self.wrote: dict[str, Any] = {}  # what the model wrote in the present fields
         self.line_nulls: dict[str, Probe] = {}  # a copied field -> " not given" on its label line
         self.line_best: dict[str, Probe] = {}  # a copied field -> the likeliest span on its label line
+        self.line_near: dict[str, Probe] = {}  # a copied field -> its likeliest span where the record names it
         self.wrote_ends: dict[str, str] = {}  # a copied field -> the value the model wrote, its end to be read
         self.trims: dict[str, dict[str, Probe]] = {}  # a copied field -> {a word prefix of its value: its probe}
         self.starts = Starts()  # where a copied value that may not be null starts
@@ -234,6 +235,9 @@ class Plan:
                 self.line_nulls[name] = Probe.text(engine, ctx, " not given" + LINE_END)
                 self.line_best[name] = Probe.best(ctx, grammar)
                 probes += [self.line_nulls[name], self.line_best[name]]
+                if self._ends and (close := near_grammar(self.text, self.sources, self.d.anchors[name], name, branch)):
+                    self.line_near[name] = Probe.best(ctx, close)
+                    probes.append(self.line_near[name])
         for name, lead in self.d.ends.items() if self._ends else ():
             ctx = await engine.tokenize(self.text + lead)
             grammar = grounding.line_grammar(self.d.branches[name], self.sources, " ", LINE_END)
@@ -304,24 +308,11 @@ class Plan:
                 await p.submit(engine, mailbox(), priority=priority, cache_key=cache_key)
 
     async def _read_ends(self, engine: EngineClient) -> None:
-        """A copied value's word prefixes and its widened ones (grounding.widened; no opening article, never a lone
-        "my") read on its described line after the record (" Marlow Duo\n"), none the field's schema refuses."""
         for name, wrote in self.wrote_ends.items():
-            lead, value = self.d.ends[name], wrote
-            while (head := value.split(maxsplit=1))[0].lower() in grounding.ARTICLES and len(head) > 1:
-                value = head[1]  # "The Glossvane Sleek 3 straightener": a name opens after its article
-            cands = list(dict.fromkeys(c for v in (value, *grounding.widened(self.text, value))
-                                       for c in grounding.word_prefixes(v)))  # "Flame 6", "Juniperra Flame 6"
-            cands = [c for c in cands if any(ch.isalnum() for ch in c) and c.lower() not in grounding.DETERMINERS
-                     and self.d.holds(name, c)]
-            if not cands or cands == [wrote]:
-                continue
-            ctx = await engine.tokenize(self.text + lead)
-            probes = {c: Probe.text(engine, ctx, f" {c}{LINE_END}") for c in cands}
-            longest = max(len(p.prompt) + p.params.max_tokens for p in probes.values())
-            if longest <= engine.config.max_model_len:
-                self.trims[name] = probes
-                self.now += list(probes.values())
+            cands = ends.candidates(self.text, wrote, functools.partial(self.d.holds, name))
+            if cands and (found := await ends.probes(engine, self.text, self.d.ends[name], cands)) is not None:
+                self.trims[name] = found
+                self.now += list(found.values())
         if not self.trims:
             self.wrote_ends = {}
 
@@ -361,6 +352,7 @@ class Plan:
     def forget(self, engine: EngineClient) -> None:
         """Drop the record's own grammars (its values' spans) from the engine's cache."""
         for p in [*self.nulls.values(), *self.best.values(), *self.line_nulls.values(), *self.line_best.values(),
+                  *self.line_near.values(),
                   *(p for probes in self.trims.values() for p in probes.values()), *self.starts.probes()]:
             p.forget(engine)
 
@@ -380,9 +372,18 @@ class Plan:
         null, best = self._got(self.nulls.get(name)), self._got(self.best.get(name))
         return None if null is None or best is None else best.per_token - null.per_token
 
-    def span_margin(self, name: str) -> float | None:
-        null, best = self._got(self.line_nulls.get(name)), self._got(self.line_best.get(name))
+    def span_margin(self, name: str, near: bool = False) -> float | None:
+        null, best = self._got(self.line_nulls.get(name)), self._got((self.line_near if near else self.line_best)
+                                                                     .get(name))
         return None if null is None or best is None else best.logprob - null.logprob
+
+    def _span_read(self, name: str, near: bool = False) -> tuple[float, float, float, str] | None:
+        """A nullable copied field's span on its label line: (its margin, the offset, the margin it needs, it)."""
+        m, off = self.span_margin(name, near), self.d.offsets.get(self.d.span_key(name))
+        found = self._got((self.line_near if near else self.line_best).get(name))
+        if m is None or off is None or found is None or not (value := found.text.strip()):
+            return None
+        return m, off, off + doubt(self.text, value, self.d.anchors[name], name, self.d.spans[name][1]), value
 
     def outcome(self, engine: EngineClient) -> tuple[dict[str, Any], dict[str, float]]:
         """(the decided values by field, each decision's share). Fields whose probes did not all run, or that
@@ -415,19 +416,14 @@ class Plan:
                 if best is not None:
                     decided[name], shares[name] = opts[best], mix[best]
         for name, probes in self.trims.items():
-            read = {c: got.logprob for c, p in probes.items() if (got := self._got(p)) is not None}
-            if len(read) == len(probes):
-                end = max(read, key=lambda c: read[c])
-                decided[name] = end
-                shares[name] = 1 / sum(math.exp(v - read[end]) for v in read.values())
-        for name in self.line_best:
-            m, off, found = self.span_margin(name), self.d.offsets.get(self.d.span_key(name)), \
-                self._got(self.line_best[name])
-            if m is None or off is None or not (value := found.text.strip() if found else ""):
+            if (end := ends.outcome(probes, self._got)) is not None:
+                decided[name], shares[name] = end
+        for name in self.line_best:  # the likeliest span, or where the record names the field if it needs less
+            if (read := self._span_read(name)) is None:
                 continue
-            need = off + doubt(self.text, value, self.d.anchors[name], name, self.d.spans[name][1])
-            shares[name] = logistic(abs(m - need)) if need < math.inf else logistic(off - m)  # no digit: the model's
-            decided[name] = value if m > need else None
+            gain, base, need, value = max(read, self._span_read(name, near=True) or read, key=lambda r: r[0] - r[2])
+            shares[name] = logistic(abs(gain - need)) if need < math.inf else logistic(base - gain)  # no digit: model's
+            decided[name] = value if gain > need else None
         for name in self.nulls:
             m, off = self.margin(name), self.d.margins.get(name)
             found = self._got(self.best.get(name))

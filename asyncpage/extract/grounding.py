@@ -133,17 +133,21 @@ def grammar(schema: dict[str, Any], sources: Sequence[str]) -> str:
     return "%llguidance {}\n" + "\n".join([f"start: {start}", *b.rules]) + "\n"
 
 
-def line_grammar(branch: dict[str, Any], sources: Sequence[str], lead: str, end: str) -> str | None:
+def line_grammar(branch: dict[str, Any], sources: Sequence[str], lead: str, end: str, *,
+                 digit: bool = False) -> str | None:
     """Lark text for one copied value written bare on a label line: `lead`, a span of `sources` as it stands
-    (whole words, one line, holding a letter or a digit, within the branch's length and patterns), then `end`.
-    What decisions.py reads a nullable copied field's present value with. None: nothing can be copied."""
-    if not any(ch.isalnum() for s in sources for ch in s):
+    (whole words, one line, holding a letter or a digit, within the branch's length and patterns; with `digit`,
+    holding a decimal digit), then `end`. What decisions.py reads a nullable copied field's present value with.
+    None: nothing can be copied."""
+    if not any((ch.isdecimal() if digit else ch.isalnum()) for s in sources for ch in s):
         return None
     spans = " | ".join("%regex " + json.dumps({"substring_chunks": _WORDS.findall(s)}) for s in sources if s)
     lo = max(1, int(branch.get("minLength", 1)))
     hi = branch.get("maxLength")
     parts = ["SOURCES", r"/[^\s](?:[^\n]*[^\s])?/", r"/[^\n]*[\p{L}\p{N}][^\n]*/",
              f"/[^\\n]{{{lo},{'' if hi is None else int(hi)}}}/"]
+    if digit:
+        parts.append(r"/[^\n]*\p{Nd}[^\n]*/")
     for pattern in _patterns(branch):
         parts.append("/" + _SLASH.sub(lambda m: m.group(1) or "\\/", _unanchored(pattern)) + "/")
     return (f"%llguidance {{}}\nstart: {json.dumps(lead)} VALUE {json.dumps(end)}\n"

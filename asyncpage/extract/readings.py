@@ -124,6 +124,32 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
     return ELSEWHERE
 
 
+def near(text: str, words: Sequence[str]) -> list[str]:
+    """The stretches of `text` where a span needs no more evidence (doubt: nothing): from each word of `words` that
+    names the field to NEAR characters past it, to the end of the word there ("order number: CF-00931-FR"). []
+    where none."""
+    if not words:
+        return []
+    pattern = re.compile(r"\b(?:" + "|".join(map(re.escape, words)) + ")", re.IGNORECASE)
+    found = []
+    for m in pattern.finditer(text):
+        end = m.end() + NEAR
+        while end < len(text) and not text[end].isspace():
+            end += 1
+        found.append(text[m.start():end])
+    return found
+
+
+def near_grammar(text: str, sources: Sequence[str], words: Sequence[str], field: str,
+                 branch: dict[str, Any]) -> str | None:
+    """The line grammar (grounding.line_grammar) of a nullable copied field's spans where `text` names it (`near`),
+    holding a digit where its name says so (`numbered`: an id's likeliest span may be words), over all `sources`
+    for an id the text never names. None: no such search (nothing names it, or no such span)."""
+    digit = numbered(field) and not branch.get("pattern")
+    spans = near(text, words) or (list(sources) if digit else [])
+    return grounding.line_grammar(branch, spans, " ", LINE_END, digit=digit) if spans else None
+
+
 def definitions(root: dict[str, Any]) -> dict[str, Any]:
     """The root's `$defs` / `definitions`: what a field's own `$ref`s point into, carried beside it."""
     return {k: root[k] for k in ("$defs", "definitions") if k in root}

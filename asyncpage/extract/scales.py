@@ -22,7 +22,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from asyncpage.extract.closed import mentions
+from asyncpage.extract.closed import mentions, phrasing
 from asyncpage.extract.closed import named as own_words
 
 # An option's rank on a four-level scale (0 lowest, 3 highest); an option of several words is ranked by its first
@@ -34,19 +34,41 @@ RANKS: dict[str, float] = {
     "urgent": 2.5, "severe": 2.5,
     "critical": 3, "highest": 3, "blocker": 3, "emergency": 3, "catastrophic": 3,
 }
-# How a writer states each level in words, from the ordinary language of support messages and bug reports.
+# How a writer states each level in words, from the ordinary language of support messages and bug reports: the
+# level itself ("a serious problem"), how soon it must be dealt with ("no rush", "it can't wait"), what it does to
+# the writer ("a nuisance", "we are at a standstill") and, at the top, harm to people or property.
 WORDS: dict[int, tuple[str, ...]] = {
-    0: ("minor", "trivial", "cosmetic", "not urgent", "not an emergency", "not serious", "nothing serious",
+    0: ("minor", "trivial", "cosmetic", "not urgent", "not serious", "nothing serious",
         "not pressing", "not a big deal", "no big deal", "no rush", "no hurry", "in no hurry", "small issue",
         "small problem", "small thing", "whenever you get a chance", "whenever you can", "when you get a chance",
-        "when you have time", "low priority"),
-    1: ("moderate", "moderately", "medium priority", "normal priority"),
+        "when you have time", "low priority", "no biggie", "not a huge deal", "not a big issue", "not a big problem",
+        "nothing major", "little consequence", "not a priority", "no urgency", "not time-sensitive", "it can wait",
+        "barely noticeable", "hardly noticeable", "just a heads up", "whenever it suits you", "whenever suits you",
+        "at your convenience", "in your own time", "not holding us up", "isn't holding us up",
+        "not an emergency at all", "minor annoyance", "minor nuisance", "minor inconvenience", "slight inconvenience",
+        "small inconvenience", "slightly annoying", "a little annoying"),
+    1: ("moderate", "moderately", "medium priority", "normal priority", "nuisance", "annoying", "irritating",
+        "a hassle", "a real hassle", "a headache", "a bit of a headache", "inconvenient", "an inconvenience",
+        "on my nerves", "fairly soon", "reasonably soon", "sooner rather than later", "somewhat urgent",
+        "fairly urgent", "fairly time-sensitive", "within a week", "within the next week", "in the next week",
+        "within two weeks", "next week or two", "within the next couple of weeks", "not desperately urgent",
+        "not an emergency"),  # said of what is no trifle either: writers mean the middle
     2: ("urgent", "urgently", "serious", "seriously affected", "major issue", "major problem", "asap",
-        "high priority", "top priority"),
+        "high priority", "top priority", "big problem", "huge problem", "big deal", "really big deal",
+        "as a priority", "matter of priority", "can't wait", "cannot wait", "really can't wait", "real urgency",
+        "against the clock", "pretty pressing", "quite pressing", "very pressing", "really pressing",
+        "seriously hurting", "extremely frustrated", "unusable", "badly affected", "need it fixed today",
+        "need it today", "need someone today", "genuinely worrying"),
     3: ("emergency", "dangerous", "danger", "hazardous", "unsafe", "safety hazard", "safety issue", "safety concern",
         "safety risk", "safety problem", "fire risk", "fire hazard", "life-threatening", "catastrophic",
-        "critical"),
+        "critical", "extremely serious", "very serious", "extremely urgent", "badly hurt", "seriously hurt",
+        "get hurt", "injured", "injury", "caught fire", "start a fire", "burn the house", "burned down",
+        "burning smell", "smell of burning", "smelled burning", "gas smell", "smell of gas", "gas leak",
+        "electric shock", "melted", "exploded", "complete standstill", "at a standstill", "immediately",
+        "right now", "immediate attention"),
 }
+# The phrases, longest first: "very serious" is read before "serious", which it then hides.
+_LONGEST_FIRST = sorted(((lv, w) for lv, ws in WORDS.items() for w in ws), key=lambda p: -len(p[1].split()))
 # A field whose name says it is a level (its scale words are read only there: "Urgent: a budget laptop" is no
 # "high" budget).
 _LEVEL_FIELD = re.compile(r"sever|priorit|urgen|importan|impact|critical|seriousness|level|triage|escalat",
@@ -80,11 +102,14 @@ def named(options: Sequence[Any], text: str, field: str | None = None) -> list[b
     if hits is None or scale is None or (field is not None and not _LEVEL_FIELD.search(field)):
         return hits
     own = {" ".join(o.split()).lower() for o in options if isinstance(o, str)}
-    for level, words in WORDS.items():
+    said = text
+    for level, phrase in _LONGEST_FIRST:
+        pattern = phrasing(phrase)
+        if phrase in own or pattern is None or not pattern.search(said):
+            continue
         near = [abs(r - level) if r is not None else 99.0 for r in scale]
         best = min(near)
-        if best > 1 or near.count(best) > 1:
-            continue  # no option of this level, or two as near
-        if any(w not in own and mentions(w, text) for w in words):
+        if best <= 1 and near.count(best) == 1 and mentions(phrase, said):  # an option of this level, one nearest
             hits[near.index(best)] = True
+        said = pattern.sub(lambda m: " " * len(m.group()), said)  # a longer phrase hides the words inside it
     return hits
