@@ -36,6 +36,11 @@ def test_a_level_stated_in_common_words_names_its_option() -> None:
         assert _said(SEVERITY, text) == [level], text
     assert _said(SEVERITY, "The thermometer reads 5 degrees too high. Not urgent, a minor annoyance") == ["low", "high"]
     assert _said(SEVERITY, "nothing serious, just curious") == ["low"]  # "serious" denied in its clause
+    for text in ("This is not urgent or serious.", "Nothing major or urgent", "It's not urgent right now."):
+        assert _said(SEVERITY, text) == ["low"], text  # a longer phrase read first keeps its denial for the rest
+    for text in ("Nobody was injured.", "I can't wait to try the new version!", "Right now the app shows an error",
+                 "I don't want to make a big deal of this, but the invoice is wrong."):
+        assert _said(SEVERITY, text) == [], text
     assert _said(SEVERITY, "The firmware is majorly fine, seriousness aside") == []  # whole words only
 
 

@@ -654,6 +654,10 @@ def test_an_id_named_in_the_record_wins_over_a_likelier_number_far_from_its_nami
     assert text.index("1Z84F") - text.index("order") > NEAR
     [window] = near(text, ("order",))
     assert "CF-00931-FR" in window and "1Z84F" not in window and near(text, ()) == []
+    assert near("I don't have an order number yet, call me on 0161 496 0000", ("order",)) == []  # denied there
+    assert near("I ordered it on 12 March", ("order",)) == []  # the word itself, or its plural: not "ordered"
+    assert near("my reference is PO-ORDER-55123 and", ("order",)) == ["PO-ORDER-55123 and"]  # from its word's start
+    assert near("order 1 " * 4000, ("order",)) == ["order 1 " * 4000]  # overlapping stretches: one
     schema = mark({"type": "object", "properties": {"order_id": {"type": ["string", "null"]}},
                    "required": ["order_id"]}, "auto")
     d = Decider(schema, booleans=False, choices=True)

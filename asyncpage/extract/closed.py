@@ -32,7 +32,8 @@ _BETWEEN = r"[ \t\u00a0_-]+"  # words of an option as a text may space them (nev
 # "non-urgent", "A refund isn't the point"; "No, this is critical" and "a refund, not a repair" are not denials of
 # it); none in a condition ("if I don't get a refund"), and none after "the refund" ("the refund wasn't paid").
 _APOS = "'’ʼ´"
-_DENIED_BEFORE = re.compile(rf"(?:\b(?:not|no|non|never|nothing|hardly|without|nor|rather\s+than|instead\s+of"
+_DENIED_BEFORE = re.compile(rf"(?:\b(?:not|no|non|never|nothing|nobody|no\s+one|none|hardly|without|nor|rather\s+than"
+                            rf"|instead\s+of"
                             rf"|far\s+from|dont|didnt|doesnt|isnt|wont|cant|cannot)\b|n[{_APOS}]t)"
                             rf"(?:[\s-]+[\w{_APOS}]+){{0,3}}[\s-]*$|\bthan(?:\s+\w+)?\s+$", re.IGNORECASE)
 _DENIED_AFTER = re.compile(rf"^\s+(?:(?:is|was|were|are|has|have|would|will|does|did|do|could|can|should)"
@@ -101,15 +102,22 @@ def namings(phrase: str, text: str) -> tuple[int, int]:
         return 0, 0
     said = denied = 0
     for m in pattern.finditer(text):
-        before = _CLAUSE.split(_SOFT_BREAK.sub(" ", text[max(0, m.start() - 80):m.start()]))[-1]
-        rest = text[m.end():m.end() + 40]
-        after = _CLAUSE.split(_SOFT_BREAK.sub(" ", rest))[0]
-        if (_DENIED_BEFORE.search(before) and not _CONDITION.search(before)) or _ANSWERED_NO.match(rest) \
-                or (_DENIED_AFTER.search(after) and not _DEFINITE.search(before)):
+        if is_denied(text, m.start(), m.end()):
             denied += 1
         else:
             said += 1
     return said, denied
+
+
+def is_denied(text: str, start: int, end: int) -> bool:
+    """Whether the words at text[start:end] are denied in their clause ("not critical", "nobody was injured", "a
+    refund isn't the point") or answered no ("Refund: No"); a negation inside a condition is none ("if I don't get
+    a refund")."""
+    before = _CLAUSE.split(_SOFT_BREAK.sub(" ", text[max(0, start - 80):start]))[-1]
+    rest = text[end:end + 40]
+    after = _CLAUSE.split(_SOFT_BREAK.sub(" ", rest))[0]
+    return bool((_DENIED_BEFORE.search(before) and not _CONDITION.search(before)) or _ANSWERED_NO.match(rest)
+                or (_DENIED_AFTER.search(after) and not _DEFINITE.search(before)))
 
 
 def closed_fields(schema: dict[str, Any]) -> dict[str, Closed]:

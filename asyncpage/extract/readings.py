@@ -19,7 +19,7 @@ import msgspec
 
 from asyncpage.errors import InvalidRequestError
 from asyncpage.extract import grounding
-from asyncpage.extract.closed import spelling
+from asyncpage.extract.closed import is_denied, spelling
 
 MAX_DESCRIBED = 100  # a longer description is not read as a line: its label (title or name) is
 LINE_END = "\n"  # what ends a copied value read on its label line (so a span's end is scored too)
@@ -66,6 +66,8 @@ _GENERIC = frozenset("id ids identifier number num no nr code ref reference name
 NEAR = 60  # characters before a copied span that may name its field ("Order #", "order number was")
 NAMELESS = 4.0  # nats more a span needs where the record never names its field (doubt)
 ELSEWHERE = 8.0  # nats more where the record names it only away from the span (doubt)
+TAIL = 40  # characters a near stretch may run on to end its word (near)
+MAX_NEAR = 16  # near stretches read at most
 NO_DIGIT = math.inf  # a span without a digit for a field whose name says it holds one (doubt): never
 # Words of a field's name that say its value holds a digit (an id, a number, a phone): not "code" or "ref", which
 # may be words ("SUMMERSALE").
@@ -109,7 +111,7 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
     NO_DIGIT (never) where `field`'s name says its value holds a digit (`numbered`) and the span has none: a form's
     "(left blank)" or "N/A (bought in a shop)" as the order id. So a digit-less id ("XKQZTB") is null there, unless
     the field's schema (`branch`) gives its own `pattern`, which then says what its values look like."""
-    if span and numbered(field) and not (branch or {}).get("pattern") and not any(ch.isdigit() for ch in span):
+    if span and numbered(field) and not (branch or {}).get("pattern") and not any(ch.isdecimal() for ch in span):
         return NO_DIGIT
     if not words or not span:
         return 0.0
@@ -125,19 +127,28 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
 
 
 def near(text: str, words: Sequence[str]) -> list[str]:
-    """The stretches of `text` where a span needs no more evidence (doubt: nothing): from each word of `words` that
-    names the field to NEAR characters past it, to the end of the word there ("order number: CF-00931-FR"). []
-    where none."""
+    """The stretches of `text` right where it names a field: from each of `words` as a whole word (or its plural:
+    "order", "Orders", not "ordered"), not denied there ("I have no order number"), to NEAR characters past it and
+    the rest of the word there ("order number: CF-00931-FR", at most TAIL more characters); each from the start
+    of the word holding the naming ("PO-ORDER-55123"), overlapping ones merged, at most MAX_NEAR. [] where none."""
     if not words:
         return []
-    pattern = re.compile(r"\b(?:" + "|".join(map(re.escape, words)) + ")", re.IGNORECASE)
-    found = []
+    pattern = re.compile(r"\b(?:" + "|".join(map(re.escape, words)) + r")s?\b", re.IGNORECASE)
+    spans: list[list[int]] = []
     for m in pattern.finditer(text):
-        end = m.end() + NEAR
-        while end < len(text) and not text[end].isspace():
+        if is_denied(text, m.start(), m.end()):
+            continue
+        start, end = m.start(), min(len(text), m.end() + NEAR)
+        while start > 0 and not text[start - 1].isspace():
+            start -= 1
+        stop = min(len(text), end + TAIL)
+        while end < stop and not text[end].isspace():
             end += 1
-        found.append(text[m.start():end])
-    return found
+        if spans and start <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], end)
+        elif len(spans) < MAX_NEAR:
+            spans.append([start, end])
+    return [text[a:b] for a, b in spans]
 
 
 def near_grammar(text: str, sources: Sequence[str], words: Sequence[str], field: str,

@@ -54,8 +54,8 @@ WORDS: dict[int, tuple[str, ...]] = {
         "within two weeks", "next week or two", "within the next couple of weeks", "not desperately urgent",
         "not an emergency"),  # said of what is no trifle either: writers mean the middle
     2: ("urgent", "urgently", "serious", "seriously affected", "major issue", "major problem", "asap",
-        "high priority", "top priority", "big problem", "huge problem", "big deal", "really big deal",
-        "as a priority", "matter of priority", "can't wait", "cannot wait", "really can't wait", "real urgency",
+        "high priority", "top priority", "big problem", "huge problem", "really big deal",
+        "as a priority", "matter of priority", "this can't wait", "it can't wait", "really can't wait", "real urgency",
         "against the clock", "pretty pressing", "quite pressing", "very pressing", "really pressing",
         "seriously hurting", "extremely frustrated", "unusable", "badly affected", "need it fixed today",
         "need it today", "need someone today", "genuinely worrying"),
@@ -64,8 +64,7 @@ WORDS: dict[int, tuple[str, ...]] = {
         "critical", "extremely serious", "very serious", "extremely urgent", "badly hurt", "seriously hurt",
         "get hurt", "injured", "injury", "caught fire", "start a fire", "burn the house", "burned down",
         "burning smell", "smell of burning", "smelled burning", "gas smell", "smell of gas", "gas leak",
-        "electric shock", "melted", "exploded", "complete standstill", "at a standstill", "immediately",
-        "right now", "immediate attention"),
+        "electric shock", "exploded", "complete standstill", "at a standstill", "immediate attention"),
 }
 # The phrases, longest first: "very serious" is read before "serious", which it then hides.
 _LONGEST_FIRST = sorted(((lv, w) for lv, ws in WORDS.items() for w in ws), key=lambda p: -len(p[1].split()))
@@ -109,7 +108,8 @@ def named(options: Sequence[Any], text: str, field: str | None = None) -> list[b
             continue
         near = [abs(r - level) if r is not None else 99.0 for r in scale]
         best = min(near)
-        if best <= 1 and near.count(best) == 1 and mentions(phrase, said):  # an option of this level, one nearest
+        if best <= 1 and near.count(best) == 1 and mentions(phrase, text):  # an option of this level, one nearest
             hits[near.index(best)] = True
         said = pattern.sub(lambda m: " " * len(m.group()), said)  # a longer phrase hides the words inside it
+    # (a phrase is read where it still stands in `said`, its denial in the whole `text`: "not urgent or serious")
     return hits
