@@ -31,6 +31,8 @@ def test_a_level_stated_in_common_words_names_its_option() -> None:
         "I consider this extremely serious": "critical",  # a longer phrase hides the level word inside it
         "It really can\u2019t wait": "high",  # any apostrophe
         "a slight inconvenience, nothing more": "low",
+        "This is about as bad as it gets for us.": "critical", "It isn't a disaster, but it's annoying": "medium",
+        "pretty badly tbh, I've lost a whole day of work": "high",
     }
     for text, level in stated.items():
         assert _said(SEVERITY, text) == [level], text

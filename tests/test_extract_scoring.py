@@ -179,8 +179,12 @@ def test_a_boolean_the_record_names_is_true_as_a_lone_named_option_wins() -> Non
     decided, shares = _boolean("The lid leaks. I'd like a refund, please.", -3.0)
     assert decided == {"refund": True} and shares["refund"] == pytest.approx(0.5 + 0.5 / (1 + math.e ** 3))
     assert _boolean("The lid leaks. I don't want a refund, just a new lid.", -3.0)[0] == {"refund": False}
-    assert _boolean("The lid leaks. Send my money back.", 2.0) == ({"refund": True}, {"refund": pytest.approx(
-        1 / (1 + math.e ** -2))})  # not named: the score alone, as before
+    assert _boolean("The lid leaks. Send my money back.", -2.0) == ({"refund": True}, {"refund": pytest.approx(
+        0.5 + 0.5 / (1 + math.e ** 2))})  # named by what its description says is asked for
+    assert _boolean("The lid leaks.", 2.0) == ({"refund": True}, {"refund": pytest.approx(1 / (1 + math.e ** -2))})
+    # Only denied ("dont need my money back"): false, however the score reads it.
+    assert _boolean("zip broke, can i get a replacement? dont need my money back", 3.0) == (
+        {"refund": False}, {"refund": pytest.approx(0.5 + 0.5 / (1 + math.e ** 3))})
     assert _boolean("The lid leaks.", -40000.0)[0] == {"refund": False}  # no overflow far below the offset
     assert _boolean("I'd like a refund, please.", -40000.0) == ({"refund": True}, {"refund": 0.5})  # still named
     # Named and denied in one record (an agent's offer, declined): no naming; the score alone decides.

@@ -37,7 +37,7 @@ class Order(msgspec.Struct):
 
 def test_each_plain_boolean_reads_as_the_statement_that_makes_it_true() -> None:
     assert flags.statements(TICKET) == {
-        "refund": Reading("the customer asks for money back", described=True, name="refund"),
+        "refund": Reading("the customer asks for money back", described=True, name="refund", asked="money back"),
         "urgent": Reading("Needs an answer today", described=False, name="urgent"),  # no description: its title
         "vip_customer": Reading("vip customer", described=False, name="vip customer"),  # nor a title: its name
     }  # nullable and const booleans are left to the grammar
@@ -301,3 +301,12 @@ def test_a_boolean_is_named_in_a_record_by_its_name_s_telling_words() -> None:
     assert [flags.called(n) for n in ("refund", "refund_requested", "is_urgent", "wantsMoneyBack")] == \
         ["refund", "refund", "urgent", "money back"]
     assert [flags.called(n) for n in ("is_open", "has_order", "is_resolved", "ok", "x")] == [""] * 5  # say too little
+
+
+def test_what_a_description_says_is_asked_for_names_the_field() -> None:
+    assert flags.asked_for("the customer asks for money back") == "money back"
+    assert flags.asked_for("the user requests a refund") == "refund"
+    assert flags.asked_for("the caller wants a replacement") == "replacement"
+    for statement in ("the order was paid", "the customer is angry", "the customer wants to cancel the subscription "
+                      "and close the account", "the customer asks for", "the customer wants it"):
+        assert flags.asked_for(statement) == "", statement

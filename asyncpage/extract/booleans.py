@@ -52,6 +52,11 @@ _OPENING = re.compile(r"^\s*(?:(?:is\s+|set\s+to\s+)?true\s+(?:when|if|whenever)
 # Verbs that open a boolean's name and say nothing of what a record names ("is_urgent", "wants_money_back").
 _VERBS = frozenset("is are was were has have had did does do can should will wants want needs need asks ask "
                    "requires require requested".split())
+# Verbs of a description that say a request, and what may open its object ("asks for a refund", "wants the money
+# back").
+_ASKS = frozenset("asks ask requests request wants want demands demand needs need expects expect seeks seek "
+                  "claims claim".split())
+_LEADS = frozenset("for to about a an the their his her its my your some".split())
 # Participles that close a boolean's name and say nothing of what a record names ("refund_requested").
 _PARTICIPLES = frozenset("requested needed required wanted asked given made issued mentioned".split())
 # Single words that name a state or a thing of most records, not the field ("resolved" in "it was not resolved").
@@ -68,15 +73,23 @@ class Reading(NamedTuple):
     statement: str
     described: bool
     name: str = ""
+    asked: str = ""  # what its description says is asked for ("money back": `asked_for`)
 
     def decide(self, score: float, text: str) -> tuple[bool, float]:
         """(true or false, how sure), from the score less its offset: true when that is positive, its logistic the
-        share; or, where `text` names the field in its own words and never denies it ("I'd like a refund", not
-        beside "I don't want a refund"), true, its share mixed as a lone named option's (closed.NAMED_WEIGHT)."""
+        share; or, where `text` names the field in its own words (its name's or what its description says is asked
+        for) and never denies them ("I'd like a refund", not beside "I don't want a refund"), true, and where it
+        only denies them ("I don't need my money back"), false, each share mixed as a lone named option's
+        (closed.NAMED_WEIGHT). Named and denied both (an agent's offer the customer declines): the score's."""
         p = logistic(score) if score == score else 0.5  # NaN: no evidence
-        said, denied = namings(self.name, text) if self.name else (0, 0)
+        said = denied = 0
+        for words in {self.name, self.asked} - {""}:
+            s, d = namings(words, text)
+            said, denied = said + s, denied + d
         if said and not denied:
             return True, max(0.5, (1 - NAMED_WEIGHT) * p + NAMED_WEIGHT)
+        if denied and not said:
+            return False, max(0.5, (1 - NAMED_WEIGHT) * (1 - p) + NAMED_WEIGHT)
         return score > 0, max(p, 1 - p)
 
     @property
@@ -110,7 +123,7 @@ def statements(schema: dict[str, Any]) -> dict[str, Reading]:
         said = _OPENING.sub("", " ".join(_text(p.get("description")).split()).rstrip(".?! ")).rstrip(".?! ")
         heading = " ".join((_text(p.get("title")) or name.replace("_", " ")).split()).rstrip(".?!")
         if re.search(r"\w", said):  # a statement, not an opening alone ("Whether") or a dash
-            out[name] = Reading(said, True, called(name))
+            out[name] = Reading(said, True, called(name), asked_for(said))
         elif heading:
             out[name] = Reading(heading, False, called(name))
     return out
@@ -128,6 +141,20 @@ def called(name: str) -> str:
         words = words[:-1]
     phrase = " ".join(words)
     return phrase if nameable(phrase) and phrase not in _GENERIC else ""
+
+
+def asked_for(statement: str) -> str:
+    """What a described statement says is asked for, where it says a request ("the customer asks for money back":
+    "money back"; "whether the user requests a refund": "refund"), at most three words, none generic (_GENERIC,
+    closed.nameable); "" for any other statement ("the order was paid", "the customer is angry")."""
+    words = subject_of(statement)[1].split()
+    if not words or words[0].lower() not in _ASKS:
+        return ""
+    words = words[1:]
+    while words and words[0].lower() in _LEADS:
+        words = words[1:]
+    phrase = " ".join(words)
+    return phrase if 0 < len(words) <= 3 and nameable(phrase) and phrase.lower() not in _GENERIC else ""
 
 
 def subject_of(statement: str) -> tuple[str, str]:

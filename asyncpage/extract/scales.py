@@ -22,8 +22,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from asyncpage.extract.closed import mentions, phrasing
 from asyncpage.extract.closed import named as own_words
+from asyncpage.extract.closed import namings, phrasing
 
 # An option's rank on a four-level scale (0 lowest, 3 highest); an option of several words is ranked by its first
 # ("high_priority", "Low severity").
@@ -52,20 +52,26 @@ WORDS: dict[int, tuple[str, ...]] = {
         "on my nerves", "fairly soon", "reasonably soon", "sooner rather than later", "somewhat urgent",
         "fairly urgent", "fairly time-sensitive", "within a week", "within the next week", "in the next week",
         "within two weeks", "next week or two", "within the next couple of weeks", "not desperately urgent",
+        "work around it", "getting by", "slowing me down",
         "not an emergency"),  # said of what is no trifle either: writers mean the middle
     2: ("urgent", "urgently", "serious", "seriously affected", "major issue", "major problem", "asap",
-        "high priority", "top priority", "big problem", "huge problem", "really big deal",
-        "as a priority", "matter of priority", "this can't wait", "it can't wait", "really can't wait", "real urgency",
+        "high priority", "top priority", "big problem", "huge problem", "really big deal", "as a priority",
+        "matter of priority", "this can't wait", "it can't wait", "really can't wait", "real urgency",
         "against the clock", "pretty pressing", "quite pressing", "very pressing", "really pressing",
-        "seriously hurting", "extremely frustrated", "unusable", "badly affected", "need it fixed today",
-        "need it today", "need someone today", "genuinely worrying"),
+        "seriously hurting", "extremely frustrated", "unusable", "badly affected", "pretty badly", "really badly",
+        "quite badly", "desperate", "need it fixed today", "need it today", "need someone today",
+        "genuinely worrying"),
     3: ("emergency", "dangerous", "danger", "hazardous", "unsafe", "safety hazard", "safety issue", "safety concern",
         "safety risk", "safety problem", "fire risk", "fire hazard", "life-threatening", "catastrophic",
-        "critical", "extremely serious", "very serious", "extremely urgent", "badly hurt", "seriously hurt",
-        "get hurt", "injured", "injury", "caught fire", "start a fire", "burn the house", "burned down",
-        "burning smell", "smell of burning", "smelled burning", "gas smell", "smell of gas", "gas leak",
+        "critical", "extremely serious", "very serious", "extremely urgent", "disaster", "as it gets", "on fire",
+        "badly hurt", "seriously hurt", "get hurt", "injured", "injury", "caught fire", "start a fire",
+        "burn the house", "burned down", "burning smell", "smell of burning", "smelled burning", "gas smell",
+        "smell of gas", "gas leak",
         "electric shock", "exploded", "complete standstill", "at a standstill", "immediate attention"),
 }
+# The top level's words that, denied, state the middle one ("not a disaster", "rather than an emergency"); a
+# lower level's denied ("more irritating than serious") or harm denied ("nobody was hurt") state none.
+_DENIABLE = frozenset(("emergency", "disaster", "catastrophic"))
 # The phrases, longest first: "very serious" is read before "serious", which it then hides.
 _LONGEST_FIRST = sorted(((lv, w) for lv, ws in WORDS.items() for w in ws), key=lambda p: -len(p[1].split()))
 # A field whose name says it is a level (its scale words are read only there: "Urgent: a budget laptop" is no
@@ -106,10 +112,11 @@ def named(options: Sequence[Any], text: str, field: str | None = None) -> list[b
         pattern = phrasing(phrase)
         if phrase in own or pattern is None or not pattern.search(said):
             continue
-        near = [abs(r - level) if r is not None else 99.0 for r in scale]
+        stated, denied = namings(phrase, text)  # read where it still stands, its denial in the whole text
+        at = level if stated else level - 2 if denied and phrase in _DENIABLE else -1
+        near = [abs(r - at) if r is not None else 99.0 for r in scale]
         best = min(near)
-        if best <= 1 and near.count(best) == 1 and mentions(phrase, text):  # an option of this level, one nearest
+        if at >= 0 and best <= 1 and near.count(best) == 1:  # an option of this level, one nearest
             hits[near.index(best)] = True
         said = pattern.sub(lambda m: " " * len(m.group()), said)  # a longer phrase hides the words inside it
-    # (a phrase is read where it still stands in `said`, its denial in the whole `text`: "not urgent or serious")
     return hits
