@@ -32,7 +32,7 @@ def test_a_level_stated_in_common_words_names_its_option() -> None:
         "It really can\u2019t wait": "high",  # any apostrophe
         "a slight inconvenience, nothing more": "low",
         "This is about as bad as it gets for us.": "critical", "It isn't a disaster, but it's annoying": "medium",
-        "pretty badly tbh, I've lost a whole day of work": "high",
+        "we are getting desperate, three kids share that room": "high",
     }
     for text, level in stated.items():
         assert _said(SEVERITY, text) == [level], text
@@ -40,6 +40,10 @@ def test_a_level_stated_in_common_words_names_its_option() -> None:
     assert _said(SEVERITY, "nothing serious, just curious") == ["low"]  # "serious" denied in its clause
     for text in ("This is not urgent or serious.", "Nothing major or urgent", "It's not urgent right now."):
         assert _said(SEVERITY, text) == ["low"], text  # a longer phrase read first keeps its denial for the rest
+    for text in ("The battery drains faster as it gets older.", "Our disaster recovery plan has a typo",
+                 "I bought the laptop on fire sale", "The manual is translated pretty badly.",
+                 "No emergency services were called."):
+        assert _said(SEVERITY, text) == [], text  # words of a level only in those words' own sense
     for text in ("Nobody was injured.", "I can't wait to try the new version!", "Right now the app shows an error",
                  "I don't want to make a big deal of this, but the invoice is wrong."):
         assert _said(SEVERITY, text) == [], text

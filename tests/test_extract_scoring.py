@@ -672,7 +672,7 @@ def test_an_id_named_in_the_record_wins_over_a_likelier_number_far_from_its_nami
     plan.line_nulls["order_id"] = Probe([3], SamplingParams())
     spans = {id(best): " 1Z84F3309211784402", id(close): " CF-00931-FR"}
     plan._got = lambda p: None if p is None else Scored(0.0, 3, spans.get(id(p), ""))  # type: ignore[method-assign]
-    for far, named, want in ((5.0, 3.0, "CF-00931-FR"), (5.0, -1.0, None), (9.0, -1.0, "1Z84F3309211784402")):
-        plan.span_margin = lambda name, near=False, far=far, named=named: named if near else far  # type: ignore
+    for far, close_m, want in ((5.0, 3.0, "CF-00931-FR"), (5.0, -1.0, None), (9.0, -1.0, "1Z84F3309211784402")):
+        plan.span_margin = lambda name, near=False, far=far, close_m=close_m: close_m if near else far  # type: ignore
         decided, _ = plan.outcome(None)  # type: ignore[arg-type]
-        assert decided == {"order_id": want}, (far, named)
+        assert decided == {"order_id": want}, (far, close_m)

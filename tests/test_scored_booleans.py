@@ -310,3 +310,17 @@ def test_what_a_description_says_is_asked_for_names_the_field() -> None:
     for statement in ("the order was paid", "the customer is angry", "the customer wants to cancel the subscription "
                       "and close the account", "the customer asks for", "the customer wants it"):
         assert flags.asked_for(statement) == "", statement
+
+
+def test_a_boolean_declined_in_the_record_s_words_is_false_and_a_missing_one_is_still_asked_for() -> None:
+    refund = flags.Reading("the customer asks for money back", True, "refund", "money back")
+    for text in ("zip broke. dont need my money back, just a new zip", "I'd like a repair rather than a refund.",
+                 "Not looking for a refund, only a replacement.", "Refund not needed, thanks."):
+        assert refund.decide(3.0, text)[0] is False, text  # declined: false whatever the score
+    assert refund.decide(-3.0, "Refund needed asap, it broke twice.")[0] is True  # no negation: asked
+    for text in ("I still haven't received my refund.", "Why can't I get a refund?", "I never got my money back."):
+        assert refund.decide(3.0, text)[0] is True and refund.decide(-3.0, text)[0] is False, text  # the score's
+    # A policy named is no request: "our refund policy", "a money-back guarantee".
+    assert refund.decide(-3.0, "Does it come with a money-back guarantee? I read your refund policy.")[0] is False
+    assert flags.asked_for("the customer asks about shipping") == "" and flags.asked_for("the user wants to know") == ""
+    assert flags.asked_for("the user needs help") == "" and flags.asked_for("the customer claims damage") == ""

@@ -37,7 +37,7 @@ from __future__ import annotations
 import re
 from typing import Any, NamedTuple
 
-from asyncpage.extract.closed import NAMED_WEIGHT, nameable, namings
+from asyncpage.extract.closed import NAMED_WEIGHT, is_denied, nameable, phrasing
 from asyncpage.extract.grounding import DETERMINERS, resolve
 from asyncpage.extract.readings import logistic, name_words
 
@@ -52,11 +52,23 @@ _OPENING = re.compile(r"^\s*(?:(?:is\s+|set\s+to\s+)?true\s+(?:when|if|whenever)
 # Verbs that open a boolean's name and say nothing of what a record names ("is_urgent", "wants_money_back").
 _VERBS = frozenset("is are was were has have had did does do can should will wants want needs need asks ask "
                    "requires require requested".split())
-# Verbs of a description that say a request, and what may open its object ("asks for a refund", "wants the money
-# back").
-_ASKS = frozenset("asks ask requests request wants want demands demand needs need expects expect seeks seek "
-                  "claims claim".split())
-_LEADS = frozenset("for to about a an the their his her its my your some".split())
+# Verbs of a description that say a request; what it asks for follows "for" or a determiner ("asks for a refund",
+# "wants the money back", "requests a callback"; not "asks about shipping", "wants to know").
+_ASKS = frozenset("asks ask requests request wants want demands demand needs need expects expect seeks seek".split())
+_LEADS = frozenset("for a an the their his her its my your some".split())
+# Objects that say nothing a record could be read for ("asks for help", "wants something").
+_VAGUE = frozenset("this that it something anything nothing more one help information info assistance support "
+                   "answer response".split())
+# A record declines what it names: a negated wish right before it ("I don't want a refund", "not looking for my
+# money back", "no need for a refund"), "rather than" / "instead of" it, or "not needed" after it. Any other
+# denial ("I still haven't received my refund", "why can't I get a refund?") is how a request is often made.
+_DECLINED_BEFORE = re.compile(r"(?:\b(?:do\s*n[o'’]?t|dont|not|never|no\s+need\s+(?:for|of))\s+(?:\w+\s+){0,2}?"
+                              r"(?:want|need|require|looking\s+for|asking\s+for|interested\s+in|expecting|seeking)"
+                              r"|\brather\s+than|\binstead\s+of)\s+(?:\w+\s+){0,2}$", re.IGNORECASE)
+_DECLINED_AFTER = re.compile(r"\s*(?:(?:is|was)\s+not|(?:isn|wasn)['\u2019]t|not)\s+"
+                             r"(?:needed|necessary|required|wanted)\b", re.IGNORECASE)
+# What names a policy, not a request ("a money-back guarantee", "our refund policy").
+_POLICY = re.compile(r"[\s-]*(?:guarantee|policy|policies|terms|period|window)\b", re.IGNORECASE)
 # Participles that close a boolean's name and say nothing of what a record names ("refund_requested").
 _PARTICIPLES = frozenset("requested needed required wanted asked given made issued mentioned".split())
 # Single words that name a state or a thing of most records, not the field ("resolved" in "it was not resolved").
@@ -79,16 +91,17 @@ class Reading(NamedTuple):
         """(true or false, how sure), from the score less its offset: true when that is positive, its logistic the
         share; or, where `text` names the field in its own words (its name's or what its description says is asked
         for) and never denies them ("I'd like a refund", not beside "I don't want a refund"), true, and where it
-        only denies them ("I don't need my money back"), false, each share mixed as a lone named option's
-        (closed.NAMED_WEIGHT). Named and denied both (an agent's offer the customer declines): the score's."""
+        only declines them ("I don't need my money back", `namings_declined`), false, each share mixed as a lone
+        named option's (closed.NAMED_WEIGHT). Named and denied both (an agent's offer the customer declines), or
+        only denied otherwise ("I still haven't received my refund"): the score's."""
         p = logistic(score) if score == score else 0.5  # NaN: no evidence
-        said = denied = 0
+        said, denied, declined = 0, 0, 0
         for words in {self.name, self.asked} - {""}:
-            s, d = namings(words, text)
-            said, denied = said + s, denied + d
+            s, d, n = namings_declined(words, text)
+            said, denied, declined = said + s, denied + d, declined + n
         if said and not denied:
             return True, max(0.5, (1 - NAMED_WEIGHT) * p + NAMED_WEIGHT)
-        if denied and not said:
+        if declined and not said:
             return False, max(0.5, (1 - NAMED_WEIGHT) * (1 - p) + NAMED_WEIGHT)
         return score > 0, max(p, 1 - p)
 
@@ -143,18 +156,38 @@ def called(name: str) -> str:
     return phrase if nameable(phrase) and phrase not in _GENERIC else ""
 
 
+def namings_declined(phrase: str, text: str) -> tuple[int, int, int]:
+    """(stated, denied, declined) namings of `phrase` in `text` (closed.namings; declined: a negated wish before
+    it, "rather than" it, "not needed" after it, a part of its denied ones); none where it names a policy ("a
+    money-back guarantee", "our refund policy")."""
+    pattern = phrasing(phrase)
+    said = denied = declined = 0
+    for m in pattern.finditer(text) if pattern is not None else ():
+        if _POLICY.match(text, m.end()):
+            continue
+        turned_down = bool(_DECLINED_BEFORE.search(text, max(0, m.start() - 60), m.start())
+                           or _DECLINED_AFTER.match(text, m.end()))
+        if turned_down or is_denied(text, m.start(), m.end()):
+            denied, declined = denied + 1, declined + turned_down
+        else:
+            said += 1
+    return said, denied, declined
+
+
 def asked_for(statement: str) -> str:
-    """What a described statement says is asked for, where it says a request ("the customer asks for money back":
-    "money back"; "whether the user requests a refund": "refund"), at most three words, none generic (_GENERIC,
-    closed.nameable); "" for any other statement ("the order was paid", "the customer is angry")."""
+    """What a described statement says is asked for, where it says a request: after a verb of asking, "for" or a
+    determiner ("the customer asks for money back": "money back"; "whether the user requests a refund":
+    "refund"), at most three words, none generic or vague (_GENERIC, _VAGUE, closed.nameable); "" for any other
+    statement ("the order was paid", "the customer asks about shipping", "the user wants to know")."""
     words = subject_of(statement)[1].split()
-    if not words or words[0].lower() not in _ASKS:
+    if len(words) < 3 or words[0].lower() not in _ASKS or words[1].lower() not in _LEADS:
         return ""
     words = words[1:]
     while words and words[0].lower() in _LEADS:
         words = words[1:]
     phrase = " ".join(words)
-    return phrase if 0 < len(words) <= 3 and nameable(phrase) and phrase.lower() not in _GENERIC else ""
+    return phrase if 0 < len(words) <= 3 and nameable(phrase) and phrase.lower() not in _GENERIC \
+        and words[0].lower() not in _VAGUE else ""
 
 
 def subject_of(statement: str) -> tuple[str, str]:

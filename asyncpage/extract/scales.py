@@ -52,18 +52,18 @@ WORDS: dict[int, tuple[str, ...]] = {
         "on my nerves", "fairly soon", "reasonably soon", "sooner rather than later", "somewhat urgent",
         "fairly urgent", "fairly time-sensitive", "within a week", "within the next week", "in the next week",
         "within two weeks", "next week or two", "within the next couple of weeks", "not desperately urgent",
-        "work around it", "getting by", "slowing me down",
+        "can work around it", "slowing me down",
         "not an emergency"),  # said of what is no trifle either: writers mean the middle
     2: ("urgent", "urgently", "serious", "seriously affected", "major issue", "major problem", "asap",
         "high priority", "top priority", "big problem", "huge problem", "really big deal", "as a priority",
         "matter of priority", "this can't wait", "it can't wait", "really can't wait", "real urgency",
         "against the clock", "pretty pressing", "quite pressing", "very pressing", "really pressing",
-        "seriously hurting", "extremely frustrated", "unusable", "badly affected", "pretty badly", "really badly",
-        "quite badly", "desperate", "need it fixed today", "need it today", "need someone today",
-        "genuinely worrying"),
+        "seriously hurting", "extremely frustrated", "unusable", "badly affected", "getting desperate",
+        "need it fixed today", "need it today", "need someone today", "genuinely worrying"),
     3: ("emergency", "dangerous", "danger", "hazardous", "unsafe", "safety hazard", "safety issue", "safety concern",
         "safety risk", "safety problem", "fire risk", "fire hazard", "life-threatening", "catastrophic",
-        "critical", "extremely serious", "very serious", "extremely urgent", "disaster", "as it gets", "on fire",
+        "critical", "extremely serious", "very serious", "extremely urgent", "a disaster", "a complete disaster",
+        "a total disaster", "an emergency", "as bad as it gets", "as serious as it gets", "as urgent as it gets",
         "badly hurt", "seriously hurt", "get hurt", "injured", "injury", "caught fire", "start a fire",
         "burn the house", "burned down", "burning smell", "smell of burning", "smelled burning", "gas smell",
         "smell of gas", "gas leak",
@@ -71,7 +71,7 @@ WORDS: dict[int, tuple[str, ...]] = {
 }
 # The top level's words that, denied, state the middle one ("not a disaster", "rather than an emergency"); a
 # lower level's denied ("more irritating than serious") or harm denied ("nobody was hurt") state none.
-_DENIABLE = frozenset(("emergency", "disaster", "catastrophic"))
+_DENIABLE = frozenset(("an emergency", "a disaster"))
 # The phrases, longest first: "very serious" is read before "serious", which it then hides.
 _LONGEST_FIRST = sorted(((lv, w) for lv, ws in WORDS.items() for w in ws), key=lambda p: -len(p[1].split()))
 # A field whose name says it is a level (its scale words are read only there: "Urgent: a budget laptop" is no
