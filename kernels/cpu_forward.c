@@ -30,6 +30,10 @@
 
 #ifdef _OPENMP
 #include <omp.h>
+
+/* The most rows a step may have (fwd_create's max_rows): 8 where the tile kernels take every product, up to 32
+   in the VNNI form, whose rows past 8 go through the interleaved path (mat_part), as gguf_matmul's do. */
+#define FWD_MAX_ROWS 32
 #define TID() omp_get_thread_num()
 #else
 #define TID() 0
@@ -274,6 +278,32 @@ static void mat_part(const Mat *m, const Act *a, const float *xf, int rows, long
             }
         return;
     }
+#if GQ_X86
+    if (uses_ilv(m->type, m->form, rows)) { /* past 8 rows: the interleaved path, as gguf_matmul takes it */
+        const int kq = gguf_block_elems(m->type) == 256;
+        void *u = aligned_alloc(32, kq ? (size_t)m->nb * sizeof(KTile_vnni) : (size_t)m->nb * 8 * sizeof(__m256i));
+        float *dw = kq ? NULL : aligned_alloc(32, (size_t)m->nb * 8 * sizeof(float));
+        if (u != NULL && (kq || dw != NULL)) {
+            for (long i = i0; i < i1; i += 8) {
+                const int wr = i1 - i >= 8 ? 8 : (int)(i1 - i);
+                float *o = out + i - col0;
+                if (kq)
+                    ilvk_group_vnni(m->type, m->w + i * m->rb, m->rb, wr, a, rows, o, ldo, u);
+                else
+                    ilv_group_vnni(m->type, m->w + i * m->rb, m->rb, wr, a, rows, o, ldo, u, dw);
+                if (m->bias)
+                    for (int r = 0; r < rows; r++)
+                        for (int t = 0; t < wr; t++)
+                            o[(long)r * ldo + t] += m->bias[i + t];
+            }
+            free(u);
+            free(dw);
+            return;
+        }
+        free(u);
+        free(dw); /* no memory for the unpacked tile: the tile kernels, same sums */
+    }
+#endif
     tile_pass(m->kern, m->type, m->form, m->w, m->rb, m->nb, a, rows, i0, i1, m->n * m->rb >= STREAMED_BYTES, out, ldo,
               col0, m->bias);
 }
@@ -356,7 +386,7 @@ static void run_ffn(const Model *m, const Layer *L, const Scratch *s, int rows, 
     const Act ag = act_for(&s->in, g, m->hidden), au = act_for(&s->in, u, m->hidden);
 #pragma omp for schedule(dynamic, 1)
     for (long c = 0; c < units; c++) {
-        float gt[256 * 8], ut[256 * 8]; /* chunk <= 256, rows <= 8 (fwd_create) */
+        float gt[256 * FWD_MAX_ROWS], ut[256 * FWD_MAX_ROWS]; /* chunk <= 256, rows <= max_rows (fwd_create) */
         const long i0 = c * chunk, i1 = i0 + chunk < inter ? i0 + chunk : inter, w = i1 - i0;
         mat_part(g, &ag, s->xn, rows, i0, i1, gt, w, i0);
         mat_part(u, &au, s->xn, rows, i0, i1, ut, w, i0);
@@ -374,7 +404,7 @@ static void run_ffn(const Model *m, const Layer *L, const Scratch *s, int rows, 
 void *fwd_create(int n_layers, int hidden, int heads, int kv_heads, int head_dim, int inter, float eps, int act,
                  float embed_scale, int max_rows) {
     if (n_layers <= 0 || hidden <= 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads || head_dim <= 0 ||
-        head_dim % 2 || inter <= 0 || max_rows <= 0 || max_rows > 8)
+        head_dim % 2 || inter <= 0 || max_rows <= 0 || max_rows > FWD_MAX_ROWS)
         return NULL;
     Model *m = calloc(1, sizeof(Model));
     Layer *layers = calloc((size_t)n_layers, sizeof(Layer));

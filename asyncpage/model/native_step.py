@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from asyncpage.model import gguf_kernels as gk
 from asyncpage.model import native
 from asyncpage.model.attention import AttentionMetadata, paged_attention
 from asyncpage.model.batch import EXACT_ROWS
@@ -37,6 +38,11 @@ from asyncpage.model.layers import FusedLinear, GemmaRMSNorm, RMSNorm
 log = logging.getLogger("asyncpage")
 
 MAX_ROWS = EXACT_ROWS  # the runner's exact buckets (batch.py): decode steps of up to 8 rows have no padding
+# Where every projection is GGUF blocks in the VNNI form taking up to this many rows (gguf_linear), a step of up to
+# WIDE_ROWS decode rows goes through too: its products past 8 rows take the interleaved path, as the eager forward's
+# do (cpu_forward.c mat_part), and its ~40 torch ops a layer (norms, RoPE, the paged attention) are a quarter of a
+# 32-row step (2-core AMD EPYC VM: 99 ms a step, 50 ms of it the layers, 42 the LM head).
+WIDE_ROWS = 32
 _MAT_F32, _MAT_BF16 = -1, -2  # dense rows (a tensor without a block kernel)
 _DENSE = {torch.float32: _MAT_F32, torch.bfloat16: _MAT_BF16}
 _KV = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -127,8 +133,9 @@ class NativeStep:
         # The GGUF head takes float32 as it is; a dense head wants the model's dtype.
         self.out_dtype = torch.float32 if isinstance(head, GGUFLinear) else dtype
         scale = float(getattr(inner, "embed_scale", 0.0) or 0.0)
+        self.max_rows = WIDE_ROWS if _wide(layers) else MAX_ROWS
         handle = lib.create(len(layers), self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter, self.eps,
-                            _ACTS[mlp.act], scale, MAX_ROWS)
+                            _ACTS[mlp.act], scale, self.max_rows)
         if not handle:
             raise Unsupported("these shapes (or out of memory)")
         self.handle = handle
@@ -205,7 +212,7 @@ class NativeStep:
                f"layer {i} matrix {which}")
 
     def applies(self, meta: AttentionMetadata, rows: int, kv_caches: list[tuple[torch.Tensor, ...]]) -> bool:
-        if not (0 < rows <= MAX_ROWS and meta.decode_rows is not None and not meta.prefills
+        if not (0 < rows <= self.max_rows and meta.decode_rows is not None and not meta.prefills
                 and int(meta.decode_rows.shape[0]) == rows and meta.attention in (None, paged_attention)):
             return False
         pool = self._pool
@@ -233,6 +240,15 @@ class NativeStep:
                 f"the fused decode step refused this step: {_ERRORS.get(rc, f'code {rc}')}")
         self.steps += 1
         return out if self.out_dtype == torch.float32 else out.to(self.out_dtype)
+
+
+def _wide(layers: list[Any]) -> bool:
+    """Whether every projection of `layers` is GGUF blocks whose VNNI kernels take WIDE_ROWS rows (no dense one)."""
+    vnni = gk.FORMS.index("vnni")
+    mods = [m for layer in layers for m in layer.modules()]
+    blocks = [m for m in mods if isinstance(m, GGUFLinear)]
+    return bool(blocks) and not any(isinstance(m, (nn.Linear, FusedLinear)) for m in mods) and \
+        all(m.bound.form == vnni and m.kernel_rows >= WIDE_ROWS for m in blocks)
 
 
 def _part(mod: nn.Module | None) -> Part:
