@@ -486,3 +486,5 @@ def test_a_copied_name_is_widened_by_the_capitalized_words_that_open_it_in_the_r
     assert widened(text, "Sona 12") == ["Tovisk Sona 12"] and widened(text, "Flame 6") == ["Juniperra Flame 6"]
     assert widened("Dear Corrowen Aura 7 team", "Aura 7") == [] and widened(text, "gas from") == []
     assert word_prefixes("Juniperra Flame 6") == ["Juniperra", "Juniperra Flame", "Juniperra Flame 6"]
+    assert word_prefixes("Rain Jacket, women's M") == ["Rain", "Rain Jacket", "Rain Jacket, women's",
+                                                        "Rain Jacket, women's M"]  # a prefix read without its comma

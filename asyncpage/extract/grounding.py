@@ -49,8 +49,10 @@ _MAX_WIDER = 3  # capitalized words a copied value is widened by at most (ground
 
 
 def word_prefixes(value: str) -> list[str]:
-    """A value's word prefixes, itself last ("Flame", "Flame 6")."""
-    return [value[:m.start()] for m in re.finditer(r"\s+", value)] + [value]
+    """A value's word prefixes, itself last ("Flame", "Flame 6"); one that a comma, a semicolon, a colon or an
+    opening bracket closes is read without it ("Rain Jacket" in "Rain Jacket, women's M" and "Rain Jacket (M)")."""
+    cut = [value[:m.start()] for m in re.finditer(r"\s+", value)]
+    return list(dict.fromkeys([p.rstrip(",;:([") or p for p in cut] + [value]))
 
 
 def widened(text: str, value: str) -> list[str]:
