@@ -1,5 +1,5 @@
-/* The fused decode step: a whole decoder stack (Gemma 3 and the Llama family) for 1..8 decode rows in
-   one call (asyncpage/model/native_step.py is its Python face and says when it is used).
+/* The fused decode step: a whole decoder stack (Gemma 3 and the Llama family) for 1..8 decode rows (up to
+   FWD_MAX_ROWS where every product runs the VNNI form) in one call (asyncpage/model/native_step.py is its Python face and says when it is used).
 
    Why: at a few rows a layer is ~40 small torch ops around seven matrix-vector products, and their
    dispatch, not their bytes, set the time (one-stream decode of the default model: ~40 ms a step
@@ -28,12 +28,12 @@
 
 #include "gguf_quants.c" /* the block formats, the activations' rounding and the dot kernels */
 
-#ifdef _OPENMP
-#include <omp.h>
-
 /* The most rows a step may have (fwd_create's max_rows): 8 where the tile kernels take every product, up to 32
    in the VNNI form, whose rows past 8 go through the interleaved path (mat_part), as gguf_matmul's do. */
 #define FWD_MAX_ROWS 32
+
+#ifdef _OPENMP
+#include <omp.h>
 #define TID() omp_get_thread_num()
 #else
 #define TID() 0
@@ -301,7 +301,7 @@ static void mat_part(const Mat *m, const Act *a, const float *xf, int rows, long
             return;
         }
         free(u);
-        free(dw); /* no memory for the unpacked tile: the tile kernels, same sums */
+        free(dw); /* no memory for the unpacked tile: the tile kernels (the same products, summed in another order) */
     }
 #endif
     tile_pass(m->kern, m->type, m->form, m->w, m->rb, m->nb, a, rows, i0, i1, m->n * m->rb >= STREAMED_BYTES, out, ldo,
@@ -386,7 +386,7 @@ static void run_ffn(const Model *m, const Layer *L, const Scratch *s, int rows, 
     const Act ag = act_for(&s->in, g, m->hidden), au = act_for(&s->in, u, m->hidden);
 #pragma omp for schedule(dynamic, 1)
     for (long c = 0; c < units; c++) {
-        float gt[256 * FWD_MAX_ROWS], ut[256 * FWD_MAX_ROWS]; /* chunk <= 256, rows <= max_rows (fwd_create) */
+        float gt[256 * rows], ut[256 * rows]; /* chunk <= 256; rows <= max_rows (fwd_create): 64 KiB at 32 */
         const long i0 = c * chunk, i1 = i0 + chunk < inter ? i0 + chunk : inter, w = i1 - i0;
         mat_part(g, &ag, s->xn, rows, i0, i1, gt, w, i0);
         mat_part(u, &au, s->xn, rows, i0, i1, ut, w, i0);

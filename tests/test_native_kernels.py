@@ -320,3 +320,11 @@ def test_linear_q4_is_the_int4_weights_times_activations_rounded_in_blocks_of_32
         kernels.linear_q4(torch.randn(1, 64), packed, scale, minimum)  # x shorter than k
     with pytest.raises(ValueError):
         kernels.linear_q4(torch.randn(1, 2048), packed, scale.float(), minimum)  # float32 scales
+
+
+@pytest.mark.parametrize("source", ["cpu_decode.c", "cpu_forward.c", "gguf_quants.c"])
+def test_every_native_source_builds_without_openmp(source: str, monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path: Path) -> None:
+    """Where -fopenmp fails, native.library builds with SERIAL_FLAGS: a kernel must not need OpenMP to compile."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert native._build_with(native.SERIAL_FLAGS, source).stat().st_size > 0

@@ -1,4 +1,5 @@
-"""The fused decode step: a decode step of 1..8 rows through the whole decoder stack in one native call
+"""The fused decode step: a decode step of 1..8 rows (up to WIDE_ROWS where every projection runs the VNNI block
+kernels) through the whole decoder stack in one native call
 (kernels/cpu_forward.c, which says what it computes and how it threads), for models whose
 projections are GGUF blocks (`quantization="auto"` on a GGUF file, gguf_linear.py), Gemma 3 and the
 Llama family. Set up once at load (`enable`): every weight's pointer, format and shape go into a C-side
@@ -6,8 +7,9 @@ model; a step passes only what changes (token ids, positions, slots, block table
 the pool's pointers). The LM head stays the model's own `compute_logits` (one block-kernel call).
 
 Used (`NativeStep.applies`) for steps that are all decode rows (no prefill chunk, no padding rows), at
-most `MAX_ROWS` of them, on the CPU, with the torch attention backend and an unquantized K/V pool of
-float32, bfloat16 or float16: where the ~40 torch ops a layer cost more than the layer's bytes.
+most `max_rows` of them (MAX_ROWS, or WIDE_ROWS), on the CPU, with the torch attention backend and an
+unquantized K/V pool of float32, bfloat16 or float16: where the ~40 torch ops a layer cost more than the
+layer's bytes.
 Everything else runs the model's own forward. Activations are float32 in C whatever the model's dtype;
 each matrix input is rounded to int8 blocks exactly as GGUFLinear's kernels round it, so on a float32
 model the step computes what the eager forward computes up to float rounding.
