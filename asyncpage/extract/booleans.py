@@ -37,7 +37,7 @@ from __future__ import annotations
 import re
 from typing import Any, NamedTuple
 
-from asyncpage.extract.closed import NAMED_WEIGHT, is_denied, nameable, phrasing
+from asyncpage.extract.closed import NAMED_WEIGHT, nameable, naming_spans
 from asyncpage.extract.grounding import DETERMINERS, resolve
 from asyncpage.extract.readings import logistic, name_words
 
@@ -160,14 +160,12 @@ def namings_declined(phrase: str, text: str) -> tuple[int, int, int]:
     """(stated, denied, declined) namings of `phrase` in `text` (closed.namings; declined: a negated wish before
     it, "rather than" it, "not needed" after it, a part of its denied ones); none where it names a policy ("a
     money-back guarantee", "our refund policy")."""
-    pattern = phrasing(phrase)
     said = denied = declined = 0
-    for m in pattern.finditer(text) if pattern is not None else ():
-        if _POLICY.match(text, m.end()):
+    for start, end, negated in naming_spans(phrase, text):
+        if _POLICY.match(text, end):
             continue
-        turned_down = bool(_DECLINED_BEFORE.search(text, max(0, m.start() - 60), m.start())
-                           or _DECLINED_AFTER.match(text, m.end()))
-        if turned_down or is_denied(text, m.start(), m.end()):
+        turned_down = bool(_DECLINED_BEFORE.search(text, max(0, start - 60), start) or _DECLINED_AFTER.match(text, end))
+        if turned_down or negated:
             denied, declined = denied + 1, declined + turned_down
         else:
             said += 1

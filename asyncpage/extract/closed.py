@@ -10,6 +10,7 @@ asyncpage.extract.decisions.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -82,6 +83,7 @@ def mentions(phrase: str, text: str) -> bool:
     return namings(phrase, text)[0] > 0
 
 
+@functools.lru_cache(maxsize=1024)
 def phrasing(phrase: str) -> re.Pattern[str] | None:
     """`phrase` as a text may write it: whole words (not inside a word, an address or a "HIGH_TEMP"), any case, its
     " ", "_" and "-" alike, within one line, any apostrophe ("can't", "can’t"). None: it has no word."""
@@ -97,16 +99,17 @@ def namings(phrase: str, text: str) -> tuple[int, int]:
     a "HIGH_TEMP"), any case, its " ", "_" and "-" alike ("High priority" for "high_priority"), within one line;
     denied in its clause ("not critical", "isn't that high", "I don't want a refund", "a refund isn't the point")
     or answered no ("Refund: No")."""
-    pattern = phrasing(phrase)
-    if pattern is None:
-        return 0, 0
-    said = denied = 0
-    for m in pattern.finditer(text):
-        if is_denied(text, m.start(), m.end()):
-            denied += 1
-        else:
-            said += 1
+    found = naming_spans(phrase, text)
+    denied = sum(d for _, _, d in found)
+    said = len(found) - denied
     return said, denied
+
+
+def naming_spans(phrase: str, text: str) -> list[tuple[int, int, bool]]:
+    """Where `text` names `phrase` (`phrasing`): (start, end, whether it is denied there: `is_denied`) each."""
+    pattern = phrasing(phrase)
+    return [(m.start(), m.end(), is_denied(text, m.start(), m.end()))
+            for m in (pattern.finditer(text) if pattern is not None else ())]
 
 
 def is_denied(text: str, start: int, end: int) -> bool:
