@@ -304,8 +304,7 @@ static void mat_part(const Mat *m, const Act *a, const float *xf, int rows, long
         free(dw); /* no memory for the unpacked tile: the tile kernels (the same products, summed in another order) */
     }
 #endif
-    tile_pass(m->kern, m->type, m->form, m->w, m->rb, m->nb, a, rows, i0, i1, m->n * m->rb >= STREAMED_BYTES, out, ldo,
-              col0, m->bias);
+    tile_pass(m->kern, m->type, m->form, m->w, m->rb, m->nb, a, rows, i0, i1, out, ldo, col0, m->bias);
 }
 
 static Act act_for(const Rounded *s, const Mat *m, long k) {

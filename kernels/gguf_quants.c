@@ -64,13 +64,6 @@
 enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 enum { FORM_PORTABLE = 0, FORM_AVX2 = 1, FORM_VNNI = 2 };
 enum { E_MEMORY = -1, E_SHAPE = -2, E_TYPE = -3, E_FORM = -4, E_INDEX = -5 };
-/* A 32-element weight of at least this many bytes is streamed from memory at one activation row (an LM
-   head; a bigger model's layers too): its rows are read one after another, not four interleaved. Four rows'
-   streams 680 B apart kept one core's read of a 178 MB Q8_0 head at 8.5 GB/s (21.7 ms); one row at a time,
-   with the same prefetch four rows ahead, 20 GB/s (9.1 ms; two threads 12.6 -> 5.7 ms; Q8_0 2048 x 65536
-   6.1 -> 4.7 ms, Q5_0 4.1 -> 3.2; a 2-core AMD EPYC VM, 2026-12-04). The default model's layer weights (at
-   most a few MB, partly cached between tokens) keep four rows; no gain was measured for the K-quants. */
-#define STREAMED_BYTES (8L << 20)
 /* From this many activation rows every format takes the interleaved path (matmul_ilv, VNNI form):
    past the 8 rows of a decode or speculative-verify step (native_step.MAX_ROWS), so those keep the tile
    kernels' arithmetic whatever their row count and a verify gives the bits one-row steps give. */
@@ -319,16 +312,20 @@ PORTABLE(k_q6_k_c, dotk_c, T_Q6_K)
 #undef GQ_SECTION
 #endif
 
-/* Weight rows per tile for nr activation rows: as many accumulators as the form's registers hold
-   (32 vector registers with AVX-512, 16 with AVX2). */
-static int tile_rows(int type, int form, int nr, int streamed) {
-    if (form == FORM_PORTABLE)
+/* Weight rows per tile for nr activation rows. At one or two activation rows a tile is one weight row: the
+   rows are read one after another, as one stream from memory with the software prefetch four rows ahead, which
+   is what a decode step's weights are (a model's layers and head are far past the L3; each token reads them
+   once). Four rows read interleaved (four streams a row apart) held one core to a third of a plain read
+   (Q8_0 LM head 178 MB: 8.5 against 20 GB/s); measured on the 24 layers of a Qwen2.5-0.5B-shaped Q4_K_M, each
+   call on the next layer's tensor (2-core AMD EPYC VM, 2 threads), ffn_gate Q5_0 4864 x 896 one row 210 ->
+   128 us, two rows 212 -> 159 us, ffn_down Q4_K / Q6_K 206 -> 152 us. From three rows the tiles of four
+   (VNNI; AVX2: two) weight rows are as fast or faster (their accumulators fill the registers: 32 with
+   AVX-512, 16 with AVX2); the K-quants keep one weight row. Every tile width gives each output the same
+   bits. */
+static int tile_rows(int type, int form, int nr) {
+    if (form == FORM_PORTABLE || nr <= 2 || gguf_block_elems(type) != 32)
         return 1;
-    if (gguf_block_elems(type) != 32) /* K-quants: 4 weight rows at one activation row */
-        return nr == 1 ? 4 : 1;
-    if (nr == 1 && streamed)
-        return 1;
-    return form == FORM_VNNI || nr == 1 ? 4 : 2;
+    return form == FORM_VNNI ? 4 : 2;
 }
 
 /* Activation rows per tile: 8 for the 32-element formats in the VNNI form (rows32x2), else 4. */
@@ -377,12 +374,12 @@ static row_kernel kernel_for(int type, int form) {
    tile kernel `kern`: out[r * ldo + i - col0] (+ bias[i] where bias is given). gguf_matmul's chunks and
    the fused step's matrix parts (cpu_forward.c mat_part) both go through here. */
 static void tile_pass(row_kernel kern, int type, int form, const uint8_t *w, long rb, long nb, const Act *a, int rows,
-                      long i0, long i1, int streamed, float *out, long ldo, long col0, const float *bias) {
+                      long i0, long i1, float *out, long ldo, long col0, const float *bias) {
     float res[32]; /* tile_rows (at most 4) x tile_acts (at most 8) */
     const int ta = tile_acts(type, form);
     for (int r0 = 0; r0 < rows; r0 += ta) {
         const int nr = rows - r0 < ta ? rows - r0 : ta;
-        const int tw = tile_rows(type, form, nr, streamed);
+        const int tw = tile_rows(type, form, nr);
         for (long i = i0; i < i1;) {
             const int wr = i1 - i >= tw ? tw : i1 - i >= 2 && tw >= 2 ? 2 : 1;
             kern(w + i * rb, rb, wr, nb, a, r0, nr, res);
@@ -446,11 +443,10 @@ int gguf_matmul(int type, int form, const float *x, const uint8_t *w, long n, lo
     while (rows <= 4 && chunk < 1024 && n / (2 * chunk) >= 16L * threads)
         chunk *= 2;
     const long chunks = (n + chunk - 1) / chunk;
-    const int streamed = n * row_bytes >= STREAMED_BYTES;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && chunks > 1)
     for (long c = 0; c < chunks; c++) {
         const long i0 = c * chunk, i1 = i0 + chunk < n ? i0 + chunk : n;
-        tile_pass(kern, type, form, w, row_bytes, nb, &a, rows, i0, i1, streamed, out, n, 0, NULL);
+        tile_pass(kern, type, form, w, row_bytes, nb, &a, rows, i0, i1, out, n, 0, NULL);
     }
     free(a.q);
     free(a.d);
@@ -697,7 +693,7 @@ GQ_INLINE void F(rows32)(const int type, const uint8_t *w, long rb, long nb, con
             res[i * NR + r] = F(hsum)(acc[i][r]);
 }
 
-/* The K-quants: WR weight rows (4 or 2 at one activation row, else 1) against NR activation rows, as
+/* The K-quants: WR weight rows (tile_rows gives 1) against NR activation rows, as
    rows32 for the 32-element formats: independent accumulator chains per weight row and a software
    prefetch four tiles ahead (each block spans 3-4 cache lines). */
 GQ_INLINE void F(rowsk)(const int type, const uint8_t *w, long rb, long nb, const Act *a, int r0, const int NR,
@@ -889,14 +885,6 @@ GQ_INLINE void F(rows32x2)(const int type, const uint8_t *w, long rb, long nb, c
     }
 #define GQ_KERNEL(NAME, BODY, TYPE)                                                                \
     static void F(NAME)(const uint8_t *w, long rb, int wr, long nb, const Act *a, int r0, int nr, float *res) { \
-        if (nr == 1 && wr == 4) {                                                                  \
-            F(BODY)(TYPE, w, rb, nb, a, r0, 1, 4, res);                                            \
-            return;                                                                                \
-        }                                                                                          \
-        if (nr == 1 && wr == 2) {                                                                  \
-            F(BODY)(TYPE, w, rb, nb, a, r0, 1, 2, res);                                            \
-            return;                                                                                \
-        }                                                                                          \
         for (int t = 0; t < wr; t++, w += rb, res += nr)                                           \
             switch (nr) {                                                                          \
             case 1: F(BODY)(TYPE, w, rb, nb, a, r0, 1, 1, res); break;                             \
