@@ -654,7 +654,7 @@ def test_an_id_named_in_the_record_wins_over_a_likelier_number_far_from_its_nami
     from asyncpage.extract.readings import NEAR, near
 
     text = "Subject: Freezer stopped - order CF-00931-FR\n\n" + "It was delivered six weeks ago. " * 3 + \
-        "(tracking 1Z84F3309211784402) and stopped cooling."
+        "(ref 1Z84F3309211784402) and stopped cooling."
     assert text.index("1Z84F") - text.index("order") > NEAR
     [window] = near(text, ("order",))
     assert "CF-00931-FR" in window and "1Z84F" not in window and near(text, ()) == []
@@ -676,3 +676,26 @@ def test_an_id_named_in_the_record_wins_over_a_likelier_number_far_from_its_nami
         plan.span_margin = lambda name, near=False, far=far, close_m=close_m: close_m if near else far  # type: ignore
         decided, _ = plan.outcome(None)  # type: ignore[arg-type]
         assert decided == {"order_id": want}, (far, close_m)
+    # The same number labeled as another kind ("tracking", "Account ID", "Support PIN") is never the order id.
+    plan.text = text.replace("(ref ", "(tracking ")
+    decided, _ = plan.outcome(None)  # type: ignore[arg-type]
+    assert decided == {"order_id": None}
+
+
+def test_an_id_the_record_labels_as_another_kind_of_number_is_refused() -> None:
+    from asyncpage.extract.readings import OTHERWISE, doubt
+
+    def need(text: str, span: str, words: tuple[str, ...] = ("order",), field: str = "order_id") -> float:
+        return doubt(text, span, words, field)
+
+    assert need("Operations Manager\nAccount ID: ACC-55190\nSupport case: 00418827", "ACC-55190") == OTHERWISE
+    assert need("two payments, transaction IDs 4410298873 and 4410298874.", "4410298874") == OTHERWISE
+    assert need("Subscription order: VR-ENT-2023-00418\nSupport PIN: 7720", "7720") == OTHERWISE
+    assert need("Order: DC-FR-0093-2217. Warranty card serial 88-2019-A.", "DC-FR-0093-2217") == 0.0
+    # its own word on the label, in the span, or a field named by that kind: not refused
+    assert need("Order / tracking number 55120", "55120") == 0.0
+    assert need("Account ID: ORDER-55190", "ORDER-55190") == 0.0
+    assert need("tracking number 1Z999AA10123456784", "1Z999AA10123456784", ("tracking",), "tracking_number") == 0.0
+    # labeled so in one place and plainly in another: not refused; a field whose name holds no digit: not read so
+    assert need("Merchant ID 600218847. My order was 600218847.", "600218847") == 0.0
+    assert need("Account: Mosswell Health", "Mosswell Health", ("company",), "company") != OTHERWISE

@@ -69,6 +69,15 @@ ELSEWHERE = 8.0  # nats more where the record names it only away from the span (
 TAIL = 40  # characters a near stretch may run on to end its word (near)
 MAX_NEAR = 16  # near stretches read at most
 NO_DIGIT = math.inf  # a span without a digit for a field whose name says it holds one (doubt): never
+OTHERWISE = math.inf  # an id's span the record labels as another kind of number (doubt): never
+LABEL = 40  # characters before a span, back to its line's start or its sentence's, that label it (named_otherwise)
+# Kinds of number a record labels that are not the one its field names ("Account ID: ACC-55190", "Merchant ID
+# 600218847", "tracking (RM 8840 2291 6GB)", "Support PIN: 7720", "Warranty card serial 88-2019-A"): a field
+# named by one of them (tracking_number) is not refused its own.
+_OTHER_KINDS = re.compile(
+    r"\b(?:account|acct|tracking|transaction|merchant|case|ticket|serial|pin|warranty|phone|tel|mobile|member|"
+    r"membership|policy|claim|fault|licen[cs]e|imei|iban|vat|tax|sku|model|part|device|incident|session|parcel|"
+    r"shipment|consignment|waybill|courier|bank|card|rma)s?\b", re.IGNORECASE)
 # Words of a field's name that say its value holds a digit (an id, a number, a phone): not "code" or "ref", which
 # may be words ("SUMMERSALE").
 _NUMBERED = frozenset("id identifier number num no nr serial phone telephone tel zip postcode iban imei vin isbn ean "
@@ -107,7 +116,8 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
     (a word of `words` opening one of its words, any case: "order", "ordered"): nothing where one comes within
     NEAR characters before the span or inside it ("Order #A-1", "ORDER-55123"), or where the field has no such
     word; NAMELESS where the record never names it; ELSEWHERE (e^8) where it names it only away from the span:
-    the span is then likely another number (a tracking or serial number where the order id was asked). And
+    the span is then likely another number (a tracking or serial number where the order id was asked);
+    OTHERWISE (never) for an id (`numbered`) the record labels as another kind of number (`named_otherwise`). And
     NO_DIGIT (never) where `field`'s name says its value holds a digit (`numbered`) and the span has none: a form's
     "(left blank)" or "N/A (bought in a shop)" as the order id. So a digit-less id ("XKQZTB") is null there, unless
     the field's schema (`branch`) gives its own `pattern`, which then says what its values look like."""
@@ -116,6 +126,8 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
     if not words or not span:
         return 0.0
     pattern = re.compile(r"\b(?:" + "|".join(map(re.escape, words)) + ")", re.IGNORECASE)
+    if numbered(field) and named_otherwise(text, span, pattern):
+        return OTHERWISE
     if not pattern.search(text):
         return NAMELESS
     i = text.find(span)
@@ -124,6 +136,23 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
             return 0.0
         i = text.find(span, i + 1)
     return ELSEWHERE
+
+
+def named_otherwise(text: str, span: str, own: re.Pattern[str]) -> bool:
+    """Whether every place `text` holds `span` labels it as another kind of number (_OTHER_KINDS) than the field
+    `own` matches the words of: the LABEL characters before it, back to its line's start or its sentence's
+    ("Account ID: ", "Merchant ID ", "transaction IDs 4410298873 and "), hold such a kind and not the field's
+    own word, nor does the span ("ORDER-55123"). False where the span is not in the text."""
+    i, seen = text.find(span), False
+    while i >= 0:
+        label = text[max(0, i - LABEL) : i]
+        cut = max(label.rfind("\n"), label.rfind(". "), label.rfind("? "), label.rfind("! "))
+        label = label[cut + 1 :]
+        if own.search(label) or own.search(span) or not _OTHER_KINDS.search(label):
+            return False
+        seen = True
+        i = text.find(span, i + 1)
+    return seen
 
 
 def near(text: str, words: Sequence[str]) -> list[str]:
