@@ -4,7 +4,7 @@ against torch's dense matmul of the same weight dequantized (bfloat16 and float3
 machine's memory read bandwidth (a sum over 1 GiB) as the bound for the one-row column.
 
     OMP_NUM_THREADS=2 flock /tmp/ap-test.lock timeout 900 .venv/bin/python scripts/gguf_kernel_bench.py
-        [--rows 1,4,32,512] [--form vnni|avx2|portable] [--no-head] [--torch-ops] [--gguf PATH]
+        [--rows 1,4,32,512] [--form vnni|avx2|portable] [--no-head] [--torch-ops] [--gguf PATH] [--from-memory]
 
 GB/s = the weight's bytes as stored / the time of a call (at many rows that is no longer the bound:
 us per call says the rest). --torch-ops also times torch's weight-only int4 / int8 CPU kernels at one
@@ -13,6 +13,7 @@ row (the figures gguf_kernels.py's docstring quotes)."""
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -101,9 +102,14 @@ def main() -> None:
     ap.add_argument("--form", default=None)
     ap.add_argument("--no-head", action="store_true", help="skip the 262144-row LM head")
     ap.add_argument("--torch-ops", action="store_true")
+    ap.add_argument("--from-memory", action="store_true",
+                    help="time each layer role as a decode step meets it: each call on the next layer's tensor")
     args = ap.parse_args()
     path = args.gguf or default_gguf()
     reader = gguf.GGUFReader(str(path))
+    if args.from_memory:
+        from_memory(reader, [int(r) for r in args.rows.split(",")], args.form or gk.default_form())
+        return
     types = sorted({(t.name.split(".")[-2] if t.name.startswith("blk.") else t.name, t.tensor_type.name)
                     for t in reader.tensors})
     print(f"{path.name}: tensor types {sorted({ty for _, ty in types})}")
@@ -116,6 +122,33 @@ def main() -> None:
           f"{'f32 us':>10} {'x bf16':>6} {'x f32':>6}")
     for name, kind, raw in pick_tensors(reader, not args.no_head):
         bench_tensor(name, kind, raw, rows_list, form, args.torch_ops)
+
+
+def from_memory(reader: gguf.GGUFReader, rows_list: list[int], form: str) -> None:
+    """Per layer role and row count, the median call with each call on the next layer's tensor, round all layers
+    six times (the first round left out): the weights come from memory as in a decode step, where every layer is
+    read once per token, not from the L3 a tensor called again and again sits in (the main table's figures)."""
+    roles: dict[str, list[tuple[int, torch.Tensor, int]]] = {}
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and len(t.shape) == 2 and int(t.tensor_type) in {int(g) for g in gk.GGMLType}:
+            n, k = int(t.shape[1]), int(t.shape[0])
+            raw = torch.from_numpy(np.array(t.data, copy=True).reshape(n, -1))
+            roles.setdefault(t.name.split(".")[-2], []).append((int(t.tensor_type), raw, k))
+    print(f"{'role':14} {'types':16} {'rows':>4} {'median us':>10} {'GB/s':>6} {'x layers ms':>11}")
+    for rows in rows_list:
+        for role, tensors in sorted(roles.items()):
+            xs = {k: torch.randn(rows, k) for _, _, k in tensors}
+            times = []
+            for _ in range(6):
+                for kind, raw, k in tensors:
+                    t0 = time.perf_counter()
+                    gk.matmul(xs[k], raw, kind, form=form)
+                    times.append(time.perf_counter() - t0)
+            med = statistics.median(times[len(tensors):])
+            size = sum(raw.numel() for _, raw, _ in tensors) / len(tensors)
+            kinds = ",".join(sorted({gk.GGMLType(kind).name for kind, _, _ in tensors}))
+            print(f"{role:14} {kinds:16} {rows:4} {med * 1e6:10.1f} {size / med / 1e9:6.1f} "
+                  f"{med * len(tensors) * 1e3:11.2f}", flush=True)
 
 
 def bench_tensor(name: str, kind: int, raw: np.ndarray, rows_list: list[int], form: str, with_torch_ops: bool) -> None:
