@@ -315,8 +315,16 @@ def test_what_a_description_says_is_asked_for_names_the_field() -> None:
 def test_a_boolean_declined_in_the_record_s_words_is_false_and_a_missing_one_is_still_asked_for() -> None:
     refund = flags.Reading("the customer asks for money back", True, "refund", "money back")
     for text in ("zip broke. dont need my money back, just a new zip", "I'd like a repair rather than a refund.",
-                 "Not looking for a refund, only a replacement.", "Refund not needed, thanks."):
+                 "Not looking for a refund, only a replacement.", "Refund not needed, thanks.",
+                 "I don't want to send the sofa back or ask for a refund over it.",
+                 "replacement tensioner is fine, no refund needed",
+                 "I saw that I could get a refund, but I'd rather just have a replacement lid sent.",
+                 "Agent: Would you like a refund or a replacement?\nCustomer: replacement is fine, no refund needed"):
         assert refund.decide(3.0, text)[0] is False, text  # declined: false whatever the score
+    for text in ("I don't want excuses. I want a refund.", "I don't want to wait any longer, so please refund me.",
+                 "No refund has been issued yet.", "I need a refund now! But I would rather not wait.",
+                 "Agent: I can offer you a full refund or a new unit.\nMe: the refund please"):
+        assert refund.decide(3.0, text)[0] is True, text  # not declined
     assert refund.decide(-3.0, "Refund needed asap, it broke twice.")[0] is True  # no negation: asked
     for text in ("I still haven't received my refund.", "Why can't I get a refund?", "I never got my money back."):
         assert refund.decide(3.0, text)[0] is True and refund.decide(-3.0, text)[0] is False, text  # the score's

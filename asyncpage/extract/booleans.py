@@ -60,13 +60,26 @@ _LEADS = frozenset("for a an the their his her its my your some".split())
 _VAGUE = frozenset("this that it something anything nothing more one help information info assistance support "
                    "answer response".split())
 # A record declines what it names: a negated wish right before it ("I don't want a refund", "not looking for my
-# money back", "no need for a refund"), "rather than" / "instead of" it, or "not needed" after it. Any other
-# denial ("I still haven't received my refund", "why can't I get a refund?") is how a request is often made.
+# money back", "no need for a refund"), or before a first thing it does not want either ("I don't want to send the
+# sofa back or ask for a refund"), "rather than" / "instead of" it, "not needed" after it, a "no" with "needed"
+# ("no refund needed"), or a preference for something else in the next clause ("I could get a refund, but I'd
+# rather have a replacement"). Any other denial ("I still haven't received my refund", "why can't I get a
+# refund?") is how a request is often made.
+_WISH = r"(?:want|need|require|looking\s+for|asking\s+for|interested\s+in|expecting|seeking)"
 _DECLINED_BEFORE = re.compile(r"(?:\b(?:do\s*n[o'’]?t|dont|not|never|no\s+need\s+(?:for|of))\s+(?:\w+\s+){0,2}?"
-                              r"(?:want|need|require|looking\s+for|asking\s+for|interested\s+in|expecting|seeking)"
+                              rf"(?:{_WISH}(?:\s+to(?:\s+[\w'’]+){{1,5}}\s+or(?:\s+\w+){{0,2}})?)"
                               r"|\brather\s+than|\binstead\s+of)\s+(?:\w+\s+){0,2}$", re.IGNORECASE)
 _DECLINED_AFTER = re.compile(r"\s*(?:(?:is|was)\s+not|(?:isn|wasn)['\u2019]t|not)\s+"
-                             r"(?:needed|necessary|required|wanted)\b", re.IGNORECASE)
+                             r"(?:needed|necessary|required|wanted)\b"
+                             r"|[^.!?\n]{0,40}?\bbut\s+(?:I|we)(?:['\u2019]d|\s+would)\s+(?:\w+\s+){0,2}?(?:rather|prefer)\b",
+                             re.IGNORECASE)
+# What offers it, not asks for it: an agent's "Would you like a refund or a replacement?", "I can offer you a full
+# refund" (read from the sentence's start).
+_OFFER = re.compile(r"\b(?:(?:would|do)\s+you\s+(?:like|want|prefer)|(?:I|we)\s+(?:can|could|will|would\s+be\s+happy\s+to)"
+                    r"\s+(?:offer|issue|arrange|process)|(?:happy|glad)\s+to\s+(?:offer|issue|arrange|process)|shall\s+(?:I|we))\b"
+                    r"[^.!?\n]*$", re.IGNORECASE)
+_NO_BEFORE = re.compile(r"\bno\s+$", re.IGNORECASE)  # "no refund needed": with _NEEDED after
+_NEEDED = re.compile(r"\s*(?:is\s+)?(?:needed|necessary|required|wanted)\b", re.IGNORECASE)
 # What names a policy, not a request ("a money-back guarantee", "our refund policy").
 _POLICY = re.compile(r"[\s-]*(?:guarantee|policy|policies|terms|period|window)\b", re.IGNORECASE)
 # Participles that close a boolean's name and say nothing of what a record names ("refund_requested").
@@ -159,12 +172,13 @@ def called(name: str) -> str:
 def namings_declined(phrase: str, text: str) -> tuple[int, int, int]:
     """(stated, denied, declined) namings of `phrase` in `text` (closed.namings; declined: a negated wish before
     it, "rather than" it, "not needed" after it, a part of its denied ones); none where it names a policy ("a
-    money-back guarantee", "our refund policy")."""
+    money-back guarantee", "our refund policy") or offers it ("Would you like a refund?", "I can offer a refund")."""
     said = denied = declined = 0
     for start, end, negated in naming_spans(phrase, text):
-        if _POLICY.match(text, end):
+        if _POLICY.match(text, end) or _OFFER.search(text, max(0, start - 120), start):
             continue
-        turned_down = bool(_DECLINED_BEFORE.search(text, max(0, start - 60), start) or _DECLINED_AFTER.match(text, end))
+        turned_down = bool(_DECLINED_BEFORE.search(text, max(0, start - 80), start) or _DECLINED_AFTER.match(text, end)
+                           or (_NO_BEFORE.search(text, max(0, start - 10), start) and _NEEDED.match(text, end)))
         if turned_down or negated:
             denied, declined = denied + 1, declined + turned_down
         else:
