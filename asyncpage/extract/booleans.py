@@ -75,8 +75,8 @@ _DECLINED_AFTER = re.compile(r"\s*(?:(?:is|was)\s+not|(?:isn|wasn)['\u2019]t|not
                              re.IGNORECASE)
 # What offers it, not asks for it: an agent's "Would you like a refund or a replacement?", "I can offer you a full
 # refund" (read from the sentence's start).
-_OFFER = re.compile(r"\b(?:(?:would|do)\s+you\s+(?:like|want|prefer)|(?:I|we)\s+(?:can|could|will|would\s+be\s+happy\s+to)"
-                    r"\s+(?:offer|issue|arrange|process)|(?:happy|glad)\s+to\s+(?:offer|issue|arrange|process)|shall\s+(?:I|we))\b"
+_OFFER = re.compile(r"\b(?:(?:would|do)\s+you\s+(?:like|want|prefer)"
+                    r"|(?:I|we)\s+(?:can|could|will|would\s+be\s+happy\s+to)\s+(?:offer|issue|arrange|process)|(?:happy|glad)\s+to\s+(?:offer|issue|arrange|process)|shall\s+(?:I|we))\b"
                     r"[^.!?\n]*$", re.IGNORECASE)
 _NO_BEFORE = re.compile(r"\bno\s+$", re.IGNORECASE)  # "no refund needed": with _NEEDED after
 _NEEDED = re.compile(r"\s*(?:is\s+)?(?:needed|necessary|required|wanted)\b", re.IGNORECASE)
