@@ -28,11 +28,11 @@
    gguf_form_best() says which this CPU runs (cpuid); any lower one can be asked for (the tests do).
    Results of the three agree up to float rounding (their integer sums are equal).
 
-   Decode tiles: the 32-element formats take 4 weight rows at a time (2 with AVX2 past one activation
-   row), one __m256 accumulator per (weight row, activation row), the offsets folded into the int32 dot,
-   and a software prefetch ahead of the streams; at 5-8 activation rows (VNNI form) two activation rows
-   share each 512-bit register, lane for lane the same arithmetic, in one pass over the weights
-   (rows32x2). The K-quants take 4 weight rows at one activation row (one at more), with the same
+   Decode tiles: at one or two activation rows one weight row at a time, read as one stream with a software
+   prefetch ahead of it (tile_rows says why); from three, the 32-element formats take 4 weight rows at a time
+   (2 with AVX2), one __m256 accumulator per (weight row, activation row), the offsets folded into the int32
+   dot; at 5-8 activation rows (VNNI form) two activation rows share each 512-bit register, lane for lane the
+   same arithmetic, in one pass over the weights (rows32x2). The K-quants take one weight row, with the same
    prefetch. Past 8 activation rows (VNNI form, every format) the interleaved path: 8 weight rows
    unpacked once into a scratch tile (K-quants: with their sub-block scales and mins as int32 lanes),
    activation values broadcast against it (matmul_ilv; 2.0-4.7x the tiles at 32 rows).
@@ -199,10 +199,10 @@ static void quantize_rows(const float *x, long k, int block, int offset, int row
     }
 }
 
-/* A tile kernel: wr weight rows (w, w + rb, ..; nb blocks of its type each; wr = 1, 2 or 4) against
-   activation rows r0 .. r0 + nr - 1 (nr <= tile_acts): res[i * nr + j] = dot of weight row i with activation
-   row r0 + j. Several weight rows at once give independent accumulator chains, share each activation
-   load, and amortize the per-row reduction (the LM head's rows are only 20 blocks long). */
+/* A tile kernel: wr weight rows (w, w + rb, ..; nb blocks of its type each; wr = 1, 2 or 4: tile_rows)
+   against activation rows r0 .. r0 + nr - 1 (nr <= tile_acts): res[i * nr + j] = dot of weight row i with
+   activation row r0 + j. From three activation rows, several weight rows at once give independent
+   accumulator chains and share each activation load; at one or two, one row streams faster from memory. */
 typedef void (*row_kernel)(const uint8_t *w, long rb, int wr, long nb, const Act *a, int r0, int nr, float *res);
 
 /* ---------------- portable form ---------------- */

@@ -33,6 +33,9 @@ def test_a_level_stated_in_common_words_names_its_option() -> None:
         "a slight inconvenience, nothing more": "low",
         "This is about as bad as it gets for us.": "critical", "It isn't a disaster, but it's annoying": "medium",
         "we are getting desperate, three kids share that room": "high",
+        "It is not very urgent, we can use the wardrobe for some weeks.": "low",
+        "Not the end of the world, just disappointing.": "low", "It's not really serious": "low",
+        "This is not very serious.": "low",  # the longer phrase hides "very serious" inside it
     }
     for text, level in stated.items():
         assert _said(SEVERITY, text) == [level], text

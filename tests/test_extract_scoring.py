@@ -696,6 +696,14 @@ def test_an_id_the_record_labels_as_another_kind_of_number_is_refused() -> None:
     assert need("Order / tracking number 55120", "55120") == 0.0
     assert need("Account ID: ORDER-55190", "ORDER-55190") == 0.0
     assert need("tracking number 1Z999AA10123456784", "1Z999AA10123456784", ("tracking",), "tracking_number") == 0.0
+    assert need("Merchant ID 600218847\nSofia", "600218847") == need("Acct no. 55120", "55120") == OTHERWISE
+    # a kind's word that labels nothing, or its label away from the span: not refused
+    for text in ("Hi, the parcel for 55120 never arrived.", "In case it helps: 55120", "The device I bought, 55120",
+                 "My order, placed with my credit card on the 3rd, is 55120", "tracking shows delivered (55120)"):
+        assert need(text, "55120") != OTHERWISE, text
+    # a field that is itself such a number is not refused one labeled by a kin's word
+    assert need("Mobile: 07700 900123", "07700 900123", ("phone",), "phone") != OTHERWISE
+    assert need("Member ID: 12345", "12345", ("customer",), "customer_id") != OTHERWISE
     # labeled so in one place and plainly in another: not refused; a field whose name holds no digit: not read so
     assert need("Merchant ID 600218847. My order was 600218847.", "600218847") == 0.0
     assert need("Account: Mosswell Health", "Mosswell Health", ("company",), "company") != OTHERWISE

@@ -70,14 +70,18 @@ TAIL = 40  # characters a near stretch may run on to end its word (near)
 MAX_NEAR = 16  # near stretches read at most
 NO_DIGIT = math.inf  # a span without a digit for a field whose name says it holds one (doubt): never
 OTHERWISE = math.inf  # an id's span the record labels as another kind of number (doubt): never
-LABEL = 40  # characters before a span, back to its line's start or its sentence's, that label it (named_otherwise)
-# Kinds of number a record labels that are not the one its field names ("Account ID: ACC-55190", "Merchant ID
-# 600218847", "tracking (RM 8840 2291 6GB)", "Support PIN: 7720", "Warranty card serial 88-2019-A"): a field
-# named by one of them (tracking_number) is not refused its own.
-_OTHER_KINDS = re.compile(
-    r"\b(?:account|acct|tracking|transaction|merchant|case|ticket|serial|pin|warranty|phone|tel|mobile|member|"
-    r"membership|policy|claim|fault|licen[cs]e|imei|iban|vat|tax|sku|model|part|device|incident|session|parcel|"
-    r"shipment|consignment|waybill|courier|bank|card|rma)s?\b", re.IGNORECASE)
+# Kinds of number a record may label right before one ("Account ID: ACC-55190", "Merchant ID 600218847", "Support
+# PIN: 7720", "transaction IDs 4410298873 and 4410298874", "Warranty card serial 88-2019-A"), and the words of
+# fields that are such numbers themselves (a phone, an account, a tracking number...), which are not read so: one
+# kind is often labeled by another's word ("Mobile:" for a phone, "Member ID" for a customer id).
+_KINDS = ("account acct tracking transaction merchant case ticket serial pin warranty phone tel telephone mobile "
+          "member membership policy claim fault licence license imei iban vat tax sku model part device incident "
+          "session parcel shipment consignment waybill courier bank card rma customer client user contact").split()
+_KIND_WORDS = frozenset(_KINDS)
+# The label: a kind, an id noun, a colon or "#", at most one more id of a list before the span, then the span.
+_LABELED = re.compile(r"\b(?:" + "|".join(_KINDS) + r")s?(?:\s+(?:id|ids|number|numbers|no\.?|nr\.?|num|code|"
+                      r"ref|reference|pin))?\s*(?:[:#]\s*)?(?:is\s+|was\s+)?(?:\S+(?:,\s*|\s+and\s+))?$",
+                      re.IGNORECASE)
 # Words of a field's name that say its value holds a digit (an id, a number, a phone): not "code" or "ref", which
 # may be words ("SUMMERSALE").
 _NUMBERED = frozenset("id identifier number num no nr serial phone telephone tel zip postcode iban imei vin isbn ean "
@@ -126,7 +130,7 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
     if not words or not span:
         return 0.0
     pattern = re.compile(r"\b(?:" + "|".join(map(re.escape, words)) + ")", re.IGNORECASE)
-    if numbered(field) and named_otherwise(text, span, pattern):
+    if numbered(field) and not _KIND_WORDS.intersection(words) and named_otherwise(text, span, pattern):
         return OTHERWISE
     if not pattern.search(text):
         return NAMELESS
@@ -139,16 +143,17 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
 
 
 def named_otherwise(text: str, span: str, own: re.Pattern[str]) -> bool:
-    """Whether every place `text` holds `span` labels it as another kind of number (_OTHER_KINDS) than the field
-    `own` matches the words of: the LABEL characters before it, back to its line's start or its sentence's
-    ("Account ID: ", "Merchant ID ", "transaction IDs 4410298873 and "), hold such a kind and not the field's
-    own word, nor does the span ("ORDER-55123"). False where the span is not in the text."""
+    """Whether every place `text` holds `span` is labeled, right before it, as another kind of number than the field
+    `own` matches the words of (_LABELED: "Account ID: ", "Merchant ID ", "transaction IDs 4410298873 and "), the
+    label (from its line's start, at most 48 characters) and the span without the field's own word ("Order /
+    account no. 55120", "ORDER-55123" are not). False where the span is not in the text."""
+    if not span or own.search(span):
+        return False
     i, seen = text.find(span), False
     while i >= 0:
-        label = text[max(0, i - LABEL) : i]
-        cut = max(label.rfind("\n"), label.rfind(". "), label.rfind("? "), label.rfind("! "))
-        label = label[cut + 1 :]
-        if own.search(label) or own.search(span) or not _OTHER_KINDS.search(label):
+        line = text[max(0, i - 48) : i].rsplit("\n", 1)[-1]
+        m = _LABELED.search(line)
+        if m is None or own.search(line[max(0, m.start() - 16) :]):
             return False
         seen = True
         i = text.find(span, i + 1)
