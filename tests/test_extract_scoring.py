@@ -707,3 +707,20 @@ def test_an_id_the_record_labels_as_another_kind_of_number_is_refused() -> None:
     # labeled so in one place and plainly in another: not refused; a field whose name holds no digit: not read so
     assert need("Merchant ID 600218847. My order was 600218847.", "600218847") == 0.0
     assert need("Account: Mosswell Health", "Mosswell Health", ("company",), "company") != OTHERWISE
+
+
+def test_a_product_s_value_is_its_name_without_the_common_nouns_that_close_its_phrase() -> None:
+    from asyncpage.extract import ends
+
+    for phrase, name in (("Havenbrook Mira 3-seater sofa", "Havenbrook Mira"), ("Velocita Strada 3 e-bike",
+                         "Velocita Strada 3"), ("Sleepmoor Cloud Hybrid mattress (Queen)", "Sleepmoor Cloud Hybrid"),
+                         ("iRobot Roomba i7 robot vacuum", "iRobot Roomba i7"),
+                         ("Zephyra Phone 8 Lite", "Zephyra Phone 8 Lite"),
+                         ("baby monitor", "baby monitor")):  # nothing named left: the phrase as it is
+        assert ends.name_of(phrase) == name, phrase
+    assert ends.names_a_thing("product") and ends.names_a_thing("deviceModel") and not ends.names_a_thing("customer")
+    text = "We love the Havenbrook Mira 3-seater sofa we got."
+    everything = ends.candidates(text, "Havenbrook Mira 3-seater sofa", lambda c: True)
+    assert everything[-1] == "Havenbrook Mira 3-seater sofa"  # any field: every end is read
+    assert ends.candidates(text, "Havenbrook Mira 3-seater sofa", lambda c: True, named=True) == \
+        ["Havenbrook", "Havenbrook Mira"]  # a thing's name: none past it into common nouns

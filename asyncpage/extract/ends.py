@@ -6,26 +6,57 @@ lone "my", none the field's schema refuses. The figures: docs/extraction.md, "De
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from asyncpage.extract import grounding
 from asyncpage.extract.probes import Probe
-from asyncpage.extract.readings import LINE_END
+from asyncpage.extract.readings import LINE_END, name_words
 
 if TYPE_CHECKING:
     from asyncpage.core.client import EngineClient
     from asyncpage.extract.probes import Scored
 
 
-def candidates(text: str, wrote: str, holds: Callable[[str], bool]) -> list[str]:
-    """The ends read for a value the model wrote in `text`'s field: [] where there is nothing but its own."""
+# Words of a field's name that say its value is a proper name of a thing (its maker's, its model's), not the noun
+# phrase around it ("product", "brand", "deviceModel").
+NAMES = frozenset("product products brand brands make manufacturer maker vendor model device company".split())
+# A common noun closing a name's phrase: a lowercase word ("sofa", "e-bike", "desk lamp"), a measure-led one
+# ("3-seater", "3-door") or a bracket ("(Queen)").
+_COMMON = re.compile(r"[a-z][a-z'’]*(?:-[a-z]+)*|\d+-[a-z]+(?:-[a-z]+)*|\([^()]*\)")
+
+
+def names_a_thing(field: str) -> bool:
+    """Whether a field's name says its value is a thing's name (`NAMES`: "product", "brand", "deviceModel")."""
+    return bool(NAMES.intersection(name_words(field)))
+
+
+def name_of(phrase: str) -> str:
+    """A thing's name without the common nouns that close its phrase ("Havenbrook Mira" of "Havenbrook Mira 3-seater
+    sofa", "Sleepmoor Cloud Hybrid" of "Sleepmoor Cloud Hybrid mattress (Queen)"); the phrase itself where nothing
+    closes it or nothing named is left ("baby monitor")."""
+    words = phrase.split()
+    end = len(words)
+    while end > 0 and _COMMON.fullmatch(words[end - 1]):
+        end -= 1
+    name = " ".join(words[:end])
+    return name if name and any(ch.isupper() or ch.isdigit() for ch in name) else phrase
+
+
+def candidates(text: str, wrote: str, holds: Callable[[str], bool], named: bool = False) -> list[str]:
+    """The ends read for a value the model wrote in `text`'s field: [] where there is nothing but its own. `named`: the
+    field's value is a thing's name (`NAMES`), so an end that runs on past it into common nouns is not read where its
+    name alone is ("Havenbrook Mira", not "Havenbrook Mira 3-seater sofa": on 80 spent tickets the line's reading
+    kept the whole phrase for six products a name ends)."""
     value = wrote
     while (head := value.split(maxsplit=1))[0].lower() in grounding.ARTICLES and len(head) > 1:
         value = head[1]  # "The Glossvane Sleek 3 straightener": a name opens after its article
     cands = list(dict.fromkeys(c for v in (value, *grounding.widened(text, value))
                                for c in grounding.word_prefixes(v)))  # "Flame 6", "Juniperra Flame 6"
     cands = [c for c in cands if any(ch.isalnum() for ch in c) and c.lower() not in grounding.DETERMINERS and holds(c)]
+    if named:
+        cands = [c for c in cands if name_of(c) == c or name_of(c) not in cands]
     return [] if not cands or cands == [wrote] else cands
 
 
