@@ -701,7 +701,10 @@ def test_an_id_the_record_labels_as_another_kind_of_number_is_refused() -> None:
     for text in ("Hi, the parcel for 55120 never arrived.", "In case it helps: 55120", "The device I bought, 55120",
                  "My order, placed with my credit card on the 3rd, is 55120", "tracking shows delivered (55120)"):
         assert need(text, "55120") != OTHERWISE, text
-    # a field that is itself such a number is not refused one labeled by a kin's word
+    assert need("Order ref on my business account: 5512", "5512") != OTHERWISE  # its own word on the line
+    # a field that is itself such a number, or any but an order's, is not refused one labeled by a kin's word
+    assert need("Mobile: 07700 900123", "07700 900123", ("callback",), "callback_number") != OTHERWISE
+    assert need("RMA number: 5512", "5512", ("return",), "return_id") != OTHERWISE
     assert need("Mobile: 07700 900123", "07700 900123", ("phone",), "phone") != OTHERWISE
     assert need("Member ID: 12345", "12345", ("customer",), "customer_id") != OTHERWISE
     # labeled so in one place and plainly in another: not refused; a field whose name holds no digit: not read so
@@ -718,7 +721,11 @@ def test_a_product_s_value_is_its_name_without_the_common_nouns_that_close_its_p
                          ("Zephyra Phone 8 Lite", "Zephyra Phone 8 Lite"),
                          ("baby monitor", "baby monitor")):  # nothing named left: the phrase as it is
         assert ends.name_of(phrase) == name, phrase
-    assert ends.names_a_thing("product") and ends.names_a_thing("deviceModel") and not ends.names_a_thing("customer")
+    assert ends.name_of("Havenbrook Mira sofa, grey") == "Havenbrook Mira"
+    assert ends.name_of("Havenbrook Mira sofa (5th gen)") == "Havenbrook Mira"
+    assert ends.names_a_brand("product", "\n\nThe product brand the ticket is about:") and ends.names_a_brand("make")
+    for field in ("product", "product_issue", "device_problem", "company_address", "deviceModel"):
+        assert not ends.names_a_brand(field, f"\n\n{field}:"), field  # a thing, not its brand: never trimmed
     text = "We love the Havenbrook Mira 3-seater sofa we got."
     everything = ends.candidates(text, "Havenbrook Mira 3-seater sofa", lambda c: True)
     assert everything[-1] == "Havenbrook Mira 3-seater sofa"  # any field: every end is read

@@ -316,14 +316,17 @@ def test_a_boolean_declined_in_the_record_s_words_is_false_and_a_missing_one_is_
     refund = flags.Reading("the customer asks for money back", True, "refund", "money back")
     for text in ("zip broke. dont need my money back, just a new zip", "I'd like a repair rather than a refund.",
                  "Not looking for a refund, only a replacement.", "Refund not needed, thanks.",
-                 "I don't want to send the sofa back or ask for a refund over it.",
                  "replacement tensioner is fine, no refund needed",
                  "I saw that I could get a refund, but I'd rather just have a replacement lid sent.",
                  "Agent: Would you like a refund or a replacement?\nCustomer: replacement is fine, no refund needed"):
         assert refund.decide(3.0, text)[0] is False, text  # declined: false whatever the score
     for text in ("I don't want excuses. I want a refund.", "I don't want to wait any longer, so please refund me.",
                  "No refund has been issued yet.", "I need a refund now! But I would rather not wait.",
-                 "Agent: I can offer you a full refund or a new unit.\nMe: the refund please"):
+                 "Agent: I can offer you a full refund or a new unit.\nMe: the refund please",
+                 "I don't want to wait weeks or months for a refund.", "I want a refund, but I'd rather not wait.",
+                 "I'd like a refund, but we would prefer it to go on the original card.",
+                 "I can process the return myself, I just need a refund.",
+                 "Do you want me to send it back for a refund or will you collect it?"):
         assert refund.decide(3.0, text)[0] is True, text  # not declined
     assert refund.decide(-3.0, "Refund needed asap, it broke twice.")[0] is True  # no negation: asked
     for text in ("I still haven't received my refund.", "Why can't I get a refund?", "I never got my money back."):

@@ -60,24 +60,22 @@ _LEADS = frozenset("for a an the their his her its my your some".split())
 _VAGUE = frozenset("this that it something anything nothing more one help information info assistance support "
                    "answer response".split())
 # A record declines what it names: a negated wish right before it ("I don't want a refund", "not looking for my
-# money back", "no need for a refund"), or before a first thing it does not want either ("I don't want to send the
-# sofa back or ask for a refund"), "rather than" / "instead of" it, "not needed" after it, a "no" with "needed"
-# ("no refund needed"), or a preference for something else in the next clause ("I could get a refund, but I'd
-# rather have a replacement"). Any other denial ("I still haven't received my refund", "why can't I get a
-# refund?") is how a request is often made.
-_WISH = r"(?:want|need|require|looking\s+for|asking\s+for|interested\s+in|expecting|seeking)"
+# money back", "no need for a refund"), "rather than" / "instead of" it, "not needed" after it, a "no" with "needed"
+# ("no refund needed"), or a preference for another remedy in the next clause ("I could get a refund, but I'd rather
+# just have a replacement sent"; not "but I'd rather not wait"). Any other denial ("I still haven't received my
+# refund", "why can't I get a refund?") is how a request is often made.
 _DECLINED_BEFORE = re.compile(r"(?:\b(?:do\s*n[o'’]?t|dont|not|never|no\s+need\s+(?:for|of))\s+(?:\w+\s+){0,2}?"
-                              rf"(?:{_WISH}(?:\s+to(?:\s+[\w'’]+){{1,5}}\s+or(?:\s+\w+){{0,2}})?)"
+                              r"(?:want|need|require|looking\s+for|asking\s+for|interested\s+in|expecting|seeking)"
                               r"|\brather\s+than|\binstead\s+of)\s+(?:\w+\s+){0,2}$", re.IGNORECASE)
+_REMEDY = r"(?:replacement|repair|exchange|swap|new\s+one|store\s+credit|voucher)"
 _DECLINED_AFTER = re.compile(r"\s*(?:(?:is|was)\s+not|(?:isn|wasn)['\u2019]t|not)\s+"
                              r"(?:needed|necessary|required|wanted)\b"
-                             r"|[^.!?\n]{0,40}?\bbut\s+(?:I|we)(?:['\u2019]d|\s+would)\s+(?:\w+\s+){0,2}?(?:rather|prefer)\b",
-                             re.IGNORECASE)
-# What offers it, not asks for it: an agent's "Would you like a refund or a replacement?", "I can offer you a full
-# refund" (read from the sentence's start).
-_OFFER = re.compile(r"\b(?:(?:would|do)\s+you\s+(?:like|want|prefer)"
-                    r"|(?:I|we)\s+(?:can|could|will|would\s+be\s+happy\s+to)\s+(?:offer|issue|arrange|process)|(?:happy|glad)\s+to\s+(?:offer|issue|arrange|process)|shall\s+(?:I|we))\b"
-                    r"[^.!?\n]*$", re.IGNORECASE)
+                             r"|[^.!?\n]{0,40}?\bbut\s+(?:I|we)(?:['\u2019]d|\s+would)\s+(?:just\s+|really\s+)?"
+                             rf"(?:rather|prefer)\s+(?:\w+\s+){{0,4}}?{_REMEDY}\b", re.IGNORECASE)
+# What an agent offers, not what is asked for: "Would you like a refund or a replacement?", "I can offer you a full
+# refund" (the naming within three words of the offer).
+_OFFER = re.compile(r"\b(?:(?:would|do)\s+you\s+(?:like|want|prefer)|(?:I|we)\s+(?:can|could)\s+offer(?:\s+you)?)"
+                    r"(?:\s+[\w-]+){0,3}?\s+$", re.IGNORECASE)
 _NO_BEFORE = re.compile(r"\bno\s+$", re.IGNORECASE)  # "no refund needed": with _NEEDED after
 _NEEDED = re.compile(r"\s*(?:is\s+)?(?:needed|necessary|required|wanted)\b", re.IGNORECASE)
 # What names a policy, not a request ("a money-back guarantee", "our refund policy").
@@ -175,7 +173,7 @@ def namings_declined(phrase: str, text: str) -> tuple[int, int, int]:
     money-back guarantee", "our refund policy") or offers it ("Would you like a refund?", "I can offer a refund")."""
     said = denied = declined = 0
     for start, end, negated in naming_spans(phrase, text):
-        if _POLICY.match(text, end) or _OFFER.search(text, max(0, start - 120), start):
+        if _POLICY.match(text, end) or _OFFER.search(text, max(0, start - 60), start):
             continue
         turned_down = bool(_DECLINED_BEFORE.search(text, max(0, start - 80), start) or _DECLINED_AFTER.match(text, end)
                            or (_NO_BEFORE.search(text, max(0, start - 10), start) and _NEEDED.match(text, end)))

@@ -310,7 +310,7 @@ class Plan:
     async def _read_ends(self, engine: EngineClient) -> None:
         for name, wrote in self.wrote_ends.items():
             cands = ends.candidates(self.text, wrote, functools.partial(self.d.holds, name),
-                                    named=ends.names_a_thing(name))
+                                    named=ends.names_a_brand(name, self.d.ends[name]))
             if cands and (found := await ends.probes(engine, self.text, self.d.ends[name], cands)) is not None:
                 self.trims[name] = found
                 self.now += list(found.values())
@@ -438,8 +438,9 @@ class Plan:
                     decided[name] = json.loads(found.text[len(self.bridge[name]):])
                 except ValueError:
                     shares.pop(name)
-        for name, (span, share) in self.starts.outcome(self._got, decided).items():  # a thing's name without its noun
-            decided[name], shares[name] = ends.name_of(span) if ends.names_a_thing(name) else span, share
+        for name, (span, share) in self.starts.outcome(self._got, decided).items():  # a brand without its noun
+            brand = ends.names_a_brand(name, self.d.ends.get(name, ""))
+            decided[name], shares[name] = ends.name_of(span) if brand else span, share
         for name in [n for n, v in decided.items() if not self.d.holds(n, v)]:
             del decided[name]  # a span or a value its search found that the field's whole schema refuses
             shares.pop(name, None)

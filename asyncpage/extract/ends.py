@@ -19,24 +19,29 @@ if TYPE_CHECKING:
     from asyncpage.extract.probes import Scored
 
 
-# Words of a field's name that say its value is a proper name of a thing (its maker's, its model's), not the noun
-# phrase around it ("product", "brand", "deviceModel").
-NAMES = frozenset("product products brand brands make manufacturer maker vendor model device company".split())
-# A common noun closing a name's phrase: a lowercase word ("sofa", "e-bike", "desk lamp"), a measure-led one
-# ("3-seater", "3-door") or a bracket ("(Queen)").
-_COMMON = re.compile(r"[a-z][a-z'’]*(?:-[a-z]+)*|\d+-[a-z]+(?:-[a-z]+)*|\([^()]*\)")
+# Words of a field's name or its described line that say its value is a brand: a proper name, never the noun
+# phrase around it ("the product brand the ticket is about").
+BRAND = frozenset("brand brands make manufacturer maker vendor".split())
+# A common noun closing a name's phrase: a lowercase word ("sofa", "e-bike", "desk lamp") or a measure-led one
+# ("3-seater", "3-door"); a bracket ("(Queen size)") and a comma's tail ("sofa, grey") go first.
+_COMMON = re.compile(r"[a-z][a-z'’]*(?:-[a-z]+)*|\d+-[a-z]+(?:-[a-z]+)*")
+_TAIL = re.compile(r"(?:\s*\([^()]*\)|,[^,]*)$")
 
 
-def names_a_thing(field: str) -> bool:
-    """Whether a field's name says its value is a thing's name (`NAMES`: "product", "brand", "deviceModel")."""
-    return bool(NAMES.intersection(name_words(field)))
+def names_a_brand(field: str, line: str = "") -> bool:
+    """Whether a field's name or its described line (`line`) says its value is a brand (`BRAND`)."""
+    return bool(BRAND.intersection(name_words(field) + re.findall(r"[a-z]+", line.lower())))
 
 
 def name_of(phrase: str) -> str:
-    """A thing's name without the common nouns that close its phrase ("Havenbrook Mira" of "Havenbrook Mira 3-seater
-    sofa", "Sleepmoor Cloud Hybrid" of "Sleepmoor Cloud Hybrid mattress (Queen)"); the phrase itself where nothing
-    closes it or nothing named is left ("baby monitor")."""
-    words = phrase.split()
+    """A brand's name without the common nouns that close its phrase ("Havenbrook Mira" of "Havenbrook Mira 3-seater
+    sofa", "Sleepmoor Cloud Hybrid" of "Sleepmoor Cloud Hybrid mattress (Queen size)"); the phrase itself where
+    nothing closes it or nothing named is left ("baby monitor"). A lowercase word of a model's name goes too ("Pixel 8
+    pro" gives "Pixel 8"): only for a field that asks for a brand."""
+    rest = phrase
+    while (cut := _TAIL.sub("", rest)) != rest and cut.strip():
+        rest = cut
+    words = rest.split()
     end = len(words)
     while end > 0 and _COMMON.fullmatch(words[end - 1]):
         end -= 1
@@ -46,8 +51,8 @@ def name_of(phrase: str) -> str:
 
 def candidates(text: str, wrote: str, holds: Callable[[str], bool], named: bool = False) -> list[str]:
     """The ends read for a value the model wrote in `text`'s field: [] where there is nothing but its own. `named`: the
-    field's value is a thing's name (`NAMES`), so an end that runs on past it into common nouns is not read where its
-    name alone is ("Havenbrook Mira", not "Havenbrook Mira 3-seater sofa": on 80 spent tickets the line's reading
+    field asks for a brand (`names_a_brand`), so an end that runs on past its name into common nouns is not read where
+    its name alone is ("Havenbrook Mira", not "Havenbrook Mira 3-seater sofa": on 80 spent tickets the line's reading
     kept the whole phrase for six products a name ends)."""
     value = wrote
     while (head := value.split(maxsplit=1))[0].lower() in grounding.ARTICLES and len(head) > 1:

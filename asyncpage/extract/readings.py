@@ -78,6 +78,9 @@ _KINDS = ("account acct tracking transaction merchant case ticket serial pin war
           "member membership policy claim fault licence license imei iban vat tax sku model part device incident "
           "session parcel shipment consignment waybill courier bank card rma customer client user contact").split()
 _KIND_WORDS = frozenset(_KINDS)
+# The fields read so: an order's id ("order_id", "purchaseNumber", "booking_ref"), whose record's other numbers are
+# labeled as other kinds; a field of another kind has kin that label its own ("Mobile:" for a callback number).
+_ORDERS = frozenset("order orders purchase booking reservation".split())
 # The label: a kind, an id noun, a colon or "#", at most one more id of a list before the span, then the span.
 _LABELED = re.compile(r"\b(?:" + "|".join(_KINDS) + r")s?(?:\s+(?:id|ids|number|numbers|no\.?|nr\.?|num|code|"
                       r"ref|reference|pin))?\s*(?:[:#]\s*)?(?:is\s+|was\s+)?(?:\S+(?:,\s*|\s+and\s+))?$",
@@ -121,7 +124,7 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
     NEAR characters before the span or inside it ("Order #A-1", "ORDER-55123"), or where the field has no such
     word; NAMELESS where the record never names it; ELSEWHERE (e^8) where it names it only away from the span:
     the span is then likely another number (a tracking or serial number where the order id was asked);
-    OTHERWISE (never) for an id (`numbered`) the record labels as another kind of number (`named_otherwise`). And
+    OTHERWISE (never) for an order's id (_ORDERS) the record labels as another kind of number (`named_otherwise`). And
     NO_DIGIT (never) where `field`'s name says its value holds a digit (`numbered`) and the span has none: a form's
     "(left blank)" or "N/A (bought in a shop)" as the order id. So a digit-less id ("XKQZTB") is null there, unless
     the field's schema (`branch`) gives its own `pattern`, which then says what its values look like."""
@@ -130,7 +133,8 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
     if not words or not span:
         return 0.0
     pattern = re.compile(r"\b(?:" + "|".join(map(re.escape, words)) + ")", re.IGNORECASE)
-    if numbered(field) and not _KIND_WORDS.intersection(words) and named_otherwise(text, span, pattern):
+    if numbered(field) and _ORDERS.intersection(words) and not _KIND_WORDS.intersection(words) and \
+            named_otherwise(text, span, pattern):
         return OTHERWISE
     if not pattern.search(text):
         return NAMELESS
@@ -145,15 +149,14 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
 def named_otherwise(text: str, span: str, own: re.Pattern[str]) -> bool:
     """Whether every place `text` holds `span` is labeled, right before it, as another kind of number than the field
     `own` matches the words of (_LABELED: "Account ID: ", "Merchant ID ", "transaction IDs 4410298873 and "), the
-    label (from its line's start, at most 48 characters) and the span without the field's own word ("Order /
-    account no. 55120", "ORDER-55123" are not). False where the span is not in the text."""
+    48 characters before it on its line and the span without the field's own word ("Order / account no. 55120",
+    "Order ref on my business account: 5512", "ORDER-55123" are not). False where the span is not in the text."""
     if not span or own.search(span):
         return False
     i, seen = text.find(span), False
     while i >= 0:
         line = text[max(0, i - 48) : i].rsplit("\n", 1)[-1]
-        m = _LABELED.search(line)
-        if m is None or own.search(line[max(0, m.start() - 16) :]):
+        if _LABELED.search(line) is None or own.search(line):
             return False
         seen = True
         i = text.find(span, i + 1)
