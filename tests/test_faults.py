@@ -346,8 +346,9 @@ async def test_a_dead_engine_answers_openai_clients_with_503_not_a_crash(tiny_ll
     fail_at_step(engine, 2, "injected device failure")
     async with engine:
         client = engine.openai_client()
-        with pytest.raises(openai.APIStatusError) as e:
-            await client.completions.create(model="m", prompt="Hello there", max_tokens=8)
+        with pytest.raises(openai.APIStatusError) as e:  # EOS ignored: the request reaches the failing step
+            await client.completions.create(model="m", prompt="Hello there", max_tokens=8,
+                                            extra_body={"ignore_eos": True})
         assert e.value.status_code == 503
         with pytest.raises(openai.APIStatusError) as e:  # every later request, and the model list, say so
             await client.completions.create(model="m", prompt="again", max_tokens=2)
