@@ -284,18 +284,11 @@ static void mat_part(const Mat *m, const Act *a, const float *xf, int rows, long
         void *u = aligned_alloc(32, kq ? (size_t)m->nb * sizeof(KTile_vnni) : (size_t)m->nb * 8 * sizeof(__m256i));
         float *dw = kq ? NULL : aligned_alloc(32, (size_t)m->nb * 8 * sizeof(float));
         if (u != NULL && (kq || dw != NULL)) {
-            for (long i = i0; i < i1; i += 8) {
-                const int wr = i1 - i >= 8 ? 8 : (int)(i1 - i);
-                float *o = out + i - col0;
-                if (kq)
-                    ilvk_group_vnni(m->type, m->w + i * m->rb, m->rb, wr, a, rows, o, ldo, u);
-                else
-                    ilv_group_vnni(m->type, m->w + i * m->rb, m->rb, wr, a, rows, o, ldo, u, dw);
-                if (m->bias)
-                    for (int r = 0; r < rows; r++)
-                        for (int t = 0; t < wr; t++)
-                            o[(long)r * ldo + t] += m->bias[i + t];
-            }
+            ilv_range_vnni(m->type, m->w, m->rb, i0, i1, a, rows, out + i0 - col0, ldo, u, dw);
+            if (m->bias)
+                for (int r = 0; r < rows; r++)
+                    for (long i = i0; i < i1; i++)
+                        out[(long)r * ldo + i - col0] += m->bias[i];
             free(u);
             free(dw);
             return;

@@ -1155,6 +1155,20 @@ static void F(ilvk_group)(int type, const uint8_t *w, long rb, int wr, const Act
 
 /* gguf_matmul's many-row path (its checks done, activations rounded): out [rows, n]. E_MEMORY when a
    thread's scratch could not be had (some outputs then unwritten). */
+/* Weight rows [i0, i1) (rb bytes each, from w) through the interleaved path, 8 at a time, against activation rows
+   0..rows-1: out[r * ldo + i - i0]. u, dw: one group's unpacked tile (dw unused for the K-quants). matmul_ilv's
+   groups and the fused step's matrix parts past 8 rows (cpu_forward.c mat_part) both go through here. */
+static void F(ilv_range)(int type, const uint8_t *w, long rb, long i0, long i1, const Act *a, int rows, float *out,
+                        long ldo, void *u, float *dw) {
+    for (long i = i0; i < i1; i += 8) {
+        const int wr = i1 - i >= 8 ? 8 : (int)(i1 - i);
+        if (gguf_block_elems(type) == 256)
+            F(ilvk_group)(type, w + i * rb, rb, wr, a, rows, out + (i - i0), ldo, u);
+        else
+            F(ilv_group)(type, w + i * rb, rb, wr, a, rows, out + (i - i0), ldo, u, dw);
+    }
+}
+
 static int F(matmul_ilv)(int type, const Act *a, const uint8_t *w, long n, long row_bytes, int rows, int threads,
                          float *out) {
     const long nb = a->nb, groups = (n + 7) / 8;
@@ -1174,11 +1188,7 @@ static int F(matmul_ilv)(int type, const Act *a, const uint8_t *w, long n, long 
             if (u == NULL || dw == NULL)
                 continue;
             const long i0 = 8 * g;
-            const int wr = n - i0 >= 8 ? 8 : (int)(n - i0);
-            if (kq)
-                F(ilvk_group)(type, w + i0 * row_bytes, row_bytes, wr, a, rows, out + i0, n, u);
-            else
-                F(ilv_group)(type, w + i0 * row_bytes, row_bytes, wr, a, rows, out + i0, n, u, dw);
+            F(ilv_range)(type, w, row_bytes, i0, i0 + 8 < n ? i0 + 8 : n, a, rows, out + i0, n, u, dw);
         }
         free(u);
         free(dw);

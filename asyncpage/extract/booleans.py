@@ -68,8 +68,8 @@ _DECLINED_BEFORE = re.compile(r"(?:\b(?:do\s*n[o'’]?t|dont|not|never|no\s+need
                               r"(?:want|need|require|looking\s+for|asking\s+for|interested\s+in|expecting|seeking)"
                               r"|\brather\s+than|\binstead\s+of)\s+(?:\w+\s+){0,2}$", re.IGNORECASE)
 _REMEDY = r"(?:replacement|repair|exchange|swap|new\s+one|store\s+credit|voucher)"
-_DECLINED_AFTER = re.compile(r"\s*(?:(?:is|was)\s+not|(?:isn|wasn)['\u2019]t|not)\s+"
-                             r"(?:needed|necessary|required|wanted)\b"
+_NEEDED_WORDS = r"(?:needed|necessary|required|wanted)\b"
+_DECLINED_AFTER = re.compile(r"\s*(?:(?:is|was)\s+not|(?:isn|wasn)['\u2019]t|not)\s+" + _NEEDED_WORDS +
                              r"|[^.!?\n]{0,40}?\bbut\s+(?:I|we)(?:['\u2019]d|\s+would)\s+(?:just\s+|really\s+)?"
                              rf"(?:rather|prefer)\s+(?:\w+\s+){{0,4}}?{_REMEDY}\b", re.IGNORECASE)
 # What an agent offers, not what is asked for: "Would you like a refund or a replacement?", "I can offer you a full
@@ -77,7 +77,7 @@ _DECLINED_AFTER = re.compile(r"\s*(?:(?:is|was)\s+not|(?:isn|wasn)['\u2019]t|not
 _OFFER = re.compile(r"\b(?:(?:would|do)\s+you\s+(?:like|want|prefer)|(?:I|we)\s+(?:can|could)\s+offer(?:\s+you)?)"
                     r"(?:\s+[\w-]+){0,3}?\s+$", re.IGNORECASE)
 _NO_BEFORE = re.compile(r"\bno\s+$", re.IGNORECASE)  # "no refund needed": with _NEEDED after
-_NEEDED = re.compile(r"\s*(?:is\s+)?(?:needed|necessary|required|wanted)\b", re.IGNORECASE)
+_NEEDED = re.compile(r"\s*(?:is\s+)?" + _NEEDED_WORDS, re.IGNORECASE)
 # What names a policy, not a request ("a money-back guarantee", "our refund policy").
 _POLICY = re.compile(r"[\s-]*(?:guarantee|policy|policies|terms|period|window)\b", re.IGNORECASE)
 # Participles that close a boolean's name and say nothing of what a record names ("refund_requested").

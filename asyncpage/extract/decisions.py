@@ -91,6 +91,7 @@ class Decider:
             if isinstance(p, dict) and p.get(grounding.COPY) is True and name not in self.spans:
                 self.ends[name] = described(name, p)
                 self.branches[name] = p
+        self.brands = {n for n, lead in self.ends.items() if ends.names_a_brand(n, lead)}  # a name, no common noun
         self.offsets: dict[str, float] = {}  # a statement's (or a heading's) key -> its mean on the references
         self.margins: dict[str, float] = {}  # a null-or-present field -> its mean margin on the references
         decided = {*self.readings, *self.options, *self.spans, *self.present, *self.ends}
@@ -310,7 +311,7 @@ class Plan:
     async def _read_ends(self, engine: EngineClient) -> None:
         for name, wrote in self.wrote_ends.items():
             cands = ends.candidates(self.text, wrote, functools.partial(self.d.holds, name),
-                                    named=ends.names_a_brand(name, self.d.ends[name]))
+                                    named=name in self.d.brands)
             if cands and (found := await ends.probes(engine, self.text, self.d.ends[name], cands)) is not None:
                 self.trims[name] = found
                 self.now += list(found.values())
@@ -439,8 +440,7 @@ class Plan:
                 except ValueError:
                     shares.pop(name)
         for name, (span, share) in self.starts.outcome(self._got, decided).items():  # a brand without its noun
-            brand = ends.names_a_brand(name, self.d.ends.get(name, ""))
-            decided[name], shares[name] = ends.name_of(span) if brand else span, share
+            decided[name], shares[name] = ends.name_of(span) if name in self.d.brands else span, share
         for name in [n for n, v in decided.items() if not self.d.holds(n, v)]:
             del decided[name]  # a span or a value its search found that the field's whole schema refuses
             shares.pop(name, None)
