@@ -223,3 +223,27 @@ def test_temperatures_below_float_range_are_greedy(t: float) -> None:
     out = sample(logits, [SampleSpec(i, SamplingParams(temperature=t), torch.Generator().manual_seed(i))
                           for i in range(8)])
     assert out.tokens == logits.argmax(-1).tolist() and not out.invalid
+
+
+def test_a_grammar_mask_leaves_exactly_the_allowed_tokens_and_refuses_a_narrow_mask() -> None:
+    # apply_bitmask's numpy path (float32 on the CPU) against the bits read one by one.
+    from asyncpage.guided.backend import apply_bitmask, bitmask_width
+
+    g = torch.Generator().manual_seed(1)
+    for n, v in ((1, 262_144), (3, 300), (2, 33), (4, 32)):
+        logits = torch.randn(n, v, generator=g)
+        logits[0, 0] = float("nan")  # disallowed below: masked to -inf like any other
+        bitmask = torch.randint(-(2**31), 2**31 - 1, (n, bitmask_width(v)), generator=g, dtype=torch.int32)
+        bitmask[0, 0] &= ~1
+        masked = logits.clone()
+        apply_bitmask(masked, bitmask)
+        words = bitmask.tolist()
+        allowed = torch.tensor([[(words[r][t >> 5] >> (t & 31)) & 1 == 1 for t in range(v)] for r in range(n)])
+        assert torch.equal(masked[allowed], logits[allowed])
+        assert bool((masked[~allowed] == float("-inf")).all())
+        # The torch path (any other dtype) masks the same tokens.
+        as64 = logits.double()
+        apply_bitmask(as64, bitmask)
+        assert torch.equal(torch.isinf(as64) & (as64 < 0), ~allowed)
+    with pytest.raises(ValueError, match="does not cover"):
+        apply_bitmask(torch.zeros(1, 65), torch.zeros(1, 2, dtype=torch.int32))

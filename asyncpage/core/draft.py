@@ -30,6 +30,7 @@ from asyncpage.kv.cache import BlockTable, KVCacheManager
 from asyncpage.model.batch import FlatBatch
 from asyncpage.model.registry import CausalLM
 from asyncpage.model.weights import LoadedModel, load
+from asyncpage.runtime.reduce import first_max
 
 
 def load_draft(config: SpeculativeConfig, target: LoadedModel, dtype: torch.dtype,
@@ -213,7 +214,7 @@ class DraftProposer:
         if not rows:
             return []
         logits = model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.runner.device)])
-        return [int(t) for t in logits.argmax(dim=-1).tolist()]
+        return [int(t) for t in first_max(logits.contiguous())[1].tolist()]
 
     # ---- on the loop, while the compute thread is idle ---------------------------------------------
     def release_all(self) -> None:

@@ -37,6 +37,7 @@ class StepBatch:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     logit_rows: torch.Tensor  # [U] rows of the flat batch whose logits are needed
+    logit_span: tuple[int, int] | None  # logit_rows as (first, end) when they are consecutive: a view, no gather
     spec_rows: torch.Tensor  # [N] index into logit_rows, one per sample (forks repeat a row)
     specs: list[SampleSpec]
     block_copies: list[tuple[int, int]]
@@ -167,7 +168,10 @@ class ModelRunner:
         # (counting rows is not enough: a 2-row verify beside a 3-way fork balances the count).
         forked = spec_rows != list(range(len(specs)))
         # spec_rows index the logits after they are moved to the CPU (execute): a CPU tensor on every device.
-        return StepBatch(input_ids, positions, meta, self._t(logit_rows), torch.tensor(spec_rows, dtype=torch.long),
+        logit_span = (logit_rows[0], logit_rows[-1] + 1) if logit_rows and \
+            logit_rows[-1] - logit_rows[0] == len(logit_rows) - 1 and logit_rows == sorted(logit_rows) else None
+        return StepBatch(input_ids, positions, meta, self._t(logit_rows), logit_span,
+                         torch.tensor(spec_rows, dtype=torch.long),
                          specs, list(out.block_copies), forked=forked, verifies=verifies, scored=scored)
 
     def _t(self, xs: list[int] | list[list[int]]) -> torch.Tensor:
@@ -184,7 +188,8 @@ class ModelRunner:
             bitmask = torch.full((len(batch.specs), bitmask_width(self.mask_vocab_size)), -1, dtype=torch.int32)
             masks = self._mask_pool.submit(fill_masks, guided, bitmask)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.caches)
-        every = self.model.compute_logits(hidden[batch.logit_rows]).cpu()
+        rows = hidden[batch.logit_span[0] : batch.logit_span[1]] if batch.logit_span else hidden[batch.logit_rows]
+        every = self.model.compute_logits(rows).cpu()
         prompt_logprobs = {r.seq_id: (r.first, _prompt_logprobs(self.model, hidden, r)) for r in batch.scored}
         if batch.forked:
             logits = every[batch.spec_rows]  # forked samples share their parent's row; drafts have several

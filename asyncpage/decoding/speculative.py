@@ -38,6 +38,7 @@ from asyncpage.decoding.sampling import SampleResult, SampleSpec, needs_history,
 from asyncpage.errors import InvalidRequestError
 from asyncpage.guided.backend import apply_bitmask, bitmask_width, keeps_maximum
 from asyncpage.model.batch import EXACT_ROWS
+from asyncpage.runtime.reduce import first_max
 
 # Each draft row costs compute (here ~7 ms a row on the default model in float32, LM head included),
 # and a big batch is already compute-bound: measured on free text (71% of drafts kept), speculation
@@ -209,7 +210,7 @@ def _greedy(row: torch.Tensor, mask: torch.Tensor | None, top: tuple[float, int]
         return t
     masked = row[None].clone()
     apply_bitmask(masked, mask[None])  # a mask narrower than the row is refused here, loudly
-    value2, token = masked[0].max(dim=-1)
+    value2, token = first_max(masked[0])
     return int(token) if math.isfinite(float(value2)) else None
 
 
@@ -224,7 +225,7 @@ def verify(v: Verify, logits: torch.Tensor, masks: torch.Tensor | None) -> Verif
     if greedy:  # every row's maximum in one call (one search of 262k logits a row, threaded)
         r = v.rows
         block = logits[r[0] : r[-1] + 1] if r == list(range(r[0], r[-1] + 1)) else logits[r]  # a view, no copy
-        values, ids = block.max(dim=-1)
+        values, ids = first_max(block.contiguous())
         tops = list(zip(values.tolist(), ids.tolist(), strict=True))
     tokens: list[int] = []
     for i in range(len(v.rows)):
