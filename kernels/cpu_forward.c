@@ -777,3 +777,54 @@ void fwd_round16(const float *x, long n, int dt, uint16_t *out) {
         out[i] = dt == KV_BF16 ? f32_bf16(x[i]) : f32_f16(x[i]);
 }
 
+
+/* Paged attention for decode rows outside the fused step: the rows of a step the eager forward takes (a step with
+   prefill chunks in it, or past max_rows), through the fused step's own attend_head, so that a decode row's attention
+   is computed alike in either. q [rows, heads, dim] and out [rows, heads, dim] float32; kc/vc the layer's pools
+   [blocks, block, kv_heads, dim] of kv_dtype; tables [rows, width]; lens [rows] (the context, the row's own new
+   K/V written already); window 0 for full attention. Why: the torch form gathers every row's context out of the
+   pool (one copy a row and layer) and runs bf16 matmuls on it; with 64 beams at ~1,000 tokens of context that was
+   21 of the 79 s of `asyncpage bench --workload extract --copy-fields auto`'s 16 records. */
+int fwd_attend_rows(const float *q, int rows, int heads, int kv_heads, int dim, const void *kc, const void *vc,
+                    int kv_dtype, long kv_blocks, const long *tables, long width, const long *lens, long block,
+                    long window, float scale, int threads, float *out) {
+    if (rows <= 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads != 0 || dim <= 0 || width <= 0 || block <= 0
+        || kv_blocks <= 0 || kv_dtype < 0 || kv_dtype > 2 || window < 0)
+        return E_SHAPE;
+    long most = 1;
+    for (int r = 0; r < rows; r++) {
+        if (lens[r] < 1 || lens[r] > width * block)
+            return E_INDEX;
+        for (long b = 0; b < (lens[r] + block - 1) / block; b++)
+            if (tables[r * width + b] < 0 || tables[r * width + b] >= kv_blocks)
+                return E_INDEX;
+        most = lens[r] > most ? lens[r] : most;
+    }
+    threads = threads > 0 ? threads : 1;
+    const long kvd = (long)kv_heads * dim;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float *scores = malloc((size_t)most * sizeof(float));
+        long *at = malloc((size_t)most * sizeof(long));
+#pragma omp for schedule(dynamic, 1)
+        for (long u = 0; u < (long)rows * heads; u++) {
+            if (scores == NULL || at == NULL) {
+                __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+                continue;
+            }
+            const int r = (int)(u / heads), h = (int)(u % heads);
+            const long ctx = lens[r], first = window > 0 && ctx > window ? ctx - window : 0, len = ctx - first;
+            const long *table = tables + (long)r * width, off = (long)(h / (heads / kv_heads)) * dim;
+            for (long t = 0; t < len; t++) {
+                const long p = first + t;
+                at[t] = (table[p / block] * block + p % block) * kvd + off;
+            }
+            attend_head(q + ((long)r * heads + h) * dim, kc, vc, kv_dtype, at, len, dim, scale, scores,
+                        out + ((long)r * heads + h) * dim);
+        }
+        free(scores);
+        free(at);
+    }
+    return failed ? E_MEMORY : 0;
+}

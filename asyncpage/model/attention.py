@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from asyncpage.model import native_attention
+
 
 @dataclass
 class PrefillChunk:
@@ -154,9 +156,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float, window: int | None,
                       kv_scales: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-    """One query per sequence: plain batched matmuls over the gathered blocks. (CPU SDPA's flash path
-    with a mask cost 4-5 ms a layer at batch 32 here, ten times these three matmuls.)"""
-    assert meta.decode_block_tables is not None
+    """One query per sequence. On the CPU with an unquantized pool: the C kernel the fused decode step
+    uses, reading the pool in place (native_attention.py). Elsewhere: plain batched matmuls over the
+    gathered blocks. (CPU SDPA's flash path with a mask cost 4-5 ms a layer at batch 32 here, ten times
+    these three matmuls.)"""
+    assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+    if native_attention.takes(q, k_cache, v_cache, bool(kv_scales)):
+        return native_attention.attend_rows(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                            window, scale)
     return _attend_blocks(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_mask(window), scale, kv_scales)
 
 
