@@ -247,3 +247,39 @@ def test_a_grammar_mask_leaves_exactly_the_allowed_tokens_and_refuses_a_narrow_m
         assert torch.equal(torch.isinf(as64) & (as64 < 0), ~allowed)
     with pytest.raises(ValueError, match="does not cover"):
         apply_bitmask(torch.zeros(1, 65), torch.zeros(1, 2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("few", [True, False])
+def test_guided_greedy_and_beam_rows_decide_alike_over_few_allowed_tokens_or_the_masked_row(
+        few: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A row whose grammar allows few tokens is decided over those tokens alone (guided.allowed_tokens); the
+    # masked row gives the same token, the same validity, the same beam candidates.
+    from asyncpage.decoding import sampling
+    from asyncpage.guided.backend import apply_bitmask, bitmask_width
+
+    if not few:
+        monkeypatch.setattr(sampling, "allowed_tokens", lambda *a, **k: None)
+    g = torch.Generator().manual_seed(3)
+    n, v = 12, 5000
+    logits = torch.randn(n, v, generator=g)
+    bitmask = torch.zeros(n, bitmask_width(v), dtype=torch.int32)
+    for r in range(n):
+        for t in torch.randperm(v, generator=g)[: r * 3].tolist():  # row 0 allows nothing
+            bitmask[r, t >> 5] |= 1 << (t & 31)
+    masked = logits.clone()
+    apply_bitmask(masked, bitmask)
+    specs = [SampleSpec(i, SamplingParams(temperature=0), None, matcher=object()) for i in range(n)]  # type: ignore[arg-type]
+    out = sample(logits, specs, bitmask)
+    assert out.invalid == {0}
+    assert out.tokens[1:] == masked.argmax(-1).tolist()[1:]
+    beams = [SampleSpec(i, SamplingParams(temperature=0), None, matcher=object(), beam_k=4)  # type: ignore[arg-type]
+             for i in range(n)]
+    got = sampling.beam_candidates(logits, beams, bitmask)
+    lp = torch.log_softmax(logits, dim=-1)
+    apply_bitmask(lp, bitmask)
+    for i in range(n):
+        vals, ids = lp[i].topk(4)
+        keep = torch.isfinite(vals)
+        assert got[i] == (ids[keep].tolist(), vals[keep].tolist())
+    assert got[0] == ([], [])  # no candidate: the runner fails that beam's request
+    assert sample(logits, beams, bitmask).invalid == frozenset()  # a beam row is not sampled here

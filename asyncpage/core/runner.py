@@ -197,10 +197,12 @@ class ModelRunner:
             logits = every[: len(batch.specs)]  # one row per sample: drop the padding rows
         broken = masks.result() if masks is not None else {}
         result = sample(logits, batch.specs, bitmask)
-        failed = {batch.specs[i].seq_id: "the model produced no valid next token (NaN/inf logits, or nothing "
-                  "the grammar allows has a finite logit)" for i in result.invalid}
+        failed = {batch.specs[i].seq_id: NO_VALID_TOKEN for i in result.invalid}
         failed.update((batch.specs[i].seq_id, why) for i, why in broken.items())
         beams = beam_candidates(logits, batch.specs, bitmask)
+        for s in batch.specs:  # a beam is not sampled: no candidate is how it has no valid token
+            if s.beam_k and not beams.get(s.seq_id, ([], []))[0]:
+                failed.setdefault(s.seq_id, NO_VALID_TOKEN)
         done = set()
         forced: dict[int, list[int]] = {}
         for i, m in guided:
@@ -253,6 +255,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
 
+NO_VALID_TOKEN = ("the model produced no valid next token (NaN/inf logits, or nothing the grammar allows has a "
+                  "finite logit)")
 SCORE_ROWS = 64  # prompt rows through the LM head at once: 64 x 262k float32 logits is 67 MB
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncpage.guided import Matcher, apply_bitmask
-from asyncpage.guided.backend import keeps_maximum
+from asyncpage.guided.backend import allowed_tokens, keeps_maximum
 from asyncpage.outputs import TokenLogprob
 from asyncpage.params import SamplingParams
 from asyncpage.runtime.reduce import first_max
@@ -50,23 +50,40 @@ def needs_history(p: SamplingParams) -> bool:
 
 def sample(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor | None = None) -> SampleResult:
     """logits: [N, V] float32, one row per spec (rows may repeat for forked samples).
-    bitmask: [N, ceil(V/32)] int32 guided-decoding masks (rows of unconstrained specs are ignored)."""
+    bitmask: [N, ceil(V/32)] int32 guided-decoding masks (rows of unconstrained specs are ignored).
+    A beam's row (`beam_k`) is not sampled: beam_candidates chooses among its continuations (and finds it has
+    none); its entry here is its raw maximum's index, never in `invalid`."""
     n = logits.shape[0]
-    raw_logprobs = None
-    if any(s.params.logprobs is not None for s in specs):
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-    penalized = [i for i, s in enumerate(specs) if needs_history(s.params)]
-    guided_rows = [i for i, s in enumerate(specs) if s.matcher is not None] if bitmask is not None else []
+    asking = [i for i, s in enumerate(specs) if s.params.logprobs is not None]
+    raw_logprobs: dict[int, torch.Tensor] = {}
+    if asking:  # only the rows that ask (a row's log_softmax does not depend on the others)
+        lsm = torch.log_softmax(logits if len(asking) == n else logits[asking], dim=-1)
+        raw_logprobs = {i: lsm[i if len(asking) == n else j] for j, i in enumerate(asking)}
+    beam_rows = {i for i, s in enumerate(specs) if s.beam_k}
+    penalized = [i for i, s in enumerate(specs) if needs_history(s.params) and i not in beam_rows]
+    guided_rows = [i for i, s in enumerate(specs) if s.matcher is not None and i not in beam_rows] \
+        if bitmask is not None else []
+    picked: dict[int, tuple[float, int]] = {}  # greedy guided rows decided without masking the row
     if guided_rows:
-        # A greedy row whose own maximum its grammar allows keeps that token under the mask: only the
-        # other guided rows are masked (guided.keeps_maximum).
+        # A greedy row whose own maximum its grammar allows keeps that token under the mask; one whose grammar
+        # allows few tokens takes the first maximal of those (what masking the row gives); only the other guided
+        # rows are masked (guided.keeps_maximum, guided.allowed_tokens).
         assert bitmask is not None
         raw_values, raw_ids = first_max(logits)  # each row's maximum before any mask: one search for all
         tops = list(zip(raw_values.tolist(), raw_ids.tolist(), strict=True))
-        guided_rows = [i for i in guided_rows if not (specs[i].params.greedy and i not in penalized and
-                                                      keeps_maximum(logits[i], bitmask[i], tops[i]) is not None)]
+        rest = []
+        for i in guided_rows:
+            if specs[i].params.greedy and i not in penalized:
+                if keeps_maximum(logits[i], bitmask[i], tops[i]) is not None:
+                    continue
+                allowed = allowed_tokens(bitmask[i], logits.shape[1])
+                if allowed is not None:
+                    picked[i] = _best_of(logits[i], allowed)
+                    continue
+            rest.append(i)
+        guided_rows = rest
     if guided_rows or penalized:
-        logits = logits.clone()  # the caller's logits stay raw (logprobs are computed from them)
+        logits = logits.clone()  # the caller's logits stay raw (logprobs and beams are computed from them)
         if guided_rows:
             assert bitmask is not None
             masked = logits[guided_rows]
@@ -75,64 +92,78 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor 
         for i in penalized:
             _apply_penalties(logits[i], specs[i])
 
-    greedy = [i for i, s in enumerate(specs) if s.params.greedy]
+    rand = [i for i, s in enumerate(specs) if not s.params.greedy and i not in beam_rows]
     # The maximum propagates NaN and +inf, and is -inf only when nothing is allowed: one pass finds
-    # every bad row. For a greedy batch the same pass gives the tokens (the first maximal value, NaN
+    # every bad row. For greedy rows the same pass gives the tokens (the first maximal value, NaN
     # counted as the maximum): runtime/reduce.py's search.
     row_max, tokens = first_max(logits)
     # Checked in Python, not by torch ops on an n-element tensor (~0.1 ms of dispatch at one row).
     maxima = row_max.tolist()
-    invalid = frozenset(i for i, m in enumerate(maxima) if not math.isfinite(m))
-    if invalid and len(greedy) < n:
-        logits = logits.clone()
-        logits[list(invalid)] = 0.0  # sampled, then discarded: keeps NaN out of the other rows' math
-        row_max = torch.tensor([0.0 if i in invalid else m for i, m in enumerate(maxima)], dtype=row_max.dtype)
-
-    if len(greedy) < n:
-        rand = [i for i, s in enumerate(specs) if not s.params.greedy]
-        if not greedy:  # every row sampled: no row copies (a 262k row is ~50 us to copy)
-            tokens = _sample_random(logits, row_max, specs)
-        else:
-            tokens = tokens.clone()  # the greedy rows keep their maximum's index
-            tokens[rand] = _sample_random(logits[rand], row_max[rand], [specs[i] for i in rand])
-
     token_list = tokens.tolist()
+    for i, (value, token) in picked.items():
+        maxima[i], token_list[i] = value, token
+    invalid = frozenset(i for i, m in enumerate(maxima) if not math.isfinite(m) and i not in beam_rows)
+    if rand:
+        if invalid:
+            logits = logits.clone()
+            logits[list(invalid)] = 0.0  # sampled, then discarded: keeps NaN out of the other rows' math
+        row_max = torch.tensor([0.0 if i in invalid else m for i, m in enumerate(maxima)], dtype=row_max.dtype)
+        if len(rand) == n:  # every row sampled: no row copies (a 262k row is ~50 us to copy)
+            drawn = _sample_random(logits, row_max, specs).tolist()
+        else:
+            drawn = _sample_random(logits[rand], row_max[rand], [specs[i] for i in rand]).tolist()
+        for i, t in zip(rand, drawn, strict=True):
+            token_list[i] = t
     for i in invalid:
         token_list[i] = -1
     out_logprobs: list[TokenLogprob | None] = [None] * n
-    if raw_logprobs is not None:
-        for i, s in enumerate(specs):
-            k = s.params.logprobs
-            if k is None:
-                continue
-            row = raw_logprobs[i]
-            top = {}
-            if k > 0:
-                vals, ids = row.topk(k)
-                top = dict(zip(ids.tolist(), vals.tolist(), strict=True))
-            if i not in invalid:
-                out_logprobs[i] = TokenLogprob(token_list[i], float(row[token_list[i]]), top)
+    for i, row in raw_logprobs.items():
+        k = specs[i].params.logprobs
+        top = {}
+        if k:
+            vals, ids = row.topk(k)
+            top = dict(zip(ids.tolist(), vals.tolist(), strict=True))
+        if i not in invalid:
+            out_logprobs[i] = TokenLogprob(token_list[i], float(row[token_list[i]]), top)
     return SampleResult(token_list, out_logprobs, invalid)
+
+
+def _best_of(row: torch.Tensor, allowed: torch.Tensor) -> tuple[float, int]:
+    """The first maximal logit among `allowed` (ascending token ids) and its token: what the row masked to
+    them gives, without masking it; (-inf, 0) when nothing is allowed."""
+    if not allowed.numel():
+        return float("-inf"), 0
+    value, j = first_max(row[allowed].contiguous())
+    return float(value), int(allowed[int(j)])
 
 
 def beam_candidates(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor | None = None,
                     ) -> dict[int, tuple[list[int], list[float]]]:
     """Each beam row's `beam_k` best (token ids, log-probabilities), keyed by seq_id. As transformers'
     beam search scores them: log_softmax of the raw logits, then the processors (the grammar mask,
-    penalties) on the log-probabilities, without renormalizing."""
+    penalties) on the log-probabilities, without renormalizing. A beam whose grammar allows no token with a
+    finite log-probability (or a NaN / inf row) gets no candidate: the runner fails its request."""
     rows = [i for i, s in enumerate(specs) if s.beam_k]
     if not rows:
         return {}
-    lp = torch.log_softmax(logits[rows].float(), dim=-1)
+    lp = torch.log_softmax((logits if len(rows) == logits.shape[0] else logits[rows]).float(), dim=-1)
     out = {}
     for j, i in enumerate(rows):
         s = specs[i]
         row = lp[j]
+        allowed = None
         if s.matcher is not None and bitmask is not None:
-            apply_bitmask(row[None], bitmask[i : i + 1])
+            # Few tokens allowed: their values are the candidates (no masked copy of the row, no search of it).
+            allowed = allowed_tokens(bitmask[i], row.numel())
+            if allowed is None:
+                apply_bitmask(row[None], bitmask[i : i + 1])
         if needs_history(s.params):
             _apply_penalties(row, s)
-        vals, ids = row.topk(min(s.beam_k, row.numel()))
+        if allowed is not None:
+            vals, at = row[allowed].topk(min(s.beam_k, allowed.numel()))
+            ids = allowed[at]
+        else:
+            vals, ids = row.topk(min(s.beam_k, row.numel()))
         keep = torch.isfinite(vals)
         out[s.seq_id] = (ids[keep].tolist(), vals[keep].tolist())
     return out

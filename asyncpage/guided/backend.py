@@ -157,6 +157,30 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     logits.masked_fill_(~allowed, float("-inf"))
 
 
+# Up to this many allowed tokens, a greedy or beam row is decided over those tokens' values alone
+# (allowed_tokens), not by masking the whole row: a JSON grammar between values, a copied span or a closed
+# choice allows a handful of a 262k vocabulary.
+FEW_ALLOWED = 4096
+
+
+def allowed_tokens(bitmask_row: torch.Tensor, vocab: int, limit: int = FEW_ALLOWED) -> torch.Tensor | None:
+    """The token ids (ascending, int64) below `vocab` that `bitmask_row` allows, when there are at most
+    `limit` of them; None when more (mask the row instead). A mask narrower than `vocab` is refused
+    (ValueError), as apply_bitmask refuses it."""
+    if 32 * bitmask_row.shape[-1] < vocab:
+        raise ValueError(f"a guided-decoding mask of {bitmask_row.shape[-1]} words does not cover {vocab} tokens")
+    if bitmask_row.device.type != "cpu" or bitmask_row.dtype != torch.int32 or sys.byteorder != "little":
+        return None
+    words = bitmask_row.contiguous().numpy()
+    nz = np.flatnonzero(words)  # the words with an allowed token: one scan of 32x fewer values than tokens
+    if nz.size > limit:
+        return None
+    bits = np.unpackbits(words[nz].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little").view(np.bool_)
+    ids = (nz[:, None] * 32 + np.arange(32))[bits]  # ascending: words in order, bits in order within each
+    ids = ids[ids < vocab]
+    return torch.from_numpy(ids.astype(np.int64)) if ids.size <= limit else None
+
+
 def keeps_maximum(row: torch.Tensor, bitmask_row: torch.Tensor, top: tuple[float, int] | None = None) -> int | None:
     """The token a greedy pick takes from `row` (one row of logits) under `bitmask_row`, when the mask
     need not be applied to know it: the row's first maximal token if it is finite and the grammar allows
