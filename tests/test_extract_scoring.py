@@ -702,6 +702,11 @@ def test_an_id_the_record_labels_as_another_kind_of_number_is_refused() -> None:
                  "My order, placed with my credit card on the 3rd, is 55120", "tracking shows delivered (55120)"):
         assert need(text, "55120") != OTHERWISE, text
     assert need("Order ref on my business account: 5512", "5512") != OTHERWISE  # its own word on the line
+    # ...but in an earlier clause of that line it labels another value, not this one
+    assert need("(order EV-55190-B, customer account 100-4432)", "100-4432") == OTHERWISE
+    assert need("I have no online order number, but the serial is NBX14-77A02-K", "NBX14-77A02-K") == OTHERWISE
+    assert need("Order KR-7731-G2, frame no. KG2-118840.", "KG2-118840") == OTHERWISE
+    assert need("Order KR-7731-G2, frame no. KG2-118840.", "KR-7731-G2") == 0.0
     # a field that is itself such a number, or any but an order's, is not refused one labeled by a kin's word
     assert need("Mobile: 07700 900123", "07700 900123", ("callback",), "callback_number") != OTHERWISE
     assert need("RMA number: 5512", "5512", ("return",), "return_id") != OTHERWISE

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from asyncpage import AsyncEngine, ExtractionError, InvalidRequestError, SamplingParams
-from asyncpage.extract import grounding
+from asyncpage.extract import ends, grounding
 from asyncpage.extract.prompt import schema_prompt
 from asyncpage.guided.schema import closed_objects
 
@@ -488,3 +488,47 @@ def test_a_copied_name_is_widened_by_the_capitalized_words_that_open_it_in_the_r
     assert word_prefixes("Juniperra Flame 6") == ["Juniperra", "Juniperra Flame", "Juniperra Flame 6"]
     assert word_prefixes("Rain Jacket, women's M") == ["Rain", "Rain Jacket", "Rain Jacket, women's",
                                                         "Rain Jacket, women's M"]  # a prefix read without its comma
+
+
+def test_a_brand_is_never_copied_as_a_code_but_may_hold_a_model_number(accepts: Any) -> None:
+    # ends.named_copies: a field asking for a brand takes no span with a code-shaped word (three digits in one
+    # word: an order id, a serial number); a short model number and a hyphenated name stay copyable.
+    schema = {"type": "object", "required": ["product", "order_id"], "properties": {
+        "product": {"type": "string", "description": "the product brand the ticket is about"},
+        "order_id": {"type": ["string", "null"], "description": "the order id"}}}
+    text = "Order OPX-993-1148-A: my Optivex Z-50 camera from 7-Eleven broke."
+    marked = ends.named_copies(grounding.mark(schema, "auto"))
+    assert marked["properties"]["product"].get(grounding.NAMED) is True
+    assert grounding.NAMED not in marked["properties"]["order_id"]
+    assert grounding.NAMED not in schema["properties"]["product"]  # the caller's schema is not touched
+    g = grounding.grammar(marked, [text])
+    for brand in ("Optivex Z-50", "Optivex", "7-Eleven"):
+        assert accepts(g, _obj(product=brand, order_id="OPX-993-1148-A")), brand
+    for code in ("OPX-993-1148-A", "Order OPX-993-1148-A", "OPX-993-1148-A: my Optivex"):
+        assert not accepts(g, _obj(product=code, order_id=None)), code
+    line = grounding.line_grammar(marked["properties"]["product"], [text], " ", "\n")
+    assert line is not None and accepts(line, " Optivex Z-50\n") and not accepts(line, " OPX-993-1148-A\n")
+
+
+def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> None:
+    # ends.named_copies + staff.py: a field asking for who wrote the record leaves the names the record marks as
+    # support staff out of its spans (speaker labels, a quoted reply's header, a signature with a team).
+    from asyncpage.extract.staff import staff_names
+
+    schema = {"type": "object", "required": ["customer", "product"], "properties": {
+        "customer": {"type": "string", "description": "full name of the person who wrote the ticket"},
+        "product": {"type": "string"}}}
+    chat = ("Hannah Brooks (Support): Welcome! Who am I chatting with?\nVisitor: Hi Hannah, this is Devika Raman.\n"
+            "Agent Priya: I'll loop in billing.\n> On 2 May, Emily Carter (Vantiq Support) wrote:\n"
+            "Tom, Acme Support")
+    assert set(staff_names(chat)) == {"Hannah Brooks", "Priya", "Emily Carter", "Tom"}
+    assert staff_names("Kind regards, Maria (IT admin at Foo Ltd)\nHi Hannah, this is Devika.") == []
+    marked = ends.named_copies(grounding.mark(schema, "auto"))
+    assert marked["properties"]["customer"].get(grounding.WRITER) is True
+    assert grounding.WRITER not in marked["properties"]["product"]
+    g = grounding.grammar(marked, [chat])
+    assert accepts(g, _obj(customer="Devika Raman", product="Hannah Brooks"))  # only the writer field is cut
+    for staff in ("Hannah Brooks", "Emily Carter", "Priya", "Tom", "Brooks (Support"):
+        assert not accepts(g, _obj(customer=staff, product="Vantiq")), staff
+    line = grounding.line_grammar(marked["properties"]["customer"], [chat], " ", "\n")
+    assert line is not None and accepts(line, " Devika Raman\n") and not accepts(line, " Emily Carter\n")

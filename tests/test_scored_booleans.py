@@ -318,7 +318,9 @@ def test_a_boolean_declined_in_the_record_s_words_is_false_and_a_missing_one_is_
                  "Not looking for a refund, only a replacement.", "Refund not needed, thanks.",
                  "replacement tensioner is fine, no refund needed",
                  "I saw that I could get a refund, but I'd rather just have a replacement lid sent.",
-                 "Agent: Would you like a refund or a replacement?\nCustomer: replacement is fine, no refund needed"):
+                 "Agent: Would you like a refund or a replacement?\nCustomer: replacement is fine, no refund needed",
+                 "We are not looking for compensation or a refund at this point; we need an engineer.",
+                 "Your agent offered a refund or a 20% discount, but I don't want either - send a new tabletop."):
         assert refund.decide(3.0, text)[0] is False, text  # declined: false whatever the score
     for text in ("I don't want excuses. I want a refund.", "I don't want to wait any longer, so please refund me.",
                  "No refund has been issued yet.", "I need a refund now! But I would rather not wait.",
@@ -326,7 +328,9 @@ def test_a_boolean_declined_in_the_record_s_words_is_false_and_a_missing_one_is_
                  "I don't want to wait weeks or months for a refund.", "I want a refund, but I'd rather not wait.",
                  "I'd like a refund, but we would prefer it to go on the original card.",
                  "I can process the return myself, I just need a refund.",
-                 "Do you want me to send it back for a refund or will you collect it?"):
+                 "Do you want me to send it back for a refund or will you collect it?",
+                 "I want a refund, but I don't want to wait for it.",
+                 "I don't want a repair or anything, I want a refund."):
         assert refund.decide(3.0, text)[0] is True, text  # not declined
     assert refund.decide(-3.0, "Refund needed asap, it broke twice.")[0] is True  # no negation: asked
     for text in ("I still haven't received my refund.", "Why can't I get a refund?", "I never got my money back."):

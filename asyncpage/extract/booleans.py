@@ -60,18 +60,22 @@ _LEADS = frozenset("for a an the their his her its my your some".split())
 _VAGUE = frozenset("this that it something anything nothing more one help information info assistance support "
                    "answer response".split())
 # A record declines what it names: a negated wish right before it ("I don't want a refund", "not looking for my
-# money back", "no need for a refund"), "rather than" / "instead of" it, "not needed" after it, a "no" with "needed"
-# ("no refund needed"), or a preference for another remedy in the next clause ("I could get a refund, but I'd rather
-# just have a replacement sent"; not "but I'd rather not wait"). Any other denial ("I still haven't received my
-# refund", "why can't I get a refund?") is how a request is often made.
+# money back", "not looking for compensation or a refund", "no need for a refund"), "rather than" / "instead of" it,
+# "not needed" after it, a "no" with "needed" ("no refund needed"), a preference for another remedy in the next
+# clause ("I could get a refund, but I'd rather just have a replacement sent"; not "but I'd rather not wait"), or a
+# refusal of what was named ("offered a refund or a discount, but I don't want either"). Any other denial ("I still
+# haven't received my refund", "why can't I get a refund?") is how a request is often made.
 _DECLINED_BEFORE = re.compile(r"(?:\b(?:do\s*n[o'’]?t|dont|not|never|no\s+need\s+(?:for|of))\s+(?:\w+\s+){0,2}?"
                               r"(?:want|need|require|looking\s+for|asking\s+for|interested\s+in|expecting|seeking)"
-                              r"|\brather\s+than|\binstead\s+of)\s+(?:\w+\s+){0,2}$", re.IGNORECASE)
+                              r"|\brather\s+than|\binstead\s+of)\s+(?:\w+\s+){0,2}(?:or\s+(?:\w+\s+){0,2})?$",
+                              re.IGNORECASE)
 _REMEDY = r"(?:replacement|repair|exchange|swap|new\s+one|store\s+credit|voucher)"
 _NEEDED_WORDS = r"(?:needed|necessary|required|wanted)\b"
 _DECLINED_AFTER = re.compile(r"\s*(?:(?:is|was)\s+not|(?:isn|wasn)['\u2019]t|not)\s+" + _NEEDED_WORDS +
                              r"|[^.!?\n]{0,40}?\bbut\s+(?:I|we)(?:['\u2019]d|\s+would)\s+(?:just\s+|really\s+)?"
-                             rf"(?:rather|prefer)\s+(?:\w+\s+){{0,4}}?{_REMEDY}\b", re.IGNORECASE)
+                             rf"(?:rather|prefer)\s+(?:\w+\s+){{0,4}}?{_REMEDY}\b"
+                             r"|[^.!?\n]{0,60}?\bbut\s+(?:I|we)\s+(?:do\s*n['\u2019]?t|do\s+not)\s+want\s+"
+                             r"(?:either|it|that|one|them|those|any)\b", re.IGNORECASE)
 # What an agent offers, not what is asked for: "Would you like a refund or a replacement?", "I can offer you a full
 # refund" (the naming within three words of the offer).
 _OFFER = re.compile(r"\b(?:(?:would|do)\s+you\s+(?:like|want|prefer)|(?:I|we)\s+(?:can|could)\s+offer(?:\s+you)?)"

@@ -8,11 +8,11 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from asyncpage.extract import grounding
 from asyncpage.extract.probes import Probe
-from asyncpage.extract.readings import LINE_END, name_words
+from asyncpage.extract.readings import LINE_END, described, name_words
 
 if TYPE_CHECKING:
     from asyncpage.core.client import EngineClient
@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 # Words of a field's name or its described line that say its value is a brand: a proper name, never the noun
 # phrase around it ("the product brand the ticket is about").
 BRAND = frozenset("brand brands make manufacturer maker vendor".split())
+# ...that say its value is the record's writer.
+WRITER = frozenset("customer sender author requester reporter writer submitter complainant".split())
+_WROTE = re.compile(r"\b(?:who|that)\s+(?:wrote|writes|sent|sends|submitted|filed|raised|opened)\b", re.I)
 # A common noun closing a name's phrase: a lowercase word ("sofa", "e-bike", "desk lamp") or a measure-led one
 # ("3-seater", "3-door"); a bracket ("(Queen size)") and a comma's tail ("sofa, grey") go first.
 _COMMON = re.compile(r"[a-z][a-z'’]*(?:-[a-z]+)*|\d+-[a-z]+(?:-[a-z]+)*")
@@ -31,6 +34,32 @@ _TAIL = re.compile(r"(?:\s*\([^()]*\)|,[^,]*)$")
 def names_a_brand(field: str, line: str = "") -> bool:
     """Whether a field's name or its described line (`line`) says its value is a brand (`BRAND`)."""
     return bool(BRAND.intersection(name_words(field) + re.findall(r"[a-z]+", line.lower())))
+
+
+def named_copies(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` (marked by grounding.mark) with `x-copy-name` on each top-level copied property that asks for a
+    brand (names_a_brand on its name and its described line: its spans hold no code-shaped word, grounding.NAMED),
+    and `x-copy-writer` on each that asks for the record's writer (names_the_writer: its spans leave the support
+    staff's names out, grounding.WRITER). `schema` itself is untouched."""
+    props = grounding.resolve(schema, schema).get("properties") or {}
+    changed = {}
+    for name, prop in props.items():
+        p = grounding.resolve(schema, prop)
+        if not (isinstance(p, dict) and p.get(grounding.COPY) is True):
+            continue
+        line = described(name, p)
+        flags = {grounding.NAMED: True} if names_a_brand(name, line) else {}
+        if names_the_writer(name, line):
+            flags[grounding.WRITER] = True
+        if flags:
+            changed[name] = {**p, **flags}
+    return grounding.with_properties(schema, changed) if changed else schema
+
+
+def names_the_writer(field: str, line: str = "") -> bool:
+    """Whether a field's name or its described line says its value is who wrote the record ("customer", "sender",
+    "the person who wrote the ticket")."""
+    return bool(WRITER.intersection(name_words(field))) or bool(_WROTE.search(line))
 
 
 def name_of(phrase: str) -> str:

@@ -20,8 +20,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncpage.errors import InvalidRequestError
+from asyncpage.extract.staff import without_staff
 
 COPY = "x-copy"
+# On a copied property whose value is a name (a brand: ends.named_copies): no word of its span is a code, three
+# digits or more in one word ("TV-48812", "OPX-993-1148-A"; "Z-50", "X6", "7-Eleven" stay): the model copied the
+# order id as the product brand where both were on hand (three fresh tickets).
+NAMED = "x-copy-name"
+# On a copied property asking for the record's writer (ends.named_copies): its spans come from the record with
+# its support staff's names cut out (staff.py): an agent's name is never the customer.
+WRITER = "x-copy-writer"
+_NAME_WORD = r"[^\s\d]*(?:\d[^\s\d]*){0,2}"
+_NO_CODE = rf"/{_NAME_WORD}(?:\s+{_NAME_WORD})*/"
 # Words that open a noun phrase ("the customer", "her order"): a statement's subject runs past one to the next word
 # (booleans.subject_of).
 DETERMINERS = frozenset("the a an this that these those his her its their my our your each every any some no".split())
@@ -141,6 +151,8 @@ def line_grammar(branch: dict[str, Any], sources: Sequence[str], lead: str, end:
     (whole words, one line, holding a letter or a digit, within the branch's length and patterns; with `digit`,
     holding a decimal digit), then `end`. What decisions.py reads a nullable copied field's present value with.
     None: nothing can be copied."""
+    if branch.get(WRITER) is True:
+        sources = without_staff(sources)
     if not any((ch.isdecimal() if digit else ch.isalnum()) for s in sources for ch in s):
         return None
     spans = " | ".join("%regex " + json.dumps({"substring_chunks": _WORDS.findall(s)}) for s in sources if s)
@@ -150,6 +162,8 @@ def line_grammar(branch: dict[str, Any], sources: Sequence[str], lead: str, end:
              f"/[^\\n]{{{lo},{'' if hi is None else int(hi)}}}/"]
     if digit:
         parts.append(r"/[^\n]*\p{Nd}[^\n]*/")
+    if branch.get(NAMED) is True:
+        parts.append(_NO_CODE)
     for pattern in _patterns(branch):
         parts.append("/" + _SLASH.sub(lambda m: m.group(1) or "\\/", _unanchored(pattern)) + "/")
     return (f"%llguidance {{}}\nstart: {json.dumps(lead)} VALUE {json.dumps(end)}\n"
@@ -253,6 +267,8 @@ class _Builder:
         # No text at all: a lexeme nothing matches, so nullable copied fields can only be null.
         spans = " | ".join("%regex " + json.dumps({"substring_chunks": _chunks(s)}) for s in sources if s)
         self.rules.append("SOURCE_SPAN: " + (spans or _NOTHING))
+        self.sources = list(sources)
+        self.writer_span = ""  # WRITER_SPAN's rule, made for the first writer field
         self.n = 0
         self.must_copy = False  # a copied field that cannot be null
         # No letter or digit anywhere: no span can be copied, so a nullable copied field is just null
@@ -293,7 +309,10 @@ class _Builder:
             raise InvalidRequestError("schema", f"x-copy needs maxLength >= 1 and >= minLength (got maxLength {hi}, "
                                                 f"minLength {branch.get('minLength', 1)})")
         # No whitespace at either end (a span of the text, not of its spacing), length in characters.
-        parts = ["SOURCE_SPAN", f"/{_TRIMMED}/", _MEANINGFUL, f"/{_JSON_CHAR}{{{lo},{'' if hi is None else int(hi)}}}/"]
+        source = self._writer_span() if s.get(WRITER) is True else "SOURCE_SPAN"
+        parts = [source, f"/{_TRIMMED}/", _MEANINGFUL, f"/{_JSON_CHAR}{{{lo},{'' if hi is None else int(hi)}}}/"]
+        if s.get(NAMED) is True:
+            parts.append(_NO_CODE)
         patterns = _patterns(branch)
         if patterns:
             # A pattern is matched against the JSON text of the span, which equals the value only
@@ -307,6 +326,14 @@ class _Builder:
             return f"({rule} | \"null\")" if self.copyable else '"null"'
         self.must_copy = True
         return rule
+
+    def _writer_span(self) -> str:
+        if not self.writer_span:
+            spans = " | ".join("%regex " + json.dumps({"substring_chunks": _chunks(s)})
+                               for s in without_staff(self.sources) if s)
+            self.rules.append("WRITER_SPAN: " + (spans or _NOTHING))
+            self.writer_span = "WRITER_SPAN"
+        return self.writer_span
 
     def _object(self, s: dict[str, Any]) -> str:
         props: dict[str, Any] = s.get("properties") or {}

@@ -20,7 +20,7 @@ from asyncpage.errors import (
     PromptTooLongError,
     SamplingError,
 )
-from asyncpage.extract import grounding, types
+from asyncpage.extract import ends, grounding, types
 from asyncpage.extract.beams import beam_for, refuse_asked_beams
 from asyncpage.extract.decisions import Context, Plan
 from asyncpage.extract.probes import submit_when_room
@@ -109,7 +109,7 @@ async def extract_many(engine: EngineClient, items: Iterable[Record] | AsyncIter
     spec = GuidedSpec.from_params(params)
     assert spec is not None and params.json_schema is not None
     await engine.guided.compile(spec)  # an unsupported schema fails the call here, before any record
-    marked = grounding.mark(params.json_schema, copy_fields)
+    marked = ends.named_copies(grounding.mark(params.json_schema, copy_fields))
     copying = grounding.copied(marked)
     c = engine.config
     refuse_asked_beams(params, beam_width, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens)

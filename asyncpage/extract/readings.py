@@ -76,11 +76,14 @@ OTHERWISE = math.inf  # an id's span the record labels as another kind of number
 # kind is often labeled by another's word ("Mobile:" for a phone, "Member ID" for a customer id).
 _KINDS = ("account acct tracking transaction merchant case ticket serial pin warranty phone tel telephone mobile "
           "member membership policy claim fault licence license imei iban vat tax sku model part device incident "
-          "session parcel shipment consignment waybill courier bank card rma customer client user contact").split()
+          "session parcel shipment consignment waybill courier bank card rma customer client user contact frame "
+          "chassis batch lot asset tenant contract").split()
 _KIND_WORDS = frozenset(_KINDS)
 # The fields read so: an order's id ("order_id", "purchaseNumber", "booking_ref"), whose record's other numbers are
 # labeled as other kinds; a field of another kind has kin that label its own ("Mobile:" for a callback number).
 _ORDERS = frozenset("order orders purchase booking reservation".split())
+# Where a clause ends within a line: what the field's own word names before it is another value's label.
+_CLAUSE = re.compile(r"[,;!?()]|\bbut\b", re.IGNORECASE)
 # The label: a kind, an id noun, a colon or "#", at most one more id of a list before the span, then the span.
 _LABELED = re.compile(r"\b(?:" + "|".join(_KINDS) + r")s?(?:\s+(?:id|ids|number|numbers|no\.?|nr\.?|num|code|"
                       r"ref|reference|pin))?\s*(?:[:#]\s*)?(?:is\s+|was\s+)?(?:\S+(?:,\s*|\s+and\s+))?$",
@@ -149,14 +152,16 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
 def named_otherwise(text: str, span: str, own: re.Pattern[str]) -> bool:
     """Whether every place `text` holds `span` is labeled, right before it, as another kind of number than the field
     `own` matches the words of (_LABELED: "Account ID: ", "Merchant ID ", "transaction IDs 4410298873 and "), the
-    48 characters before it on its line and the span without the field's own word ("Order / account no. 55120",
-    "Order ref on my business account: 5512", "ORDER-55123" are not). False where the span is not in the text."""
+    last clause of the 48 characters before it on its line and the span without the field's own word ("Order /
+    account no. 55120", "Order ref on my business account: 5512", "ORDER-55123" are not; "(order EV-55190-B,
+    customer account 100-4432" and "no online order number, but the serial is NBX14-7" are). False where the span
+    is not in the text."""
     if not span or own.search(span):
         return False
     i, seen = text.find(span), False
     while i >= 0:
         line = text[max(0, i - 48) : i].rsplit("\n", 1)[-1]
-        if _LABELED.search(line) is None or own.search(line):
+        if _LABELED.search(line) is None or own.search(_CLAUSE.split(line)[-1]):
             return False
         seen = True
         i = text.find(span, i + 1)

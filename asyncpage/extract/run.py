@@ -19,7 +19,7 @@ from asyncpage.errors import (
     InvalidRequestError,
     PromptTooLongError,
 )
-from asyncpage.extract import grounding, types
+from asyncpage.extract import ends, grounding, types
 from asyncpage.extract import retry as redo
 from asyncpage.extract.beams import beam_for, beam_params
 from asyncpage.extract.decisions import Context, Decider, Plan
@@ -320,7 +320,7 @@ async def extract_one(engine: EngineClient, prompt: str | list[int], schema: Any
         if copy_fields is None and not grounding.copied(params.json_schema):
             copy_fields = "auto"
         sources = [copy_from] if isinstance(copy_from, str) else list(copy_from)
-        marked = grounding.mark(params.json_schema, copy_fields)
+        marked = ends.named_copies(grounding.mark(params.json_schema, copy_fields))
         copying = grounding.copied(marked)
         plain = params
         params = grounded(params, marked, sources)
