@@ -707,6 +707,10 @@ def test_an_id_the_record_labels_as_another_kind_of_number_is_refused() -> None:
     assert need("I have no online order number, but the serial is NBX14-77A02-K", "NBX14-77A02-K") == OTHERWISE
     assert need("Order KR-7731-G2, frame no. KG2-118840.", "KG2-118840") == OTHERWISE
     assert need("Order KR-7731-G2, frame no. KG2-118840.", "KR-7731-G2") == 0.0
+    for text, span in (("I placed two orders on my account: 55120, 55121", "55121"),
+                       ("Order number, as shown in my account: 55120", "55120"),
+                       ("Order ref, on my business account: 5512", "5512")):
+        assert need(text, span) != OTHERWISE, text  # the own word names no value of its own first: it labels this
     # a field that is itself such a number, or any but an order's, is not refused one labeled by a kin's word
     assert need("Mobile: 07700 900123", "07700 900123", ("callback",), "callback_number") != OTHERWISE
     assert need("RMA number: 5512", "5512", ("return",), "return_id") != OTHERWISE

@@ -508,6 +508,16 @@ def test_a_brand_is_never_copied_as_a_code_but_may_hold_a_model_number(accepts: 
         assert not accepts(g, _obj(product=code, order_id=None)), code
     line = grounding.line_grammar(marked["properties"]["product"], [text], " ", "\n")
     assert line is not None and accepts(line, " Optivex Z-50\n") and not accepts(line, " OPX-993-1148-A\n")
+    # a word with a lowercase run is a name's, digits or not; a record of codes alone leaves the brand free
+    g = grounding.grammar(marked, ["Flowers by 1-800-Flowers, order 55120"])
+    assert accepts(g, _obj(product="1-800-Flowers", order_id="55120"))
+    assert accepts(grounding.grammar(marked, ["12345 67890"]), _obj(product="12345", order_id=None))
+    # a code's field, or one asking for the model too, is no brand's, whatever its description says
+    other = {"type": "object", "required": ["order_id", "car"], "properties": {
+        "order_id": {"type": "string", "description": "the order number the vendor assigned"},
+        "car": {"type": "string", "description": "make and model of the car"}}}
+    flagged = ends.named_copies(grounding.mark(other, "auto"))["properties"]
+    assert grounding.NAMED not in flagged["order_id"] and grounding.NAMED not in flagged["car"]
 
 
 def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> None:
@@ -523,6 +533,16 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
             "Tom, Acme Support")
     assert set(staff_names(chat)) == {"Hannah Brooks", "Priya", "Emily Carter", "Tom"}
     assert staff_names("Kind regards, Maria (IT admin at Foo Ltd)\nHi Hannah, this is Devika.") == []
+    for own in ("Hi, this is Jane Doe, support told me to write.", "Submitted by Maria Lopez (via support portal)",
+                "Maria Lopez from Foo Ltd IT support here", "Jane Doe - Support request",
+                "Fleet operator Jan Novak here",
+                "Ana Silva, Customer Service Manager at Bakery Co", "Ravi Kumar (Support Engineer at Globex)",
+                "Maria Lopez (customer since 2019, premium support plan)", "REPORT Lisa Wong", "Maria (IT Support)"):
+        assert staff_names(own) == [], own  # the customer's own words and roles are not staff
+    assert staff_names("A" * 20_000 + " (Support)") == []  # a long run of capitals: no backtracking into it
+    from asyncpage.extract.staff import without_staff
+    left = without_staff(["Agent Tom: how can I help?\nTom Brown: my kettle leaks."])
+    assert "Tom Brown: my kettle leaks." in "".join(left)  # the label's name cut there, not everywhere
     marked = ends.named_copies(grounding.mark(schema, "auto"))
     assert marked["properties"]["customer"].get(grounding.WRITER) is True
     assert grounding.WRITER not in marked["properties"]["product"]

@@ -57,3 +57,11 @@ def test_a_table_outside_the_pool_is_refused() -> None:
         native_attention.attend_rows(q, kc, vc, bad, lens, None, 0.125)
     with pytest.raises(RuntimeError, match="out of range"):
         native_attention.attend_rows(q, kc, vc, tables, torch.tensor([1, 16, 17, 100, 12 * 16 + 1]), None, 0.125)
+
+
+def test_rows_of_mismatched_shapes_are_refused_before_the_kernel_reads_them() -> None:
+    q, kc, vc, tables, lens = _rows(torch.float32)
+    for args in ((q[:, :, :32], kc, vc, tables, lens), (q, kc, vc[:1], tables, lens), (q, kc, vc, tables[:1], lens),
+                 (q, kc, vc, tables, lens[:2]), (q[:, :3], kc, vc, tables, lens)):
+        with pytest.raises(ValueError, match="mismatched shapes"):
+            native_attention.attend_rows(*args, None, 0.125)

@@ -283,3 +283,21 @@ def test_guided_greedy_and_beam_rows_decide_alike_over_few_allowed_tokens_or_the
         assert got[i] == (ids[keep].tolist(), vals[keep].tolist())
     assert got[0] == ([], [])  # no candidate: the runner fails that beam's request
     assert sample(logits, beams, bitmask).invalid == frozenset()  # a beam row is not sampled here
+
+
+def test_beams_take_tied_tokens_in_id_order_and_one_without_candidates_may_still_have_a_valid_token() -> None:
+    from asyncpage.decoding.sampling import beam_candidates, has_valid_token
+    from asyncpage.guided.backend import bitmask_width
+
+    v = 256
+    logits = torch.zeros(1, v)
+    mask = torch.zeros(1, bitmask_width(v), dtype=torch.int32)
+    mask[0, 0] = 0xFF  # tokens 0..7, all tied
+    beam = [SampleSpec(0, SamplingParams(temperature=0), None, matcher=object(), beam_k=3)]  # type: ignore[arg-type]
+    assert beam_candidates(logits, beam, mask)[0][0] == [0, 1, 2]
+    # +inf at a disallowed token: no finite log-probability anywhere, but the allowed tokens are finite logits
+    row = torch.tensor([[1.0, 2.0, float("inf"), 0.5]])
+    small = torch.tensor([[0b1011]], dtype=torch.int32)
+    assert beam_candidates(row, beam, small)[0] == ([], [])
+    assert has_valid_token(row[0], small[0]) and not has_valid_token(row[0], None)
+    assert not has_valid_token(torch.tensor([1.0, float("nan")]), torch.tensor([0b10], dtype=torch.int32))

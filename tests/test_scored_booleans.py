@@ -330,6 +330,8 @@ def test_a_boolean_declined_in_the_record_s_words_is_false_and_a_missing_one_is_
                  "I can process the return myself, I just need a refund.",
                  "Do you want me to send it back for a refund or will you collect it?",
                  "I want a refund, but I don't want to wait for it.",
+                 "I want a refund, but I don't want it to take three weeks.",
+                 "Please process a refund, but I don't want that to go to my old card.",
                  "I don't want a repair or anything, I want a refund."):
         assert refund.decide(3.0, text)[0] is True, text  # not declined
     assert refund.decide(-3.0, "Refund needed asap, it broke twice.")[0] is True  # no negation: asked

@@ -18,7 +18,14 @@ import torch
 from asyncpage.core.request import Sequence
 from asyncpage.core.scheduler import SchedulerOutput
 from asyncpage.decoding.guided_step import fill_masks, grammar_failure, guided_step
-from asyncpage.decoding.sampling import SampleResult, SampleSpec, beam_candidates, needs_history, sample
+from asyncpage.decoding.sampling import (
+    SampleResult,
+    SampleSpec,
+    beam_candidates,
+    has_valid_token,
+    needs_history,
+    sample,
+)
 from asyncpage.decoding.speculative import Verify, draft_masks, verify
 from asyncpage.guided.backend import bitmask_width
 from asyncpage.guided.budget import matcher_error
@@ -200,9 +207,10 @@ class ModelRunner:
         failed = {batch.specs[i].seq_id: NO_VALID_TOKEN for i in result.invalid}
         failed.update((batch.specs[i].seq_id, why) for i, why in broken.items())
         beams = beam_candidates(logits, batch.specs, bitmask)
-        for s in batch.specs:  # a beam is not sampled: no candidate is how it has no valid token
-            if s.beam_k and not beams.get(s.seq_id, ([], []))[0]:
-                failed.setdefault(s.seq_id, NO_VALID_TOKEN)
+        for i, s in enumerate(batch.specs):  # a beam is not sampled: without a candidate, is there a valid token?
+            if s.beam_k and s.seq_id not in failed and not beams.get(s.seq_id, ([], []))[0] and not has_valid_token(
+                    logits[i], bitmask[i] if bitmask is not None and s.matcher is not None else None):
+                failed[s.seq_id] = NO_VALID_TOKEN
         done = set()
         forced: dict[int, list[int]] = {}
         for i, m in guided:

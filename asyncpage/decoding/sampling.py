@@ -128,6 +128,20 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor 
     return SampleResult(token_list, out_logprobs, invalid)
 
 
+def has_valid_token(row: torch.Tensor, bitmask_row: torch.Tensor | None) -> bool:
+    """Whether `row` (one row of logits) has a finite maximum among the tokens `bitmask_row` allows (all, without
+    one): what sampling it would find. A beam with no candidate (beam_candidates: log-probabilities not finite) but
+    a valid token goes on without one; one without a valid token fails, as a sampled row does."""
+    if bitmask_row is None:
+        return math.isfinite(float(first_max(row)[0]))
+    allowed = allowed_tokens(bitmask_row, row.numel())
+    if allowed is not None:
+        return math.isfinite(_best_of(row, allowed)[0])
+    masked = row[None].clone()
+    apply_bitmask(masked, bitmask_row[None])
+    return math.isfinite(float(first_max(masked[0])[0]))
+
+
 def _best_of(row: torch.Tensor, allowed: torch.Tensor) -> tuple[float, int]:
     """The first maximal logit among `allowed` (ascending token ids) and its token: what the row masked to
     them gives, without masking it; (-inf, 0) when nothing is allowed."""
@@ -142,7 +156,8 @@ def beam_candidates(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torc
     """Each beam row's `beam_k` best (token ids, log-probabilities), keyed by seq_id. As transformers'
     beam search scores them: log_softmax of the raw logits, then the processors (the grammar mask,
     penalties) on the log-probabilities, without renormalizing. A beam whose grammar allows no token with a
-    finite log-probability (or a NaN / inf row) gets no candidate: the runner fails its request."""
+    finite log-probability (or a NaN / inf row) gets no candidate (the runner fails its request where the row has
+    no valid token either: has_valid_token)."""
     rows = [i for i, s in enumerate(specs) if s.beam_k]
     if not rows:
         return {}
@@ -160,8 +175,10 @@ def beam_candidates(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torc
         if needs_history(s.params):
             _apply_penalties(row, s)
         if allowed is not None:
-            vals, at = row[allowed].topk(min(s.beam_k, allowed.numel()))
-            ids = allowed[at]
+            # Ties in the order of their token ids (what the whole row's topk gave for tied values).
+            sub = row[allowed]
+            at = torch.sort(sub, descending=True, stable=True).indices[: s.beam_k]
+            vals, ids = sub[at], allowed[at]
         else:
             vals, ids = row.topk(min(s.beam_k, row.numel()))
         keep = torch.isfinite(vals)

@@ -75,7 +75,8 @@ _DECLINED_AFTER = re.compile(r"\s*(?:(?:is|was)\s+not|(?:isn|wasn)['\u2019]t|not
                              r"|[^.!?\n]{0,40}?\bbut\s+(?:I|we)(?:['\u2019]d|\s+would)\s+(?:just\s+|really\s+)?"
                              rf"(?:rather|prefer)\s+(?:\w+\s+){{0,4}}?{_REMEDY}\b"
                              r"|[^.!?\n]{0,60}?\bbut\s+(?:I|we)\s+(?:do\s*n['\u2019]?t|do\s+not)\s+want\s+"
-                             r"(?:either|it|that|one|them|those|any)\b", re.IGNORECASE)
+                             r"(?:either|it|that|one|them|those|any)(?:\s+(?:either|of\s+(?:them|those)))?\s*"
+                             r"(?:[.!,;\n]|[-–—]|$)", re.IGNORECASE)
 # What an agent offers, not what is asked for: "Would you like a refund or a replacement?", "I can offer you a full
 # refund" (the naming within three words of the offer).
 _OFFER = re.compile(r"\b(?:(?:would|do)\s+you\s+(?:like|want|prefer)|(?:I|we)\s+(?:can|could)\s+offer(?:\s+you)?)"

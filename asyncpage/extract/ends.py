@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from asyncpage.extract import grounding
 from asyncpage.extract.probes import Probe
 from asyncpage.extract.readings import LINE_END, described, name_words
+from asyncpage.extract.starts import names_a_code
 
 if TYPE_CHECKING:
     from asyncpage.core.client import EngineClient
@@ -48,7 +49,11 @@ def named_copies(schema: dict[str, Any]) -> dict[str, Any]:
         if not (isinstance(p, dict) and p.get(grounding.COPY) is True):
             continue
         line = described(name, p)
-        flags = {grounding.NAMED: True} if names_a_brand(name, line) else {}
+        # A brand alone: not a code's field ("the order number the vendor assigned"), nor one asking for the model too
+        # ("make and model of the car": "Peugeot 308").
+        brand = names_a_brand(name, line) and not names_a_code(name) and \
+            "model" not in {*name_words(name), *re.findall(r"[a-z]+", line.lower())}
+        flags = {grounding.NAMED: True} if brand else {}
         if names_the_writer(name, line):
             flags[grounding.WRITER] = True
         if flags:

@@ -30,7 +30,8 @@ NAMED = "x-copy-name"
 # On a copied property asking for the record's writer (ends.named_copies): its spans come from the record with
 # its support staff's names cut out (staff.py): an agent's name is never the customer.
 WRITER = "x-copy-writer"
-_NAME_WORD = r"[^\s\d]*(?:\d[^\s\d]*){0,2}"
+# A word of a name: at most two digits, or a lowercase run of three letters ("1-800-Flowers").
+_NAME_WORD = r"(?:[^\s\d]*(?:\d[^\s\d]*){0,2}|\S*\p{Ll}{3}\S*)"
 _NO_CODE = rf"/{_NAME_WORD}(?:\s+{_NAME_WORD})*/"
 # Words that open a noun phrase ("the customer", "her order"): a statement's subject runs past one to the next word
 # (booleans.subject_of).
@@ -162,7 +163,7 @@ def line_grammar(branch: dict[str, Any], sources: Sequence[str], lead: str, end:
              f"/[^\\n]{{{lo},{'' if hi is None else int(hi)}}}/"]
     if digit:
         parts.append(r"/[^\n]*\p{Nd}[^\n]*/")
-    if branch.get(NAMED) is True:
+    if branch.get(NAMED) is True and _names_some(sources):
         parts.append(_NO_CODE)
     for pattern in _patterns(branch):
         parts.append("/" + _SLASH.sub(lambda m: m.group(1) or "\\/", _unanchored(pattern)) + "/")
@@ -252,6 +253,13 @@ def _nullable(root: dict[str, Any], s: dict[str, Any]) -> bool:
 _WORDS = re.compile(r"\w+(?:[-/.:]\w+)*|\s+|[^\w\s]")  # "ORD-48213", "4.2.1", "12:30" stay whole
 
 
+def _names_some(sources: Sequence[str]) -> bool:
+    """Whether a word of `sources` holding a letter is no code (_NAME_WORD): where none is, a brand is left free
+    to be a code rather than have no value at all."""
+    return any(any(ch.isalpha() for ch in w) and (sum(ch.isdigit() for ch in w) <= 2 or re.search(r"[a-z]{3}", w))
+               for s in sources for w in s.split())
+
+
 def _chunks(text: str) -> list[str]:
     """The source as span units, each written as inside a JSON string (so a span is a valid string
     body). Units are words, not characters: a value cannot start or stop mid-word, which is what a
@@ -311,7 +319,7 @@ class _Builder:
         # No whitespace at either end (a span of the text, not of its spacing), length in characters.
         source = self._writer_span() if s.get(WRITER) is True else "SOURCE_SPAN"
         parts = [source, f"/{_TRIMMED}/", _MEANINGFUL, f"/{_JSON_CHAR}{{{lo},{'' if hi is None else int(hi)}}}/"]
-        if s.get(NAMED) is True:
+        if s.get(NAMED) is True and _names_some(self.sources):
             parts.append(_NO_CODE)
         patterns = _patterns(branch)
         if patterns:

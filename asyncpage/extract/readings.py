@@ -82,8 +82,11 @@ _KIND_WORDS = frozenset(_KINDS)
 # The fields read so: an order's id ("order_id", "purchaseNumber", "booking_ref"), whose record's other numbers are
 # labeled as other kinds; a field of another kind has kin that label its own ("Mobile:" for a callback number).
 _ORDERS = frozenset("order orders purchase booking reservation".split())
-# Where a clause ends within a line: what the field's own word names before it is another value's label.
-_CLAUSE = re.compile(r"[,;!?()]|\bbut\b", re.IGNORECASE)
+# Within a line: a contrast, past which the field's own word never labels the span ("no order number, but the serial
+# is ..."), and the clauses before it, in which it does unless it names a value of its own first ("(order EV-55190-B,
+# customer account 100-4432"; not "Order number, as shown in my account: 55120").
+_CONTRAST = re.compile(r";|\b(?:but|however)\b", re.IGNORECASE)
+_CLAUSE = re.compile(r"[,!?()]")
 # The label: a kind, an id noun, a colon or "#", at most one more id of a list before the span, then the span.
 _LABELED = re.compile(r"\b(?:" + "|".join(_KINDS) + r")s?(?:\s+(?:id|ids|number|numbers|no\.?|nr\.?|num|code|"
                       r"ref|reference|pin))?\s*(?:[:#]\s*)?(?:is\s+|was\s+)?(?:\S+(?:,\s*|\s+and\s+))?$",
@@ -151,21 +154,35 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
 
 def named_otherwise(text: str, span: str, own: re.Pattern[str]) -> bool:
     """Whether every place `text` holds `span` is labeled, right before it, as another kind of number than the field
-    `own` matches the words of (_LABELED: "Account ID: ", "Merchant ID ", "transaction IDs 4410298873 and "), the
-    last clause of the 48 characters before it on its line and the span without the field's own word ("Order /
-    account no. 55120", "Order ref on my business account: 5512", "ORDER-55123" are not; "(order EV-55190-B,
-    customer account 100-4432" and "no online order number, but the serial is NBX14-7" are). False where the span
-    is not in the text."""
+    `own` matches the words of (_LABELED: "Account ID: ", "Merchant ID ", "transaction IDs 4410298873 and "), and
+    the field's own word does not label it too (`_owned`, within the 48 characters before it on its line, and not in
+    the span: "Order / account no. 55120", "Order ref on my business account: 5512", "orders on my account: 55120,
+    55121", "ORDER-55123" are not; "(order EV-55190-B, customer account 100-4432" and "no online order number, but
+    the serial is NBX14-7" are). False where the span is not in the text."""
     if not span or own.search(span):
         return False
     i, seen = text.find(span), False
     while i >= 0:
         line = text[max(0, i - 48) : i].rsplit("\n", 1)[-1]
-        if _LABELED.search(line) is None or own.search(_CLAUSE.split(line)[-1]):
+        m = _LABELED.search(line)
+        if m is None or _owned(line[: m.start()], line[m.start() :], own):
             return False
         seen = True
         i = text.find(span, i + 1)
     return seen
+
+
+def _owned(before: str, label: str, own: re.Pattern[str]) -> bool:
+    """Whether the field's own word (`own`) labels the span after `label` (another kind's label, _LABELED): inside
+    that label, or in `before` it on the line back to a contrast, unless the clause it is in holds a digit after it
+    (then it labels that other value)."""
+    if own.search(label):
+        return True
+    for clause in reversed(_CLAUSE.split(_CONTRAST.split(before)[-1])):
+        found = list(own.finditer(clause))
+        if found:
+            return not any(ch.isdigit() for ch in clause[found[-1].end() :])
+    return False
 
 
 def near(text: str, words: Sequence[str]) -> list[str]:

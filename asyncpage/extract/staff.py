@@ -7,55 +7,76 @@ Support"). A small model copied such a name as the customer (three of forty fres
 finds the names a record marks as staff by one of three shapes, each a role word beside a capitalized name:
 
 - the name, then a role in brackets: "Hannah Brooks (Support)", "Emily Carter (Vantiq Support)", "Li (agent)";
-- a role, then the name as a speaker or in a sentence: "Agent Priya:", "Agent (Priya):", "representative Marco";
+- a role, then the name as a chat's speaker label: "Agent Priya:", "Support (Hannah):", or "(agent: Hyun-woo Bae)";
 - the name, then a team: "Tom, Acme Support", "Ana from the Customer Care team".
 
-`without_staff` cuts every occurrence of those names out of the texts, leaving the rest as separate texts: what a
-writer field's spans come from (grounding.WRITER), so a span never holds or crosses a staff name.
+`without_staff` cuts those places out of the texts, leaving the rest as separate texts: what a writer field's spans
+come from (grounding.WRITER), so a span never holds or crosses a name where the record marks it as staff. Each
+shape needs the role word to stand as a role (a whole bracket, a label, a team ending its phrase): "Jane Doe,
+support told me", "Submitted by Maria Lopez (via support portal)" and "Fleet operator Jan Novak" are not staff.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
-_CAP = r"[A-ZÀ-ÖØ-Þ][\w'’-]*"
+# A capitalized word, from a word's start (possessive: no backtracking into it on a long run of capitals).
+_CAP = r"(?<![\w'’-])[A-ZÀ-ÖØ-Þ][\w'’-]*+"
 _NAME = rf"{_CAP}(?:[ \t]+{_CAP}){{0,3}}"
-# Seller-side roles only: "admin", "operator", "team" or "staff" may be the customer's own ("Maria (IT admin)").
-_ROLE = (r"support|agent|customer care|customer service|help ?desk|representative|rep|advisor|adviser|specialist|"
-         r"moderator|concierge|csr")
-# The name, then a bracket holding a role word, not the customer's IT ("Maria (IT support, Foo Ltd)").
-_BRACKET = re.compile(rf"({_NAME})[ \t]*\((?![^()\n]*\bIT\b)(?:[^()\n]*\b)?(?i:{_ROLE})\b[^()\n]*\)")
-# A role word (not a team: "Support" alone opens sentences), then the name: a speaker label, or in a sentence.
-_BEFORE = re.compile(rf"\b(?i:agent|support agent|representative|rep|advisor|adviser|specialist|technician|operator|"
-                     rf"moderator|concierge)[ \t]*\(?({_NAME})\)?")
-# The name, then (after a comma, a dash, a bar, "from" or "at") a team: "Acme Support", "the Customer Care team".
-_TEAM = re.compile(rf"({_NAME})[ \t]*(?:,|-|–|—|\||\bfrom\b|\bat\b)[ \t]*(?:(?i:the)[ \t]+)?(?:{_CAP}[ \t]+){{0,3}}"
-                   r"(?i:support|customer care|customer service|help ?desk|care team|service team)\b")
+# Seller-side roles only: "admin", "operator" or "staff" may be the customer's own ("Maria (IT admin)").
+_ROLE = r"support|agent|customer care|customer service|help ?desk|representative|rep|advisor|adviser|specialist|" \
+    r"moderator|concierge|csr"
+# The name, then a bracket that is only a role, after at most three capitalized words (a company; not "IT"):
+# "Hannah Brooks (Support)", "Emily Carter (Vantiq Support)", "Li (agent)"; not "(via support portal)",
+# "(IT support)", "(Support Engineer at Globex)".
+_BRACKET = re.compile(rf"({_NAME})[ \t]*\((?:(?!IT\b)[A-ZÀ-ÖØ-Þ][\w&'’.-]*+[ \t]+){{0,3}}(?i:{_ROLE})"
+                      r"(?:[ \t]+(?i:team|agent|specialist|rep|representative))?\)")
+# A role, then the name, as a chat's speaker label at a line's start ("Agent Priya:", "Support (Hannah):"), or a
+# bracketed note of who answered ("(agent: Hyun-woo Bae)").
+_LABEL = re.compile(rf"^[ \t]*(?i:agent|support agent|support|representative|rep|advisor|adviser|concierge|"
+                    rf"moderator)\b[ \t]*\(?({_NAME})\)?[ \t]*:|\((?i:agent|rep|representative|advisor|adviser)"
+                    rf"[ \t]*:[ \t]*({_NAME})\)", re.MULTILINE)
+# The name, then (after a comma, a dash, a bar, "from" or "at") a capitalized team that ends the phrase: "Tom, Acme
+# Support", "Ana from the Customer Care team"; not "Jane Doe - Support request", "support told me".
+_TEAM = re.compile(rf"({_NAME})[ \t]*(?:,|-|–|—|\||\bfrom\b|\bat\b)[ \t]*(?:the[ \t]+)?(?:{_CAP}[ \t]+){{0,3}}"
+                   r"(?:Support|Customer Care|Customer Service|Help ?[Dd]esk|Care Team|Service Team)(?:[ \t]+[Tt]eam)?"
+                   r"(?=[ \t]*(?:$|[\n,.;)]))", re.MULTILINE)
 # Capitalized words that open a sentence or a label rather than a name ("Thanks Priya", "Hi Hannah").
 _NOT_NAMES = frozenset("hi hello hey dear thanks thank cheers regards best kind from agent support customer visitor "
                        "team the a an i my our your this that chat live".split())
 
 
-def staff_names(text: str) -> list[str]:
-    """The names `text` marks as its support staff's, longest first (each as written, greetings left off)."""
-    found: set[str] = set()
-    for pattern in (_BRACKET, _BEFORE, _TEAM):
+def _spans(text: str) -> Iterator[tuple[int, int]]:
+    """Where `text` names a member of its support staff: each name's (start, end), greetings left off."""
+    for pattern in (_BRACKET, _LABEL, _TEAM):
         for m in pattern.finditer(text):
-            words = m.group(1).split()
-            while words and words[0].casefold().strip("'’-") in _NOT_NAMES:
+            g = next(i for i in range(1, (m.lastindex or 1) + 1) if m.group(i) is not None)
+            start = m.start(g)
+            words = [(w.start() + start, w.end() + start) for w in re.finditer(r"\S+", m.group(g))]
+            while words and text[words[0][0] : words[0][1]].casefold().strip("'’-") in _NOT_NAMES:
                 words = words[1:]
-            while words and words[-1].casefold().strip("'’-") in _NOT_NAMES:
+            while words and text[words[-1][0] : words[-1][1]].casefold().strip("'’-") in _NOT_NAMES:
                 words = words[:-1]
-            if words and len(" ".join(words)) >= 2:
-                found.add(" ".join(words))
-    return sorted(found, key=len, reverse=True)
+            name = text[words[0][0] : words[-1][1]] if words else ""
+            if len(name) >= 2 and not (name.isupper() and name.isascii()):  # "Support PIN:" names no one
+                yield words[0][0], words[-1][1]
+
+
+def staff_names(text: str) -> list[str]:
+    """The names `text` marks as its support staff's, longest first (each as written)."""
+    return sorted({text[a:b] for a, b in _spans(text)}, key=len, reverse=True)
 
 
 def without_staff(sources: Sequence[str]) -> list[str]:
-    """`sources` with every occurrence of their staff names cut out, what is left of each as separate texts."""
-    names = sorted({n for s in sources for n in staff_names(s)}, key=len, reverse=True)
-    if not names:
-        return list(sources)
-    cut = re.compile("|".join(rf"(?<!\w){re.escape(n)}(?!\w)" for n in names))
-    return [part for s in sources for part in cut.split(s) if part.strip()]
+    """`sources` with each place that marks a name as staff cut out (that name there, not elsewhere: "Agent Tom:"
+    leaves "Tom Brown" whole), what is left of each as separate texts."""
+    out: list[str] = []
+    for s in sources:
+        at = 0
+        for a, b in sorted(set(_spans(s))):
+            if a >= at:
+                out.append(s[at:a])
+                at = b
+        out.append(s[at:])
+    return [part for part in out if part.strip()]

@@ -48,6 +48,11 @@ def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, t
                 lens: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
     """q [rows, H, D] (any float dtype) against each row's blocks (`tables` [rows, width], `lens` [rows]
     the context including the row itself); returns [rows, H, D] in q's dtype. `takes()` was true."""
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape or tables.dim() != 2 \
+            or lens.dim() != 1 or tables.shape[0] != q.shape[0] or lens.shape[0] != q.shape[0] \
+            or q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(f"paged attention rows of mismatched shapes: q {tuple(q.shape)}, pools {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)}, tables {tuple(tables.shape)}, lens {tuple(lens.shape)}")
     rows, heads, dim = q.shape
     blocks, block, kv_heads, _ = k_cache.shape
     qf = q.to(torch.float32).contiguous()
