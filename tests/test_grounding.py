@@ -508,6 +508,11 @@ def test_a_brand_is_never_copied_as_a_code_but_may_hold_a_model_number(accepts: 
         assert not accepts(g, _obj(product=code, order_id=None)), code
     line = grounding.line_grammar(marked["properties"]["product"], [text], " ", "\n")
     assert line is not None and accepts(line, " Optivex Z-50\n") and not accepts(line, " OPX-993-1148-A\n")
+    # a name, not a sentence: at most six words
+    g = grounding.grammar(marked, ["Booked a hotel in Lisbon through Tripwhistle last May, order 55120"])
+    assert accepts(g, _obj(product="Tripwhistle", order_id="55120"))
+    assert accepts(g, _obj(product="a hotel in Lisbon through Tripwhistle", order_id=None))
+    assert not accepts(g, _obj(product="Booked a hotel in Lisbon through Tripwhistle", order_id=None))
     # a word with a lowercase run is a name's, digits or not; a record of codes alone leaves the brand free
     g = grounding.grammar(marked, ["Flowers by 1-800-Flowers, order 55120"])
     assert accepts(g, _obj(product="1-800-Flowers", order_id="55120"))
@@ -552,3 +557,8 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
         assert not accepts(g, _obj(customer=staff, product="Vantiq")), staff
     line = grounding.line_grammar(marked["properties"]["customer"], [chat], " ", "\n")
     assert line is not None and accepts(line, " Devika Raman\n") and not accepts(line, " Emily Carter\n")
+    # a name, not a message: at most eight words
+    note = "Kia ora, Ngaio Te Rangi here. After the sync last night half my folders vanished."
+    g = grounding.grammar(marked, [note])
+    assert accepts(g, _obj(customer="Ngaio Te Rangi", product="sync"))
+    assert not accepts(g, _obj(customer="Kia ora, Ngaio Te Rangi here. After the sync", product="sync"))

@@ -33,6 +33,9 @@ WRITER = "x-copy-writer"
 # A word of a name: at most two digits, or a lowercase run of three letters ("1-800-Flowers").
 _NAME_WORD = r"(?:[^\s\d]*(?:\d[^\s\d]*){0,2}|\S*\p{Ll}{3}\S*)"
 _NO_CODE = rf"/{_NAME_WORD}(?:\s+{_NAME_WORD})*/"
+# The most words a name's span holds (a brand; a person's full name): never a sentence or a paragraph (a whole
+# message was copied as the writer's name once, a sentence as the product: v49-v50).
+_MOST_WORDS = {NAMED: 6, WRITER: 8}
 # Words that open a noun phrase ("the customer", "her order"): a statement's subject runs past one to the next word
 # (booleans.subject_of).
 DETERMINERS = frozenset("the a an this that these those his her its their my our your each every any some no".split())
@@ -165,6 +168,7 @@ def line_grammar(branch: dict[str, Any], sources: Sequence[str], lead: str, end:
         parts.append(r"/[^\n]*\p{Nd}[^\n]*/")
     if branch.get(NAMED) is True and _names_some(sources):
         parts.append(_NO_CODE)
+    parts += _short(branch)
     for pattern in _patterns(branch):
         parts.append("/" + _SLASH.sub(lambda m: m.group(1) or "\\/", _unanchored(pattern)) + "/")
     return (f"%llguidance {{}}\nstart: {json.dumps(lead)} VALUE {json.dumps(end)}\n"
@@ -253,6 +257,12 @@ def _nullable(root: dict[str, Any], s: dict[str, Any]) -> bool:
 _WORDS = re.compile(r"\w+(?:[-/.:]\w+)*|\s+|[^\w\s]")  # "ORD-48213", "4.2.1", "12:30" stay whole
 
 
+def _short(prop: dict[str, Any]) -> list[str]:
+    """The word limit of a name's span (_MOST_WORDS), as a lexeme's regex; none for other values."""
+    most = min((n for flag, n in _MOST_WORDS.items() if prop.get(flag) is True), default=0)
+    return [rf"/\S+(?:\s+\S+){{0,{most - 1}}}/"] if most else []
+
+
 def _names_some(sources: Sequence[str]) -> bool:
     """Whether a word of `sources` holding a letter is no code (_NAME_WORD): where none is, a brand is left free
     to be a code rather than have no value at all."""
@@ -321,6 +331,7 @@ class _Builder:
         parts = [source, f"/{_TRIMMED}/", _MEANINGFUL, f"/{_JSON_CHAR}{{{lo},{'' if hi is None else int(hi)}}}/"]
         if s.get(NAMED) is True and _names_some(self.sources):
             parts.append(_NO_CODE)
+        parts += _short(s)
         patterns = _patterns(branch)
         if patterns:
             # A pattern is matched against the JSON text of the span, which equals the value only
