@@ -523,6 +523,11 @@ def test_a_brand_is_never_copied_as_a_code_but_may_hold_a_model_number(accepts: 
         "car": {"type": "string", "description": "make and model of the car"}}}
     flagged = ends.named_copies(grounding.mark(other, "auto"))["properties"]
     assert grounding.NAMED not in flagged["order_id"] and grounding.NAMED not in flagged["car"]
+    # an Optional[str] brand (anyOf with null) keeps the flag on the present branch its line is read with
+    from asyncpage.extract.closed import _present_branch
+
+    optional = {"anyOf": [{"type": "string"}, {"type": "null"}], grounding.COPY: True, grounding.NAMED: True}
+    assert (_present_branch(optional, optional) or {}).get(grounding.NAMED) is True
 
 
 def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> None:
@@ -562,3 +567,10 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
     g = grounding.grammar(marked, [note])
     assert accepts(g, _obj(customer="Ngaio Te Rangi", product="sync"))
     assert not accepts(g, _obj(customer="Kia ora, Ngaio Te Rangi here. After the sync", product="sync"))
+    # a line break or a tab, written as a JSON escape in the value, breaks words as it does in the record
+    lines = "Hi,\nmy blender arrived broken\nplease refund me\nMaria Lopez\tmaria@example.com"
+    g = grounding.grammar(marked, [lines])
+    assert not accepts(g, _obj(customer=lines, product="blender"))
+    assert accepts(g, _obj(customer="Maria Lopez", product="blender"))
+    assert accepts(g, _obj(customer="my blender arrived broken\nplease refund me\nMaria", product="blender"))  # 8
+    assert not accepts(g, _obj(customer="my blender arrived broken\nplease refund me\nMaria Lopez", product="blender"))

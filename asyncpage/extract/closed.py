@@ -16,7 +16,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from asyncpage.extract.grounding import COPY, resolve, with_outer
+from asyncpage.extract.grounding import COPY, NAMED, WRITER, resolve, with_outer
 
 MAX_OPTIONS = 16  # more options than this are left to the grammar: one scoring request each per record
 # An option the record names in its own words ("This is critical") is copied with this weight: the decision is
@@ -195,6 +195,7 @@ def _present_branch(root: dict[str, Any], s: dict[str, Any]) -> dict[str, Any] |
         return None
     # Written beside the anyOf, the string keywords hold as well: both bounds and both patterns (with_outer).
     branch = with_outer(s, others[0]) if others[0].get("type") == "string" else dict(others[0])
-    if COPY in s:
-        branch[COPY] = s[COPY]
+    for flag in (COPY, NAMED, WRITER):  # what the copied field's spans may be holds for its present branch too
+        if flag in s:
+            branch[flag] = s[flag]
     return branch

@@ -257,10 +257,17 @@ def _nullable(root: dict[str, Any], s: dict[str, Any]) -> bool:
 _WORDS = re.compile(r"\w+(?:[-/.:]\w+)*|\s+|[^\w\s]")  # "ORD-48213", "4.2.1", "12:30" stay whole
 
 
-def _short(prop: dict[str, Any]) -> list[str]:
-    """The word limit of a name's span (_MOST_WORDS), as a lexeme's regex; none for other values."""
+def _short(prop: dict[str, Any], escaped: bool = False) -> list[str]:
+    """The word limit of a name's span (_MOST_WORDS), as a lexeme's regex; none for other values. `escaped`: the
+    span is a JSON string's body, where a newline, a tab or a carriage return is written `\\n`, `\\t`, `\\r` and
+    breaks words as they do in the raw text (an escaped backslash before an "n" does not)."""
     most = min((n for flag, n in _MOST_WORDS.items() if prop.get(flag) is True), default=0)
-    return [rf"/\S+(?:\s+\S+){{0,{most - 1}}}/"] if most else []
+    if not most:
+        return []
+    if not escaped:
+        return [rf"/\S+(?:\s+\S+){{0,{most - 1}}}/"]
+    word, gap = r"(?:[^\s\\]|\\[^nrt])+", r"(?:\s|\\[nrt])+"
+    return ["/" + word + "(?:" + gap + word + "){0," + str(most - 1) + "}/"]
 
 
 def _names_some(sources: Sequence[str]) -> bool:
@@ -331,7 +338,7 @@ class _Builder:
         parts = [source, f"/{_TRIMMED}/", _MEANINGFUL, f"/{_JSON_CHAR}{{{lo},{'' if hi is None else int(hi)}}}/"]
         if s.get(NAMED) is True and _names_some(self.sources):
             parts.append(_NO_CODE)
-        parts += _short(s)
+        parts += _short(s, escaped=True)
         patterns = _patterns(branch)
         if patterns:
             # A pattern is matched against the JSON text of the span, which equals the value only
