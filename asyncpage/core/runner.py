@@ -30,7 +30,7 @@ from asyncpage.decoding.speculative import Verify, draft_masks, verify
 from asyncpage.guided.backend import bitmask_width
 from asyncpage.guided.budget import matcher_error
 from asyncpage.model.attention import KV_QMAX, AttentionMetadata, paged_attention
-from asyncpage.model.batch import EXACT_ROWS, FlatBatch
+from asyncpage.model.batch import EXACT_ROWS, FlatBatch, consecutive
 from asyncpage.model.gguf_linear import unpadded_rows
 from asyncpage.model.registry import CausalLM
 from asyncpage.outputs import TokenLogprob
@@ -175,9 +175,7 @@ class ModelRunner:
         # (counting rows is not enough: a 2-row verify beside a 3-way fork balances the count).
         forked = spec_rows != list(range(len(specs)))
         # spec_rows index the logits after they are moved to the CPU (execute): a CPU tensor on every device.
-        logit_span = (logit_rows[0], logit_rows[-1] + 1) if logit_rows and \
-            logit_rows[-1] - logit_rows[0] == len(logit_rows) - 1 and logit_rows == sorted(logit_rows) else None
-        return StepBatch(input_ids, positions, meta, self._t(logit_rows), logit_span,
+        return StepBatch(input_ids, positions, meta, self._t(logit_rows), consecutive(logit_rows),
                          torch.tensor(spec_rows, dtype=torch.long),
                          specs, list(out.block_copies), forked=forked, verifies=verifies, scored=scored)
 

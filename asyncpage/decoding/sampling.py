@@ -63,26 +63,20 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor 
     penalized = [i for i, s in enumerate(specs) if needs_history(s.params) and i not in beam_rows]
     guided_rows = [i for i, s in enumerate(specs) if s.matcher is not None and i not in beam_rows] \
         if bitmask is not None else []
-    picked: dict[int, tuple[float, int]] = {}  # greedy guided rows decided without masking the row
+    picked: dict[int, tuple[float, int]] = {}  # greedy guided rows: (maximum, token) under their masks
+    found = None  # each row's maximum and its first index, while `logits` are the caller's
     if guided_rows:
-        # A greedy row whose own maximum its grammar allows keeps that token under the mask; one whose grammar
-        # allows few tokens takes the first maximal of those (what masking the row gives); only the other guided
-        # rows are masked (guided.keeps_maximum, guided.allowed_tokens).
+        # A greedy row is decided under its mask row by row (masked_max: mostly without masking it); only the
+        # other guided rows are masked here.
         assert bitmask is not None
-        raw_values, raw_ids = first_max(logits)  # each row's maximum before any mask: one search for all
-        tops = list(zip(raw_values.tolist(), raw_ids.tolist(), strict=True))
-        rest = []
+        found = first_max(logits)  # each row's maximum before any mask: one search for all
+        tops = list(zip(found[0].tolist(), found[1].tolist(), strict=True))
         for i in guided_rows:
             if specs[i].params.greedy and i not in penalized:
-                if keeps_maximum(logits[i], bitmask[i], tops[i]) is not None:
-                    continue
-                allowed = allowed_tokens(bitmask[i], logits.shape[1])
-                if allowed is not None:
-                    picked[i] = _best_of(logits[i], allowed)
-                    continue
-            rest.append(i)
-        guided_rows = rest
+                picked[i] = masked_max(logits[i], bitmask[i], tops[i])
+        guided_rows = [i for i in guided_rows if i not in picked]
     if guided_rows or penalized:
+        found = None
         logits = logits.clone()  # the caller's logits stay raw (logprobs and beams are computed from them)
         if guided_rows:
             assert bitmask is not None
@@ -96,7 +90,7 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor 
     # The maximum propagates NaN and +inf, and is -inf only when nothing is allowed: one pass finds
     # every bad row. For greedy rows the same pass gives the tokens (the first maximal value, NaN
     # counted as the maximum): runtime/reduce.py's search.
-    row_max, tokens = first_max(logits)
+    row_max, tokens = found if found is not None else first_max(logits)
     # Checked in Python, not by torch ops on an n-element tensor (~0.1 ms of dispatch at one row).
     maxima = row_max.tolist()
     token_list = tokens.tolist()
@@ -128,27 +122,36 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor 
     return SampleResult(token_list, out_logprobs, invalid)
 
 
-def has_valid_token(row: torch.Tensor, bitmask_row: torch.Tensor | None) -> bool:
-    """Whether `row` (one row of logits) has a finite maximum among the tokens `bitmask_row` allows (all, without
-    one): what sampling it would find. A beam with no candidate (beam_candidates: log-probabilities not finite) but
-    a valid token goes on without one; one without a valid token fails, as a sampled row does."""
+def masked_max(row: torch.Tensor, bitmask_row: torch.Tensor | None,
+               top: tuple[float, int] | None = None) -> tuple[float, int]:
+    """The first maximal logit of `row` (one row of logits) among the tokens `bitmask_row` allows (every token
+    without one) and its token: what masking the row and searching it gives, NaN counted as the maximum; (-inf, 0)
+    when nothing is allowed. The row is masked only when its own maximum is not allowed (keeps_maximum) and more
+    than a few tokens are (allowed_tokens). `top`: the row's unmasked maximum and its index, when known."""
+    if top is None:
+        value, token = first_max(row)
+        top = float(value), int(token)
     if bitmask_row is None:
-        return math.isfinite(float(first_max(row)[0]))
-    allowed = allowed_tokens(bitmask_row, row.numel())
+        return top
+    if (t := keeps_maximum(row, bitmask_row, top)) is not None:
+        return top[0], t
+    allowed = allowed_tokens(bitmask_row, row.numel())  # a mask narrower than the row is refused here, loudly
     if allowed is not None:
-        return math.isfinite(_best_of(row, allowed)[0])
+        if not allowed.numel():
+            return float("-inf"), 0
+        value, j = first_max(row[allowed].contiguous())
+        return float(value), int(allowed[int(j)])
     masked = row[None].clone()
     apply_bitmask(masked, bitmask_row[None])
-    return math.isfinite(float(first_max(masked[0])[0]))
+    value, token = first_max(masked[0])
+    return float(value), int(token)
 
 
-def _best_of(row: torch.Tensor, allowed: torch.Tensor) -> tuple[float, int]:
-    """The first maximal logit among `allowed` (ascending token ids) and its token: what the row masked to
-    them gives, without masking it; (-inf, 0) when nothing is allowed."""
-    if not allowed.numel():
-        return float("-inf"), 0
-    value, j = first_max(row[allowed].contiguous())
-    return float(value), int(allowed[int(j)])
+def has_valid_token(row: torch.Tensor, bitmask_row: torch.Tensor | None) -> bool:
+    """Whether `row` has a finite maximum among the tokens `bitmask_row` allows (masked_max): what sampling it
+    would find. A beam with no candidate (beam_candidates: log-probabilities not finite) but a valid token goes on
+    without one; one without a valid token fails, as a sampled row does."""
+    return math.isfinite(masked_max(row, bitmask_row)[0])
 
 
 def beam_candidates(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor | None = None,

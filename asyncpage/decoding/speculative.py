@@ -34,10 +34,10 @@ import torch
 
 from asyncpage.decoding.guided_step import guided_step
 from asyncpage.decoding.ngram import NgramIndex, TokenForms
-from asyncpage.decoding.sampling import SampleResult, SampleSpec, needs_history, sample
+from asyncpage.decoding.sampling import SampleResult, SampleSpec, masked_max, needs_history, sample
 from asyncpage.errors import InvalidRequestError
-from asyncpage.guided.backend import apply_bitmask, bitmask_width, keeps_maximum
-from asyncpage.model.batch import EXACT_ROWS
+from asyncpage.guided.backend import bitmask_width
+from asyncpage.model.batch import EXACT_ROWS, consecutive
 from asyncpage.runtime.reduce import first_max
 
 # Each draft row costs compute (here ~7 ms a row on the default model in float32, LM head included),
@@ -203,15 +203,9 @@ def draft_masks(v: Verify, mask_vocab: int) -> torch.Tensor | None:
 def _greedy(row: torch.Tensor, mask: torch.Tensor | None, top: tuple[float, int]) -> int | None:
     """Row's greedy token under its grammar mask (None: no finite one; sample() then says why). `top`:
     the row's maximum and its first index (found for every row of the verify at once); the mask is
-    applied only where that token is not allowed (keeps_maximum)."""
-    if mask is None:
-        return top[1] if math.isfinite(top[0]) else None
-    if (t := keeps_maximum(row, mask, top)) is not None:
-        return t
-    masked = row[None].clone()
-    apply_bitmask(masked, mask[None])  # a mask narrower than the row is refused here, loudly
-    value2, token = first_max(masked[0])
-    return int(token) if math.isfinite(float(value2)) else None
+    applied only where neither that token nor a few allowed ones decide it (masked_max)."""
+    value, token = masked_max(row, mask, top)
+    return token if math.isfinite(value) else None
 
 
 def verify(v: Verify, logits: torch.Tensor, masks: torch.Tensor | None) -> Verified:
@@ -224,7 +218,8 @@ def verify(v: Verify, logits: torch.Tensor, masks: torch.Tensor | None) -> Verif
     tops: list[tuple[float, int]] = []
     if greedy:  # every row's maximum in one call (one search of 262k logits a row, threaded)
         r = v.rows
-        block = logits[r[0] : r[-1] + 1] if r == list(range(r[0], r[-1] + 1)) else logits[r]  # a view, no copy
+        span = consecutive(r)
+        block = logits[span[0] : span[1]] if span else logits[r]  # a view, no copy
         values, ids = first_max(block.contiguous())
         tops = list(zip(values.tolist(), ids.tolist(), strict=True))
     tokens: list[int] = []

@@ -74,6 +74,12 @@ class FlatBatch:
         return torch.tensor(xs, dtype=torch.long, device=self.device)
 
 
+def consecutive(rows: list[int]) -> tuple[int, int] | None:
+    """(first, end) when `rows` are first, first + 1, ..., end - 1 (a slice of them is a view, no gather); else
+    None."""
+    return (rows[0], rows[-1] + 1) if rows and rows == list(range(rows[0], rows[-1] + 1)) else None
+
+
 def _bucket(n: int, exact: int = EXACT_ROWS) -> int:
     """1..`exact` exactly (one stream must not pay for padding), then multiples of 8 up to 64, then of 64."""
     if n <= exact:
