@@ -34,7 +34,12 @@ _TAIL = re.compile(r"(?:\s*\([^()]*\)|,[^,]*)$")
 
 def names_a_brand(field: str, line: str = "") -> bool:
     """Whether a field's name or its described line (`line`) says its value is a brand (`BRAND`)."""
-    return bool(BRAND.intersection(name_words(field) + re.findall(r"[a-z]+", line.lower())))
+    return bool(BRAND.intersection(_words(field, line)))
+
+
+def _words(field: str, line: str) -> set[str]:
+    """The words of a field's name and of its described line, lowercase."""
+    return {*name_words(field), *re.findall(r"[a-z]+", line.lower())}
 
 
 def named_copies(schema: dict[str, Any]) -> dict[str, Any]:
@@ -51,8 +56,8 @@ def named_copies(schema: dict[str, Any]) -> dict[str, Any]:
         line = described(name, p)
         # A brand alone: not a code's field ("the order number the vendor assigned"), nor one asking for the model too
         # ("make and model of the car": "Peugeot 308").
-        brand = names_a_brand(name, line) and not names_a_code(name) and \
-            "model" not in {*name_words(name), *re.findall(r"[a-z]+", line.lower())}
+        words = _words(name, line)
+        brand = bool(BRAND & words) and not names_a_code(name) and "model" not in words
         flags = {grounding.NAMED: True} if brand else {}
         if names_the_writer(name, line):
             flags[grounding.WRITER] = True

@@ -277,6 +277,13 @@ def _names_some(sources: Sequence[str]) -> bool:
                for s in sources for w in s.split())
 
 
+def _spans_of(sources: Sequence[str]) -> str:
+    """A lexeme of any run of whole span units (_chunks) of one of `sources`; one nothing matches when there is no
+    text at all (nullable copied fields can then only be null)."""
+    spans = " | ".join("%regex " + json.dumps({"substring_chunks": _chunks(s)}) for s in sources if s)
+    return spans or _NOTHING
+
+
 def _chunks(text: str) -> list[str]:
     """The source as span units, each written as inside a JSON string (so a span is a valid string
     body). Units are words, not characters: a value cannot start or stop mid-word, which is what a
@@ -289,9 +296,7 @@ class _Builder:
         self.root = root
         self.defs = {k: root[k] for k in ("$defs", "definitions") if isinstance(root.get(k), dict)}
         self.rules: list[str] = []
-        # No text at all: a lexeme nothing matches, so nullable copied fields can only be null.
-        spans = " | ".join("%regex " + json.dumps({"substring_chunks": _chunks(s)}) for s in sources if s)
-        self.rules.append("SOURCE_SPAN: " + (spans or _NOTHING))
+        self.rules.append("SOURCE_SPAN: " + _spans_of(sources))
         self.sources = list(sources)
         self.writer_span = ""  # WRITER_SPAN's rule, made for the first writer field
         self.n = 0
@@ -355,9 +360,7 @@ class _Builder:
 
     def _writer_span(self) -> str:
         if not self.writer_span:
-            spans = " | ".join("%regex " + json.dumps({"substring_chunks": _chunks(s)})
-                               for s in without_staff(self.sources) if s)
-            self.rules.append("WRITER_SPAN: " + (spans or _NOTHING))
+            self.rules.append("WRITER_SPAN: " + _spans_of(without_staff(self.sources)))
             self.writer_span = "WRITER_SPAN"
         return self.writer_span
 
