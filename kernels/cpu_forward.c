@@ -252,6 +252,37 @@ static void attend_head(const float *qh, const void *kc, const void *vc, int dt,
             oh[d] += scores[t] * kv1(vc, at[t] + d, dt);
 }
 
+/* Query head `h` of a row whose context is `ctx` positions on `table` (blocks of `block` slots), over the last
+   `window` of them (0: all): the positions' offsets into `at`, then attend_head. kvd: values per pool slot (KV heads
+   x dim); group: query heads per KV head. The fused step and fwd_attend_rows both attend so. */
+static void attend_row_head(const float *qh, const void *kc, const void *vc, int dt, const long *table, long ctx,
+                            long block, long window, long kvd, int h, int group, int dim, float scale, long *at,
+                            float *scores, float *oh) {
+    const long first = window > 0 && ctx > window ? ctx - window : 0, len = ctx - first;
+    const long off = (long)(h / group) * dim;
+    for (long t = 0; t < len; t++) {
+        const long p = first + t;
+        at[t] = (table[p / block] * block + p % block) * kvd + off;
+    }
+    attend_head(qh, kc, vc, dt, at, len, dim, scale, scores, oh);
+}
+
+/* Whether every row's context fits its table (1..width * block positions) and every block it uses is in the pool
+   (E_INDEX otherwise); `most` gets the longest context. */
+static int check_tables(int rows, const long *lens, const long *tables, long width, long block, long kv_blocks,
+                        long *most) {
+    *most = 1;
+    for (int r = 0; r < rows; r++) {
+        if (lens[r] < 1 || lens[r] > width * block)
+            return E_INDEX;
+        for (long b = 0; b < (lens[r] + block - 1) / block; b++)
+            if (tables[r * width + b] < 0 || tables[r * width + b] >= kv_blocks)
+                return E_INDEX;
+        *most = lens[r] > *most ? lens[r] : *most;
+    }
+    return 0;
+}
+
 /* ---------------- matrix rows ---------------- */
 
 /* Rows [i0, i1) of m for activation rows 0..rows-1: out[r * ldo + i - col0] (+ bias). a: the
@@ -639,16 +670,10 @@ static void layer_step(const Step *st, int l) {
 #pragma omp for schedule(dynamic, 1)
     for (int u = 0; u < R * NH; u++) {
         const int r = u / NH, h = u % NH, tid = TID();
-        const long ctx = st->lens[r], first = L->window > 0 && ctx > L->window ? ctx - L->window : 0;
-        const long len = ctx - first, *table = st->tables + (long)r * st->width;
-        long *at = s->at + (long)tid * s->scores_len;
-        const long off = (long)(h / (NH / KVH)) * D;
-        for (long t = 0; t < len; t++) {
-            const long p = first + t;
-            at[t] = (table[p / st->block] * st->block + p % st->block) * kvd + off;
-        }
-        attend_head(s->q + (long)r * qd + (long)h * D, kc, vc, st->dt, at, len, D, L->scale,
-                    s->scores + (long)tid * s->scores_len, s->att + (long)r * qd + (long)h * D);
+        attend_row_head(s->q + (long)r * qd + (long)h * D, kc, vc, st->dt, st->tables + (long)r * st->width,
+                        st->lens[r], st->block, L->window, kvd, h, NH / KVH, D, L->scale,
+                        s->at + (long)tid * s->scores_len, s->scores + (long)tid * s->scores_len,
+                        s->att + (long)r * qd + (long)h * D);
     }
 
 #pragma omp for schedule(static)
@@ -699,16 +724,14 @@ int fwd_step(Model *m, int rows, const long *ids, const float *x_in, const long 
         return E_SETUP;
     if (rows <= 0 || rows > m->max_rows || width <= 0 || block <= 0 || kv_blocks <= 0 || kv_dtype < 0 || kv_dtype > 2)
         return E_SHAPE;
-    long most = 1;
+    long most;
+    if (check_tables(rows, lens, tables, width, block, kv_blocks, &most))
+        return E_INDEX;
     for (int r = 0; r < rows; r++) {
-        if (lens[r] < 1 || lens[r] > width * block || slots[r] < 0 || slots[r] >= kv_blocks * block || pos[r] < 0)
+        if (slots[r] < 0 || slots[r] >= kv_blocks * block || pos[r] < 0)
             return E_INDEX;
         if (x_in == NULL && (ids[r] < 0 || ids[r] >= m->vocab))
             return E_INDEX;
-        for (long b = 0; b < (lens[r] + block - 1) / block; b++)
-            if (tables[r * width + b] < 0 || tables[r * width + b] >= kv_blocks)
-                return E_INDEX;
-        most = lens[r] > most ? lens[r] : most;
     }
     for (int l = 0; l < 2 * m->n_layers; l++)
         if (kv[l] == NULL)
@@ -791,15 +814,9 @@ int fwd_attend_rows(const float *q, int rows, int heads, int kv_heads, int dim, 
     if (rows <= 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads != 0 || dim <= 0 || width <= 0 || block <= 0
         || kv_blocks <= 0 || kv_dtype < 0 || kv_dtype > 2 || window < 0)
         return E_SHAPE;
-    long most = 1;
-    for (int r = 0; r < rows; r++) {
-        if (lens[r] < 1 || lens[r] > width * block)
-            return E_INDEX;
-        for (long b = 0; b < (lens[r] + block - 1) / block; b++)
-            if (tables[r * width + b] < 0 || tables[r * width + b] >= kv_blocks)
-                return E_INDEX;
-        most = lens[r] > most ? lens[r] : most;
-    }
+    long most;
+    if (check_tables(rows, lens, tables, width, block, kv_blocks, &most))
+        return E_INDEX;
     threads = threads > 0 ? threads : 1;
     const long kvd = (long)kv_heads * dim;
     int failed = 0;
@@ -814,14 +831,9 @@ int fwd_attend_rows(const float *q, int rows, int heads, int kv_heads, int dim, 
                 continue;
             }
             const int r = (int)(u / heads), h = (int)(u % heads);
-            const long ctx = lens[r], first = window > 0 && ctx > window ? ctx - window : 0, len = ctx - first;
-            const long *table = tables + (long)r * width, off = (long)(h / (heads / kv_heads)) * dim;
-            for (long t = 0; t < len; t++) {
-                const long p = first + t;
-                at[t] = (table[p / block] * block + p % block) * kvd + off;
-            }
-            attend_head(q + ((long)r * heads + h) * dim, kc, vc, kv_dtype, at, len, dim, scale, scores,
-                        out + ((long)r * heads + h) * dim);
+            attend_row_head(q + ((long)r * heads + h) * dim, kc, vc, kv_dtype, tables + (long)r * width, lens[r],
+                            block, window, kvd, h, heads / kv_heads, dim, scale, at, scores,
+                            out + ((long)r * heads + h) * dim);
         }
         free(scores);
         free(at);
