@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncpage import AsyncEngine, InvalidRequestError, PromptTooLongError, SamplingParams
+from asyncpage import AsyncEngine, InvalidRequestError, PromptTooLongError, SamplingError, SamplingParams
 from tests.conftest import DATA
 from tests.test_engine_lifecycle import PROMPTS, _idle, tiny_engine
 
@@ -158,6 +158,30 @@ async def test_guided_beams_each_follow_the_grammar(tiny_llama: Path) -> None:
         for b in out.beams:
             if b.finish_reason == "stop":
                 assert isinstance(json.loads(b.text)["n"], int)
+        await _idle(engine)
+
+
+async def test_a_beam_whose_matcher_breaks_leaves_the_search_and_the_others_finish(
+        tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # llguidance's lexer can run out of fuel on a costly state: the mask allowed a token its matcher then refuses.
+    # That beam cannot go on; the search goes on without it, and fails only where no beam is left.
+    from asyncpage.guided.llg import LLGuidanceMatcher
+
+    choices = ["red", "green", "blue", "yellow"]
+    real = LLGuidanceMatcher.accept
+    async with tiny_engine(tiny_llama) as engine:
+        broken = set(engine.tokenizer("green", add_special_tokens=False)["input_ids"][:1])
+        monkeypatch.setattr(LLGuidanceMatcher, "accept", lambda self, t: t not in broken and real(self, t))
+        monkeypatch.setattr(LLGuidanceMatcher, "error", lambda self: "lexer error: too many expressions constructed")
+        out = await engine.beam_search("Colour:", beam_width=3, max_tokens=8, params=SamplingParams(choice=choices))
+        assert out.beams and all(b.text in choices and b.text != "green" for b in out.beams)
+        firsts = {engine.tokenizer(c, add_special_tokens=False)["input_ids"][0] for c in choices}
+        monkeypatch.setattr(LLGuidanceMatcher, "accept", lambda self, t: t in firsts and real(self, t))
+        with pytest.raises(SamplingError, match=r"rejected token .* a beam search chose \(lexer error"):
+            await engine.beam_search("Colour:", beam_width=3, max_tokens=8, params=SamplingParams(choice=choices))
+        monkeypatch.setattr(LLGuidanceMatcher, "accept", real)
+        again = await engine.beam_search("Colour:", beam_width=3, max_tokens=8, params=SamplingParams(choice=choices))
+        assert len(again.beams) == 3  # the engine goes on
         await _idle(engine)
 
 

@@ -634,12 +634,14 @@ def test_an_optional_copied_field_s_span_needs_more_where_the_record_does_not_na
 
 
 def test_a_span_without_a_digit_is_no_id_and_its_confidence_is_the_model_s() -> None:
+    from asyncpage.extract.readings import LABELED  # "Order number: ORD-12345" labels it: it needs that less
+
     schema = mark({"type": "object", "properties": {"order_id": {"type": ["string", "null"]}},
                    "required": ["order_id"]}, "auto")
     d = Decider(schema, booleans=False, choices=True)
     d.offsets = {d.span_key("order_id"): 0.0}
     for span, margin, want, share in (("(left blank)", 3.0, None, 1 / (1 + math.e ** 3)),
-                                      ("ORD-12345", 3.0, "ORD-12345", 1 / (1 + math.e ** -3)),
+                                      ("ORD-12345", 3.0, "ORD-12345", 1 / (1 + math.e ** -(3 + LABELED))),
                                       ("(left blank)", math.inf, None, 0.0)):
         text = f"Order number: {span}"
         plan = Plan(d, text, [text])
@@ -651,7 +653,7 @@ def test_a_span_without_a_digit_is_no_id_and_its_confidence_is_the_model_s() -> 
 
 
 def test_an_id_named_in_the_record_wins_over_a_likelier_number_far_from_its_naming() -> None:
-    from asyncpage.extract.readings import NEAR, near
+    from asyncpage.extract.readings import LABELED, NEAR, near
 
     text = "Subject: Freezer stopped - order CF-00931-FR\n\n" + "It was delivered six weeks ago. " * 3 + \
         "(ref 1Z84F3309211784402) and stopped cooling."
@@ -672,7 +674,9 @@ def test_an_id_named_in_the_record_wins_over_a_likelier_number_far_from_its_nami
     plan.line_nulls["order_id"] = Probe([3], SamplingParams())
     spans = {id(best): " 1Z84F3309211784402", id(close): " CF-00931-FR"}
     plan._got = lambda p: None if p is None else Scored(0.0, 3, spans.get(id(p), ""))  # type: ignore[method-assign]
-    for far, close_m, want in ((5.0, 3.0, "CF-00931-FR"), (5.0, -1.0, None), (9.0, -1.0, "1Z84F3309211784402")):
+    # "order CF-00931-FR": its own word labels it, so it needs LABELED less than the offset
+    for far, close_m, want in ((5.0, 3.0, "CF-00931-FR"), (5.0, -1.0, "CF-00931-FR"), (5.0, -LABELED - 1.0, None),
+                               (9.0, -LABELED - 1.0, "1Z84F3309211784402")):
         plan.span_margin = lambda name, near=False, far=far, close_m=close_m: close_m if near else far  # type: ignore
         decided, _ = plan.outcome(None)  # type: ignore[arg-type]
         assert decided == {"order_id": want}, (far, close_m)
@@ -683,7 +687,7 @@ def test_an_id_named_in_the_record_wins_over_a_likelier_number_far_from_its_nami
 
 
 def test_an_id_the_record_labels_as_another_kind_of_number_is_refused() -> None:
-    from asyncpage.extract.readings import OTHERWISE, doubt
+    from asyncpage.extract.readings import LABELED, OTHERWISE, doubt
 
     def need(text: str, span: str, words: tuple[str, ...] = ("order",), field: str = "order_id") -> float:
         return doubt(text, span, words, field)
@@ -691,11 +695,12 @@ def test_an_id_the_record_labels_as_another_kind_of_number_is_refused() -> None:
     assert need("Operations Manager\nAccount ID: ACC-55190\nSupport case: 00418827", "ACC-55190") == OTHERWISE
     assert need("two payments, transaction IDs 4410298873 and 4410298874.", "4410298874") == OTHERWISE
     assert need("Subscription order: VR-ENT-2023-00418\nSupport PIN: 7720", "7720") == OTHERWISE
-    assert need("Order: DC-FR-0093-2217. Warranty card serial 88-2019-A.", "DC-FR-0093-2217") == 0.0
+    assert need("Order: DC-FR-0093-2217. Warranty card serial 88-2019-A.", "DC-FR-0093-2217") == -LABELED
     # its own word on the label, in the span, or a field named by that kind: not refused
     assert need("Order / tracking number 55120", "55120") == 0.0
     assert need("Account ID: ORDER-55190", "ORDER-55190") == 0.0
-    assert need("tracking number 1Z999AA10123456784", "1Z999AA10123456784", ("tracking",), "tracking_number") == 0.0
+    tracking = "tracking number 1Z999AA10123456784"
+    assert need(tracking, "1Z999AA10123456784", ("tracking",), "tracking_number") == -LABELED
     assert need("Merchant ID 600218847\nSofia", "600218847") == need("Acct no. 55120", "55120") == OTHERWISE
     # a kind's word that labels nothing, or its label away from the span: not refused
     for text in ("Hi, the parcel for 55120 never arrived.", "In case it helps: 55120", "The device I bought, 55120",
@@ -706,7 +711,7 @@ def test_an_id_the_record_labels_as_another_kind_of_number_is_refused() -> None:
     assert need("(order EV-55190-B, customer account 100-4432)", "100-4432") == OTHERWISE
     assert need("I have no online order number, but the serial is NBX14-77A02-K", "NBX14-77A02-K") == OTHERWISE
     assert need("Order KR-7731-G2, frame no. KG2-118840.", "KG2-118840") == OTHERWISE
-    assert need("Order KR-7731-G2, frame no. KG2-118840.", "KR-7731-G2") == 0.0
+    assert need("Order KR-7731-G2, frame no. KG2-118840.", "KR-7731-G2") == -LABELED  # its own word labels it
     for text, span in (("I placed two orders on my account: 55120, 55121", "55121"),
                        ("Order number, as shown in my account: 55120", "55120"),
                        ("Order ref, on my business account: 5512", "5512")):
@@ -717,8 +722,44 @@ def test_an_id_the_record_labels_as_another_kind_of_number_is_refused() -> None:
     assert need("Mobile: 07700 900123", "07700 900123", ("phone",), "phone") != OTHERWISE
     assert need("Member ID: 12345", "12345", ("customer",), "customer_id") != OTHERWISE
     # labeled so in one place and plainly in another: not refused; a field whose name holds no digit: not read so
-    assert need("Merchant ID 600218847. My order was 600218847.", "600218847") == 0.0
+    assert need("Merchant ID 600218847. My order was 600218847.", "600218847") == -LABELED
+    assert need("Merchant ID 600218847. The order came 600218847.", "600218847") == 0.0
     assert need("Account: Mosswell Health", "Mosswell Health", ("company",), "company") != OTHERWISE
+
+
+def test_an_id_its_field_s_own_word_labels_right_before_it_is_taken_whole_and_needs_less() -> None:
+    from asyncpage.extract.readings import LABELED, OTHERWISE, doubt, labeled, labeled_id, near
+
+    text = "Re the Havrenn Kettle Pro 1.7 from your store (order HVN-3381045, model HK-17P). It leaks."
+    assert doubt(text, "HVN-3381045", ("order",), "order_id") == -LABELED
+    assert doubt(text, "HK-17P", ("order",), "order_id") == OTHERWISE
+    # the stretch naming the order ends at the next kind's label once it held a value, or at its line's end
+    assert near(text, ("order",)) == ["(order HVN-3381045, "]
+    assert near("Order LMV-209-88413, invoice INV-55102 attached", ("order",)) == ["Order LMV-209-88413, "]
+    assert near("Order: 55120\nSerial: 99812", ("order",)) == ["Order: 55120"]
+    assert near("Order / account no. 55120", ("order",)) == ["Order / account no. 55120"]  # a label before its value
+    for label, span in (("order #KS90817.", "KS90817"), ("Order number: 55019", "55019"),
+                        ("ORDER NO. 7781-22", "7781-22"), ("booking ref RLN-8K2Q7", "RLN-8K2Q7"),
+                        ("Reservation code is QX7P22", "QX7P22")):
+        assert labeled(f"Hi,\n{label} and more", span, ("order",)), label
+    # the label's first group is the id's: the span found after it is read with it
+    assert labeled_id("order GLM#559203. i want", "559203", ("order",)) == "GLM#559203"
+    assert labeled_id("headphones, order AUR 5519 0087. Left", "5519 0087", ("order",)) == "AUR 5519 0087"
+    assert labeled_id("Order No 5519 was late", "5519", ("order",)) == "5519"  # an id noun is the label's
+    # an order's id alone in brackets after the ordered thing
+    assert labeled("the Parlour 12 I ordered (MF-0911-2287) came cracked", "MF-0911-2287", ("order",))
+    assert labeled("I ordered a Zipvolt Urban X scooter (#55019) on 4 October", "55019", ("order",))
+    assert not labeled("I ordered a Zentorq drill (model ZD-2000)", "ZD-2000", ("order",))
+    assert not labeled("I ordered it. The drill (ZD-2000) broke", "ZD-2000", ("order",))
+    assert near("Hi, I ordered a Zipvolt Urban X scooter (#55019) and my order is late", ("order",)) == \
+        ["#55019", "order is late"]
+    # not an id's shape, on another line, part of a longer word, another field's word, or a verb: not labeled
+    for text, span in (("order 12 arrived", "12"), ("order number\n[06:51]", "[06:51]"),
+                       ("order: 14-02-2024", "14-02-2024"), ("order 55120X", "55120"), ("reorder 55120", "55120"),
+                       ("I ordered it, 55019", "55019"), ("order 2024-66153", "2024"),
+                       ("tracking 1Z999AA1", "1Z999AA1")):
+        assert not labeled(text, span, ("order",)), text
+    assert not labeled("booking ref RLN-8K2Q7", "RLN-8K2Q7", ("tracking",))  # a booking labels an order's id only
 
 
 def test_a_product_s_value_is_its_name_without_the_common_nouns_that_close_its_phrase() -> None:

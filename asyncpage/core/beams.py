@@ -58,11 +58,21 @@ class BeamSteps:
 
         choices = search.step(outputs, [candidates.get(b.seq_id, ([], [])) for b in beams], ends)
         nxt = self._follow(req, beams, choices)
-        failures = []
+        failures: list[tuple[Sequence, str]] = []
+        refused: list[tuple[Sequence, str]] = []
         for i in range(len(nxt) - 1, -1, -1):  # from the end: retire() renumbers the beams after i
             b = nxt[i]
             if b.matcher is not None and not b.matcher.accept(b.token_ids[-1]):
-                failures.append((b, f"the grammar rejected token {b.token_ids[-1]} a beam search chose"))
+                # Its mask allowed the token, its matcher refused it: the matcher is in its error state (an
+                # llguidance lexer out of fuel on a costly state). That beam cannot go on: it leaves the search
+                # as a dead end does; the request fails only where no beam is left to finish it.
+                get = getattr(b.matcher, "error", None)  # llguidance's says why; another backend's may not
+                why = str(get()) if get is not None else ""
+                refused.append((b, f"the grammar rejected token {b.token_ids[-1]} a beam search chose"
+                                   + (f" ({why.splitlines()[0]})" if why else "")))
+                search.retire(i, b.output_token_ids, "stop", valid=False)
+                nxt.pop(i)
+                self.finish(b, "stop")
             elif b.matcher is not None and b.matcher.is_terminated():
                 # Its grammar is complete (the beam ends), or at a dead end: a copied field's opening
                 # quote where no span of the record fits, and no token can follow. That beam is not a
@@ -70,6 +80,8 @@ class BeamSteps:
                 search.retire(i, b.output_token_ids, "stop", valid=b.matcher.is_accepting())
                 nxt.pop(i)
                 self.finish(b, "stop")
+        if refused and not nxt and not search.finished:
+            failures.append(refused[0])
         req.seqs = nxt
         for i, b in enumerate(nxt):
             b.index = i

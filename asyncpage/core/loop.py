@@ -263,9 +263,11 @@ class EngineCore:
         logprobs = dict(zip(result.seq_ids, result.sampled.logprobs, strict=True))
         updates, failed = self.scheduler.update(out, sampled, result.grammar_done, result.forced, result.failed,
                                                 result.beams, result.accepted)
+        failing = {seq.request.request_id for seq, _ in failed}  # its failure is its end (below), not its beams
         for sched in out.scheduled:
             req = sched.seq.request
-            if req.beam is not None and sched.samples and req.request_id in self._requests:
+            if req.beam is not None and sched.samples and req.request_id in self._requests and \
+                    req.request_id not in failing:
                 req.times.first_token = req.times.first_token or now
                 req.times.last_token = now
                 if req.beam.done:

@@ -70,6 +70,7 @@ TAIL = 40  # characters a near stretch may run on to end its word (near)
 MAX_NEAR = 16  # near stretches read at most
 NO_DIGIT = math.inf  # a span without a digit for a field whose name says it holds one (doubt): never
 OTHERWISE = math.inf  # an id's span the record labels as another kind of number (doubt): never
+LABELED = 6.0  # nats less a span needs where the field's own word labels it right before it (doubt)
 # Kinds of number a record may label right before one ("Account ID: ACC-55190", "Merchant ID 600218847", "Support
 # PIN: 7720", "transaction IDs 4410298873 and 4410298874", "Warranty card serial 88-2019-A"), and the words of
 # fields that are such numbers themselves (a phone, an account, a tracking number...), which are not read so: one
@@ -86,6 +87,24 @@ _ORDERS = frozenset("order orders purchase booking reservation".split())
 # is ..."), and the clauses before it, in which it does unless it names a value of its own first ("(order EV-55190-B,
 # customer account 100-4432"; not "Order number, as shown in my account: 55120").
 _CONTRAST = re.compile(r";|\b(?:but|however)\b", re.IGNORECASE)
+# The field's own word labeling the span right before it, on its line: the word (or its plural), an id noun, a colon
+# or "#", then the span ("order HVN-3381045", "Order number: #55019", "booking ref RLN-8K2Q7"); an order's id is
+# labeled by a booking's or a reservation's word too. A date or a time is never such an id ("purchase: 14-02-2024").
+# A label may hold the id's first group ("order GLM#559203", "order AUR 5519 0087", "order HF 33-0912"): a span found
+# after it is read with it (labeled_id).
+_LABEL_TAIL = (r")s?(?:[ \t]+(?:id|number|no\.?|nr\.?|num|ref\.?|reference|code))?[ \t]*(?:[:#][ \t]*)?"
+               r"(?:is[ \t]+|was[ \t]+)?#?((?-i:[A-Z][A-Z0-9]{0,4})[ #])?$")
+_BOOKINGS = ("booking", "reservation")
+# An order's id in brackets right after the ordered thing's phrase: "the Parlour 12 I ordered (MF-0911-2287)", "I
+# ordered a Zipvolt Urban X scooter (#55019)".
+_BOUGHT = re.compile(r"\b(?:ordered|purchased|bought|booked)\b[^.\n()]{0,60}\(\s*#?$", re.IGNORECASE)
+_BRACKETED = re.compile(r"\b(?:ordered|purchased|bought|booked)\b[^.\n()]{0,60}\(\s*(#?[^\s()]*\d[^\s()]*)\s*\)",
+                        re.IGNORECASE)
+_DATE = re.compile(r"\d{1,4}[-/.]\d{1,2}[-/.]\d{2,4}|\d{1,2}:\d{2}(?::\d{2})?")
+# Where a stretch naming the field ends once it has held a value (a word with a digit): the line's end, or another
+# kind's label ("order HVN-3381045, model HK-17P", "Order LMV-209-88413, invoice INV-55102").
+_ANOTHER = re.compile(r"\n|\b(?:" + "|".join([*_KINDS, "invoice", "receipt"]) + r")\b", re.IGNORECASE)
+_VALUE = re.compile(r"\S*\d\S*")
 _CLAUSE = re.compile(r"[,!?()]")
 # The label: a kind, an id noun, a colon or "#", at most one more id of a list before the span, then the span.
 _LABELED = re.compile(r"\b(?:" + "|".join(_KINDS) + r")s?(?:\s+(?:id|ids|number|numbers|no\.?|nr\.?|num|code|"
@@ -133,7 +152,9 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
     OTHERWISE (never) for an order's id (_ORDERS) the record labels as another kind of number (`named_otherwise`). And
     NO_DIGIT (never) where `field`'s name says its value holds a digit (`numbered`) and the span has none: a form's
     "(left blank)" or "N/A (bought in a shop)" as the order id. So a digit-less id ("XKQZTB") is null there, unless
-    the field's schema (`branch`) gives its own `pattern`, which then says what its values look like."""
+    the field's schema (`branch`) gives its own `pattern`, which then says what its values look like. And LABELED
+    less (a negative doubt) where the field's own word labels the span right before it (`labeled`): the record
+    says which number it is."""
     if span and numbered(field) and not (branch or {}).get("pattern") and not any(ch.isdecimal() for ch in span):
         return NO_DIGIT
     if not words or not span:
@@ -142,6 +163,8 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
     if numbered(field) and _ORDERS.intersection(words) and not _KIND_WORDS.intersection(words) and \
             named_otherwise(text, span, pattern):
         return OTHERWISE
+    if labeled(text, span, words):
+        return -LABELED
     if not pattern.search(text):
         return NAMELESS
     i = text.find(span)
@@ -150,6 +173,36 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
             return 0.0
         i = text.find(span, i + 1)
     return ELSEWHERE
+
+
+def labeled(text: str, span: str, words: Sequence[str]) -> bool:
+    """Whether some place `text` holds `span` has one of `words` labeling it right before it on its line (`labeled_id`
+    finds it)."""
+    return labeled_id(text, span, words) == span
+
+
+def labeled_id(text: str, span: str, words: Sequence[str]) -> str:
+    """`span` as the record labels it: where one of `words` (for an order's id, a booking's or a reservation's word
+    too) labels it right before it on its line (_LABEL_TAIL: "order HVN-3381045", "Order no.: 55019", "booking ref
+    RLN-8K2Q7"), with the id's first group the label holds ("order GLM#559203" for "559203", "order AUR 5519 0087"
+    for "5519 0087"); for an order's id, also alone in brackets after the ordered thing's phrase ("I ordered a
+    scooter (#55019)", _BOUGHT). Only an id's shape is read so: four characters or more, a digit, not a date or a
+    time. "" where no place is labeled so."""
+    if len(span) < 4 or not any(ch.isdecimal() for ch in span) or _DATE.search(span) or not words:
+        return ""
+    orders = bool(_ORDERS.intersection(words))
+    own = tuple(words) + (_BOOKINGS if orders else ())
+    label = re.compile(r"\b(?:" + "|".join(map(re.escape, own)) + _LABEL_TAIL, re.IGNORECASE)
+    i = text.find(span)
+    while i >= 0:
+        after = text[i + len(span) : i + len(span) + 2]
+        if not after[:1].isalnum() and not (after[:1] in "-/._#" and after[1:].isalnum()):  # the id's end
+            if m := label.search(text[max(0, i - 48) : i]):
+                return (m.group(1) or "") + span
+            if orders and after.lstrip(" ").startswith(")") and _BOUGHT.search(text[max(0, i - 80) : i]):
+                return span
+        i = text.find(span, i + 1)
+    return ""
 
 
 def named_otherwise(text: str, span: str, own: re.Pattern[str]) -> bool:
@@ -186,14 +239,20 @@ def _owned(before: str, label: str, own: re.Pattern[str]) -> bool:
 
 
 def near(text: str, words: Sequence[str]) -> list[str]:
-    """The stretches of `text` right where it names a field: from each of `words` as a whole word (or its plural:
-    "order", "Orders", not "ordered"), not denied there ("I have no order number"), to NEAR characters past it and
-    the rest of the word there ("order number: CF-00931-FR", at most TAIL more characters); each from the start
-    of the word holding the naming ("PO-ORDER-55123"), overlapping ones merged, at most MAX_NEAR. [] where none."""
+    """The stretches of `text` right where it names a field: from each of `words` (for an order's id, a booking's or
+    a reservation's word too) as a whole word or its plural ("order", "Orders", not "ordered"), not denied there ("I
+    have no order number"), to NEAR characters past it and the rest of the word there ("order number: CF-00931-FR",
+    at most TAIL more characters), from the start of the word holding the naming ("PO-ORDER-55123"); cut, once it has
+    held a word with a digit, at the line's end or another kind's label (_ANOTHER: "order HVN-3381045, model HK-17P"
+    reads "order HVN-3381045, "). For an order's id, also what stands alone in brackets after the ordered thing's
+    phrase ("I ordered a Zipvolt Urban X scooter (#55019)": "#55019"). Overlapping ones merged, at most MAX_NEAR, in
+    the text's order. [] where none."""
     if not words:
         return []
-    pattern = re.compile(r"\b(?:" + "|".join(map(re.escape, words)) + r")s?\b", re.IGNORECASE)
-    spans: list[list[int]] = []
+    orders = bool(_ORDERS.intersection(words))
+    own = tuple(words) + (_BOOKINGS if orders else ())
+    pattern = re.compile(r"\b(?:" + "|".join(map(re.escape, own)) + r")s?\b", re.IGNORECASE)
+    found: list[tuple[int, int]] = []
     for m in pattern.finditer(text):
         if is_denied(text, m.start(), m.end()):
             continue
@@ -203,6 +262,13 @@ def near(text: str, words: Sequence[str]) -> list[str]:
         stop = min(len(text), end + TAIL)
         while end < stop and not text[end].isspace():
             end += 1
+        if (value := _VALUE.search(text, m.end(), end)) and (cut := _ANOTHER.search(text, value.end(), end)):
+            end = cut.start()
+        found.append((start, end))
+    if orders:
+        found += [m.span(1) for m in _BRACKETED.finditer(text)]
+    spans: list[list[int]] = []
+    for start, end in sorted(found):
         if spans and start <= spans[-1][1]:
             spans[-1][1] = max(spans[-1][1], end)
         elif len(spans) < MAX_NEAR:
