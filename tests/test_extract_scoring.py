@@ -745,18 +745,28 @@ def test_an_id_its_field_s_own_word_labels_right_before_it_is_taken_whole_and_ne
     # the label's first group is the id's: the span found after it is read with it
     assert labeled_id("order GLM#559203. i want", "559203", ("order",)) == "GLM#559203"
     assert labeled_id("headphones, order AUR 5519 0087. Left", "5519 0087", ("order",)) == "AUR 5519 0087"
-    assert labeled_id("Order No 5519 was late", "5519", ("order",)) == "5519"  # an id noun is the label's
+    assert labeled_id("Order No 55190 was late", "55190", ("order",)) == "55190"  # an id noun is the label's
+    assert labeled_id("ORDER REF NO 55019", "55019", ("order",)) == labeled_id("Order #: 55019", "55019", ("order",)) \
+        == "55019"
+    assert labeled_id("Tracking: DHL 1234567890", "1234567890", ("tracking",)) == "1234567890"  # orders' ids only
     # an order's id alone in brackets after the ordered thing
     assert labeled("the Parlour 12 I ordered (MF-0911-2287) came cracked", "MF-0911-2287", ("order",))
     assert labeled("I ordered a Zipvolt Urban X scooter (#55019) on 4 October", "55019", ("order",))
     assert not labeled("I ordered a Zentorq drill (model ZD-2000)", "ZD-2000", ("order",))
     assert not labeled("I ordered it. The drill (ZD-2000) broke", "ZD-2000", ("order",))
+    # a price, a catalogue code, a model number, a year, or a denied order in brackets is no order's id
+    for text, span in (("I bought the headphones ($249.99) and", "$249.99"), ("I bought it on Amazon (B08XYZ1234)",
+                       "B08XYZ1234"), ("I bought a MacBook Pro (A2338)", "A2338"), ("I bought it (2019)", "2019"),
+                       ("I never ordered anything (#55019)", "#55019")):
+        assert not labeled(text, span, ("order",)) and near(text, ("order",)) == [], text
     assert near("Hi, I ordered a Zipvolt Urban X scooter (#55019) and my order is late", ("order",)) == \
         ["#55019", "order is late"]
     # not an id's shape, on another line, part of a longer word, another field's word, or a verb: not labeled
     for text, span in (("order 12 arrived", "12"), ("order number\n[06:51]", "[06:51]"),
                        ("order: 14-02-2024", "14-02-2024"), ("order 55120X", "55120"), ("reorder 55120", "55120"),
-                       ("I ordered it, 55019", "55019"), ("order 2024-66153", "2024"),
+                       ("I ordered it, 55019", "55019"), ("order 2024-66153", "2024"), ("order GLM#\n559203", "559203"),
+                       ("We need to order 2500 more units", "2500"), ("order 25000 units", "25000"),
+                       ("My order 1,299.00 was charged twice", "1,299.00"), ("The order SKU 88123 came", "88123"),
                        ("tracking 1Z999AA1", "1Z999AA1")):
         assert not labeled(text, span, ("order",)), text
     assert not labeled("booking ref RLN-8K2Q7", "RLN-8K2Q7", ("tracking",))  # a booking labels an order's id only

@@ -530,6 +530,34 @@ def test_a_brand_is_never_copied_as_a_code_but_may_hold_a_model_number(accepts: 
     assert (_present_branch(optional, optional) or {}).get(grounding.NAMED) is True
 
 
+def test_a_brand_is_never_copied_from_the_company_a_signature_names_as_the_writer_s_employer(accepts: Any) -> None:
+    from asyncpage.extract.employer import employers
+
+    def named(text: str) -> list[str]:
+        return [text[a:b] for a, b in employers(text)]
+
+    assert named("Many thanks,\nIfeoma Chukwu\nPractice Manager, Westgate Family Clinic") == ["Westgate Family Clinic"]
+    assert named("Ángel Cabrera-Ruiz\nHead Chef, La Marea, 22 Quay Street") == ["La Marea"]
+    assert named("Yuki Tanabe-Morris\nHead of Sales Operations, Larchfield Logistics") == ["Larchfield Logistics"]
+    assert named("Ana Silva, Customer Service Manager at Bakery Co") == ["Bakery Co"]
+    for text in ("Kind regards, Maria", "Order 55120, Foo Ltd", "My manager, John, said the Rostera app is broken",
+                 "The head, Velox 3, snapped", "Manager " * 20_000):
+        assert named(text) == [], text[:40]
+    schema = {"type": "object", "required": ["customer", "product"], "properties": {
+        "customer": {"type": "string", "description": "full name of the person who wrote the ticket"},
+        "product": {"type": "string", "description": "the product brand the ticket is about"}}}
+    marked = ends.named_copies(grounding.mark(schema, "auto"))
+    text = "Our Rostera Teams rota app logs everyone out.\n\nIfeoma Chukwu\nPractice Manager, Westgate Family Clinic"
+    g = grounding.grammar(marked, [text])
+    assert accepts(g, _obj(customer="Ifeoma Chukwu", product="Rostera Teams"))
+    assert not accepts(g, _obj(customer="Ifeoma Chukwu", product="Westgate Family Clinic"))
+    assert accepts(g, _obj(customer="Westgate Family Clinic", product="Rostera"))  # only the brand's spans are cut
+    line = grounding.line_grammar(marked["properties"]["product"], [text], " ", "\n")
+    assert line is not None and accepts(line, " Rostera Teams\n") and not accepts(line, " Westgate\n")
+    plain = grounding.grammar(marked, ["Our Rostera Teams app logs everyone out."])
+    assert "BRAND_SPAN" not in plain  # no employer named: the brand copies from the record as it is
+
+
 def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> None:
     # ends.named_copies + staff.py: a field asking for who wrote the record leaves the names the record marks as
     # support staff out of its spans (speaker labels, a quoted reply's header, a signature with a team).
@@ -573,4 +601,13 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
     assert not accepts(g, _obj(customer=lines, product="blender"))
     assert accepts(g, _obj(customer="Maria Lopez", product="blender"))
     assert accepts(g, _obj(customer="my blender arrived broken\nplease refund me\nMaria", product="blender"))  # 8
+    # a name holds no digit and no title before it: a phone number is no customer, "Mrs." not part of her name
+    signed = "The Zestara air fryer died.\nMrs. Adaeze Okonkwo-Bell\n+61 412 555 983\nI miss Miss Lee's help, Dr Who"
+    g = grounding.grammar(marked, [signed])
+    assert accepts(g, _obj(customer="Adaeze Okonkwo-Bell", product="Zestara"))
+    for wrong in ("Mrs. Adaeze Okonkwo-Bell", "+61 412 555 983", "412 555 983", "Okonkwo-Bell\n+61", "Miss Lee"):
+        assert not accepts(g, _obj(customer=wrong, product="Zestara")), wrong
+    assert accepts(g, _obj(customer="I miss", product="+61 412"))  # "miss" is no title; other fields keep digits
+    line = grounding.line_grammar(marked["properties"]["customer"], [signed], " ", "\n")
+    assert line is not None and accepts(line, " Adaeze Okonkwo-Bell\n") and not accepts(line, " Mrs. Adaeze\n")
     assert not accepts(g, _obj(customer="my blender arrived broken\nplease refund me\nMaria Lopez", product="blender"))

@@ -57,7 +57,9 @@ class BeamSteps:
             return None
 
         choices = search.step(outputs, [candidates.get(b.seq_id, ([], [])) for b in beams], ends)
-        nxt = self._follow(req, beams, choices)
+        # The chosen beams are the request's at once: a fault below fails them all (forks included), none is left
+        # holding its blocks.
+        req.seqs = nxt = self._follow(req, beams, choices)
         failures: list[tuple[Sequence, str]] = []
         refused: list[tuple[Sequence, str]] = []
         for i in range(len(nxt) - 1, -1, -1):  # from the end: retire() renumbers the beams after i
@@ -70,6 +72,7 @@ class BeamSteps:
                 why = str(get()) if get is not None else ""
                 refused.append((b, f"the grammar rejected token {b.token_ids[-1]} a beam search chose"
                                    + (f" ({why.splitlines()[0]})" if why else "")))
+                log.warning("beam search %d: %s; that beam leaves the search", req.request_id, refused[-1][1])
                 search.retire(i, b.output_token_ids, "stop", valid=False)
                 nxt.pop(i)
                 self.finish(b, "stop")
@@ -82,7 +85,6 @@ class BeamSteps:
                 self.finish(b, "stop")
         if refused and not nxt and not search.finished:
             failures.append(refused[0])
-        req.seqs = nxt
         for i, b in enumerate(nxt):
             b.index = i
         if failures or search.done:

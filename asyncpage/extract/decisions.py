@@ -386,7 +386,8 @@ class Plan:
         found = self._got((self.line_near if near else self.line_best).get(name))
         if m is None or off is None or found is None or not (value := found.text.strip()):
             return None
-        value = labeled_id(self.text, value, self.d.anchors[name]) or value  # with the id's group its label holds
+        whole = labeled_id(self.text, value, self.d.anchors[name])  # with the id's group its label holds
+        value = whole if whole and self.d.holds(name, whole) else value
         return m, off, off + doubt(self.text, value, self.d.anchors[name], name, self.d.spans[name][1]), value
 
     def outcome(self, engine: EngineClient) -> tuple[dict[str, Any], dict[str, float]]:

@@ -20,19 +20,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncpage.errors import InvalidRequestError
-from asyncpage.extract.staff import without_staff
+from asyncpage.extract.employer import without_employer
+from asyncpage.extract.staff import writer_sources
 
 COPY = "x-copy"
 # On a copied property whose value is a name (a brand: ends.named_copies): no word of its span is a code, three
 # digits or more in one word ("TV-48812", "OPX-993-1148-A"; "Z-50", "X6", "7-Eleven" stay): the model copied the
-# order id as the product brand where both were on hand (three fresh tickets).
+# order id as the product brand where both were on hand (three fresh tickets); and its spans come from the record
+# with its writer's employer cut out (employer.py: "Practice Manager, Westgate Family Clinic" names no product).
 NAMED = "x-copy-name"
 # On a copied property asking for the record's writer (ends.named_copies): its spans come from the record with
 # its support staff's names cut out (staff.py): an agent's name is never the customer.
 WRITER = "x-copy-writer"
-# A word of a name: at most two digits, or a lowercase run of three letters ("1-800-Flowers").
-_NAME_WORD = r"(?:[^\s\d]*(?:\d[^\s\d]*){0,2}|\S*\p{Ll}{3}\S*)"
-_NO_CODE = rf"/{_NAME_WORD}(?:\s+{_NAME_WORD})*/"
+# A word of a name (_short): at most two digits, or a lowercase run of three letters ("1-800-Flowers").
 # The most words a name's span holds (a brand; a person's full name): never a sentence or a paragraph (a whole
 # message was copied as the writer's name once, a sentence as the product: v49-v50).
 _MOST_WORDS = {NAMED: 6, WRITER: 8}
@@ -156,7 +156,9 @@ def line_grammar(branch: dict[str, Any], sources: Sequence[str], lead: str, end:
     holding a decimal digit), then `end`. What decisions.py reads a nullable copied field's present value with.
     None: nothing can be copied."""
     if branch.get(WRITER) is True:
-        sources = without_staff(sources)
+        sources = writer_sources(sources)
+    elif branch.get(NAMED) is True:
+        sources = without_employer(sources)
     if not any((ch.isdecimal() if digit else ch.isalnum()) for s in sources for ch in s):
         return None
     spans = " | ".join("%regex " + json.dumps({"substring_chunks": _WORDS.findall(s)}) for s in sources if s)
@@ -166,9 +168,7 @@ def line_grammar(branch: dict[str, Any], sources: Sequence[str], lead: str, end:
              f"/[^\\n]{{{lo},{'' if hi is None else int(hi)}}}/"]
     if digit:
         parts.append(r"/[^\n]*\p{Nd}[^\n]*/")
-    if branch.get(NAMED) is True and _names_some(sources):
-        parts.append(_NO_CODE)
-    parts += _short(branch)
+    parts += _short(branch, sources)
     for pattern in _patterns(branch):
         parts.append("/" + _SLASH.sub(lambda m: m.group(1) or "\\/", _unanchored(pattern)) + "/")
     return (f"%llguidance {{}}\nstart: {json.dumps(lead)} VALUE {json.dumps(end)}\n"
@@ -257,22 +257,29 @@ def _nullable(root: dict[str, Any], s: dict[str, Any]) -> bool:
 _WORDS = re.compile(r"\w+(?:[-/.:]\w+)*|\s+|[^\w\s]")  # "ORD-48213", "4.2.1", "12:30" stay whole
 
 
-def _short(prop: dict[str, Any], escaped: bool = False) -> list[str]:
-    """The word limit of a name's span (_MOST_WORDS), as a lexeme's regex; none for other values. `escaped`: the
-    span is a JSON string's body, where a newline, a tab or a carriage return is written `\\n`, `\\t`, `\\r` and
-    breaks words as they do in the raw text (an escaped backslash before an "n" does not)."""
+def _short(prop: dict[str, Any], sources: Sequence[str], escaped: bool = False) -> list[str]:
+    """A name's words as one lexeme's regex: at most _MOST_WORDS of them, and for a brand (NAMED, where a word of
+    `sources` is no code) each no code (at most two digits, or a lowercase run of three letters); [] for other
+    values. One regex for both: every lexeme more in a span's intersection costs llguidance's lexer (a beam search
+    over six ran out of its fuel). `escaped`: the span is a JSON string's body, where a newline, a tab or a carriage
+    return is written `\\n`, `\\t`, `\\r` and breaks words as they do in the raw text (an escaped backslash before
+    an "n" does not)."""
     most = min((n for flag, n in _MOST_WORDS.items() if prop.get(flag) is True), default=0)
-    if not most:
+    coded = prop.get(NAMED) is True and _names_some(sources)
+    if not most and not coded:
         return []
-    if not escaped:
-        return [rf"/\S+(?:\s+\S+){{0,{most - 1}}}/"]
-    word, gap = r"(?:[^\s\\]|\\[^nrt])+", r"(?:\s|\\[nrt])+"
-    return ["/" + word + "(?:" + gap + word + "){0," + str(most - 1) + "}/"]
+    char, gap = (r"(?:[^\s\\]|\\[^nrt])", r"(?:\s|\\[nrt])+") if escaped else (r"\S", r"\s+")
+    if coded:  # at most two digits, or a lowercase run of three letters
+        plain = char.replace("\\s", "\\s\\d") if escaped else r"[^\s\d]"
+        word = rf"(?:{plain}*(?:\d{plain}*){{0,2}}|{char}*\p{{Ll}}{{3}}{char}*)"
+    else:
+        word = char + "+"
+    return ["/" + word + "(?:" + gap + word + ")" + (f"{{0,{most - 1}}}" if most else "*") + "/"]
 
 
 def _names_some(sources: Sequence[str]) -> bool:
-    """Whether a word of `sources` holding a letter is no code (_NAME_WORD): where none is, a brand is left free
-    to be a code rather than have no value at all."""
+    """Whether a word of `sources` holding a letter is no code (a name's word, _short): where none is, a brand is
+    left free to be a code rather than have no value at all."""
     return any(any(ch.isalpha() for ch in w) and (sum(ch.isdigit() for ch in w) <= 2 or re.search(r"[a-z]{3}", w))
                for s in sources for w in s.split())
 
@@ -299,6 +306,7 @@ class _Builder:
         self.rules.append("SOURCE_SPAN: " + _spans_of(sources))
         self.sources = list(sources)
         self.writer_span = ""  # WRITER_SPAN's rule, made for the first writer field
+        self.brand_span = ""  # BRAND_SPAN's (SOURCE_SPAN where no signature names an employer), for the first brand
         self.n = 0
         self.must_copy = False  # a copied field that cannot be null
         # No letter or digit anywhere: no span can be copied, so a nullable copied field is just null
@@ -339,11 +347,10 @@ class _Builder:
             raise InvalidRequestError("schema", f"x-copy needs maxLength >= 1 and >= minLength (got maxLength {hi}, "
                                                 f"minLength {branch.get('minLength', 1)})")
         # No whitespace at either end (a span of the text, not of its spacing), length in characters.
-        source = self._writer_span() if s.get(WRITER) is True else "SOURCE_SPAN"
+        source = self._writer_span() if s.get(WRITER) is True else self._brand_span() if s.get(NAMED) is True \
+            else "SOURCE_SPAN"
         parts = [source, f"/{_TRIMMED}/", _MEANINGFUL, f"/{_JSON_CHAR}{{{lo},{'' if hi is None else int(hi)}}}/"]
-        if s.get(NAMED) is True and _names_some(self.sources):
-            parts.append(_NO_CODE)
-        parts += _short(s, escaped=True)
+        parts += _short(s, self.sources, escaped=True)
         patterns = _patterns(branch)
         if patterns:
             # A pattern is matched against the JSON text of the span, which equals the value only
@@ -360,9 +367,18 @@ class _Builder:
 
     def _writer_span(self) -> str:
         if not self.writer_span:
-            self.rules.append("WRITER_SPAN: " + _spans_of(without_staff(self.sources)))
+            self.rules.append("WRITER_SPAN: " + _spans_of(writer_sources(self.sources)))
             self.writer_span = "WRITER_SPAN"
         return self.writer_span
+
+    def _brand_span(self) -> str:
+        if not self.brand_span:
+            brand = without_employer(self.sources)
+            self.brand_span = "SOURCE_SPAN"
+            if brand != [s for s in self.sources if s.strip()]:
+                self.rules.append("BRAND_SPAN: " + _spans_of(brand))
+                self.brand_span = "BRAND_SPAN"
+        return self.brand_span
 
     def _object(self, s: dict[str, Any]) -> str:
         props: dict[str, Any] = s.get("properties") or {}

@@ -92,19 +92,27 @@ _CONTRAST = re.compile(r";|\b(?:but|however)\b", re.IGNORECASE)
 # labeled by a booking's or a reservation's word too. A date or a time is never such an id ("purchase: 14-02-2024").
 # A label may hold the id's first group ("order GLM#559203", "order AUR 5519 0087", "order HF 33-0912"): a span found
 # after it is read with it (labeled_id).
-_LABEL_TAIL = (r")s?(?:[ \t]+(?:id|number|no\.?|nr\.?|num|ref\.?|reference|code))?[ \t]*(?:[:#][ \t]*)?"
-               r"(?:is[ \t]+|was[ \t]+)?#?((?-i:[A-Z][A-Z0-9]{0,4})[ #])?$")
+_ID_NOUNS = r"ids?|numbers?|no\.?|nr\.?|num|ref\.?|reference|code"
+_LABEL_TAIL = (rf")s?(?:[ \t]+(?:{_ID_NOUNS})){{0,2}}[ \t]*(?:[:#][ \t]*){{0,2}}(?:is[ \t]+|was[ \t]+)?#?"
+               rf"((?!(?:{_ID_NOUNS}|" + "|".join(_KINDS) + r")\b)(?-i:[A-Z][A-Z0-9]{0,4})[ #])?\Z")
 _BOOKINGS = ("booking", "reservation")
 # An order's id in brackets right after the ordered thing's phrase: "the Parlour 12 I ordered (MF-0911-2287)", "I
 # ordered a Zipvolt Urban X scooter (#55019)".
-_BOUGHT = re.compile(r"\b(?:ordered|purchased|bought|booked)\b[^.\n()]{0,60}\(\s*#?$", re.IGNORECASE)
-_BRACKETED = re.compile(r"\b(?:ordered|purchased|bought|booked)\b[^.\n()]{0,60}\(\s*(#?[^\s()]*\d[^\s()]*)\s*\)",
-                        re.IGNORECASE)
+# Only an id's shape: "#" and digits, or groups of capitals and digits joined by hyphens ("MF-0911-2287"); not a
+# price, a year, a model number or a catalogue code ("($249.99)", "(2019)", "(A2338)", "(B08XYZ1234)").
+_BRACKET_ID = r"#\d{4,}[\w-]*|#?[A-Z0-9]+(?:-[A-Z0-9]+)+"
+_BRACKETED = re.compile(r"\b(?P<verb>ordered|purchased|bought|booked)\b[^.\n()]{0,60}\(\s*"
+                        rf"(?-i:(?P<id>{_BRACKET_ID}))\s*\)", re.IGNORECASE)
+# What reads as an amount or a count, not an id, right after an order's word ("order 2500 more units", "My order
+# 1,299.00"): four digits or fewer, thousands separators, decimals, or a unit after it.
+_AMOUNT = re.compile(r"[\d,.]*\d|\d{1,4}")
+_UNIT = re.compile(r"[ \t]*(?:units?|pcs|pieces?|items?|boxes|cases|packs?|kg|lbs?|pairs?|sets?|more|x\b)",
+                   re.IGNORECASE)
 _DATE = re.compile(r"\d{1,4}[-/.]\d{1,2}[-/.]\d{2,4}|\d{1,2}:\d{2}(?::\d{2})?")
 # Where a stretch naming the field ends once it has held a value (a word with a digit): the line's end, or another
 # kind's label ("order HVN-3381045, model HK-17P", "Order LMV-209-88413, invoice INV-55102").
 _ANOTHER = re.compile(r"\n|\b(?:" + "|".join([*_KINDS, "invoice", "receipt"]) + r")\b", re.IGNORECASE)
-_VALUE = re.compile(r"\S*\d\S*")
+_VALUE = re.compile(r"(?=\S*\d)\S{4,}")  # an id's shape: four characters or more, one a digit
 _CLAUSE = re.compile(r"[,!?()]")
 # The label: a kind, an id noun, a colon or "#", at most one more id of a list before the span, then the span.
 _LABELED = re.compile(r"\b(?:" + "|".join(_KINDS) + r")s?(?:\s+(?:id|ids|number|numbers|no\.?|nr\.?|num|code|"
@@ -176,30 +184,36 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
 
 
 def labeled(text: str, span: str, words: Sequence[str]) -> bool:
-    """Whether some place `text` holds `span` has one of `words` labeling it right before it on its line (`labeled_id`
-    finds it)."""
-    return labeled_id(text, span, words) == span
+    """Whether some place `text` holds `span` has one of `words` labeling it right before it on its line, the label
+    holding the id's first group or not (`labeled_id` finds it)."""
+    return bool(labeled_id(text, span, words))
 
 
 def labeled_id(text: str, span: str, words: Sequence[str]) -> str:
     """`span` as the record labels it: where one of `words` (for an order's id, a booking's or a reservation's word
     too) labels it right before it on its line (_LABEL_TAIL: "order HVN-3381045", "Order no.: 55019", "booking ref
-    RLN-8K2Q7"), with the id's first group the label holds ("order GLM#559203" for "559203", "order AUR 5519 0087"
-    for "5519 0087"); for an order's id, also alone in brackets after the ordered thing's phrase ("I ordered a
-    scooter (#55019)", _BOUGHT). Only an id's shape is read so: four characters or more, a digit, not a date or a
-    time. "" where no place is labeled so."""
-    if len(span) < 4 or not any(ch.isdecimal() for ch in span) or _DATE.search(span) or not words:
+    RLN-8K2Q7"), for an order's id with the id's first group the label holds ("order GLM#559203" for "559203",
+    "order AUR 5519 0087" for "5519 0087"; never an id noun or a kind's word: "ORDER REF NO 55019", "order SKU
+    88123"), or alone in brackets after the ordered thing's phrase ("I ordered a scooter (#55019)", _BRACKETED, not
+    denied). Only an id's shape is read so: four characters or more, a digit, not a date, a time, an amount or a
+    count ("order 2500 more units", "order 1,299.00"). "" where no place is labeled so."""
+    if len(span) < 4 or not any(ch.isdecimal() for ch in span) or _DATE.search(span) or not words or \
+            (_AMOUNT.fullmatch(span) and (len(span) <= 4 or not span.isdecimal())):
         return ""
     orders = bool(_ORDERS.intersection(words))
     own = tuple(words) + (_BOOKINGS if orders else ())
     label = re.compile(r"\b(?:" + "|".join(map(re.escape, own)) + _LABEL_TAIL, re.IGNORECASE)
     i = text.find(span)
     while i >= 0:
-        after = text[i + len(span) : i + len(span) + 2]
-        if not after[:1].isalnum() and not (after[:1] in "-/._#" and after[1:].isalnum()):  # the id's end
+        end = i + len(span)
+        after = text[end : end + 2]
+        if not after[:1].isalnum() and not (after[:1] in "-/._#" and after[1:].isalnum()) and \
+                not (span.isdecimal() and _UNIT.match(text, end)):  # the id's end, and no count's unit after it
             if m := label.search(text[max(0, i - 48) : i]):
-                return (m.group(1) or "") + span
-            if orders and after.lstrip(" ").startswith(")") and _BOUGHT.search(text[max(0, i - 80) : i]):
+                return (m.group(1) or "" if orders else "") + span
+            if orders and any(m.end("id") == end and m.start("id") in (i, i - (text[i - 1 : i] == "#"))
+                              and not is_denied(text, *m.span("verb"))
+                              for m in _BRACKETED.finditer(text, max(0, i - 80), min(len(text), end + 4))):
                 return span
         i = text.find(span, i + 1)
     return ""
@@ -266,7 +280,7 @@ def near(text: str, words: Sequence[str]) -> list[str]:
             end = cut.start()
         found.append((start, end))
     if orders:
-        found += [m.span(1) for m in _BRACKETED.finditer(text)]
+        found += [m.span("id") for m in _BRACKETED.finditer(text) if not is_denied(text, *m.span("verb"))]
     spans: list[list[int]] = []
     for start, end in sorted(found):
         if spans and start <= spans[-1][1]:

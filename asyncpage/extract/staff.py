@@ -11,7 +11,8 @@ finds the names a record marks as staff by one of three shapes, each a role word
 - the name, then a team: "Tom, Acme Support", "Ana from the Customer Care team".
 
 `without_staff` cuts those places out of the texts, leaving the rest as separate texts: what a writer field's spans
-come from (grounding.WRITER), so a span never holds or crosses a name where the record marks it as staff. Each
+come from (grounding.WRITER, through `writer_sources`, which also cuts words holding a digit and titles), so a span
+never holds or crosses a name where the record marks it as staff. Each
 shape needs the role word to stand as a role (a whole bracket, a label, a team ending its phrase): "Jane Doe,
 support told me", "Submitted by Maria Lopez (via support portal)" and "Fleet operator Jan Novak" are not staff.
 """
@@ -66,6 +67,17 @@ def _spans(text: str) -> Iterator[tuple[int, int]]:
 def staff_names(text: str) -> list[str]:
     """The names `text` marks as its support staff's, longest first (each as written)."""
     return sorted({text[a:b] for a, b in _spans(text)}, key=len, reverse=True)
+
+
+# What is never part of a person's name: a word holding a digit (a phone number, an account id, "+61 412 555 983" was
+# copied as the customer once) and a title before a capitalized name ("Mrs. Adaeze Okonkwo-Bell": the name without it).
+_NO_NAME = re.compile(r"\S*\d\S*|(?<![\w'’-])(?:Mrs|Mr|Ms|Miss|Mx|Dr|Prof)\.?(?=[ \t]+[A-ZÀ-ÖØ-Þ])")
+
+
+def writer_sources(sources: Sequence[str]) -> list[str]:
+    """What a field asking for the record's writer copies from: `sources` without the support staff's names
+    (without_staff), the words holding a digit, and a title before a name, what is left of each as separate texts."""
+    return [part for s in without_staff(sources) for part in _NO_NAME.split(s) if part.strip()]
 
 
 def without_staff(sources: Sequence[str]) -> list[str]:

@@ -25,13 +25,6 @@ from asyncpage.guided.untrusted import refuse_outside_refs
 JSON_OPTIONS = {"whitespace_flexible": False, "lenient": False}
 
 
-# The lexer's work one mask may take (llguidance's fuel: ~14k a millisecond; its default 200,000). Extraction's copied
-# spans intersect up to six regexes over a record's words (grounding.py); a beam search's step over them ran out of the
-# default on a spent ticket (H46-07: every beam's matcher in its error state, "too many expressions constructed", the
-# record failed). Three times the default, ~40 ms at most, spent only on such states.
-STEP_LEXER_FUEL = 600_000
-
-
 class LLGuidanceMatcher:
     def __init__(self, m: Any, grammar: LLGuidanceGrammar | None = None, close: CloseState | None = None,
                  fresh: bool = False) -> None:
@@ -184,7 +177,7 @@ class LLGuidanceBackend:
             raise GrammarError(spec.kind, "nested too deeply to compile") from None
 
     def _compile(self, spec: GuidedSpec, deadline: Deadline) -> LLGuidanceGrammar:
-        from llguidance import LLMatcher, LLParserLimits
+        from llguidance import LLMatcher
         from llguidance.gbnf_to_lark import any_to_lark
 
         if spec.kind == "json_schema":
@@ -219,11 +212,10 @@ class LLGuidanceBackend:
         if error and not error.startswith("WARNING"):
             raise grammar_error(spec, error)
         deadline.check()
-        limits = LLParserLimits(step_lexer_fuel=STEP_LEXER_FUEL)
-        matcher = LLMatcher(self._tok, grammar, log_level=0, limits=limits)
+        matcher = LLMatcher(self._tok, grammar, log_level=0)
         if matcher.is_error():
             raise grammar_error(spec, matcher.get_error())
         refuse_unproductive(spec, matcher)
-        byte_matcher = LLMatcher(self._byte_tok, grammar, log_level=0, limits=limits)  # a fraction of the compile above
+        byte_matcher = LLMatcher(self._byte_tok, grammar, log_level=0)  # a fraction of the compile above
         return LLGuidanceGrammar(matcher, self.planner, None if byte_matcher.is_error() else byte_matcher,
                                  token_terminals=spec.kind == "grammar" and "<[" in spec.value)
