@@ -749,6 +749,8 @@ def test_an_id_its_field_s_own_word_labels_right_before_it_is_taken_whole_and_ne
     assert labeled_id("ORDER REF NO 55019", "55019", ("order",)) == labeled_id("Order #: 55019", "55019", ("order",)) \
         == "55019"
     assert labeled_id("Tracking: DHL 1234567890", "1234567890", ("tracking",)) == "1234567890"  # orders' ids only
+    assert labeled_id("order number NOV 55019", "55019", ("order",)) == "NOV 55019"  # "NO" is no id noun there
+    assert labeled("Order 55019 packaging was damaged", "55019", ("order",))  # "pack" is no count's unit there
     # an order's id alone in brackets after the ordered thing
     assert labeled("the Parlour 12 I ordered (MF-0911-2287) came cracked", "MF-0911-2287", ("order",))
     assert labeled("I ordered a Zipvolt Urban X scooter (#55019) on 4 October", "55019", ("order",))

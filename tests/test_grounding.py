@@ -540,9 +540,13 @@ def test_a_brand_is_never_copied_from_the_company_a_signature_names_as_the_write
     assert named("Ángel Cabrera-Ruiz\nHead Chef, La Marea, 22 Quay Street") == ["La Marea"]
     assert named("Yuki Tanabe-Morris\nHead of Sales Operations, Larchfield Logistics") == ["Larchfield Logistics"]
     assert named("Ana Silva, Customer Service Manager at Bakery Co") == ["Bakery Co"]
+    assert named("Thanks\r\nJohn Smith\r\nCEO, Acme Ltd\r\n") == ["Acme Ltd"]
     for text in ("Kind regards, Maria", "Order 55120, Foo Ltd", "My manager, John, said the Rostera app is broken",
-                 "The head, Velox 3, snapped", "Manager " * 20_000):
-        assert named(text) == [], text[:40]
+                 "The head, Velox 3, snapped", "Manager " * 20_000, "Gaming Chair, Secretlab Titan Evo",
+                 "Order details\nOffice Chair, Herman Miller Aeron", "Dear Store Manager, Zipvolt Urban X, bought",
+                 "Product: Pro Controller, Nintendo Switch",
+                 "Ifeoma Chukwu\nPractice Manager, Westgate Family Clinic\n" + "More text. " * 40):
+        assert named(text) == [], text[:40]  # a product's line, or no signature at the record's end
     schema = {"type": "object", "required": ["customer", "product"], "properties": {
         "customer": {"type": "string", "description": "full name of the person who wrote the ticket"},
         "product": {"type": "string", "description": "the product brand the ticket is about"}}}

@@ -92,9 +92,9 @@ _CONTRAST = re.compile(r";|\b(?:but|however)\b", re.IGNORECASE)
 # labeled by a booking's or a reservation's word too. A date or a time is never such an id ("purchase: 14-02-2024").
 # A label may hold the id's first group ("order GLM#559203", "order AUR 5519 0087", "order HF 33-0912"): a span found
 # after it is read with it (labeled_id).
-_ID_NOUNS = r"ids?|numbers?|no\.?|nr\.?|num|ref\.?|reference|code"
+_ID_NOUNS = r"(?:ids?|numbers?|no|nr|num|ref|reference|code)\b\.?"
 _LABEL_TAIL = (rf")s?(?:[ \t]+(?:{_ID_NOUNS})){{0,2}}[ \t]*(?:[:#][ \t]*){{0,2}}(?:is[ \t]+|was[ \t]+)?#?"
-               rf"((?!(?:{_ID_NOUNS}|" + "|".join(_KINDS) + r")\b)(?-i:[A-Z][A-Z0-9]{0,4})[ #])?\Z")
+               rf"((?<![A-Za-z0-9])(?!{_ID_NOUNS}|(?:" + "|".join(_KINDS) + r")\b)(?-i:[A-Z][A-Z0-9]{0,4})[ #])?\Z")
 _BOOKINGS = ("booking", "reservation")
 # An order's id in brackets right after the ordered thing's phrase: "the Parlour 12 I ordered (MF-0911-2287)", "I
 # ordered a Zipvolt Urban X scooter (#55019)".
@@ -106,7 +106,7 @@ _BRACKETED = re.compile(r"\b(?P<verb>ordered|purchased|bought|booked)\b[^.\n()]{
 # What reads as an amount or a count, not an id, right after an order's word ("order 2500 more units", "My order
 # 1,299.00"): four digits or fewer, thousands separators, decimals, or a unit after it.
 _AMOUNT = re.compile(r"[\d,.]*\d|\d{1,4}")
-_UNIT = re.compile(r"[ \t]*(?:units?|pcs|pieces?|items?|boxes|cases|packs?|kg|lbs?|pairs?|sets?|more|x\b)",
+_UNIT = re.compile(r"[ \t]*(?:units?|pcs|pieces?|items?|boxes|cases|packs?|kg|lbs?|pairs?|sets?|more)\b",
                    re.IGNORECASE)
 _DATE = re.compile(r"\d{1,4}[-/.]\d{1,2}[-/.]\d{2,4}|\d{1,2}:\d{2}(?::\d{2})?")
 # Where a stretch naming the field ends once it has held a value (a word with a digit): the line's end, or another
