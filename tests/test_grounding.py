@@ -480,7 +480,7 @@ def test_a_job_runs_four_beams_a_record_only_when_a_field_is_copied_and_sizes_it
 
 
 def test_a_copied_name_is_widened_by_the_capitalized_words_that_open_it_in_the_record() -> None:
-    from asyncpage.extract.grounding import widened, word_prefixes
+    from asyncpage.extract.ends import widened, word_prefixes
 
     text = "Hi. My Tovisk Sona 12 hums. There's gas from the Juniperra Flame 6 hob.\nSubject: Flame 6\nHi Sona 12"
     assert widened(text, "Sona 12") == ["Tovisk Sona 12"] and widened(text, "Flame 6") == ["Juniperra Flame 6"]
@@ -598,6 +598,8 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
     note = "Kia ora, Ngaio Te Rangi here. After the sync last night half my folders vanished."
     g = grounding.grammar(marked, [note])
     assert accepts(g, _obj(customer="Ngaio Te Rangi", product="sync"))
+    assert not accepts(g, _obj(customer="Kia", product="sync"))  # a greeting is no name
+    assert not accepts(g, _obj(customer="Kia ora, Ngaio Te Rangi", product="sync"))
     assert not accepts(g, _obj(customer="Kia ora, Ngaio Te Rangi here. After the sync", product="sync"))
     # a line break or a tab, written as a JSON escape in the value, breaks words as it does in the record
     lines = "Hi,\nmy blender arrived broken\nplease refund me\nMaria Lopez\tmaria@example.com"

@@ -1,5 +1,5 @@
 """Where a copied value that may not be null ends (a decision of decisions.Plan): the value the model wrote, its
-word prefixes and its widened forms (grounding.widened: "Juniperra Flame 6" beside the model's "Flame 6"), each read
+word prefixes and its widened forms (widened: "Juniperra Flame 6" beside the model's "Flame 6"), each read
 on the field's described line after the record (" Marlow Duo\\n"), the likeliest kept. No opening article, never a
 lone "my", none the field's schema refuses. The figures: docs/extraction.md, "Decisions by scoring"."""
 
@@ -26,6 +26,38 @@ BRAND = frozenset("brand brands make manufacturer maker vendor".split())
 # ...that say its value is the record's writer.
 WRITER = frozenset("customer sender author requester reporter writer submitter complainant".split())
 _WROTE = re.compile(r"\b(?:who|that)\s+(?:wrote|writes|sent|sends|submitted|filed|raised|opened)\b", re.I)
+
+_MAX_WIDER = 3  # capitalized words a copied value is widened by at most (widened)
+
+
+def word_prefixes(value: str) -> list[str]:
+    """A value's word prefixes, itself last ("Flame", "Flame 6"); one that a comma, a semicolon, a colon or an
+    opening bracket closes is read without it ("Rain Jacket" in "Rain Jacket, women's M" and "Rain Jacket (M)")."""
+    cut = [value[:m.start()] for m in re.finditer(r"\s+", value)]
+    return list(dict.fromkeys([p.rstrip(",;:([") or p for p in cut] + [value]))
+
+
+def widened(text: str, value: str) -> list[str]:
+    """`value` with the capitalized words that open its name in `text` right before it, on its line, after a
+    lowercase word: the model wrote "Flame 6" where the record says "the Juniperra Flame 6 hob", and "Juniperra
+    Flame 6" is read beside it. None after a line's or a sentence's start, a greeting or a heading ("Hi Flame 6",
+    "Subject: Flame 6"): the word before the capitalized ones must be a lowercase word or a determiner ("My")."""
+    if not value[:1].isupper():
+        return []
+    out: dict[str, None] = {}
+    for m in re.finditer(re.escape(value) + r"(?![\w-])", text):
+        words = re.split(r"[ \t]+", text[max(0, m.start() - 200):m.start()].rsplit("\n", 1)[-1])
+        if len(words) < 2 or words[-1] != "":  # the value does not follow a space
+            continue
+        words.pop()
+        caps = 0
+        while caps < min(_MAX_WIDER, len(words) - 1) and re.fullmatch(r"[^\W\d_][\w'’-]*", words[-1 - caps]) \
+                and words[-1 - caps][0].isupper() and words[-1 - caps].lower() not in grounding.DETERMINERS:
+            caps += 1
+        anchor = words[-1 - caps]
+        if caps and anchor.isalpha() and (anchor.islower() or anchor.lower() in grounding.DETERMINERS):
+            out[" ".join(words[len(words) - caps:]) + " " + value] = None
+    return list(out)
 # A common noun closing a name's phrase: a lowercase word ("sofa", "e-bike", "desk lamp") or a measure-led one
 # ("3-seater", "3-door"); a bracket ("(Queen size)") and a comma's tail ("sofa, grey") go first.
 _COMMON = re.compile(r"[a-z][a-z'’]*(?:-[a-z]+)*|\d+-[a-z]+(?:-[a-z]+)*")
@@ -96,8 +128,8 @@ def candidates(text: str, wrote: str, holds: Callable[[str], bool], named: bool 
     value = wrote
     while (head := value.split(maxsplit=1))[0].lower() in grounding.ARTICLES and len(head) > 1:
         value = head[1]  # "The Glossvane Sleek 3 straightener": a name opens after its article
-    cands = list(dict.fromkeys(c for v in (value, *grounding.widened(text, value))
-                               for c in grounding.word_prefixes(v)))  # "Flame 6", "Juniperra Flame 6"
+    cands = list(dict.fromkeys(c for v in (value, *widened(text, value))
+                               for c in word_prefixes(v)))  # "Flame 6", "Juniperra Flame 6"
     cands = [c for c in cands if any(ch.isalnum() for ch in c) and c.lower() not in grounding.DETERMINERS and holds(c)]
     if named:
         cands = [c for c in cands if name_of(c) == c or name_of(c) not in cands]

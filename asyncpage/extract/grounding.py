@@ -59,39 +59,6 @@ ITEM_SEP, KEY_SEP = ", ", ": "
 _STYLE = {"whitespace_flexible": False, "lenient": False, "item_separator": ITEM_SEP, "key_separator": KEY_SEP}
 
 
-_MAX_WIDER = 3  # capitalized words a copied value is widened by at most (grounding.widened)
-
-
-def word_prefixes(value: str) -> list[str]:
-    """A value's word prefixes, itself last ("Flame", "Flame 6"); one that a comma, a semicolon, a colon or an
-    opening bracket closes is read without it ("Rain Jacket" in "Rain Jacket, women's M" and "Rain Jacket (M)")."""
-    cut = [value[:m.start()] for m in re.finditer(r"\s+", value)]
-    return list(dict.fromkeys([p.rstrip(",;:([") or p for p in cut] + [value]))
-
-
-def widened(text: str, value: str) -> list[str]:
-    """`value` with the capitalized words that open its name in `text` right before it, on its line, after a
-    lowercase word: the model wrote "Flame 6" where the record says "the Juniperra Flame 6 hob", and "Juniperra
-    Flame 6" is read beside it. None after a line's or a sentence's start, a greeting or a heading ("Hi Flame 6",
-    "Subject: Flame 6"): the word before the capitalized ones must be a lowercase word or a determiner ("My")."""
-    if not value[:1].isupper():
-        return []
-    out: dict[str, None] = {}
-    for m in re.finditer(re.escape(value) + r"(?![\w-])", text):
-        words = re.split(r"[ \t]+", text[max(0, m.start() - 200):m.start()].rsplit("\n", 1)[-1])
-        if len(words) < 2 or words[-1] != "":  # the value does not follow a space
-            continue
-        words.pop()
-        caps = 0
-        while caps < min(_MAX_WIDER, len(words) - 1) and re.fullmatch(r"[^\W\d_][\w'’-]*", words[-1 - caps]) \
-                and words[-1 - caps][0].isupper() and words[-1 - caps].lower() not in DETERMINERS:
-            caps += 1
-        anchor = words[-1 - caps]
-        if caps and anchor.isalpha() and (anchor.islower() or anchor.lower() in DETERMINERS):
-            out[" ".join(words[len(words) - caps:]) + " " + value] = None
-    return list(out)
-
-
 def mark(schema: dict[str, Any], fields: Sequence[str] | str | None) -> dict[str, Any]:
     """`schema` with `"x-copy": true` on the named top-level string properties; "auto" marks every
     string property without enum, const or format (nullable ones included). None: as written."""

@@ -70,13 +70,20 @@ def staff_names(text: str) -> list[str]:
 
 
 # What is never part of a person's name: a word holding a digit (a phone number, an account id, "+61 412 555 983" was
-# copied as the customer once) and a title before a capitalized name ("Mrs. Adaeze Okonkwo-Bell": the name without it).
-_NO_NAME = re.compile(r"\S*\d\S*|(?<![\w'’-])(?:Mrs|Mr|Ms|Miss|Mx|Dr|Prof)\.?(?=[ \t]+[A-ZÀ-ÖØ-Þ])")
+# copied as the customer once), a title before a capitalized name ("Mrs. Adaeze Okonkwo-Bell": the name without it),
+# and a greeting, in any of the languages customers greet in ("Kia ora, Ngaio Te Rangi here": "Kia" was copied twice).
+_GREETINGS = ("Kia ora|Tēnā koe|Hola|Buenos días|Bonjour|Bonsoir|Ciao|Salve|Hallo|Moin|Servus|Hej|Hei|Goedemorgen|"
+              "Namaste|Namaskar|Salaam|Salam|Assalamu alaikum|Shalom|Aloha|Konnichiwa|Merhaba|Olá|Oi|Jambo|Sawubona|"
+              "Habari|Xin chào|Sawasdee|Selamat pagi|Kumusta|Privet|Dzień dobry|Ahoj|G'day|Howdy|Hiya|Greetings|Dear|"
+              "Hello|Hi|Hey")
+_NO_NAME = re.compile(rf"\S*\d\S*|(?<![\w'’-])(?:Mrs|Mr|Ms|Miss|Mx|Dr|Prof)\.?(?=[ \t]+[A-ZÀ-ÖØ-Þ])|"
+                      rf"(?<![\w'’-])(?:{_GREETINGS})(?![\w'’-])")
 
 
 def writer_sources(sources: Sequence[str]) -> list[str]:
     """What a field asking for the record's writer copies from: `sources` without the support staff's names
-    (without_staff), the words holding a digit, and a title before a name, what is left of each as separate texts."""
+    (without_staff), the words holding a digit, a title before a name, and greetings, what is left of each as
+    separate texts."""
     return [part for s in without_staff(sources) for part in _NO_NAME.split(s) if part.strip()]
 
 
