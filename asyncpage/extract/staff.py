@@ -77,7 +77,7 @@ _GREETINGS = ("Kia ora|Tēnā koe|Hola|Buenos días|Bonjour|Bonsoir|Ciao|Salve|H
               "Habari|Xin chào|Sawasdee|Selamat pagi|Kumusta|Privet|Dzień dobry|Ahoj|G'day|Howdy|Hiya|Greetings|Dear|"
               "Hello|Hi|Hey")
 _NO_NAME = re.compile(rf"\S*\d\S*|(?<![\w'’-])(?:Mrs|Mr|Ms|Miss|Mx|Dr|Prof)\.?(?=[ \t]+[A-ZÀ-ÖØ-Þ])|"
-                      rf"(?<![\w'’-])(?:{_GREETINGS})(?![\w'’-])")
+                      rf"(?<![\w'’-])(?:{_GREETINGS}|I)(?![\w'’.-])")  # and the pronoun "I" (an initial has its dot)
 
 
 def writer_sources(sources: Sequence[str]) -> list[str]:
