@@ -617,7 +617,7 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
     assert accepts(g, _obj(customer="Adaeze Okonkwo-Bell", product="Zestara"))
     for wrong in ("Mrs. Adaeze Okonkwo-Bell", "+61 412 555 983", "412 555 983", "Okonkwo-Bell\n+61", "Miss Lee"):
         assert not accepts(g, _obj(customer=wrong, product="Zestara")), wrong
-    assert accepts(g, _obj(customer="I miss", product="+61 412"))  # "miss" is no title; other fields keep digits
+    assert accepts(g, _obj(customer="miss", product="+61 412"))  # "miss" is no title; other fields keep digits
     line = grounding.line_grammar(marked["properties"]["customer"], [signed], " ", "\n")
     assert line is not None and accepts(line, " Adaeze Okonkwo-Bell\n") and not accepts(line, " Mrs. Adaeze\n")
     assert not accepts(g, _obj(customer="my blender arrived broken\nplease refund me\nMaria Lopez", product="blender"))
