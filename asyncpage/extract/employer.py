@@ -8,8 +8,7 @@ Barista S").
 field's spans come from (grounding.NAMED). A job title is read as one only in a signature: in the record's last
 SIGNATURE characters, on the line after a name alone on its line, or after the name and a comma ("Ana Silva,
 Customer Service Manager at Bakery Co"); a role noun in it ("Manager", "Head Chef", "Head of Sales Operations"),
-then a comma, "at" or the line's end, then the capitalized words of the company up to the line's end or the next
-comma. "Kind
+then a comma or "at", then the capitalized words of the company up to the line's end or the next comma. "Kind
 regards, Maria", "Order 55120, Foo Ltd" and a product's line ("Office Chair, Herman Miller Aeron") are not.
 """
 
@@ -33,8 +32,7 @@ _PERSON = r"[A-ZÀ-ÖØ-Þ][^\W\d_]*(?:[-'’][^\W\d_]+)*\.?(?:[ \t]+[A-ZÀ-ÖØ
 _TITLE = re.compile(
     rf"(?:^[ \t]*{_PERSON}[ \t]*\r?\n[ \t]*|^[ \t]*{_PERSON},[ \t]*)"  # the writer's name: its own line, or a comma
     rf"(?:(?:[A-Z][\w'’.&/-]*|of|and|&|the)[ \t]+){{0,5}}?(?:{_ROLES})\b[^,\n]{{0,40}}?"  # the title
-    rf"(?:,|[ \t]at|[ \t]*\r?\n)[ \t]*"  # then a comma, "at" or the line's end
-    rf"(?P<org>{_CAP}(?:[ \t]+(?:&|and|of|the|{_CAP})){{0,5}})[ \t]*(?=,|\r?$)",  # the company
+    rf"(?:,|[ \t]at)[ \t]+(?P<org>{_CAP}(?:[ \t]+(?:&|and|of|the|{_CAP})){{0,5}})[ \t]*(?=,|\r?$)",  # the company
     re.MULTILINE)
 
 

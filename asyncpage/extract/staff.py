@@ -43,11 +43,6 @@ _LABEL = re.compile(rf"^[ \t]*(?i:agent|support agent|support|representative|rep
 _TEAM = re.compile(rf"({_NAME})[ \t]*(?:,|-|–|—|\||\bfrom\b|\bat\b)[ \t]*(?:the[ \t]+)?(?:{_CAP}[ \t]+){{0,3}}"
                    r"(?:Support|Customer Care|Customer Service|Help ?[Dd]esk|Care Team|Service Team)(?:[ \t]+[Tt]eam)?"
                    r"(?=[ \t]*(?:$|[\n,.;)]))", re.MULTILINE)
-# A chat's speaker label whose line answers as the seller does: "Leila: Hi, thanks for contacting Dormela!", "Sam: How
-# can I help you today?".
-_GREETER = re.compile(rf"^[ \t]*({_NAME})[ \t]*:[^\n]{{0,80}}?\b(?:(?i:thanks?(?:[ \t]+you)?[ \t]+for[ \t]+"
-                      r"(?:contacting|reaching[ \t]+out[ \t]+to|choosing|chatting[ \t]+with))[ \t]+(?:us\b|[A-Z])|"
-                      r"(?i:how[ \t]+(?:can|may)[ \t]+I[ \t]+(?:help|assist)))", re.MULTILINE)
 # Capitalized words that open a sentence or a label rather than a name ("Thanks Priya", "Hi Hannah").
 _NOT_NAMES = frozenset("hi hello hey dear thanks thank cheers regards best kind from agent support customer visitor "
                        "team the a an i my our your this that chat live".split())
@@ -55,7 +50,7 @@ _NOT_NAMES = frozenset("hi hello hey dear thanks thank cheers regards best kind 
 
 def _spans(text: str) -> Iterator[tuple[int, int]]:
     """Where `text` names a member of its support staff: each name's (start, end), greetings left off."""
-    for pattern in (_BRACKET, _LABEL, _TEAM, _GREETER):
+    for pattern in (_BRACKET, _LABEL, _TEAM):
         for m in pattern.finditer(text):
             g = next(i for i in range(1, (m.lastindex or 1) + 1) if m.group(i) is not None)
             start = m.start(g)
@@ -67,18 +62,6 @@ def _spans(text: str) -> Iterator[tuple[int, int]]:
             name = text[words[0][0] : words[-1][1]] if words else ""
             if len(name) >= 2 and not (name.isupper() and name.isascii()):  # "Support PIN:" names no one
                 yield words[0][0], words[-1][1]
-
-
-def _all_spans(text: str) -> list[tuple[int, int]]:
-    """`_spans`, and every other place a name found there stands alone as a whole name ("Tomasz (Quillbase Support):"
-    marks "Tomasz:" on later lines too; "Tom" does not mark "Tom Brown", nor "Brown" "Tom Brown")."""
-    spans = set(_spans(text))
-    for name in {text[a:b] for a, b in spans}:
-        for m in re.finditer(rf"(?<![\w'’-]){re.escape(name)}(?![\w'’-])(?![ \t]+[A-ZÀ-ÖØ-Þ])", text):
-            before = re.search(r"([A-ZÀ-ÖØ-Þ][\w'’-]*)[ \t]+\Z", text[max(0, m.start() - 40) : m.start()])
-            if before is None or before.group(1).casefold() in _NOT_NAMES:
-                spans.add(m.span())
-    return sorted(spans)
 
 
 def staff_names(text: str) -> list[str]:
@@ -110,7 +93,7 @@ def without_staff(sources: Sequence[str]) -> list[str]:
     out: list[str] = []
     for s in sources:
         at = 0
-        for a, b in _all_spans(s):
+        for a, b in sorted(set(_spans(s))):
             if a >= at:
                 out.append(s[at:a])
                 at = b
