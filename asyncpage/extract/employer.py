@@ -17,6 +17,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from asyncpage.extract.staff import cut_out
+
 _ROLES = ("Manager|Director|Head|Chef|Officer|Coordinator|Administrator|Assistant|Lead|Owner|Founder|Co-founder|"
           "Partner|Engineer|Supervisor|Secretary|Accountant|Analyst|Consultant|President|Principal|Teacher|Nurse|Buyer|"
           "Planner|Technician|Controller|Executive|CEO|CTO|CFO|COO|VP|Receptionist|Clerk|Architect|Developer|"
@@ -44,13 +46,5 @@ def employers(text: str) -> list[tuple[int, int]]:
 
 
 def without_employer(sources: Sequence[str]) -> list[str]:
-    """`sources` with each employer a signature names cut out, what is left of each as separate texts (`sources`
-    themselves where none is named)."""
-    out: list[str] = []
-    for s in sources:
-        at = 0
-        for a, b in employers(s):
-            out.append(s[at:a])
-            at = b
-        out.append(s[at:])
-    return [part for part in out if part.strip()]
+    """`sources` with each employer a signature names cut out, what is left of each as separate texts."""
+    return cut_out(sources, employers)

@@ -183,6 +183,13 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
     return ELSEWHERE
 
 
+def _naming(words: Sequence[str]) -> tuple[bool, tuple[str, ...]]:
+    """(whether `words` name an order's id, the words that name the field in a record: for an order's id a
+    booking's or a reservation's word too)."""
+    orders = bool(_ORDERS.intersection(words))
+    return orders, tuple(words) + (_BOOKINGS if orders else ())
+
+
 def labeled(text: str, span: str, words: Sequence[str]) -> bool:
     """Whether some place `text` holds `span` has one of `words` labeling it right before it on its line, the label
     holding the id's first group or not (`labeled_id` finds it)."""
@@ -200,8 +207,7 @@ def labeled_id(text: str, span: str, words: Sequence[str]) -> str:
     if len(span) < 4 or not any(ch.isdecimal() for ch in span) or _DATE.search(span) or not words or \
             (_AMOUNT.fullmatch(span) and (len(span) <= 4 or not span.isdecimal())):
         return ""
-    orders = bool(_ORDERS.intersection(words))
-    own = tuple(words) + (_BOOKINGS if orders else ())
+    orders, own = _naming(words)
     label = re.compile(r"\b(?:" + "|".join(map(re.escape, own)) + _LABEL_TAIL, re.IGNORECASE)
     i = text.find(span)
     while i >= 0:
@@ -263,8 +269,7 @@ def near(text: str, words: Sequence[str]) -> list[str]:
     the text's order. [] where none."""
     if not words:
         return []
-    orders = bool(_ORDERS.intersection(words))
-    own = tuple(words) + (_BOOKINGS if orders else ())
+    orders, own = _naming(words)
     pattern = re.compile(r"\b(?:" + "|".join(map(re.escape, own)) + r")s?\b", re.IGNORECASE)
     found: list[tuple[int, int]] = []
     for m in pattern.finditer(text):

@@ -20,7 +20,7 @@ support told me", "Submitted by Maria Lopez (via support portal)" and "Fleet ope
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 # A capitalized word, from a word's start (possessive: no backtracking into it on a long run of capitals).
 _CAP = r"(?<![\w'’-])[A-ZÀ-ÖØ-Þ][\w'’-]*+"
@@ -90,10 +90,16 @@ def writer_sources(sources: Sequence[str]) -> list[str]:
 def without_staff(sources: Sequence[str]) -> list[str]:
     """`sources` with each place that marks a name as staff cut out (that name there, not elsewhere: "Agent Tom:"
     leaves "Tom Brown" whole), what is left of each as separate texts."""
+    return cut_out(sources, _spans)
+
+
+def cut_out(sources: Sequence[str], find: Callable[[str], Iterable[tuple[int, int]]]) -> list[str]:
+    """`sources` with the (start, end) places `find` gives in each cut out (an overlapping one after the first
+    skipped), what is left of each as separate texts, blank ones dropped."""
     out: list[str] = []
     for s in sources:
         at = 0
-        for a, b in sorted(set(_spans(s))):
+        for a, b in sorted(set(find(s))):
             if a >= at:
                 out.append(s[at:a])
                 at = b
