@@ -240,17 +240,20 @@ class AsyncEngine:
     async def beam_search(self, prompt: Prompt, beam_width: int = 4, max_tokens: int = 32,
                           length_penalty: float = 1.0, early_stopping: EarlyStopping = False,
                           params: SamplingParams | None = None, *, priority: int = 0,
-                          cache_key: str | None = None) -> BeamSearchOutput:
+                          cache_key: str | None = None, best_only: bool = False) -> BeamSearchOutput:
         """The `beam_width` best continuations, best first, as transformers' `generate(num_beams=...,
         do_sample=False)` finds and ranks them. `params` carries guided decoding (each beam keeps its
         own grammar state), stop strings and ids, penalties, ignore_eos; its max_tokens is replaced by
         `max_tokens` and its sampling fields (temperature, top-p/k, seed) play no part. Beams share
         their prompt's KV blocks and each other's common prefix (copy-on-write). `priority`, `cache_key`:
-        as stream's.
+        as stream's. `best_only` (with length_penalty=0): only `beams[0]` is wanted, the likeliest
+        continuation; beams that can no longer beat the best one found leave the search, so it ends sooner
+        with the same `beams[0]` (the others are the ones found before it ended).
             out = await engine.beam_search("The capital of France is", beam_width=4, max_tokens=8)
             print(out.beams[0].text, out.beams[0].cumulative_logprob)
         """
-        beam = BeamParams(beam_width=beam_width, length_penalty=length_penalty, early_stopping=early_stopping)
+        beam = BeamParams(beam_width=beam_width, length_penalty=length_penalty, early_stopping=early_stopping,
+                          best_only=best_only)
         params = msgspec.structs.replace(params or SamplingParams(temperature=0), max_tokens=max_tokens)
         req = await self.submit(prompt, params, beam=beam, priority=priority, cache_key=cache_key)
         try:

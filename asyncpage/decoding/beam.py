@@ -13,6 +13,11 @@ here returns the beams `generate(num_beams=W, do_sample=False)` returns, token f
   the best running score at the current length, or at max_tokens with early_stopping="never" and a
   positive length penalty), once W hypotheses exist with early_stopping=True, or when every kept
   continuation ends.
+- `best_only` (not transformers'; a scoring probe's): only the best hypothesis is wanted, so with no
+  length penalty a beam whose cumulative log-probability is already no better than the best finished
+  hypothesis's leaves the search (it can only fall), and the search ends once no beam is left. The best
+  hypothesis is the one the full search finds: the beams above that bound, and their ranks, are the
+  same in both searches (the pruned ones' continuations rank below it); only the work below it is skipped.
 
 This module is pure bookkeeping over numbers and token lists; the scheduler forks the beams' block
 tables along the choices made here (scheduler.py), the runner supplies each beam's top candidates
@@ -39,6 +44,10 @@ class BeamParams(msgspec.Struct, frozen=True, kw_only=True):
     beam_width: int
     length_penalty: float = 1.0
     early_stopping: EarlyStopping = False
+    # Only the best hypothesis is wanted (a scoring probe's likeliest value): a running beam that cannot beat
+    # the best finished one leaves the search, which ends once none can. Exact only without a length penalty
+    # (log-probabilities only fall, so a beam's final score is at most its score now): refused otherwise.
+    best_only: bool = False
 
     def __post_init__(self) -> None:
         w = self.beam_width
@@ -49,6 +58,10 @@ class BeamParams(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidRequestError("length_penalty", f"must be a finite number, got {lp!r}")
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise InvalidRequestError("early_stopping", f"must be true, false or 'never', got {self.early_stopping!r}")
+        if self.best_only is not False and (self.best_only is not True or self.length_penalty != 0):
+            raise InvalidRequestError("best_only", "must be a bool, and true only with length_penalty 0 (its "
+                                      f"pruning is exact only then), got {self.best_only!r} with length_penalty "
+                                      f"{self.length_penalty!r}")
 
 
 @dataclass
@@ -142,6 +155,21 @@ class BeamSearch:
             score = cum / max(1, self.generated) ** self.params.length_penalty
             self.finished = sorted([*self.finished, Hypothesis(tokens, cum, score, reason)],
                                    key=lambda h: -h.score)[: self.width]
+        self._check_done(all_ended=not self.scores)
+
+    def hopeless(self) -> list[int]:
+        """With best_only: the running beams (their indices) that cannot beat the best hypothesis found: with
+        no length penalty a beam's final score is at most its cumulative log-probability now. A tie is
+        hopeless too (an earlier hypothesis wins a tie). Empty otherwise."""
+        if not self.params.best_only or not self.finished:
+            return []
+        bound = self.finished[0].cumulative_logprob
+        return [i for i, s in enumerate(self.scores) if s <= bound]
+
+    def drop(self, beams: list[int]) -> None:
+        """Running beams `beams` (indices) leave the search without becoming hypotheses (hopeless)."""
+        for i in sorted(beams, reverse=True):
+            self.scores.pop(i)
         self._check_done(all_ended=not self.scores)
 
     def _check_done(self, all_ended: bool) -> None:

@@ -10,7 +10,8 @@ Three kinds, each one request:
   only the last partial block and `text` are computed, with one LM-head row per token. A record's probes
   share their context's KV blocks (copy-on-write), and run batched with everything else the engine does.
 - `Probe.best(ctx, grammar)`: the likeliest value `grammar` allows after `ctx`: a beam search (4 beams,
-  ranked by their total log-probability: length_penalty 0), its best hypothesis's text and log-probability.
+  ranked by their total log-probability: length_penalty 0), its best hypothesis's text and log-probability;
+  best_only: a beam that can no longer beat the best value found leaves the search at once.
 - `Probe.scored(ids, n)`: the log-likelihood of the last `n` tokens of `ids`, from the prompt's own
   log-probabilities (the whole prompt is computed: what a reading that changes the start of the text needs).
 
@@ -75,7 +76,7 @@ class Probe:
     def best(cls, ctx: Sequence[int], grammar: str) -> Probe:
         return cls(list(ctx), SamplingParams(max_tokens=BEST_MAX_TOKENS, temperature=0, grammar=grammar,
                                              budget_close=False),
-                   beam=BeamParams(beam_width=BEST_BEAMS, length_penalty=0.0))
+                   beam=BeamParams(beam_width=BEST_BEAMS, length_penalty=0.0, best_only=True))
 
     @classmethod
     def scored(cls, ids: Sequence[int], n: int) -> Probe:
