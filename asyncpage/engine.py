@@ -246,7 +246,7 @@ class AsyncEngine:
         own grammar state), stop strings and ids, penalties, ignore_eos; its max_tokens is replaced by
         `max_tokens` and its sampling fields (temperature, top-p/k, seed) play no part. Beams share
         their prompt's KV blocks and each other's common prefix (copy-on-write). `priority`, `cache_key`:
-        as stream's. `best_only` (with length_penalty=0): only `beams[0]` is wanted, the likeliest
+        as stream's. `best_only` (length_penalty=0, early_stopping not True): only `beams[0]` is wanted, the likeliest
         continuation; beams that can no longer beat the best one found leave the search, so it ends sooner
         with the same `beams[0]` (the others are the ones found before it ended).
             out = await engine.beam_search("The capital of France is", beam_width=4, max_tokens=8)

@@ -46,7 +46,8 @@ class BeamParams(msgspec.Struct, frozen=True, kw_only=True):
     early_stopping: EarlyStopping = False
     # Only the best hypothesis is wanted (a scoring probe's likeliest value): a running beam that cannot beat
     # the best finished one leaves the search, which ends once none can. Exact only without a length penalty
-    # (log-probabilities only fall, so a beam's final score is at most its score now): refused otherwise.
+    # (log-probabilities only fall, so a beam's final score is at most its score now) and without
+    # early_stopping=True (which stops at W hypotheses, and pruning changes which come first): refused otherwise.
     best_only: bool = False
 
     def __post_init__(self) -> None:
@@ -58,10 +59,13 @@ class BeamParams(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidRequestError("length_penalty", f"must be a finite number, got {lp!r}")
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise InvalidRequestError("early_stopping", f"must be true, false or 'never', got {self.early_stopping!r}")
-        if self.best_only is not False and (self.best_only is not True or self.length_penalty != 0):
-            raise InvalidRequestError("best_only", "must be a bool, and true only with length_penalty 0 (its "
-                                      f"pruning is exact only then), got {self.best_only!r} with length_penalty "
-                                      f"{self.length_penalty!r}")
+        if self.best_only is not False and (self.best_only is not True or self.length_penalty != 0
+                                            or self.early_stopping is True):
+            # early_stopping=True ends the search at W hypotheses, and pruning changes which W come first.
+            raise InvalidRequestError("best_only", "must be a bool, and true only with length_penalty 0 and "
+                                      f"early_stopping False or 'never' (its pruning is exact only then), got "
+                                      f"{self.best_only!r} with length_penalty {self.length_penalty!r} and "
+                                      f"early_stopping {self.early_stopping!r}")
 
 
 @dataclass
