@@ -562,6 +562,34 @@ def test_a_brand_is_never_copied_from_the_company_a_signature_names_as_the_write
     assert "BRAND_SPAN" not in plain  # no employer named: the brand copies from the record as it is
 
 
+def test_a_brand_is_never_copied_from_a_company_named_with_its_legal_form(accepts: Any) -> None:
+    from asyncpage.extract.employer import legal_names
+
+    def named(text: str) -> list[str]:
+        return [text[a:b] for a, b in legal_names(text)]
+
+    assert named("Regards,\nKeiko Matsumura\nProcurement, Hoshino Packaging GmbH\nTel. +49 40 555") == \
+        ["Hoshino Packaging GmbH"]
+    assert named("a payment of GHS 2,350.00 to VENDORA HOME LTD on 28 May") == ["VENDORA HOME LTD"]
+    assert named("shipped by Tengri Logistics LLP, then Foo Co., Ltd. and Novo Nordisk A/S.") == \
+        ["Tengri Logistics LLP", "Foo Co., Ltd.", "Novo Nordisk A/S"]
+    for text in ("Maribel & Co. Sienna", "Forgeline Angle Grinder AG-115", "Apple Watch SE", "a 5 KG bag", "ltd",
+                 "Ordwell LP-340", "A " * 50_000, "Aa & " * 40_000):
+        assert named(text) == [], text[:40]  # a brand's "& Co.", a model number or name, a weight; no backtracking
+    schema = {"type": "object", "required": ["customer", "product"], "properties": {
+        "customer": {"type": "string", "description": "full name of the person who wrote the ticket"},
+        "product": {"type": "string", "description": "the product brand the ticket is about"}}}
+    marked = ends.named_copies(grounding.mark(schema, "auto"))
+    text = ("Three of the Ordwell LP-340 label printers feed crooked.\nRegards,\nKeiko Matsumura\n"
+            "Procurement, Hoshino Packaging GmbH")
+    g = grounding.grammar(marked, [text])
+    assert accepts(g, _obj(customer="Keiko Matsumura", product="Ordwell"))  # "LP-340": a code, never a brand
+    for company in ("Hoshino Packaging GmbH", "Hoshino Packaging", "Packaging"):
+        assert not accepts(g, _obj(customer="Keiko Matsumura", product=company)), company
+    line = grounding.line_grammar(marked["properties"]["product"], [text], " ", "\n")
+    assert line is not None and accepts(line, " Ordwell\n") and not accepts(line, " Hoshino Packaging\n")
+
+
 def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> None:
     # ends.named_copies + staff.py: a field asking for who wrote the record leaves the names the record marks as
     # support staff out of its spans (speaker labels, a quoted reply's header, a signature with a team).
