@@ -622,6 +622,21 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
         assert not accepts(g, _obj(customer=staff, product="Vantiq")), staff
     line = grounding.line_grammar(marked["properties"]["customer"], [chat], " ", "\n")
     assert line is not None and accepts(line, " Devika Raman\n") and not accepts(line, " Emily Carter\n")
+    # the one the first line greets is written to, never the writer: cut wherever that name stands, with a surname
+    from asyncpage.extract.staff import addressed
+
+    reply = ("Hi Sophie,\nNo refund, just a filter.\nAhmad Karimi\n\n> On Tue, 4 Jun, Sophie Laurent (Zephyrine Care) "
+             "wrote:\n> Kind regards, Sophie")
+    assert [reply[a:b] for a, b in addressed(reply)] == ["Sophie", "Sophie Laurent", "Sophie"]
+    for text in ("Dear Mr Karimi,\nthanks", "Hello Maria here, my kettle", "Hi, Maria here", "Hi there,\nI",
+                 "Thanks.\nHi Sophie,", "Hi " + "A" * 50_000):
+        assert addressed(text) == [], text[:30]  # a title, a self-introduction, no name, not the first line
+    assert [t[a:b] for t in ["Subject: Fwd: your return\n\nHi Ke Wang,\nKe Wang's note"] for a, b in addressed(t)] \
+        == ["Ke Wang"]  # after a subject line; not a possessive's word
+    g = grounding.grammar(marked, [reply])
+    assert accepts(g, _obj(customer="Ahmad Karimi", product="Zephyrine"))
+    for agent in ("Sophie Laurent", "Sophie", "Laurent"):
+        assert not accepts(g, _obj(customer=agent, product="Zephyrine")), agent
     # a name, not a message: at most eight words
     note = "Kia ora, Ngaio Te Rangi here. After the sync last night half my folders vanished."
     g = grounding.grammar(marked, [note])
