@@ -637,6 +637,12 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
     assert accepts(g, _obj(customer="Ahmad Karimi", product="Zephyrine"))
     for agent in ("Sophie Laurent", "Sophie", "Laurent"):
         assert not accepts(g, _obj(customer=agent, product="Zephyrine")), agent
+    # a team is no one's name: "Boreal Support" (its agent's bracket cut, the team is left) is never the writer
+    quoted = "Hi Carla,\n> On 12 Feb, Carla (Boreal Support) wrote:\n> We can ship it.\nCheers,\nLiam O'Sullivan"
+    g = grounding.grammar(marked, [quoted])
+    assert accepts(g, _obj(customer="Liam O'Sullivan", product="Boreal"))
+    for team in ("Boreal Support", "Boreal", "Support"):
+        assert not accepts(g, _obj(customer=team, product="Boreal")), team
     # a name, not a message: at most eight words
     note = "Kia ora, Ngaio Te Rangi here. After the sync last night half my folders vanished."
     g = grounding.grammar(marked, [note])

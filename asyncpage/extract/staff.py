@@ -76,8 +76,12 @@ _GREETINGS = ("Kia ora|Tēnā koe|Hola|Buenos días|Bonjour|Bonsoir|Ciao|Salve|H
               "Namaste|Namaskar|Salaam|Salam|Assalamu alaikum|Shalom|Aloha|Konnichiwa|Merhaba|Olá|Oi|Jambo|Sawubona|"
               "Habari|Xin chào|Sawasdee|Selamat pagi|Kumusta|Privet|Dzień dobry|Ahoj|G'day|Howdy|Hiya|Greetings|Dear|"
               "Hello|Hi|Hey")
+# A team is no one's name: a seller's role word and the capitalized words before it ("Boreal Support", "Aurelis
+# Care", "Customer Service"; no customer of 1,244 labeled tickets holds one, 184 of their texts do).
+_TEAM_WORDS = r"Support|Care|Service|Services|Team|Helpdesk|Desk"
 _NO_NAME = re.compile(rf"\S*\d\S*|(?<![\w'’-])(?:Mrs|Mr|Ms|Miss|Mx|Dr|Prof)\.?(?=[ \t]+[A-ZÀ-ÖØ-Þ])|"
-                      rf"(?<![\w'’-])(?:{_GREETINGS}|I)(?![\w'’.-])")  # and the pronoun "I" (an initial has its dot)
+                      rf"(?<![\w'’-])(?:{_GREETINGS}|I)(?![\w'’.-])|"  # and the pronoun "I" (an initial has its dot)
+                      rf"(?:{_CAP}[ \t]+){{0,3}}(?<![\w'’-])(?:{_TEAM_WORDS})(?![\w'’-])")
 
 
 # The record's first line (after a subject line at most) greets whom it is written to: "Hi Sophie,", "Dear Meeplewick
@@ -102,7 +106,7 @@ def addressed(text: str) -> list[tuple[int, int]]:
 
 def writer_sources(sources: Sequence[str]) -> list[str]:
     """What a field asking for the record's writer copies from: `sources` without the support staff's names
-    (without_staff), the words holding a digit, a title before a name, and greetings, what is left of each as
+    (without_staff), the words holding a digit, a title before a name, greetings and teams, what is left of each as
     separate texts."""
     return [part for s in without_staff(sources) for part in _NO_NAME.split(s) if part.strip()]
 
