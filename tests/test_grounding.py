@@ -574,8 +574,17 @@ def test_a_brand_is_never_copied_from_a_company_named_with_its_legal_form(accept
     assert named("shipped by Tengri Logistics LLP, then Foo Co., Ltd. and Novo Nordisk A/S.") == \
         ["Tengri Logistics LLP", "Foo Co., Ltd.", "Novo Nordisk A/S"]
     for text in ("Maribel & Co. Sienna", "Forgeline Angle Grinder AG-115", "Apple Watch SE", "a 5 KG bag", "ltd",
-                 "Ordwell LP-340", "A " * 50_000, "Aa & " * 40_000):
-        assert named(text) == [], text[:40]  # a brand's "& Co.", a model number or name, a weight; no backtracking
+                 "Ordwell LP-340", "A " * 50_000, "Aa & " * 40_000, "My Nintendo Switch OLED Limited Edition",
+                 "a 2021 Jeep Grand Cherokee Limited", "The Orbea Orca M20 LTD frame", "Our Siemens SIMATIC PLC",
+                 "Our Cisco ASA 5506", "the Seagate Exos X18 SAS drive", "Perfect Fitness AB Carver Pro",
+                 "my Samsung 9 KG washer"):
+        assert named(text) == [], text[:40]  # a brand's "& Co.", a model's name, trim or number, a weight
+    assert named("a Breville Barista Express. Breville Pty Ltd won't") == ["Breville Pty Ltd"]  # not past a sentence
+    from asyncpage.extract.employer import without_employer
+
+    # an employer holding a company's legal form is cut whole (the union of the two)
+    assert without_employer(["Jane Doe\nOperations Manager, Acme Ltd Warehouse Services"]) == \
+        ["Jane Doe\nOperations Manager, "]
     schema = {"type": "object", "required": ["customer", "product"], "properties": {
         "customer": {"type": "string", "description": "full name of the person who wrote the ticket"},
         "product": {"type": "string", "description": "the product brand the ticket is about"}}}
@@ -588,6 +597,8 @@ def test_a_brand_is_never_copied_from_a_company_named_with_its_legal_form(accept
         assert not accepts(g, _obj(customer="Keiko Matsumura", product=company)), company
     line = grounding.line_grammar(marked["properties"]["product"], [text], " ", "\n")
     assert line is not None and accepts(line, " Ordwell\n") and not accepts(line, " Hoshino Packaging\n")
+    # a record that names nothing else keeps its company: a required brand has a span to copy
+    assert accepts(grounding.grammar(marked, ["Tesla Inc."]), _obj(customer="Tesla", product="Tesla Inc."))
 
 
 def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> None:
@@ -629,14 +640,22 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
              "wrote:\n> Kind regards, Sophie")
     assert [reply[a:b] for a, b in addressed(reply)] == ["Sophie", "Sophie Laurent", "Sophie"]
     for text in ("Dear Mr Karimi,\nthanks", "Hello Maria here, my kettle", "Hi, Maria here", "Hi there,\nI",
-                 "Thanks.\nHi Sophie,", "Hi " + "A" * 50_000):
-        assert addressed(text) == [], text[:30]  # a title, a self-introduction, no name, not the first line
+                 "Thanks.\nHi Sophie,", "Hi " + "A" * 50_000, "Hello Team,\nI'm Team Lead Jordan Smith",
+                 "Hi Maria, thanks for contacting us! How can I help?\nMaria: my kettle leaks\nMaria Gonzalez",
+                 "Hi Ana,\nthanks for your patience.\n> On Mon, Ana Lucia Reyes wrote:\n> Ana Lucia Reyes",
+                 "Hi Ana,\nthe blender broke.\nBest, Ana María López"):
+        # a title, a self-introduction, no one's name, not the first line; an agent's greeting on top, or a record
+        # signed with the name it greets: the one greeted is its writer
+        assert addressed(text) == [], text[:30]
     assert [t[a:b] for t in ["Subject: Fwd: your return\n\nHi Ke Wang,\nKe Wang's note"] for a, b in addressed(t)] \
         == ["Ke Wang"]  # after a subject line; not a possessive's word
     g = grounding.grammar(marked, [reply])
     assert accepts(g, _obj(customer="Ahmad Karimi", product="Zephyrine"))
     for agent in ("Sophie Laurent", "Sophie", "Laurent"):
         assert not accepts(g, _obj(customer=agent, product="Zephyrine")), agent
+    from asyncpage.extract.staff import writer_sources
+
+    assert writer_sources(["x" * 200_000 + " Ana Lima"])[-1].endswith("Ana Lima")  # linear on a word with no digit
     # a team is no one's name: "Boreal Support" (its agent's bracket cut, the team is left) is never the writer
     quoted = "Hi Carla,\n> On 12 Feb, Carla (Boreal Support) wrote:\n> We can ship it.\nCheers,\nLiam O'Sullivan"
     g = grounding.grammar(marked, [quoted])

@@ -42,15 +42,17 @@ _TITLE = re.compile(
     re.MULTILINE)
 
 
-# Legal forms that close a company's name (case as written; "Co." alone is left out: "Maribel & Co." is a brand, and
-# "SE": "iPhone SE"), the name one to five capitalized words before it ("&", "and", "of", "the" between them; the
-# first a letter's: "5 KG" is a weight), on one line.
-_LEGAL_FORMS = (r"Ltd\.?|LTD\.?|Limited|LIMITED|GmbH|GMBH|Inc\.?|INC\.?|LLC|L\.L\.C\.|LLP|PLC|plc|Plc|AG|"
-                r"S\.A\.(?:S\.)?|SAS|SARL|S\.à\s?r\.l\.|S\.r\.l\.|Srl|SRL|S\.p\.A\.|SpA|S\.L\.(?:U\.)?|B\.V\.|BV|"
-                r"N\.V\.|NV|Pty(?:\s+Ltd\.?)?|Pte\.?\s+Ltd\.?|Sdn\.?\s+Bhd\.?|Bhd|Corp\.?|Corporation|"
-                r"Co\.,?\s*Ltd\.?|Oyj?|AB|ApS|A/S|ASA|Kft\.?|s\.r\.o\.|a\.s\.|Sp\.\s?z\s?o\.o\.|K\.K\.|KK|GbR|OHG|KG|"
+# Legal forms that close a company's name, case as written, on one line, after one to five capitalized words of
+# letters ("&", "and", "of", "the" between them). Left out, as the review found them in products' names: "Co." alone
+# ("Maribel & Co."), "SE" ("iPhone SE"), "Limited" (an edition, a car's trim), "PLC" (a controller), "ASA", "SAS",
+# "AB", "KG", "KK", "NV" (a firewall, a drive, an ab roller, "9 KG").
+_LEGAL_FORMS = (r"Ltd\.?|LTD\.?|GmbH|GMBH|Inc\.?|INC\.?|LLC|L\.L\.C\.|LLP|plc|Plc|AG|S\.A\.(?:S\.)?|SARL|"
+                r"S\.à[ \t]?r\.l\.|S\.r\.l\.|Srl|SRL|S\.p\.A\.|SpA|S\.L\.(?:U\.)?|B\.V\.|BV|N\.V\.|"
+                r"Pty(?:[ \t]+Ltd\.?)?|Pte\.?[ \t]+Ltd\.?|Sdn\.?[ \t]+Bhd\.?|Bhd|Corp\.?|Corporation|"
+                r"Co\.,?[ \t]*Ltd\.?|Oyj?|ApS|A/S|Kft\.?|s\.r\.o\.|a\.s\.|Sp\.[ \t]?z[ \t]?o\.o\.|K\.K\.|GbR|OHG|"
                 r"e\.K\.|Ltda\.?")
-_LEGAL = re.compile(rf"(?<![\w'’&.-])[A-ZÀ-ÖØ-Þ][\w'’&.-]*[ \t]+(?:(?:&|and|of|the|{_CAP})[ \t]+){{0,4}}?"
+_NAME_WORD = r"[A-ZÀ-ÖØ-Þ][^\W\d_]*(?:[-'’&][^\W\d_]+)*"  # letters only: not "M20", "9", "Express." (a sentence's end)
+_LEGAL = re.compile(rf"(?<![\w'’&.-]){_NAME_WORD}[ \t]+(?:(?:&|and|of|the|{_NAME_WORD})[ \t]+){{0,4}}?"
                     rf"(?:{_LEGAL_FORMS})(?![\w/-])")
 
 

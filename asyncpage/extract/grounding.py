@@ -244,6 +244,13 @@ def _short(prop: dict[str, Any], sources: Sequence[str], escaped: bool = False) 
     return ["/" + word + "(?:" + gap + word + ")" + (f"{{0,{most - 1}}}" if most else "*") + "/"]
 
 
+def _or_whole(cut: list[str], sources: Sequence[str]) -> list[str]:
+    """What a writer's or a brand's spans come from: `cut` (the record less its staff, its greetings, its companies),
+    or the whole record where the cut left no letter or digit ("Tesla Inc." alone): a required copied field must
+    have a span to copy, or its grammar has no way through."""
+    return cut if any(ch.isalnum() for part in cut for ch in part) else [s for s in sources if s.strip()]
+
+
 def _names_some(sources: Sequence[str]) -> bool:
     """Whether a word of `sources` holding a letter is no code (a name's word, _short): where none is, a brand is
     left free to be a code rather than have no value at all."""
@@ -334,13 +341,13 @@ class _Builder:
 
     def _writer_span(self) -> str:
         if not self.writer_span:
-            self.rules.append("WRITER_SPAN: " + _spans_of(writer_sources(self.sources)))
+            self.rules.append("WRITER_SPAN: " + _spans_of(_or_whole(writer_sources(self.sources), self.sources)))
             self.writer_span = "WRITER_SPAN"
         return self.writer_span
 
     def _brand_span(self) -> str:
         if not self.brand_span:
-            brand = without_employer(self.sources)
+            brand = _or_whole(without_employer(self.sources), self.sources)
             self.brand_span = "SOURCE_SPAN"
             if brand != [s for s in self.sources if s.strip()]:
                 self.rules.append("BRAND_SPAN: " + _spans_of(brand))

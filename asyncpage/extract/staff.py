@@ -79,7 +79,7 @@ _GREETINGS = ("Kia ora|Tēnā koe|Hola|Buenos días|Bonjour|Bonsoir|Ciao|Salve|H
 # A team is no one's name: a seller's role word and the capitalized words before it ("Boreal Support", "Aurelis
 # Care", "Customer Service"; no customer of 1,244 labeled tickets holds one, 184 of their texts do).
 _TEAM_WORDS = r"Support|Care|Service|Services|Team|Helpdesk|Desk"
-_NO_NAME = re.compile(rf"\S*\d\S*|(?<![\w'’-])(?:Mrs|Mr|Ms|Miss|Mx|Dr|Prof)\.?(?=[ \t]+[A-ZÀ-ÖØ-Þ])|"
+_NO_NAME = re.compile(rf"(?<!\S)[^\s\d]*+\d\S*|(?<![\w'’-])(?:Mrs|Mr|Ms|Miss|Mx|Dr|Prof)\.?(?=[ \t]+[A-ZÀ-ÖØ-Þ])|"
                       rf"(?<![\w'’-])(?:{_GREETINGS}|I)(?![\w'’.-])|"  # and the pronoun "I" (an initial has its dot)
                       rf"(?:{_CAP}[ \t]+){{0,3}}(?<![\w'’-])(?:{_TEAM_WORDS})(?![\w'’-])")
 
@@ -89,17 +89,38 @@ _NO_NAME = re.compile(rf"\S*\d\S*|(?<![\w'’-])(?:Mrs|Mr|Ms|Miss|Mx|Dr|Prof)\.?
 # its writer; two fresh ones had the model copy the agent they greet, "Sophie Laurent" of a quoted reply's header). A
 # title ("Dear Mr Karimi,": an agent's reply on top greets its customer so) leaves it alone.
 _TITLES = frozenset("mr mrs ms miss mx dr prof sir madam".split())
+# Greeted words that name no one ("Hello Team,", "Dear All,"), and what an agent's greeting on top says ("Hi Maria,
+# thanks for contacting us! How can I help?", "Hi Ana, thanks for your patience"): then the rule stays out.
+_NOBODY = frozenset("team all everyone everybody there folks guys sirs sir madam support customer colleagues friends "
+                    "hello hi".split())
+_AGENT_WORDS = re.compile(r"thanks?\s+(?:you\s+)?for\s+(?:contacting|reaching\s+out|your\s+patience|choosing|"
+                          r"waiting|getting\s+in\s+touch)|how\s+(?:can|may)\s+(?:I|we)\s+help|"
+                          r"(?:I|we)\s+(?:have|'ve)\s+(?:received|looked\s+into)\s+your", re.IGNORECASE)
 _ADDRESSED = re.compile(rf"\A(?:[ \t]*(?:Subject|Re|RE|Fwd?|FW|Title)\b[^\n]*\n)?\s*(?:{_GREETINGS}|Good[ \t]+"
                         rf"(?:morning|afternoon|evening)|Morning)[ \t]+({_NAME})[ \t]*(?=[,!]|\r?\n)")
+
+
+# Where a reply's quoted part begins: a quoted line, a header of one ("On Mon, Ana wrote:", "-----Original
+# Message-----", "From: ..."): the record's own part ends there.
+_QUOTED = re.compile(r"^[ \t]*(?:>|-{2,}[ \t]*(?:Original|Forwarded)|From:|.*\bwrote:[ \t]*\r?$)",
+                     re.MULTILINE | re.IGNORECASE)
 
 
 def addressed(text: str) -> list[tuple[int, int]]:
     """Where `text` names the one its first line greets: each whole-word place of that name, with the capitalized
     words after it on its line ("Sophie" greeted: "Sophie Laurent (Zephyrine Care) wrote:" too); none where the
-    greeting holds a title."""
+    greeting holds a title or no one's name ("Hello Team,"), where what follows it reads as an agent's ("thanks for
+    contacting us", "how can I help", in its first line and the 300 characters after), or where the last line of
+    the record's own part (before a quoted reply) holds the greeted name: then the top greets the writer."""
     m = _ADDRESSED.match(text)
-    if m is None or m.group(1).split()[0].casefold().rstrip(".") in _TITLES:
+    if m is None or m.group(1).split()[0].casefold().rstrip(".") in _TITLES | _NOBODY:
         return []
+    if _AGENT_WORDS.search(text, m.end(), text.find("\n", m.end()) % (len(text) + 1) + 300):
+        return []  # an agent's greeting on top: the one greeted is the customer
+    quote = _QUOTED.search(text)
+    own = [ln for ln in text[: quote.start() if quote else len(text)].splitlines() if ln.strip()]
+    if own and re.search(rf"(?<![\w'’-]){re.escape(m.group(1))}(?![\w'’-])", own[-1]):
+        return []  # the record signs with the name it greets: the greeting on top is to its writer
     name = re.compile(rf"(?<![\w'’-]){re.escape(m.group(1))}(?![\w'’-])(?:[ \t]+{_CAP}){{0,3}}")
     return [n.span() for n in name.finditer(text)]
 
@@ -119,14 +140,15 @@ def without_staff(sources: Sequence[str]) -> list[str]:
 
 
 def cut_out(sources: Sequence[str], find: Callable[[str], Iterable[tuple[int, int]]]) -> list[str]:
-    """`sources` with the (start, end) places `find` gives in each cut out (an overlapping one after the first
-    skipped), what is left of each as separate texts, blank ones dropped."""
+    """`sources` with the (start, end) places `find` gives in each cut out (overlapping ones as their union: an
+    employer "Acme Ltd Warehouse Services" holding the company "Acme Ltd" is cut whole), what is left of each as
+    separate texts, blank ones dropped."""
     out: list[str] = []
     for s in sources:
         at = 0
         for a, b in sorted(set(find(s))):
             if a >= at:
                 out.append(s[at:a])
-                at = b
+            at = max(at, b)
         out.append(s[at:])
     return [part for part in out if part.strip()]
