@@ -649,6 +649,9 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
         assert addressed(text) == [], text[:30]
     assert [t[a:b] for t in ["Subject: Fwd: your return\n\nHi Ke Wang,\nKe Wang's note"] for a, b in addressed(t)] \
         == ["Ke Wang"]  # after a subject line; not a possessive's word
+    inline = ("Ciao Ben,\n\n> From: Ben, Ventura Mobility Support\n> We have received your photos.\n\nNo, never in "
+              "rain.\n\nIsabella Rossi")  # the agent's words quoted, the writer's own below them
+    assert [inline[a:b] for a, b in addressed(inline)] == ["Ben", "Ben"]
     g = grounding.grammar(marked, [reply])
     assert accepts(g, _obj(customer="Ahmad Karimi", product="Zephyrine"))
     for agent in ("Sophie Laurent", "Sophie", "Laurent"):

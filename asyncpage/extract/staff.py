@@ -79,8 +79,26 @@ _GREETINGS = ("Kia ora|Tēnā koe|Hola|Buenos días|Bonjour|Bonsoir|Ciao|Salve|H
 # A team is no one's name: a seller's role word and the capitalized words before it ("Boreal Support", "Aurelis
 # Care", "Customer Service"; no customer of 1,244 labeled tickets holds one, 184 of their texts do).
 _TEAM_WORDS = r"Support|Care|Service|Services|Team|Helpdesk|Desk"
+# And a letter's closing, in the languages customers close in ("Ystävällisin terveisin" was copied as a name; no
+# customer of 1,284 labeled tickets holds one, 564 of their texts do), longest first, any case.
+_CLOSINGS = "|".join(re.escape(c) for c in sorted((
+    "Mit freundlichen Grüßen", "Med vänliga hälsningar", "Met vriendelijke groet", "Ystävällisin terveisin",
+    "Vriendelijke groeten", "Med vennlig hilsen", "Vänliga hälsningar", "Bien cordialement", "Freundliche Grüße",
+    "Med venlig hilsen", "Saludos cordiales", "Thanks in advance", "Yours faithfully", "Cordiali saluti",
+    "Distinti saluti", "Kindest regards", "Srdačan pozdrav", "Teşekkür ederim", "Warmest regards", "Yours sincerely",
+    "Atenciosamente", "Merci beaucoup", "Muchas gracias", "Vennlig hilsen", "Lijep pozdrav", "Venlig hilsen",
+    "Best regards", "Cordialement", "Cumprimentos", "Grazie mille", "Kind regards", "S uvazheniem", "Saygılarımla",
+    "Terima kasih", "Thanks again", "Warm regards", "Z poważaniem", "Amicalement", "Atentamente", "Best wishes",
+    "Beste Grüße", "Bien à vous", "Liebe Grüße", "Many thanks", "S pozdravem", "Salutations", "Teşekkürler",
+    "Viele Grüße", "Vielen Dank", "Yours truly", "Üdvözlettel", "Dhanyavaad", "Hälsningar", "Pozdrawiam",
+    "Fa'afetai", "Mulțumesc", "Sincerely", "Terveisin", "Thank you", "Un saludo", "Arigatou", "Cu stimă", "Dziękuję",
+    "Köszönöm", "Ngā mihi", "Obrigada", "Obrigado", "Abraços", "Arigato", "Bedankt", "Gracias", "Groeten", "Regards",
+    "Saludos", "Shukran", "Spasibo", "Abraço", "Cheers", "Cảm ơn", "Diolch", "Děkuji", "Grazie", "Hilsen", "Kiitos",
+    "Mahalo", "Saluti", "Thanks", "Danke", "Grüße", "Hvala", "Merci",
+), key=len, reverse=True))
 _NO_NAME = re.compile(rf"(?<!\S)[^\s\d]*+\d\S*|(?<![\w'’-])(?:Mrs|Mr|Ms|Miss|Mx|Dr|Prof)\.?(?=[ \t]+[A-ZÀ-ÖØ-Þ])|"
                       rf"(?<![\w'’-])(?:{_GREETINGS}|I)(?![\w'’.-])|"  # and the pronoun "I" (an initial has its dot)
+                      rf"(?<![\w'’-])(?i:{_CLOSINGS})(?![\w'’-])|"
                       rf"(?:{_CAP}[ \t]+){{0,3}}(?<![\w'’-])(?:{_TEAM_WORDS})(?![\w'’-])")
 
 
@@ -100,25 +118,26 @@ _ADDRESSED = re.compile(rf"\A(?:[ \t]*(?:Subject|Re|RE|Fwd?|FW|Title)\b[^\n]*\n)
                         rf"(?:morning|afternoon|evening)|Morning)[ \t]+({_NAME})[ \t]*(?=[,!]|\r?\n)")
 
 
-# Where a reply's quoted part begins: a quoted line, a header of one ("On Mon, Ana wrote:", "-----Original
-# Message-----", "From: ..."): the record's own part ends there.
-_QUOTED = re.compile(r"^[ \t]*(?:>|-{2,}[ \t]*(?:Original|Forwarded)|From:|.*\bwrote:[ \t]*\r?$)",
-                     re.MULTILINE | re.IGNORECASE)
+# The record's own lines: not a quoted line or a quote's header ("> ...", "On Mon, Ana wrote:"), and before a
+# forwarded or replied-to message that runs to the end ("-----Original Message-----", "From: ...").
+_QUOTE_LINE = re.compile(r"[ \t]*(?:>|.*\bwrote:[ \t]*\r?$)", re.IGNORECASE)
+_FORWARDED = re.compile(r"^[ \t]*(?:-{2,}[ \t]*(?:Original|Forwarded)|From:)", re.MULTILINE | re.IGNORECASE)
 
 
 def addressed(text: str) -> list[tuple[int, int]]:
     """Where `text` names the one its first line greets: each whole-word place of that name, with the capitalized
-    words after it on its line ("Sophie" greeted: "Sophie Laurent (Zephyrine Care) wrote:" too); none where the
-    greeting holds a title or no one's name ("Hello Team,"), where what follows it reads as an agent's ("thanks for
-    contacting us", "how can I help", in its first line and the 300 characters after), or where the last line of
-    the record's own part (before a quoted reply) holds the greeted name: then the top greets the writer."""
+    words after it on its line ("Sophie" greeted: "Sophie Laurent (Zephyrine Care) wrote:" too). None where the
+    greeting holds a title or no one's name ("Hello Team,"), where the first 300 characters of the record's own lines
+    after it read as an agent's ("thanks for contacting us", "how can I help"), or where the last of those lines holds
+    the greeted name (own: no quoted line, none of a forwarded message): then the top greets the writer."""
     m = _ADDRESSED.match(text)
     if m is None or m.group(1).split()[0].casefold().rstrip(".") in _TITLES | _NOBODY:
         return []
-    if _AGENT_WORDS.search(text, m.end(), text.find("\n", m.end()) % (len(text) + 1) + 300):
+    forwarded = _FORWARDED.search(text, m.end())
+    own = [ln for ln in text[m.end() : forwarded.start() if forwarded else len(text)].splitlines()
+           if ln.strip() and not _QUOTE_LINE.match(ln)]
+    if _AGENT_WORDS.search("\n".join(own)[:300]):
         return []  # an agent's greeting on top: the one greeted is the customer
-    quote = _QUOTED.search(text)
-    own = [ln for ln in text[: quote.start() if quote else len(text)].splitlines() if ln.strip()]
     if own and re.search(rf"(?<![\w'’-]){re.escape(m.group(1))}(?![\w'’-])", own[-1]):
         return []  # the record signs with the name it greets: the greeting on top is to its writer
     name = re.compile(rf"(?<![\w'’-]){re.escape(m.group(1))}(?![\w'’-])(?:[ \t]+{_CAP}){{0,3}}")
@@ -127,8 +146,8 @@ def addressed(text: str) -> list[tuple[int, int]]:
 
 def writer_sources(sources: Sequence[str]) -> list[str]:
     """What a field asking for the record's writer copies from: `sources` without the support staff's names
-    (without_staff), the words holding a digit, a title before a name, greetings and teams, what is left of each as
-    separate texts."""
+    (without_staff), the words holding a digit, a title before a name, greetings, closings and teams, what is left
+    of each as separate texts."""
     return [part for s in without_staff(sources) for part in _NO_NAME.split(s) if part.strip()]
 
 
