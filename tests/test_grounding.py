@@ -652,6 +652,10 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
     inline = ("Ciao Ben,\n\n> From: Ben, Ventura Mobility Support\n> We have received your photos.\n\nNo, never in "
               "rain.\n\nIsabella Rossi")  # the agent's words quoted, the writer's own below them
     assert [inline[a:b] for a, b in addressed(inline)] == ["Ben", "Ben"]
+    unmarked = ("Hi Sophie,\n\nStill broken.\n\nAna\n\nOn Mon, 5 Dec, Sophie Laurent (Zephyrine Care) wrote:\nHi Ana,\n"
+                "Please retry.\nSophie")  # a quote without its ">" marks runs to the end: not the writer's own lines
+    assert [unmarked[a:b] for a, b in addressed(unmarked)] == ["Sophie", "Sophie Laurent", "Sophie"]
+    assert addressed("Hi Ben,\n" + " " * 50_000 + "x") == [(3, 6)]  # no backtracking on a long indent
     g = grounding.grammar(marked, [reply])
     assert accepts(g, _obj(customer="Ahmad Karimi", product="Zephyrine"))
     for agent in ("Sophie Laurent", "Sophie", "Laurent"):
@@ -659,6 +663,10 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
     from asyncpage.extract.staff import writer_sources
 
     assert writer_sources(["x" * 200_000 + " Ana Lima"])[-1].endswith("Ana Lima")  # linear on a word with no digit
+    # a letter's closing is no one's name, in any language customers close in, however its words are spaced
+    assert writer_sources(["Help!\n\nYstävällisin terveisin\nSanna Virtanen", "Merci beaucoup,\nJean Dupont",
+                           "Thanks.\nTak Wing Lee", "Kind\xa0regards,\nAna Silva", "Ystävällisin\nterveisin\nMatti"]) \
+        == ["Help!\n\n", "\nSanna Virtanen", ",\nJean Dupont", ".\nTak Wing Lee", ",\nAna Silva", "\nMatti"]
     # a team is no one's name: "Boreal Support" (its agent's bracket cut, the team is left) is never the writer
     quoted = "Hi Carla,\n> On 12 Feb, Carla (Boreal Support) wrote:\n> We can ship it.\nCheers,\nLiam O'Sullivan"
     g = grounding.grammar(marked, [quoted])

@@ -91,11 +91,12 @@ _CLOSINGS = "|".join(re.escape(c) for c in sorted((
     "Terima kasih", "Thanks again", "Warm regards", "Z poważaniem", "Amicalement", "Atentamente", "Best wishes",
     "Beste Grüße", "Bien à vous", "Liebe Grüße", "Many thanks", "S pozdravem", "Salutations", "Teşekkürler",
     "Viele Grüße", "Vielen Dank", "Yours truly", "Üdvözlettel", "Dhanyavaad", "Hälsningar", "Pozdrawiam",
-    "Fa'afetai", "Mulțumesc", "Sincerely", "Terveisin", "Thank you", "Un saludo", "Arigatou", "Cu stimă", "Dziękuję",
+    "Fa'afetai", "Fa’afetai", "Mulțumesc", "Sincerely", "Terveisin", "Thank you", "Un saludo", "Arigatou",
+    "Cu stimă", "Dziękuję",
     "Köszönöm", "Ngā mihi", "Obrigada", "Obrigado", "Abraços", "Arigato", "Bedankt", "Gracias", "Groeten", "Regards",
     "Saludos", "Shukran", "Spasibo", "Abraço", "Cheers", "Cảm ơn", "Diolch", "Děkuji", "Grazie", "Hilsen", "Kiitos",
     "Mahalo", "Saluti", "Thanks", "Danke", "Grüße", "Hvala", "Merci",
-), key=len, reverse=True))
+), key=len, reverse=True)).replace("\\ ", r"\s+")  # its words apart by any spacing ("Kind\xa0regards")
 _NO_NAME = re.compile(rf"(?<!\S)[^\s\d]*+\d\S*|(?<![\w'’-])(?:Mrs|Mr|Ms|Miss|Mx|Dr|Prof)\.?(?=[ \t]+[A-ZÀ-ÖØ-Þ])|"
                       rf"(?<![\w'’-])(?:{_GREETINGS}|I)(?![\w'’.-])|"  # and the pronoun "I" (an initial has its dot)
                       rf"(?<![\w'’-])(?i:{_CLOSINGS})(?![\w'’-])|"
@@ -120,7 +121,7 @@ _ADDRESSED = re.compile(rf"\A(?:[ \t]*(?:Subject|Re|RE|Fwd?|FW|Title)\b[^\n]*\n)
 
 # The record's own lines: not a quoted line or a quote's header ("> ...", "On Mon, Ana wrote:"), and before a
 # forwarded or replied-to message that runs to the end ("-----Original Message-----", "From: ...").
-_QUOTE_LINE = re.compile(r"[ \t]*(?:>|.*\bwrote:[ \t]*\r?$)", re.IGNORECASE)
+_QUOTE_LINE = re.compile(r"[ \t]*+(?:>|.*\bwrote:[ \t]*\r?$)", re.IGNORECASE)
 _FORWARDED = re.compile(r"^[ \t]*(?:-{2,}[ \t]*(?:Original|Forwarded)|From:)", re.MULTILINE | re.IGNORECASE)
 
 
@@ -134,8 +135,13 @@ def addressed(text: str) -> list[tuple[int, int]]:
     if m is None or m.group(1).split()[0].casefold().rstrip(".") in _TITLES | _NOBODY:
         return []
     forwarded = _FORWARDED.search(text, m.end())
-    own = [ln for ln in text[m.end() : forwarded.start() if forwarded else len(text)].splitlines()
-           if ln.strip() and not _QUOTE_LINE.match(ln)]
+    own: list[str] = []
+    lines = [ln for ln in text[m.end() : forwarded.start() if forwarded else len(text)].splitlines() if ln.strip()]
+    for i, ln in enumerate(lines):
+        if not _QUOTE_LINE.match(ln):
+            own.append(ln)
+        elif not ln.lstrip().startswith(">") and not (i + 1 < len(lines) and lines[i + 1].lstrip().startswith(">")):
+            break  # "... wrote:" with no quoted lines after it: the quote runs to the end unmarked
     if _AGENT_WORDS.search("\n".join(own)[:300]):
         return []  # an agent's greeting on top: the one greeted is the customer
     if own and re.search(rf"(?<![\w'’-]){re.escape(m.group(1))}(?![\w'’-])", own[-1]):
