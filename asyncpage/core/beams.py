@@ -83,9 +83,10 @@ class BeamSteps:
                 search.retire(i, b.output_token_ids, "stop", valid=b.matcher.is_accepting())
                 nxt.pop(i)
                 self.finish(b, "stop")
-        for i in reversed(search.hopeless()):  # best_only: beams that cannot beat the best hypothesis found
-            search.drop([i])
-            self.finish(nxt.pop(i), "stop")
+        if hopeless := search.hopeless():  # best_only: beams that cannot beat the best hypothesis found
+            search.drop(hopeless)
+            for i in reversed(hopeless):
+                self.finish(nxt.pop(i), "stop")
         if refused and not nxt and not search.finished:
             failures.append(refused[0])
         for i, b in enumerate(nxt):

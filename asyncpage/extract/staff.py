@@ -97,7 +97,8 @@ _CLOSINGS = "|".join(re.escape(c) for c in sorted((
     "Saludos", "Shukran", "Spasibo", "Abraço", "Cheers", "Cảm ơn", "Diolch", "Děkuji", "Grazie", "Hilsen", "Kiitos",
     "Mahalo", "Saluti", "Thanks", "Danke", "Grüße", "Hvala", "Merci",
 ), key=len, reverse=True)).replace("\\ ", r"\s+")  # its words apart by any spacing ("Kind\xa0regards")
-_NO_NAME = re.compile(rf"(?<!\S)[^\s\d]*+\d\S*|(?<![\w'’-])(?:Mrs|Mr|Ms|Miss|Mx|Dr|Prof)\.?(?=[ \t]+[A-ZÀ-ÖØ-Þ])|"
+_TITLE_WORDS = "Mrs|Mr|Ms|Miss|Mx|Dr|Prof"
+_NO_NAME = re.compile(rf"(?<!\S)[^\s\d]*+\d\S*|(?<![\w'’-])(?:{_TITLE_WORDS})\.?(?=[ \t]+[A-ZÀ-ÖØ-Þ])|"
                       rf"(?<![\w'’-])(?:{_GREETINGS}|I)(?![\w'’.-])|"  # and the pronoun "I" (an initial has its dot)
                       rf"(?<![\w'’-])(?i:{_CLOSINGS})(?![\w'’-])|"
                       rf"(?:{_CAP}[ \t]+){{0,3}}(?<![\w'’-])(?:{_TEAM_WORDS})(?![\w'’-])")
@@ -107,11 +108,11 @@ _NO_NAME = re.compile(rf"(?<!\S)[^\s\d]*+\d\S*|(?<![\w'’-])(?:Mrs|Mr|Ms|Miss|M
 # Games,". That addressee is never the writer (41 of 1,204 labeled tickets, tests/data through v60, open so; none greets
 # its writer; two fresh ones had the model copy the agent they greet, "Sophie Laurent" of a quoted reply's header). A
 # title ("Dear Mr Karimi,": an agent's reply on top greets its customer so) leaves it alone.
-_TITLES = frozenset("mr mrs ms miss mx dr prof sir madam".split())
+_TITLES = frozenset(_TITLE_WORDS.lower().split("|")) | {"sir", "madam"}
 # Greeted words that name no one ("Hello Team,", "Dear All,"), and what an agent's greeting on top says ("Hi Maria,
 # thanks for contacting us! How can I help?", "Hi Ana, thanks for your patience"): then the rule stays out.
-_NOBODY = frozenset("team all everyone everybody there folks guys sirs sir madam support customer colleagues friends "
-                    "hello hi".split())
+_NOBODY = frozenset("team all everyone everybody there folks guys sirs support customer colleagues friends hello "
+                    "hi".split())
 _AGENT_WORDS = re.compile(r"thanks?\s+(?:you\s+)?for\s+(?:contacting|reaching\s+out|your\s+patience|choosing|"
                           r"waiting|getting\s+in\s+touch)|how\s+(?:can|may)\s+(?:I|we)\s+help|"
                           r"(?:I|we)\s+(?:have|'ve)\s+(?:received|looked\s+into)\s+your", re.IGNORECASE)
@@ -144,10 +145,10 @@ def addressed(text: str) -> list[tuple[int, int]]:
             break  # "... wrote:" with no quoted lines after it: the quote runs to the end unmarked
     if _AGENT_WORDS.search("\n".join(own)[:300]):
         return []  # an agent's greeting on top: the one greeted is the customer
-    if own and re.search(rf"(?<![\w'’-]){re.escape(m.group(1))}(?![\w'’-])", own[-1]):
+    greeted = rf"(?<![\w'’-]){re.escape(m.group(1))}(?![\w'’-])"
+    if own and re.search(greeted, own[-1]):
         return []  # the record signs with the name it greets: the greeting on top is to its writer
-    name = re.compile(rf"(?<![\w'’-]){re.escape(m.group(1))}(?![\w'’-])(?:[ \t]+{_CAP}){{0,3}}")
-    return [n.span() for n in name.finditer(text)]
+    return [n.span() for n in re.finditer(rf"{greeted}(?:[ \t]+{_CAP}){{0,3}}", text)]
 
 
 def writer_sources(sources: Sequence[str]) -> list[str]:
