@@ -149,7 +149,7 @@ async def test_a_proposer_that_raises_costs_its_sequence_the_drafts_not_the_engi
     async with tiny_engine(path) as plain:
         want = [(await plain.generate(p, params)).token_ids for p in PROMPTS[:2]]
 
-    def broken(self: NgramIndex, tokens: list[int], k: int) -> list[int]:
+    def broken(self: NgramIndex, tokens: list[int], k: int, known: int | None = None) -> list[int]:
         raise RuntimeError("proposer bug")
 
     monkeypatch.setattr(NgramIndex, "propose", broken)
@@ -190,3 +190,82 @@ def test_a_word_longer_than_any_label_matches_no_shorter_label() -> None:
     # A tab (byte-level "ĉ") is no letter: the label after it is still "email".
     tab = bpe("ĉ", "E", "mail", ":", "Ġ", "VAL", "Ċ", "{\"", "email", "\":", "Ġ\"")
     assert NgramIndex(2, 4, TokenForms(bpe)).propose(tab, 1) == bpe("VAL")
+
+
+@pytest.mark.parametrize("held", [3, 2])
+def test_drafts_that_hold_the_run_the_grammar_forces_are_kept(held: int) -> None:
+    # A copied value's end drafted with the run its grammar forces after it (`",` then ` "email":`): those
+    # rows were computed in this step, so they are kept, and the row after the run is verified next; where
+    # the drafts end inside the run, the rest of it follows.
+    draft = [5, 100, 101, 102, 9] if held == 3 else [5, 100, 101][: 1 + held]
+    logits = torch.full((len(draft) + 1, 300), -1.0)
+    logits[0, 5] = 1.0
+    logits[len(draft) - 1, 9] = 1.0
+    logits[len(draft), 11] = 1.0
+    spec = SampleSpec(0, SamplingParams(temperature=0), None, matcher=Forcing(3))  # type: ignore[arg-type]
+    rows = list(range(len(draft) + 1))
+    v = Verify(spec, draft, rows, frozenset())
+    out = verify(v, logits, draft_masks(v, 300))
+    if held == 3:
+        assert out.tokens == [5, 100, 101, 102, 9, 11] and out.accepted == 5 and out.forced == []
+    else:
+        assert out.tokens == [5, 100, 101, 102] and out.accepted == 3 and out.forced == []
+
+
+class JsonString:
+    """A matcher inside a JSON string value: a line break is refused; after `",` the grammar forces
+    ` "email":`; forks copy what it has taken."""
+
+    def __init__(self, seen: list[int] | None = None) -> None:
+        self.seen = list(seen or [])
+
+    def _ok(self, t: int) -> bool:
+        return t != V.ids["\n"]
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        return next((i for i, t in enumerate(tokens) if not self._ok(t)), len(tokens))
+
+    def accept(self, t: int) -> bool:
+        self.seen.append(t)
+        return self._ok(t)
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def forced_tokens(self) -> list[int]:
+        return V("▁\"", "email", "\":") if self.seen and self.seen[-1] == V.ids["\","] else []
+
+    def fork(self) -> JsonString:
+        return JsonString(self.seen)
+
+
+def test_a_copied_values_end_drafts_the_ending_learned_and_the_next_fields_start() -> None:
+    from types import SimpleNamespace
+
+    from asyncpage.core.speculation import Speculation
+
+    spec = Speculation(SpeculativeConfig(method="ngram"), None, 512, TokenForms(V))  # type: ignore[arg-type]
+    record = V("Customer", ":", "▁Margaret", "▁Ok", "onk", "wo", "\n", "Email", ":", "▁marg", "aret", "@", "north",
+               "\n")
+    request = SimpleNamespace(beam=None, width=1, forked=False, stop_ids=frozenset({1}))
+    seq = SimpleNamespace(request=request, params=SamplingParams(max_tokens=100), spec=None, matcher=JsonString(),
+                          token_ids=[*record, *V("{\"", "customer", "\":", "▁\"", "Margaret")],
+                          num_computed_tokens=0, num_output_tokens=5)
+    seq.num_tokens = len(seq.token_ids)
+
+    def propose() -> list[int]:
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+        return spec.propose(seq, 7)  # type: ignore[arg-type]
+
+    # The record's line break is refused: no ending known yet, the drafts stop at the value's end.
+    assert propose() == V("▁Ok", "onk", "wo")
+    # The model ends the value with `",` there (the grammar then forces ` "email":`): learned.
+    seq.token_ids += V("▁Ok", "onk", "wo", "\",", "▁\"", "email", "\":", "▁\"", "marg", "aret")
+    # At the next value's end: its last tokens, the ending, the forced run, then what the lookups draft
+    # after it (the separator that followed `":` before), 7 in all.
+    assert propose() == V("@", "north", "\",", "▁\"", "email", "\":", "▁\"")
+    # Without a grammar nothing is refused: the drafts are the record's text, its line break included.
+    spec = Speculation(SpeculativeConfig(method="ngram"), None, 512, TokenForms(V))  # type: ignore[arg-type]
+    seq.spec, seq.matcher = None, None
+    seq.token_ids = [*record, *V("{\"", "customer", "\":", "▁\"", "Margaret")]
+    assert propose()[:4] == V("▁Ok", "onk", "wo", "\n")

@@ -53,17 +53,46 @@ class Speculation:
         room = min(room, self.room(seq), self.rows_left(seq))
         if room <= 0:
             return []
-        assert seq.spec is not None
+        spec = seq.spec
+        assert spec is not None
         try:
-            draft = seq.spec.propose(seq.token_ids, room)
+            ending = spec.ending(seq.token_ids) if seq.matcher is not None and spec.config.method == "ngram" else None
+            draft = self._stopped(seq, spec.propose(seq.token_ids, room))
+            if seq.matcher is None or not draft:
+                return draft
+            valid = seq.matcher.valid_prefix(draft)
+            if valid < len(draft) and spec.config.method == "ngram" and spec.refused(len(seq.token_ids), draft[:valid]):
+                return self._past_end(seq, draft[:valid], ending, room)
+            return draft[:valid]
         except Exception:  # a proposer's fault costs this sequence its drafts, never the engine
             log.exception("speculative proposal failed: this sequence goes on without drafts")
-            seq.spec.broken = True
+            spec.broken = True
             return []
-        cut = next((i for i, t in enumerate(draft) if t in seq.request.stop_ids), len(draft))
-        if seq.matcher is not None and cut:
-            cut = seq.matcher.valid_prefix(draft[:cut])
-        return draft[:cut]
+
+    def _stopped(self, seq: Sequence, draft: list[int]) -> list[int]:
+        """`draft` up to its first stop token."""
+        return draft[: next((i for i, t in enumerate(draft) if t in seq.request.stop_ids), len(draft))]
+
+    def _past_end(self, seq: Sequence, kept: list[int], ending: int | None, room: int) -> list[int]:
+        """The grammar refused the draft after `kept`: the source the lookup copied from runs on with what
+        the output cannot hold there (a record's field, copied into a JSON string, ends in a line break).
+        The value most likely ends there: the drafts go on with the token the model wrote at such ends
+        before (`",`), the run the grammar then forces (` "email":`) and what the lookups propose after
+        it (the next field's value, found by its label); verify() keeps a forced run the drafts hold.
+        `kept` alone when no ending is known yet or the grammar refuses it here."""
+        assert seq.matcher is not None and seq.spec is not None
+        if ending is None or len(kept) >= room or ending in seq.request.stop_ids:
+            return kept
+        m = seq.matcher.fork()
+        if not all(m.accept(t) for t in kept) or not m.accept(ending) or m.is_terminated():
+            return kept
+        forced = self._stopped(seq, m.forced_tokens())
+        out = [*kept, ending, *forced][:room]
+        if len(out) < room:
+            more = self._stopped(seq, seq.spec.propose(seq.token_ids + out, room - len(out), len(seq.token_ids)))
+            n = m.valid_prefix(forced + more) - len(forced)
+            out += more[: max(0, n)]
+        return out
 
     def rows_left(self, seq: Sequence) -> int:
         """Drafts that fit beside the sequence's pending run (its last token, or a forced run)."""

@@ -139,6 +139,7 @@ class NgramIndex:
         self._label_len = 0  # the tokens of the word the index is in (0: not in a word)
         self._gap = False  # at least one separator since that word
         self._indexed = 0  # tokens before this position are in the index
+        self.by_label = False  # the last proposal came from a label (3.): a value's start, not a copy's middle
 
     def _key(self, t: int) -> object:
         return t if self.forms is None else self.forms.form(t)
@@ -189,13 +190,16 @@ class NgramIndex:
         f = self.forms
         return f is not None and f.word(t) and len(f.form(t)) >= WORD_CHARS
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
+    def propose(self, tokens: list[int], k: int, known: int | None = None) -> list[int]:
         """Up to k drafts to follow `tokens` (the tokens indexed so far plus any not yet), [] when no
-        lookup finds a usable match."""
+        lookup finds a usable match. `known`: tokens past it are drafts themselves (a proposal that goes
+        on past a run the grammar forces), looked up from but never indexed."""
         end = len(tokens)
+        self.by_label = False
         if end < 1 or k <= 0:
             return []
-        self.extend(tokens, end - 1)  # n-grams ending before the last position: a suffix must not match itself
+        # n-grams ending before the last position: a suffix must not match itself
+        self.extend(tokens, end - 1 if known is None else min(end - 1, known))
         suffix = [self._key(t) for t in tokens[-self.lookup_max :]]
         f = self.forms
         for n in range(min(self.lookup_max, end - 1), 0, -1):
@@ -225,13 +229,15 @@ class NgramIndex:
         hit = self._labels.get("".join(f.folded(t) for t in tokens[start : i + 1]))
         if hit is None or not hit[2] or hit[0] >= start:
             return []
-        # The separator that most often followed the last one, when that is most of the times (`":` then
-        # ` "` before a JSON string; the grammar leaves the space free, so it is not forced): drafted first.
+        self.by_label = True
+        # The separator that followed the last one more than half of the times, once included (`":` then
+        # ` "` before a JSON string from its first key on; the grammar leaves the space free, so it is not
+        # forced): drafted first.
         bridge: list[int] = []
         seen = self._bridges.get(tokens[-1])
         if seen:
             (t, times), = seen.most_common(1)
-            if times >= 2 and 2 * times > sum(seen.values()):
+            if 2 * times > sum(seen.values()):
                 bridge = [t]
         draft = tokens[hit[0] : hit[0] + k - len(bridge)]
         if draft and f.opens(bridge[-1] if bridge else tokens[-1]):

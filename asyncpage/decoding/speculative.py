@@ -11,7 +11,10 @@ Proposing: with "ngram" (engine loop, scheduler.py) the longest recent suffix of
 (prompt_lookup_max down to prompt_lookup_min tokens, compared by text; a word alone; a field's
 label) found earlier in its own tokens proposes what followed it there (ngram.py); with "draft" a
 second model's greedy tokens (draft.py, run on the compute thread just before the step is
-scheduled). Drafts the grammar refuses are cut before verification.
+scheduled). Drafts the grammar refuses are cut before verification; where an n-gram draft is cut (a
+record's field copied into a JSON string runs on into a line break), the drafts go on with the token
+the model wrote at such cuts before (`",`), the run the grammar then forces and the next lookup's
+drafts (core/speculation.py), and verify() keeps a forced run the drafts hold.
 
 Verifying (worker thread, runner.py): position i of the run is sampled exactly as a normal decode
 step would sample it (mask from the grammar state after the tokens before it, penalties over the
@@ -26,6 +29,7 @@ the same.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -123,21 +127,48 @@ class SpecState:
     acceptance: float | None = None  # moving average of the share of drafts kept (None: nothing verified yet)
     pending: list[int] = field(default_factory=list)  # "draft": what the draft model proposed for this step
     broken: bool = False  # its proposer raised once: no more drafts for this sequence
+    # "ngram": what the model wrote where the grammar refused a draft (a copied value's source text runs on
+    # with what the value cannot hold: `",` after a record's field, before its line break)
+    endings: Counter[int] = field(default_factory=Counter)
+    _refused: tuple[int, list[int]] | None = None  # the last such proposal: where it started, its drafts kept
     _index: NgramIndex | None = None
 
     def __post_init__(self) -> None:
         self.k = self.config.num_speculative_tokens
 
-    def propose(self, tokens: list[int], limit: int) -> list[int]:
+    def propose(self, tokens: list[int], limit: int, known: int | None = None) -> list[int]:
         """Up to min(k, limit) drafts to follow `tokens`, or [] when no lookup matches (n-gram), or the
-        draft model proposed none this step."""
+        draft model proposed none this step. `known`: tokens past it are drafts (ngram.NgramIndex.propose)."""
         c = self.config
         if c.method == "draft":
             drafts, self.pending = self.pending[: min(self.k, limit)], []
             return drafts
         if self._index is None:
             self._index = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max, self.forms)
-        return self._index.propose(tokens, min(self.k, limit))
+        return self._index.propose(tokens, min(self.k, limit), known)
+
+    def refused(self, start: int, kept: list[int]) -> bool:
+        """The grammar refused a draft proposed at position `start` after `kept`: what the model writes
+        there is learned (ending()), unless a label's draft was refused before any of it was kept (where a
+        value starts, not where a copy runs past a value's end). Returns whether it is learned."""
+        if self._index is None or (self._index.by_label and not kept):
+            return False
+        self._refused = (start, list(kept))
+        return True
+
+    def ending(self, tokens: list[int]) -> int | None:
+        """The token the model most often wrote where the grammar refused a draft, learning first from
+        `tokens` (the sequence now) what it wrote after the last refusal, if its drafts before were kept."""
+        if self._refused is not None:
+            start, kept = self._refused
+            at = start + len(kept)
+            if len(tokens) > at:
+                if tokens[start:at] == kept:
+                    self.endings[tokens[at]] += 1
+                self._refused = None
+        if not self.endings:
+            return None
+        return self.endings.most_common(1)[0][0]
 
     def observe(self, proposed: int, accepted: int) -> None:
         """Adapt k to the measured acceptance: the expected run of kept drafts is a / (1 - a)."""
@@ -223,7 +254,8 @@ def verify(v: Verify, logits: torch.Tensor, masks: torch.Tensor | None) -> Verif
         values, ids = first_max(block.contiguous())
         tops = list(zip(values.tolist(), ids.tolist(), strict=True))
     tokens: list[int] = []
-    for i in range(len(v.rows)):
+    i = 0
+    while i < len(v.rows):
         mask = masks[i : i + 1] if masks is not None else None
         spec = replace(s, output_ids=s.output_ids + tokens if s.output_ids is not None else None,
                        budget=s.budget - i if s.budget is not None else None)
@@ -250,7 +282,18 @@ def verify(v: Verify, logits: torch.Tensor, masks: torch.Tensor | None) -> Verif
             # chunk; kept here, it would be a decode row and the run a chunk one token shorter, each
             # rounded otherwise (greedy JSON changed): it is computed again with its run instead.
             matched = False
+        if matched and ff and not done and token not in v.stop_ids and (
+                held := v.draft[i + 1 : i + 1 + len(ff)]) == ff[: len(held)] and held:
+            # The drafts go on with the run the grammar forces after this token (a copied value's end,
+            # core/speculation.py): their rows were computed in this step, so they are kept; the row
+            # after them is verified next, or, where the drafts end inside the run, the rest of it follows.
+            tokens += ff
+            i += 1 + len(held)
+            if len(held) < len(ff):
+                return Verified(tokens, i, grammar_done=done)
+            continue
         # Forced tokens were consumed by the grammar already: they end the run, and follow it.
         if done or ff or token in v.stop_ids or not matched:
-            return Verified(tokens, i + 1 if matched else i, grammar_done=done, forced=ff)
+            return Verified(tokens, len(tokens) if matched else len(tokens) - 1, grammar_done=done, forced=ff)
+        i += 1
     raise AssertionError("unreachable: the last row always ends the run")
