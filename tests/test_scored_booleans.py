@@ -337,6 +337,37 @@ def test_a_boolean_declined_in_the_record_s_words_is_false_and_a_missing_one_is_
     assert refund.decide(-3.0, "Refund needed asap, it broke twice.")[0] is True  # no negation: asked
     for text in ("I still haven't received my refund.", "Why can't I get a refund?", "I never got my money back."):
         assert refund.decide(3.0, text)[0] is True and refund.decide(-3.0, text)[0] is False, text  # the score's
+    # Declined in more of the ways records decline it: whatever the score, false.
+    for text in ("no need for refund", "no need for a refund, just the part", "Refund requested: No",
+                 "No refund please. Send technician, I want to keep the filter.",
+                 "We're not looking to get our money back, we just want it fixed.",
+                 "Please understand: I want not my money back, I want a printer that is working.",
+                 "Please do not refund, I want to keep this drone.", "Exchange for XL please, not refund.",
+                 "I'm not after compensation or a refund, I want somebody competent to come out.",
+                 "We are not requesting a credit or refund, we need the instrument repaired.",
+                 "Could you repair it? I need it back working; a refund would not help me.",
+                 "I would rather have it repaired than get a refund."):
+        assert refund.decide(3.0, text)[0] is False, text
+    # Asked for in other words than "refund" and "money back": whatever the score, true.
+    for text in ("I'd like the $150 cleaning fee refunded please.", "I want to return it and get back the 680 yuan.",
+                 "Honestly I prefer to receive back what I paid and not another one.",
+                 "Please arrange pickup and return the full amount of 2,349.00 EUR to my card.",
+                 "I only need you to give back the second payment, the duplicate one.",
+                 "I don't think a new set would be any different, so please just credit the 78 euros back to my card.",
+                 "I'd rather the €649 went back onto my credit union card and be done with it.",
+                 "I prefer to return the whole unit and request the reimbursement of the full amount.",
+                 "We'd like to cancel and be reimbursed for the unused 10 months."):
+        assert refund.decide(-3.0, text)[0] is True, text
+    # Denied as a complaint, not declined ("still not refunded"), an agent's offer, a third party's past payment:
+    # the score's. A plural names refunds in general ("Don't talk to me about refunds"): not the field.
+    for text in ("You have still not refunded me.", "Why did you not refund me?", "I was never refunded.",
+                 "Agent: Would you prefer a replacement or a refund?\nCustomer: replacement please",
+                 "Agent: Are you looking for a repair or a refund?\nCustomer: repair",
+                 "My employer reimbursed the purchase.", "Don't talk to me about refunds, I need it working."):
+        assert refund.decide(3.0, text)[0] is True and refund.decide(-3.0, text)[0] is False, text
+    # A field about something else reads none of the money-back wording.
+    urgent = flags.Reading("the issue is urgent", True, "urgent", "")
+    assert urgent.namings("Please return the full amount of 20 EUR.") == []
     # A policy named is no request: "our refund policy", "a money-back guarantee".
     assert refund.decide(-3.0, "Does it come with a money-back guarantee? I read your refund policy.")[0] is False
     assert flags.asked_for("the customer asks about shipping") == "" and flags.asked_for("the user wants to know") == ""

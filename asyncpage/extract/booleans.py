@@ -37,7 +37,7 @@ from __future__ import annotations
 import re
 from typing import Any, NamedTuple
 
-from asyncpage.extract.closed import NAMED_WEIGHT, nameable, naming_spans
+from asyncpage.extract.closed import NAMED_WEIGHT, is_denied, nameable, naming_spans
 from asyncpage.extract.grounding import DETERMINERS, resolve
 from asyncpage.extract.readings import logistic, name_words
 
@@ -65,10 +65,38 @@ _VAGUE = frozenset("this that it something anything nothing more one help inform
 # clause ("I could get a refund, but I'd rather just have a replacement sent"; not "but I'd rather not wait"), or a
 # refusal of what was named ("offered a refund or a discount, but I don't want either"). Any other denial ("I still
 # haven't received my refund", "why can't I get a refund?") is how a request is often made.
-_DECLINED_BEFORE = re.compile(r"(?:\b(?:do\s*n[o'’]?t|dont|not|never|no\s+need\s+(?:for|of))\s+(?:\w+\s+){0,2}?"
-                              r"(?:want|need|require|looking\s+for|asking\s+for|interested\s+in|expecting|seeking)"
-                              r"|\brather\s+than|\binstead\s+of)\s+(?:\w+\s+){0,2}(?:or\s+(?:\w+\s+){0,2})?$",
-                              re.IGNORECASE)
+_DECLINED_BEFORE = re.compile(r"(?:\b(?:do\s*n[o'’]?t|dont|not|never)\s+(?:\w+\s+){0,2}?"
+                              r"(?:want|need|require|looking\s+(?:for|to(?:\s+(?:get|have|receive))?)|asking\s+for"
+                              r"|interested\s+in|expecting|seeking|requesting|claiming|demanding|after)"
+                              r"|\bno\s+need\s+(?:for|of)|\brather\s+than|\binstead\s+of|\bthan\s+(?:get|getting|receive|receiving))\s+(?:\w+\s+){0,2}"
+                              r"(?:or\s+(?:\w+\s+){0,2})?$", re.IGNORECASE)
+# "not" or "do not" right before it where no verb is denied by it ("I want a new frame, not my money back", "I want
+# not my money back", "Exchange for XL please, not refund", "Please do not refund"; not "you have still not refunded
+# me", "why did you not refund me").
+_NOT_IT = re.compile(r"(?:(?:^|[,;:.!?(]|\b(?:please|and|but|just|want|wants|like))\s*(?:not|do\s+not|do\s*n['’]t)"
+                     r"|\bplease\s+(?:do\s+not|do\s*n['’]t))\s+(?:(?:a|an|the|my|our|any|for|for\s+a)\s+)?$",
+                     re.IGNORECASE)
+# Answered no on a form ("Refund requested: No"), or of no help ("a refund would not help me").
+_ANSWERED_NO = re.compile(r"[^\S\n]*(?:requested|wanted|needed|required|request)?[^\S\n]*[:?][^\S\n]*(?:no|none)\b"
+                          r"|\s+(?:would|will|does|is|did)\s*(?:n['’]t|\s+not)\s+(?:help|solve|fix)\b"
+                          r"|\s+won['’]t\s+(?:help|solve|fix)\b", re.IGNORECASE)
+# "No refund please", "no refund, thanks".
+_NO_PLEASE = re.compile(r"[\s,]*(?:please|thanks|thank\s+you)\b", re.IGNORECASE)
+# The ways a record asks for its money back beyond the words "money back" and "refund" (fields that name either):
+# the verb's forms ("refunded"), reimbursement, a charge reversed, an amount returned or given, got, credited or sent
+# back ("get back the 680 yuan", "credit the 78 euros back to my card", "return the full amount", "I'd rather the €649
+# went back onto my card").
+_MONEY = (r"(?:(?:the|my|our|full|whole|second|duplicate)\s+)*(?:(?:money|payment|amount|price|deposit|fee|charges?"
+          r"|sum)\b|(?:what|everything)\s+(?:I|we)\s+(?:paid|spent)|(?:[$€£¥₹]|R\$)\s?\d[\d,.]*(?:\s\d{3})*"
+          r"|\d[\d,.]*\s?(?:€|euros?|eur|usd|dollars?|pounds?|gbp|chf|cad|aud|nzd|yuan|rmb|pln|sek|nok|dkk|yen|rupees?"
+          r"|inr|reais|brl|lira|try|zar|rand|mxn|pesos?)\b)")
+_MONEY_BACK = re.compile(
+    r"\brefund(?:ed|ing)\b|\breimbursement|\b(?:be|get|being|getting)\s+reimbursed|\breimburse\s+(?:me|us)\b|\breverse\s+(?:the|that|this)\s+(?:charge|payment)"
+    rf"|\b(?:get|receive|give|pay|send|transfer)\s+(?:me\s+|us\s+)?back\s+(?:\w+\s+){{0,2}}?{_MONEY}"
+    rf"|\b(?:credit|send|transfer|pay|put|give|get|have|want|return)\s+(?:me\s+|us\s+)?{_MONEY}(?:\s+\S+){{0,3}}?"
+    rf"\s+back\b|\b(?:return|repay)\s+{_MONEY}|{_MONEY}\s+(?:went|go|goes|to\s+go|be\s+\w+ed)\s+back\s+(?:to|onto|on|into)\b",
+    re.IGNORECASE)
+_REFUNDS = re.compile(r"\brefund|\bmoney\s+back\b|\breimburs", re.IGNORECASE)  # a field that is about a refund
 _REMEDY = r"(?:replacement|repair|exchange|swap|new\s+one|store\s+credit|voucher)"
 _NEEDED_WORDS = r"(?:needed|necessary|required|wanted)\b"
 _DECLINED_AFTER = re.compile(r"\s*(?:(?:is|was)\s+not|(?:isn|wasn)['\u2019]t|not)\s+" + _NEEDED_WORDS +
@@ -77,10 +105,10 @@ _DECLINED_AFTER = re.compile(r"\s*(?:(?:is|was)\s+not|(?:isn|wasn)['\u2019]t|not
                              r"|[^.!?\n]{0,60}?\bbut\s+(?:I|we)\s+(?:do\s*n['\u2019]?t|do\s+not)\s+want\s+"
                              r"(?:either|it|that|one|them|those|any)(?:\s+(?:either|of\s+(?:them|those)))?\s*"
                              r"(?:[.!,;\n]|[-–—]|$)", re.IGNORECASE)
-# What an agent offers, not what is asked for: "Would you like a refund or a replacement?", "I can offer you a full
-# refund" (the naming within three words of the offer).
-_OFFER = re.compile(r"\b(?:(?:would|do)\s+you\s+(?:like|want|prefer)|(?:I|we)\s+(?:can|could)\s+offer(?:\s+you)?)"
-                    r"(?:\s+[\w-]+){0,3}?\s+$", re.IGNORECASE)
+# What an agent offers, not what is asked for: "Would you like a refund or a replacement?", "Are you looking for a
+# repair or a refund?", "I can offer you a full refund" (the naming within five words of the offer).
+_OFFER = re.compile(r"\b(?:(?:would|do)\s+you\s+(?:like|want|prefer)|are\s+you\s+looking\s+for"
+                    r"|(?:I|we)\s+(?:can|could)\s+offer(?:\s+you)?)(?:\s+[\w-]+){0,5}?\s+$", re.IGNORECASE)
 _NO_BEFORE = re.compile(r"\bno\s+$", re.IGNORECASE)  # "no refund needed": with _NEEDED after
 _NEEDED = re.compile(r"\s*(?:is\s+)?" + _NEEDED_WORDS, re.IGNORECASE)
 # What names a policy, not a request ("a money-back guarantee", "our refund policy").
@@ -111,15 +139,22 @@ class Reading(NamedTuple):
         named option's (closed.NAMED_WEIGHT). Named and denied both (an agent's offer the customer declines), or
         only denied otherwise ("I still haven't received my refund"): the score's."""
         p = logistic(score) if score == score else 0.5  # NaN: no evidence
-        said, denied, declined = 0, 0, 0
-        for words in {self.name, self.asked} - {""}:
-            s, d, n = namings_declined(words, text)
-            said, denied, declined = said + s, denied + d, declined + n
+        said, denied, declined = namings_declined(self.namings(text), text)
         if said and not denied:
             return True, max(0.5, (1 - NAMED_WEIGHT) * p + NAMED_WEIGHT)
         if declined and not said:
             return False, max(0.5, (1 - NAMED_WEIGHT) * (1 - p) + NAMED_WEIGHT)
         return score > 0, max(p, 1 - p)
+
+    def namings(self, text: str) -> list[tuple[int, int, bool]]:
+        """Where `text` names the field (closed.naming_spans: start, end, denied in its clause), by its name's
+        words or what its description says is asked for, and, for a field about a refund, the other ways a record
+        asks for its money back (_MONEY_BACK) where they do not overlap those."""
+        spans = sorted(sp for words in {self.name, self.asked} - {""} for sp in naming_spans(words, text))
+        if _REFUNDS.search(f"{self.name} {self.asked}"):
+            spans += [(m.start(), m.end(), is_denied(text, m.start(), m.end())) for m in _MONEY_BACK.finditer(text)
+                      if not any(m.start() < e and s < m.end() for s, e, _ in spans)]
+        return sorted(spans)
 
     @property
     def key(self) -> str:
@@ -172,16 +207,19 @@ def called(name: str) -> str:
     return phrase if nameable(phrase) and phrase not in _GENERIC else ""
 
 
-def namings_declined(phrase: str, text: str) -> tuple[int, int, int]:
-    """(stated, denied, declined) namings of `phrase` in `text` (closed.namings; declined: a negated wish before
-    it, "rather than" it, "not needed" after it, a part of its denied ones); none where it names a policy ("a
-    money-back guarantee", "our refund policy") or offers it ("Would you like a refund?", "I can offer a refund")."""
+def namings_declined(spans: list[tuple[int, int, bool]], text: str) -> tuple[int, int, int]:
+    """(stated, denied, declined) of a field's namings in `text` (`spans`: Reading.namings; declined: a negated
+    wish before it, "rather than" it, a "not" that denies no verb, "not needed" after it, "No refund please", a
+    form's "Refund requested: No", "would not help" after it, a part of its denied ones); none where it names a
+    policy ("a money-back guarantee", "our refund policy") or offers it ("Would you like a refund?")."""
     said = denied = declined = 0
-    for start, end, negated in naming_spans(phrase, text):
+    for start, end, negated in spans:
         if _POLICY.match(text, end) or _OFFER.search(text, max(0, start - 60), start):
             continue
+        no = _NO_BEFORE.search(text, max(0, start - 10), start)
         turned_down = bool(_DECLINED_BEFORE.search(text, max(0, start - 80), start) or _DECLINED_AFTER.match(text, end)
-                           or (_NO_BEFORE.search(text, max(0, start - 10), start) and _NEEDED.match(text, end)))
+                           or _NOT_IT.search(text, max(0, start - 40), start) or _ANSWERED_NO.match(text, end)
+                           or (no and (_NEEDED.match(text, end) or _NO_PLEASE.match(text, end))))
         if turned_down or negated:
             denied, declined = denied + 1, declined + turned_down
         else:
