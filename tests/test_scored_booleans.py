@@ -365,9 +365,24 @@ def test_a_boolean_declined_in_the_record_s_words_is_false_and_a_missing_one_is_
                  "Agent: Are you looking for a repair or a refund?\nCustomer: repair",
                  "My employer reimbursed the purchase.", "Don't talk to me about refunds, I need it working."):
         assert refund.decide(3.0, text)[0] is True and refund.decide(-3.0, text)[0] is False, text
-    # A field about something else reads none of the money-back wording.
+    for text in ("I want my 50 € back.", "I want my 50€ back.", "Refund requested? No answer yet.",
+                 "Refund request: no. 4471, please process it"):
+        assert refund.decide(-3.0, text)[0] is True, text
+    # A participle denied (a complaint), a refund that happened, an amount sent back for another reason: the score's.
+    for text in ("Order cancelled but not refunded.", "I was already refunded by the shop, I only need a charger.",
+                 "The delivery fee was refunded, thanks.", "I got reimbursement from my insurer.",
+                 "Should I send the €20 part back or keep it?", "The price went back to 99 euros after the sale.",
+                 "Return the payment slip to me please."):
+        assert refund.decide(3.0, text)[0] is True and refund.decide(-3.0, text)[0] is False, text
+    # A field about something else reads none of the money-back wording, a refund's other facts included.
     urgent = flags.Reading("the issue is urgent", True, "urgent", "")
     assert urgent.namings("Please return the full amount of 20 EUR.") == []
+    for name in ("refund denied", "refundable", "partial refund"):
+        assert flags.Reading(f"the {name}", True, name, "").namings("Please return the full amount of 20 EUR.") == []
+    # Every pattern is bounded: hostile records of 200k characters are read in linear time.
+    for text in ("0.1234," * 30_000, "1" * 200_000, "my " * 70_000, "the " * 50_000, "refund" + " " * 200_000,
+                 "refund" + "\u00a0" * 200_000 + "ok", "$1 000 " * 30_000):
+        refund.decide(0.0, text)
     # A policy named is no request: "our refund policy", "a money-back guarantee".
     assert refund.decide(-3.0, "Does it come with a money-back guarantee? I read your refund policy.")[0] is False
     assert flags.asked_for("the customer asks about shipping") == "" and flags.asked_for("the user wants to know") == ""

@@ -66,38 +66,49 @@ _VAGUE = frozenset("this that it something anything nothing more one help inform
 # refusal of what was named ("offered a refund or a discount, but I don't want either"). Any other denial ("I still
 # haven't received my refund", "why can't I get a refund?") is how a request is often made.
 _DECLINED_BEFORE = re.compile(r"(?:\b(?:do\s*n[o'’]?t|dont|not|never)\s+(?:\w+\s+){0,2}?"
-                              r"(?:want|need|require|looking\s+(?:for|to(?:\s+(?:get|have|receive))?)|asking\s+for"
-                              r"|interested\s+in|expecting|seeking|requesting|claiming|demanding|after)"
-                              r"|\bno\s+need\s+(?:for|of)|\brather\s+than|\binstead\s+of|\bthan\s+(?:get|getting|receive|receiving))\s+(?:\w+\s+){0,2}"
-                              r"(?:or\s+(?:\w+\s+){0,2})?$", re.IGNORECASE)
+                              r"(?:want|need|require|wish|looking\s+(?:for|to(?:\s+(?:get|have|receive))?)"
+                              r"|asking\s+for|interested\s+in|expecting|seeking|requesting|claiming|demanding|after)"
+                              r"|\bno\s+need\s+(?:for|of)|\brather\s+than|\binstead\s+of"
+                              r"|\bthan\s+(?:get|getting|receive|receiving))\s+(?:\w+\s+){0,2}(?:or\s+(?:\w+\s+){0,2})?$",
+                              re.IGNORECASE)
 # "not" or "do not" right before it where no verb is denied by it ("I want a new frame, not my money back", "I want
 # not my money back", "Exchange for XL please, not refund", "Please do not refund"; not "you have still not refunded
-# me", "why did you not refund me").
+# me", "why did you not refund me", nor a participle: "cancelled but not refunded").
 _NOT_IT = re.compile(r"(?:(?:^|[,;:.!?(]|\b(?:please|and|but|just|want|wants|like))\s*(?:not|do\s+not|do\s*n['’]t)"
                      r"|\bplease\s+(?:do\s+not|do\s*n['’]t))\s+(?:(?:a|an|the|my|our|any|for|for\s+a)\s+)?$",
                      re.IGNORECASE)
-# Answered no on a form ("Refund requested: No"), or of no help ("a refund would not help me").
-_ANSWERED_NO = re.compile(r"[^\S\n]*(?:requested|wanted|needed|required|request)?[^\S\n]*[:?][^\S\n]*(?:no|none)\b"
-                          r"|\s+(?:would|will|does|is|did)\s*(?:n['’]t|\s+not)\s+(?:help|solve|fix)\b"
-                          r"|\s+won['’]t\s+(?:help|solve|fix)\b", re.IGNORECASE)
+# Answered no on a form, the "No" alone on its line ("Refund requested: No"; not "Refund? No answer yet"), or of no
+# help ("a refund would not help me").
+_ANSWERED_NO = re.compile(r"(?:[^\S\n]+(?:requested|wanted|needed|required|request))?[^\S\n]*[:?][^\S\n]*(?:no|none)"
+                          r"[^\S\n]*(?:[.!](?![^\S\n]*\d)|$)|\s+(?:would|will|does|is|did)\s*(?:n['’]t|\s+not)\s+(?:help|solve|fix)\b"
+                          r"|\s+won['’]t\s+(?:help|solve|fix)\b", re.IGNORECASE | re.MULTILINE)
 # "No refund please", "no refund, thanks".
 _NO_PLEASE = re.compile(r"[\s,]*(?:please|thanks|thank\s+you)\b", re.IGNORECASE)
-# The ways a record asks for its money back beyond the words "money back" and "refund" (fields that name either):
-# the verb's forms ("refunded"), reimbursement, a charge reversed, an amount returned or given, got, credited or sent
-# back ("get back the 680 yuan", "credit the 78 euros back to my card", "return the full amount", "I'd rather the €649
-# went back onto my card").
-_MONEY = (r"(?:(?:the|my|our|full|whole|second|duplicate)\s+)*(?:(?:money|payment|amount|price|deposit|fee|charges?"
-          r"|sum)\b|(?:what|everything)\s+(?:I|we)\s+(?:paid|spent)|(?:[$€£¥₹]|R\$)\s?\d[\d,.]*(?:\s\d{3})*"
-          r"|\d[\d,.]*\s?(?:€|euros?|eur|usd|dollars?|pounds?|gbp|chf|cad|aud|nzd|yuan|rmb|pln|sek|nok|dkk|yen|rupees?"
-          r"|inr|reais|brl|lira|try|zar|rand|mxn|pesos?)\b)")
+# The ways a record asks for its money back beyond the words "money back" and "refund", for a field that is a refund
+# (_REFUNDS): the verb's participle wished for ("I'd like the fee refunded", not "I was already refunded"),
+# reimbursement, a charge reversed, an amount returned, given, got or credited back ("get back the 680 yuan", "credit
+# the 78 euros back to my card", "return the full amount", "I'd rather the €649 went back onto my card"). Every part
+# bounded: the patterns are tried at each position of a record.
+_AMOUNT = (r"(?:(?<![\w.,])(?:[$€£¥₹]|R\$)[^\S\n]?\d[\d,.]{0,12}(?:\s\d{3}){0,3}(?!\d)"
+           r"|(?<![\w.,])\d[\d,.]{0,12}[^\S\n]?(?:€|(?:euros?|eur|usd|dollars?|pounds?|gbp|chf|cad|aud|nzd|yuan|rmb"
+           r"|pln|sek|nok|dkk|yen|rupees?|inr|reais|brl|lira|zar|rand|mxn|pesos?)\b))")
+_MONEY = (r"(?:(?:(?:the|my|our|full|whole|second|duplicate)\s+){0,3}(?:(?:money|payment|amount|purchase\s+price"
+          rf"|deposit|charges?)\b(?!\s+(?:slip|tag|method|details|form|link|page|receipt|card))|{_AMOUNT})"
+          r"|(?:what|everything)\s+(?:I|we)\s+(?:paid|spent))")
 _MONEY_BACK = re.compile(
-    r"\brefund(?:ed|ing)\b|\breimbursement|\b(?:be|get|being|getting)\s+reimbursed|\breimburse\s+(?:me|us)\b|\breverse\s+(?:the|that|this)\s+(?:charge|payment)"
+    r"\brefunded\b(?!\s+(?:already|fine))|\breimbursement\b|\b(?:be|get|being|getting)\s+reimbursed\b"
+    r"|\breimburse\s+(?:me|us)\b|\breverse\s+(?:the|that|this)\s+(?:charge|payment)\b"
     rf"|\b(?:get|receive|give|pay|send|transfer)\s+(?:me\s+|us\s+)?back\s+(?:\w+\s+){{0,2}}?{_MONEY}"
-    rf"|\b(?:credit|send|transfer|pay|put|give|get|have|want|return)\s+(?:me\s+|us\s+)?{_MONEY}(?:\s+\S+){{0,3}}?"
-    rf"\s+back\b|\b(?:return|repay)\s+{_MONEY}|{_MONEY}\s+(?:went|go|goes|to\s+go|be\s+\w+ed)\s+back\s+(?:to|onto|on|into)\b",
+    rf"|\b(?:credit|send|transfer|pay|put|give|get|want|need)\s+(?:me\s+|us\s+)?{_MONEY}(?:\s+for\s+(?:it|this|that))?\s+back\b"
+    rf"|\b(?:return|repay)\s+{_MONEY}"
+    rf"|\b{_MONEY}\s+(?:went|to\s+go|be\s+\w+ed)\s+back\s+(?:to|onto|on|into)\s+(?:my|our|the\s+(?:original|same))\b",
     re.IGNORECASE)
-_REFUNDS = re.compile(r"\brefund|\bmoney\s+back\b|\breimburs", re.IGNORECASE)  # a field that is about a refund
-_REMEDY = r"(?:replacement|repair|exchange|swap|new\s+one|store\s+credit|voucher)"
+# What makes "refunded" or "reimbursement" a fact, not a wish ("I was already refunded", "got reimbursement from").
+_HAPPENED = re.compile(r"\b(?:was|were|been|is|are|have|has|had|got|received|already)\s+$", re.IGNORECASE)
+# A field that is a refund asked for: its name's words or what its description says is asked for are these.
+_REFUNDS = re.compile(r"refunds?|money\s+back|reimbursement|refund\s+(?:request|wanted)", re.IGNORECASE)
+_REMEDY = (r"(?:replacement|repair|exchange|swap|new\s+one|store\s+credit|voucher|repaired|replaced|fixed"
+           r"|working\s+(?:one|unit|device|product|machine))")
 _NEEDED_WORDS = r"(?:needed|necessary|required|wanted)\b"
 _DECLINED_AFTER = re.compile(r"\s*(?:(?:is|was)\s+not|(?:isn|wasn)['\u2019]t|not)\s+" + _NEEDED_WORDS +
                              r"|[^.!?\n]{0,40}?\bbut\s+(?:I|we)(?:['\u2019]d|\s+would)\s+(?:just\s+|really\s+)?"
@@ -151,9 +162,11 @@ class Reading(NamedTuple):
         words or what its description says is asked for, and, for a field about a refund, the other ways a record
         asks for its money back (_MONEY_BACK) where they do not overlap those."""
         spans = sorted(sp for words in {self.name, self.asked} - {""} for sp in naming_spans(words, text))
-        if _REFUNDS.search(f"{self.name} {self.asked}"):
+        if any(_REFUNDS.fullmatch(w) for w in (self.name, self.asked)):
             spans += [(m.start(), m.end(), is_denied(text, m.start(), m.end())) for m in _MONEY_BACK.finditer(text)
-                      if not any(m.start() < e and s < m.end() for s, e, _ in spans)]
+                      if not any(m.start() < e and s < m.end() for s, e, _ in spans)
+                      and not (m.group().lower().startswith(("refunded", "reimbursement"))
+                               and _HAPPENED.search(text, max(0, m.start() - 20), m.start()))]
         return sorted(spans)
 
     @property
@@ -217,8 +230,10 @@ def namings_declined(spans: list[tuple[int, int, bool]], text: str) -> tuple[int
         if _POLICY.match(text, end) or _OFFER.search(text, max(0, start - 60), start):
             continue
         no = _NO_BEFORE.search(text, max(0, start - 10), start)
+        participle = text[start:end].lower().endswith("ed")
         turned_down = bool(_DECLINED_BEFORE.search(text, max(0, start - 80), start) or _DECLINED_AFTER.match(text, end)
-                           or _NOT_IT.search(text, max(0, start - 40), start) or _ANSWERED_NO.match(text, end)
+                           or (not participle and _NOT_IT.search(text, max(0, start - 40), start))
+                           or _ANSWERED_NO.match(text, end)
                            or (no and (_NEEDED.match(text, end) or _NO_PLEASE.match(text, end))))
         if turned_down or negated:
             denied, declined = denied + 1, declined + turned_down
