@@ -663,6 +663,9 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
     from asyncpage.extract.staff import writer_sources
 
     assert writer_sources(["x" * 200_000 + " Ana Lima"])[-1].endswith("Ana Lima")  # linear on a word with no digit
+    # the article "A" opening a sentence is no one's name (a customer "A" was copied so); an initial has its dot
+    assert writer_sources(["A replacement is fine.\nReginald A. Achterberg"]) == [" replacement is fine.\nReginald A. "
+                                                                                  "Achterberg"]
     # a letter's closing is no one's name, in any language customers close in, however its words are spaced
     assert writer_sources(["Help!\n\nYstävällisin terveisin\nSanna Virtanen", "Merci beaucoup,\nJean Dupont",
                            "Thanks.\nTak Wing Lee", "Kind\xa0regards,\nAna Silva", "Ystävällisin\nterveisin\nMatti"]) \
