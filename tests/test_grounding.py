@@ -490,6 +490,25 @@ def test_a_copied_name_is_widened_by_the_capitalized_words_that_open_it_in_the_r
                                                         "Rain Jacket, women's M"]  # a prefix read without its comma
 
 
+def test_a_brand_copied_from_inside_its_name_opens_with_the_name() -> None:
+    from asyncpage.extract.ends import opened, opened_brands
+
+    text = "Hi, my Glacierpoint Q7 heat pump runs nonstop. The Zanthe K5 Split unit too."
+    assert opened(text, "Q7", [text]) == "Glacierpoint Q7" and opened(text, "K5 Split", [text]) == "Zanthe K5 Split"
+    # Written alone somewhere, opening its line or sentence, after a determiner or a lowercase word: as it is.
+    for other in ("Q7 works again. my Glacierpoint Q7", "Glacierpoint Q7 broke", "Hi,\nQ7 broke", "It broke. Q7 again",
+                  "the Q7 broke", "my Glacierpoint Q7 broke, the Q7 is new"):
+        assert opened(other, "Q7", [other]) == "Q7", other
+    assert opened(text, "Q7", ["Q7 heat pump"]) == "Q7"  # the wider span is no span the field allows
+    # A sentence's first word is no part of the name; at most three words are added.
+    assert opened("Ordered Halvern Echo S headphones", "Echo S", ["Ordered Halvern Echo S headphones"]) == \
+        "Halvern Echo S"
+    assert opened("the A B C D E thing", "E", ["the A B C D E thing"]) == "B C D E"
+    written = {"product": "Q7", "customer": "Rick"}
+    assert opened_brands(text, [text], {"product"}, {}, written) == {"product": "Glacierpoint Q7"}
+    assert opened_brands(text, [text], {"product"}, {"product": "Glacierpoint"}, written) == {}
+
+
 def test_a_brand_is_never_copied_as_a_code_but_may_hold_a_model_number(accepts: Any) -> None:
     # ends.named_copies: a field asking for a brand takes no span with a code-shaped word (three digits in one
     # word: an order id, a serial number); a short model number and a hyphenated name stay copyable.

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from asyncpage.extract import grounding
+from asyncpage.extract.employer import without_employer
 from asyncpage.extract.probes import Probe
 from asyncpage.extract.readings import LINE_END, described, name_words
 from asyncpage.extract.starts import names_a_code
@@ -102,6 +103,40 @@ def names_the_writer(field: str, line: str = "") -> bool:
     """Whether a field's name or its described line says its value is who wrote the record ("customer", "sender",
     "the person who wrote the ticket")."""
     return bool(WRITER.intersection(name_words(field))) or bool(_WROTE.search(line))
+
+
+def opened(text: str, value: str, sources: Sequence[str]) -> str:
+    """A brand the model copied from inside a name ("V5" where the record only ever says "the Ventura V5", "Duo 2" of
+    "my Corvani Duo 2 pram") with the capitalized words that open that name right before it on its line (at most
+    _MAX_WIDER; not a determiner, nor a word opening a sentence: "My", "Ordered"), where every place the record writes
+    it follows such a word, and the wider span is one the field's `sources` hold; `value` itself otherwise. No product
+    of 1,364 labeled tickets (tests/data through v66) is written only so."""
+    first = ""
+    for m in re.finditer(r"(?<![\w-])" + re.escape(value) + r"(?![\w-])", text):
+        line = text[max(0, m.start() - 200):m.start()].rsplit("\n", 1)[-1]
+        words = re.findall(r"(?:^|(?<=[ \t]))(\S+)[ \t]+", line)
+        if not line.endswith((" ", "\t")) or not words:
+            return value
+        k = len(words)
+        while k > 0 and len(words) - k < _MAX_WIDER and re.fullmatch(r"[^\W\d_][\w'’&.-]*", words[k - 1]) \
+                and words[k - 1][0].isupper() and words[k - 1].lower() not in grounding.DETERMINERS \
+                and k > 1 and not words[k - 2].endswith((".", "!", "?", ":", ">", "-", "–", "—")):
+            k -= 1
+        if k == len(words):
+            return value  # written alone here: the model's start stands
+        first = first or " ".join(words[k:]) + " " + value
+    return first if first and any(first in s for s in sources) else value
+
+
+def opened_brands(text: str, sources: Sequence[str], brands: set[str], decided: dict[str, Any],
+                  written: dict[str, Any]) -> dict[str, str]:
+    """The brand fields whose value (as decided, else as the model wrote it) opens wider (`opened`), with it."""
+    out = {}
+    for name in brands:
+        value = decided.get(name, written.get(name))
+        if isinstance(value, str) and value and (wide := opened(text, value, without_employer(sources))) != value:
+            out[name] = wide
+    return out
 
 
 def name_of(phrase: str) -> str:
