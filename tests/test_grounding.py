@@ -500,13 +500,22 @@ def test_a_brand_copied_from_inside_its_name_opens_with_the_name() -> None:
                   "the Q7 broke", "my Glacierpoint Q7 broke, the Q7 is new"):
         assert opened(other, "Q7", [other]) == "Q7", other
     assert opened(text, "Q7", ["Q7 heat pump"]) == "Q7"  # the wider span is no span the field allows
-    # A sentence's first word is no part of the name; at most three words are added.
-    assert opened("Ordered Halvern Echo S headphones", "Echo S", ["Ordered Halvern Echo S headphones"]) == \
-        "Halvern Echo S"
-    assert opened("the A B C D E thing", "E", ["the A B C D E thing"]) == "B C D E"
+    # Only after a determiner or a lowercase word that is no preposition; no shout, possessive, day, month or title;
+    # at most three words, whole words of the sources.
+    for other in ("Ordered Halvern Echo S headphones", "bought at Harrow Echo S", "from Amazon Echo S",
+                  "in Lisbon Echo S", "my BRAND NEW Echo S", "at Harrow's Echo S", "since last Monday Echo S",
+                  "my Dr Echo S", "Re: Fwd Echo S", "I bought it on Amazon. Echo S broke", "the X B C D Echo S"):
+        assert opened(other, "Echo S", [other]) == "Echo S", other
+    assert opened("the B C D E thing", "E", ["the B C D E thing"]) == "B C D E"
+    assert opened("my Zeta  Q7 ok; Zeta Q7s are bad", "Q7", ["my Zeta  Q7 ok; Zeta Q7s are bad"]) == "Q7"
     written = {"product": "Q7", "customer": "Rick"}
-    assert opened_brands(text, [text], {"product"}, {}, written) == {"product": "Glacierpoint Q7"}
-    assert opened_brands(text, [text], {"product"}, {"product": "Glacierpoint"}, written) == {}
+    assert opened_brands(text, [text], {"product"}, {}, written, lambda n, v: True) == {"product": "Glacierpoint Q7"}
+    assert opened_brands(text, [text], {"product"}, {"product": "Glacierpoint"}, written, lambda n, v: True) == {}
+    # The wider value the field's schema refuses, or one holding another field's value: the value as it was.
+    assert opened_brands(text, [text], {"product"}, {}, written, lambda n, v: len(v) < 10) == {}
+    son = "Hi, my son Tom Kestrel bike broke"
+    assert opened_brands(son, [son], {"product"}, {}, {"product": "Kestrel", "customer": "Tom Kestrel"},
+                         lambda n, v: True) == {}
 
 
 def test_a_brand_is_never_copied_as_a_code_but_may_hold_a_model_number(accepts: Any) -> None:
@@ -682,9 +691,11 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
     from asyncpage.extract.staff import writer_sources
 
     assert writer_sources(["x" * 200_000 + " Ana Lima"])[-1].endswith("Ana Lima")  # linear on a word with no digit
-    # the article "A" opening a sentence is no one's name (a customer "A" was copied so); an initial has its dot
+    # the article "A" opening a sentence is no one's name (a customer "A" was copied so); an initial is kept, with
+    # its dot or before a name
     assert writer_sources(["A replacement is fine.\nReginald A. Achterberg"]) == [" replacement is fine.\nReginald A. "
                                                                                   "Achterberg"]
+    assert writer_sources(["From: A Khan\nJohn A Smith"]) == ["From: A Khan\nJohn A Smith"]
     # a letter's closing is no one's name, in any language customers close in, however its words are spaced
     assert writer_sources(["Help!\n\nYstävällisin terveisin\nSanna Virtanen", "Merci beaucoup,\nJean Dupont",
                            "Thanks.\nTak Wing Lee", "Kind\xa0regards,\nAna Silva", "Ystävällisin\nterveisin\nMatti"]) \

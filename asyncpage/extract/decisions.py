@@ -444,7 +444,8 @@ class Plan:
                     shares.pop(name)
         for name, (span, share) in self.starts.outcome(self._got, decided).items():  # a brand without its noun
             decided[name], shares[name] = ends.name_of(span) if name in self.d.brands else span, share
-        decided |= ends.opened_brands(self.text, self.sources, self.d.brands, decided, self.starts.written)
+        decided |= ends.opened_brands(self.text, self.sources, self.d.brands, decided, self.starts.written,
+                                      self.d.holds)
         for name in [n for n, v in decided.items() if not self.d.holds(n, v)]:
             del decided[name]  # a span or a value its search found that the field's whole schema refuses
             shares.pop(name, None)

@@ -105,36 +105,63 @@ def names_the_writer(field: str, line: str = "") -> bool:
     return bool(WRITER.intersection(name_words(field))) or bool(_WROTE.search(line))
 
 
+# Capitalized words that open no brand's name: days, months, titles, what a record capitalizes for emphasis ("my
+# New Velora"), and the prepositions after which a capitalized word is a place or a shop ("bought at Harrow Dekko").
+_NOT_NAME = frozenset("monday tuesday wednesday thursday friday saturday sunday january february march april may june "
+                      "july august september october november december today yesterday tomorrow mr mrs ms mx dr prof "
+                      "sir madam new brand".split())
+_PLACES = frozenset("in at from to on via by for of into onto near since until after before during with".split())
+_NAME_WORD = re.compile(r"[^\W\d_]+(?:[-'’][^\W\d_]+)*")  # letters, hyphens or apostrophes between them
+_MOST_WORDS = 6  # a brand's span holds at most six words (grounding.NAMED)
+
+
 def opened(text: str, value: str, sources: Sequence[str]) -> str:
-    """A brand the model copied from inside a name ("V5" where the record only ever says "the Ventura V5", "Duo 2" of
-    "my Corvani Duo 2 pram") with the capitalized words that open that name right before it on its line (at most
-    _MAX_WIDER; not a determiner, nor a word opening a sentence: "My", "Ordered"), where every place the record writes
-    it follows such a word, and the wider span is one the field's `sources` hold; `value` itself otherwise. No product
-    of 1,364 labeled tickets (tests/data through v66) is written only so."""
+    """A brand the model copied from inside a name ("V5" where the record only ever says "my Ventura V5", "Duo 2" of
+    "my Corvani Duo 2 pram") with the capitalized words that open that name right before it on its line, where every
+    place the record writes it follows such words after a determiner or a lowercase word ("my", "new"; not a
+    preposition: "in Lisbon Velora", "from Amazon Velora"), and the wider span is one of whole words the field's
+    `sources` hold; `value` itself otherwise. Such a word is of letters (no ALL-CAPS shout, no possessive "Harrow's",
+    no day, month or title: _NOT_NAME), at most _MAX_WIDER of them. No product of 1,364 labeled tickets (tests/data
+    through v66) is written only so."""
     first = ""
     for m in re.finditer(r"(?<![\w-])" + re.escape(value) + r"(?![\w-])", text):
         line = text[max(0, m.start() - 200):m.start()].rsplit("\n", 1)[-1]
-        words = re.findall(r"(?:^|(?<=[ \t]))(\S+)[ \t]+", line)
-        if not line.endswith((" ", "\t")) or not words:
-            return value
-        k = len(words)
-        while k > 0 and len(words) - k < _MAX_WIDER and re.fullmatch(r"[^\W\d_][\w'’&.-]*", words[k - 1]) \
-                and words[k - 1][0].isupper() and words[k - 1].lower() not in grounding.DETERMINERS \
-                and k > 1 and not words[k - 2].endswith((".", "!", "?", ":", ">", "-", "–", "—")):
-            k -= 1
-        if k == len(words):
-            return value  # written alone here: the model's start stands
-        first = first or " ".join(words[k:]) + " " + value
-    return first if first and any(first in s for s in sources) else value
+        words = re.split(r"[ \t]+", line)
+        if len(words) < 2 or words[-1] != "":
+            return value  # not after a space: the model's start stands
+        words.pop()
+        caps = 0
+        while caps < min(_MAX_WIDER, len(words) - 1) and _name_word(words[-1 - caps]):
+            caps += 1
+        anchor = words[-1 - caps]
+        if not caps or not (anchor.lower() in grounding.DETERMINERS or (
+                anchor.isalpha() and anchor.islower() and anchor not in _PLACES)):
+            return value  # written alone here, or after what is no name's opening
+        first = first or " ".join(words[len(words) - caps:]) + " " + value
+    whole = re.compile(r"(?<![\w-])" + re.escape(first) + r"(?![\w-])") if first else None
+    return first if whole is not None and len(first.split()) <= _MOST_WORDS and any(
+        whole.search(s) for s in sources) else value
+
+
+def _name_word(word: str) -> bool:
+    return bool(_NAME_WORD.fullmatch(word)) and word[0].isupper() and not (len(word) > 1 and word.isupper()) \
+        and word.lower() not in grounding.DETERMINERS | _NOT_NAME and not word.endswith(("'s", "’s"))
 
 
 def opened_brands(text: str, sources: Sequence[str], brands: set[str], decided: dict[str, Any],
-                  written: dict[str, Any]) -> dict[str, str]:
-    """The brand fields whose value (as decided, else as the model wrote it) opens wider (`opened`), with it."""
+                  written: dict[str, Any], holds: Callable[[str, Any], bool]) -> dict[str, str]:
+    """The brand fields whose value (as decided, else as the model wrote it) opens wider (`opened`), with it, where
+    the field's schema holds the wider one and it holds no other field's value ("my son Tom Kestrel bike" with the
+    customer "Tom Kestrel")."""
     out = {}
     for name in brands:
         value = decided.get(name, written.get(name))
-        if isinstance(value, str) and value and (wide := opened(text, value, without_employer(sources))) != value:
+        if not isinstance(value, str) or not value:
+            continue
+        if (wide := opened(text, value, without_employer(sources))) == value:
+            continue
+        others = {v.casefold() for d in (decided, written) for n, v in d.items() if n != name and isinstance(v, str)}
+        if holds(name, wide) and not any(o and o in wide.casefold() for o in others):
             out[name] = wide
     return out
 

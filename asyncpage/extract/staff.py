@@ -99,8 +99,8 @@ _CLOSINGS = "|".join(re.escape(c) for c in sorted((
 ), key=len, reverse=True)).replace("\\ ", r"\s+")  # its words apart by any spacing ("Kind\xa0regards")
 _TITLE_WORDS = "Mrs|Mr|Ms|Miss|Mx|Dr|Prof"
 _NO_NAME = re.compile(rf"(?<!\S)[^\s\d]*+\d\S*|(?<![\w'’-])(?:{_TITLE_WORDS})\.?(?=[ \t]+[A-ZÀ-ÖØ-Þ])|"
-                      # and the pronoun "I", the article "A" (an initial has its dot)
-                      rf"(?<![\w'’-])(?:{_GREETINGS}|I|A)(?![\w'’.-])|"
+                      # and the pronoun "I" (an initial has its dot), the article "A" before a lowercase word
+                      rf"(?<![\w'’-])(?:{_GREETINGS}|I|A(?=[ \t]+[a-zß-öø-ÿ]))(?![\w'’.-])|"
                       rf"(?<![\w'’-])(?i:{_CLOSINGS})(?![\w'’-])|"
                       rf"(?:{_CAP}[ \t]+){{0,3}}(?<![\w'’-])(?:{_TEAM_WORDS})(?![\w'’-])")
 
