@@ -130,7 +130,7 @@ class Decider:
             plans = [Plan(self, text, [text]) for text in REFERENCES]
             for plan in plans:
                 plan.only(wanted, named, spans)
-            await _run_all(engine, plans, priority, cache_key)
+            await gather([p.run(engine, priority=priority, cache_key=cache_key) for p in plans])
             for plan in plans:
                 plan.forget(engine)
             for s in wanted:
@@ -157,7 +157,7 @@ class Decider:
                     plan.only([], {})
                     if ctx is not None:
                         plan.add_context(engine, ctx)
-                await _run_all(engine, plans, priority, cache_key)
+                await gather([p.run(engine, priority=priority, cache_key=cache_key) for p in plans])
                 for name, k in named_keys.items():
                     got = [p.margin(name) for p in plans]
                     found[k] = None if any(m is None for m in got) else mean(got)
@@ -170,10 +170,6 @@ def _keep(known: dict[str, float | None], key: str, value: float | None) -> None
     if len(known) >= _KEPT:
         known.clear()  # bounded: a job's schema has a few; a server's callers may send many
     known[key] = value
-
-
-async def _run_all(engine: EngineClient, plans: Sequence[Plan], priority: int, cache_key: str | None) -> None:
-    await gather([plan.run(engine, priority=priority, cache_key=cache_key) for plan in plans])
 
 
 class Plan:
