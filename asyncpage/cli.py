@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokens/s without and with speculation (n-gram, or a draft model with the target's tokenizer; "
                    "at most K drafts a step), side by side: "
                    "one stream each of extraction, free text and code, and the mixed workload")
+    b.add_argument("--repeat", type=int, default=3, metavar="N",
+                   help="with --speculative: runs of each one-stream workload per engine, taking turns (medians)")
     b.add_argument("--json", action="store_true", help="print machine-readable results")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--sweep", default=None, help="comma-separated concurrency levels, e.g. 1,4,16,64: one "

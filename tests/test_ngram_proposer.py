@@ -269,3 +269,36 @@ def test_a_copied_values_end_drafts_the_ending_learned_and_the_next_fields_start
     seq.spec, seq.matcher = None, None
     seq.token_ids = [*record, *V("{\"", "customer", "\":", "▁\"", "Margaret")]
     assert propose()[:4] == V("▁Ok", "onk", "wo", "\n")
+
+
+def test_a_labels_value_before_any_of_its_kind_opens_with_the_token_the_grammar_takes() -> None:
+    from types import SimpleNamespace
+
+    from asyncpage.core.speculation import Speculation
+
+    class AfterColon(JsonString):
+        """After `":` a value opens with ` "` (a string), then anything but a line break."""
+
+        def accept(self, t: int) -> bool:
+            ok = self._ok(t) and not (self.seen and self.seen[-1] == V.ids["\":"] and t != V.ids["▁\""])
+            self.seen.append(t)
+            return ok
+
+        def valid_prefix(self, tokens: list[int]) -> int:
+            m = AfterColon(self.seen)
+            return next((i for i, t in enumerate(tokens) if not m.accept(t)), len(tokens))
+
+        def fork(self) -> AfterColon:
+            return AfterColon(self.seen)
+
+    assert TokenForms(V).openers() == V("▁\"", "{\"")  # those the vocabulary has, in its own space mark
+    spec = Speculation(SpeculativeConfig(method="ngram"), None, 512, TokenForms(V))  # type: ignore[arg-type]
+    record = V("Customer", ":", "▁Margaret", "▁Ok", "onk", "wo", "\n")
+    seq = SimpleNamespace(request=SimpleNamespace(beam=None, width=1, forked=False, stop_ids=frozenset({1})),
+                          params=SamplingParams(max_tokens=100), spec=None,
+                          matcher=AfterColon(V("{\"", "customer", "\":")),
+                          token_ids=[*record, *V("{\"", "customer", "\":")], num_output_tokens=3)
+    seq.num_tokens = len(seq.token_ids)
+    seq.num_computed_tokens = seq.num_tokens - 1
+    # The label drafts " Margaret ...": refused right after `":`; opened with ` "`, the name without its space.
+    assert spec.propose(seq, 7) == V("▁\"", "Margaret", "▁Ok", "onk", "wo")  # type: ignore[arg-type]

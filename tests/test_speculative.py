@@ -232,6 +232,21 @@ def test_bench_speculative_refuses_a_bad_setting_before_loading_the_model() -> N
             parse(bad)
 
 
+async def test_the_speculation_bench_reports_each_stream_from_runs_taking_turns(tiny_llama: Path) -> None:
+    from asyncpage.bench.spec import format_rows, speculative_figures
+
+    engine = tiny_engine(tiny_llama, num_kv_blocks=512, max_num_batched_tokens=256)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    streams = {"extraction": ("Name: Ann Lee\nAs JSON: ", SamplingParams(max_tokens=24, temperature=0,
+                                                                          json_schema=schema)),
+               "free text": ("the cat sat on the mat, the cat sat", SamplingParams(max_tokens=24, temperature=0))}
+    rows = await speculative_figures(engine, {"method": "ngram"}, num_requests=0, repeat=2, streams=streams)
+    assert [r["workload"] for r in rows] == ["extraction (1 stream)", "free text (1 stream)"]
+    for r in rows:  # greedy: every run of a stream, on either engine, the same tokens
+        assert r["identical"] is True and r["speedup"] > 0 and r["decode_speedup"] is not None
+    assert "decode" in format_rows(rows, {"method": "ngram"})
+
+
 def test_extract_cli_with_speculation_writes_the_same_lines(tiny_llama: Path, tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     from asyncpage.cli import main as cli

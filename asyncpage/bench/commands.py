@@ -119,7 +119,7 @@ async def _bench_speculative(args: argparse.Namespace) -> int:
         args.model, dtype=args.dtype, device=args.device, num_threads=args.threads, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=not args.no_prefix_caching)
-    rows = await speculative_figures(engine, config, args.num_requests, args.seed)
+    rows = await speculative_figures(engine, config, args.num_requests, args.seed, args.repeat)
     print(json.dumps(rows) if args.json else format_rows(rows, config))
     return 0
 

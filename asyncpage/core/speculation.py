@@ -63,6 +63,8 @@ class Speculation:
             valid = seq.matcher.valid_prefix(draft)
             if valid < len(draft) and spec.config.method == "ngram" and spec.refused(len(seq.token_ids), draft[:valid]):
                 return self._past_end(seq, draft[:valid], ending, room)
+            if valid == 0 and spec.by_label:
+                return self._opened(seq, draft, room)
             return draft[:valid]
         except Exception:  # a proposer's fault costs this sequence its drafts, never the engine
             log.exception("speculative proposal failed: this sequence goes on without drafts")
@@ -93,6 +95,23 @@ class Speculation:
             n = m.valid_prefix(forced + more) - len(forced)
             out += more[: max(0, n)]
         return out
+
+    def _opened(self, seq: Sequence, draft: list[int], room: int) -> list[int]:
+        """A field's value drafted from its label (`"address":` then what follows "Address:" in the record) that
+        the grammar refuses as it stands: before any value of this kind was written, nothing says which token
+        opens it after the key (` "` for a string, ` ["` for a list of them). The first opener (TokenForms.openers)
+        the grammar takes that lets the value's first token follow (without its leading space after a quote)
+        opens the drafts; none: no drafts."""
+        assert seq.matcher is not None
+        if self.forms is None or room < 2:
+            return []
+        for opener in self.forms.openers():
+            m = seq.matcher.fork()
+            first = self.forms.unspaced(draft[0]) if self.forms.opens(opener) else draft[0]
+            if first is not None and m.accept(opener) and not m.is_terminated() and m.accept(first):
+                rest = draft[1 : room - 1]
+                return [opener, first, *rest[: m.valid_prefix(rest)]]
+        return []
 
     def rows_left(self, seq: Sequence) -> int:
         """Drafts that fit beside the sequence's pending run (its last token, or a forced run)."""

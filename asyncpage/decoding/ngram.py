@@ -56,6 +56,7 @@ class TokenForms:
         self._vocab_size = vocab_size
         self._info: dict[int, _Form] = {}
         self._unspaced: dict[int, int | None] = {}
+        self._openers: list[int] | None = None
 
     def _read(self, t: int) -> _Form:
         info = self._info.get(t)
@@ -104,6 +105,23 @@ class TokenForms:
     def opens(self, t: int) -> bool:
         """Its text ends in a space or an opening quote or bracket: what follows starts without a space."""
         return self._read(t).opens
+
+    def openers(self) -> list[int]:
+        """The vocabulary's tokens that open a JSON value after a key's colon (` "`, ` [`, ` ["`, `"`, ...: a quote or
+        a bracket, with the tokenizer's own space mark or none), looked up once."""
+        if self._openers is None:
+            found: list[int] = []
+            for text in ('"', '["', "[", '{"', "{"):
+                for lead in ("", *_SPACE_MARKS):
+                    try:
+                        t = self._tokenizer.convert_tokens_to_ids(lead + text)
+                        same = isinstance(t, int) and self._tokenizer.convert_ids_to_tokens(t) == lead + text
+                    except Exception:  # a vocabulary without such a token
+                        same = False
+                    if same and t not in found and (self._vocab_size is None or 0 <= t < self._vocab_size):
+                        found.append(t)
+            self._openers = found
+        return self._openers
 
     def unspaced(self, t: int) -> int | None:
         """The same token without its leading-space mark (" Margaret" -> "Margaret"), itself when it has

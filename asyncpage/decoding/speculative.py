@@ -147,6 +147,11 @@ class SpecState:
             self._index = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max, self.forms)
         return self._index.propose(tokens, min(self.k, limit), known)
 
+    @property
+    def by_label(self) -> bool:
+        """The last n-gram proposal came from a field's label (a value's start: ngram.NgramIndex)."""
+        return self._index is not None and self._index.by_label
+
     def refused(self, start: int, kept: list[int]) -> bool:
         """The grammar refused a draft proposed at position `start` after `kept`: what the model writes
         there is learned (ending()), unless a label's draft was refused before any of it was kept (where a
