@@ -603,7 +603,7 @@ def test_a_start_never_takes_another_field_s_value_and_gives_way_when_the_model_
 
 
 def test_an_optional_copied_field_s_span_needs_more_where_the_record_does_not_name_the_field_near_it() -> None:
-    from asyncpage.extract.readings import ELSEWHERE, NAMELESS, NEAR, NO_DIGIT, anchors, doubt, numbered
+    from asyncpage.extract.readings import ELSEWHERE, LABELED, NAMELESS, NEAR, NO_DIGIT, anchors, doubt, numbered
 
     assert anchors("order_id", {}) == ("order",) and anchors("orderNumber", {}) == ("order",)
     assert anchors("x", {"title": "Tracking number"}) == ("tracking",) and anchors("id", {}) == ()
@@ -614,7 +614,8 @@ def test_an_optional_copied_field_s_span_needs_more_where_the_record_does_not_na
     assert far.index("1Z999") - far.index("ordered") > NEAR
     assert doubt(far, "1Z999", ("order",)) == ELSEWHERE  # the record names orders, not there: a tracking number
     assert doubt("Order #A-1 arrived broken", "A-1", ("order",)) == 0.0  # "Order #" right before it
-    assert doubt("Ticket about ORDER-55123: a broken lamp", "ORDER-55123", ("order",)) == 0.0  # inside the span
+    assert doubt("Ticket about ORDER-55123: a broken lamp", "ORDER-55123", ("order",)) == -LABELED  # names itself
+    assert doubt("Ticket about PO-ORDER-55123: a broken lamp", "PO-ORDER-55123", ("order",)) == 0.0  # inside it
     assert doubt("\u0130" * 100 + " Order #A-1", "A-1", ("order",)) == 0.0  # no lower() shifting the positions
     assert doubt("Border " + "x " * 40 + "1Z999", "1Z999", ("order",)) == NAMELESS  # "Border" names no order
     assert doubt("Ref 1Z999, the lamp broke", "1Z999", ("order",)) == NAMELESS  # never named: more evidence
@@ -698,7 +699,7 @@ def test_an_id_the_record_labels_as_another_kind_of_number_is_refused() -> None:
     assert need("Order: DC-FR-0093-2217. Warranty card serial 88-2019-A.", "DC-FR-0093-2217") == -LABELED
     # its own word on the label, in the span, or a field named by that kind: not refused
     assert need("Order / tracking number 55120", "55120") == 0.0
-    assert need("Account ID: ORDER-55190", "ORDER-55190") == 0.0
+    assert need("Account ID: ORDER-55190", "ORDER-55190") == -LABELED  # it names itself an order's
     tracking = "tracking number 1Z999AA10123456784"
     assert need(tracking, "1Z999AA10123456784", ("tracking",), "tracking_number") == -LABELED
     assert need("Merchant ID 600218847\nSofia", "600218847") == need("Acct no. 55120", "55120") == OTHERWISE
@@ -772,6 +773,20 @@ def test_an_id_its_field_s_own_word_labels_right_before_it_is_taken_whole_and_ne
                        ("tracking 1Z999AA1", "1Z999AA1")):
         assert not labeled(text, span, ("order",)), text
     assert not labeled("booking ref RLN-8K2Q7", "RLN-8K2Q7", ("tracking",))  # a booking labels an order's id only
+    # the word for an order in the customer's own language, an id that names itself an order's, a chat's answer
+    for text, span in (("Klantnummer: 0048821\nBestelnummer: DW-5590213", "DW-5590213"),
+                       ("Subject: leaking – Bestellung #VL-20931", "VL-20931"),
+                       ("numéro de commande: FR-88120", "FR-88120"), ("Bestellung Nr. 55019 kam", "55019"),
+                       ("Subject: Damaged in transit - ORD-5562190", "ORD-5562190"),
+                       ("Agent: Could you confirm your order number?\nCustomer: #LQ-3390\nAgent: thanks", "LQ-3390"),
+                       ("Jo: what's the order number?\nZR 4471 0092", "ZR 4471 0092")):
+        assert labeled(text, span, ("order",)), text
+    for text, span in (("Agent: Could you confirm your phone number?\nCustomer: 5550-1234", "5550-1234"),
+                       ("Agent: Your order number?\nCustomer: it is 55019 I think", "55019"),
+                       ("Agent: Any order number?\nCustomer: 55019 and serial 88123", "55019"),
+                       ("ORDINAL-5521 and ORDX-9981", "ORDX-9981")):
+        assert not labeled(text, span, ("order",)), text
+    assert not labeled("Bestellnummer: DW-5590213", "DW-5590213", ("tracking",))  # an order's word, not a tracking's
 
 
 def test_a_product_s_value_is_its_name_without_the_common_nouns_that_close_its_phrase() -> None:

@@ -92,10 +92,16 @@ _CONTRAST = re.compile(r";|\b(?:but|however)\b", re.IGNORECASE)
 # labeled by a booking's or a reservation's word too. A date or a time is never such an id ("purchase: 14-02-2024").
 # A label may hold the id's first group ("order GLM#559203", "order AUR 5519 0087", "order HF 33-0912"): a span found
 # after it is read with it (labeled_id).
-_ID_NOUNS = r"(?:ids?|numbers?|no|nr|num|ref|reference|code)\b\.?"
+_ID_NOUNS = r"(?:ids?|numbers?|no|nr|num|ref|reference|code|nummer|numéro|número|numero)\b\.?"
 _LABEL_TAIL = (rf")s?(?:[ \t]+(?:{_ID_NOUNS})){{0,2}}[ \t]*(?:[:#][ \t]*){{0,2}}(?:is[ \t]+|was[ \t]+)?#?"
                rf"((?<![A-Za-z0-9])(?!{_ID_NOUNS}|(?:" + "|".join(_KINDS) + r")\b)(?-i:[A-Z][A-Z0-9]{0,4})[ #])?\Z")
-_BOOKINGS = ("booking", "reservation")
+# What else names an order's id: a booking's or a reservation's word, and the word for an order in the languages
+# customers write it in beside English ("Bestellnummer: DW-5590213", "Bestellung #VL-20931", "commande LUM-2291").
+_BOOKINGS = ("booking", "reservation", "bestellung", "bestellnummer", "bestelnummer", "bestelling", "commande",
+             "pedido", "encomenda", "ordine", "zamówienie", "zamowienie", "tilaus", "tilausnumero", "ordrenummer",
+             "bestilling", "bestillingsnummer", "beställning", "ordernummer", "sipariş", "objednávka", "rendelés")
+# An id that names itself an order's ("ORD-5562190", "ORDER-55123").
+_SELF_ORDER = re.compile(r"ORD(?:ER)?[-_#/]?\d", re.IGNORECASE)
 # An order's id in brackets right after the ordered thing's phrase: "the Parlour 12 I ordered (MF-0911-2287)", "I
 # ordered a Zipvolt Urban X scooter (#55019)".
 # Only an id's shape: "#" and digits, or groups of capitals and digits joined by hyphens ("MF-0911-2287"); not a
@@ -208,6 +214,8 @@ def labeled_id(text: str, span: str, words: Sequence[str]) -> str:
             (_AMOUNT.fullmatch(span) and (len(span) <= 4 or not span.isdecimal())):
         return ""
     orders, own = _naming(words)
+    if orders and _SELF_ORDER.match(span):
+        return span
     label = re.compile(r"\b(?:" + "|".join(map(re.escape, own)) + _LABEL_TAIL, re.IGNORECASE)
     i = text.find(span)
     while i >= 0:
@@ -217,12 +225,27 @@ def labeled_id(text: str, span: str, words: Sequence[str]) -> str:
                 not (span.isdecimal() and _UNIT.match(text, end)):  # the id's end, and no count's unit after it
             if m := label.search(text[max(0, i - 48) : i]):
                 return (m.group(1) or "" if orders else "") + span
+            if _answers(text, i, end, own):
+                return span
             if orders and any(m.end("id") == end and m.start("id") in (i, i - (text[i - 1 : i] == "#"))
                               and not is_denied(text, *m.span("verb"))
                               for m in _BRACKETED.finditer(text, max(0, i - 80), min(len(text), end + 4))):
                 return span
         i = text.find(span, i + 1)
     return ""
+
+
+# A chat's answer: the span alone on its line after its speaker ("Customer: #LQ-3390"), the line before a question
+# naming the field ("Could you confirm your order number?").
+_SPEAKER = re.compile(r"[^\S\n]*(?:[^\n:]{1,40}:)?[^\S\n]*#?")
+
+
+def _answers(text: str, start: int, end: int, own: Sequence[str]) -> bool:
+    line = text.rfind("\n", 0, start) + 1
+    if not line or not _SPEAKER.fullmatch(text, line, start) or text[end:].split("\n", 1)[0].strip(" \t.!"):
+        return False
+    asked = text[text.rfind("\n", 0, line - 1) + 1 : line - 1].rstrip()
+    return asked.endswith("?") and bool(re.search(r"\b(?:" + "|".join(map(re.escape, own)) + ")", asked, re.I))
 
 
 def named_otherwise(text: str, span: str, own: re.Pattern[str]) -> bool:
