@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokens/s without and with speculation (n-gram, or a draft model with the target's tokenizer; "
                    "at most K drafts a step), side by side: "
                    "one stream each of extraction, free text and code, and the mixed workload")
-    b.add_argument("--repeat", type=int, default=3, metavar="N",
+    b.add_argument("--repeat", type=_at_least_one, default=3, metavar="N",
                    help="with --speculative: runs of each one-stream workload per engine, taking turns (medians)")
     b.add_argument("--json", action="store_true", help="print machine-readable results")
     b.add_argument("--seed", type=int, default=0)
@@ -170,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "bench-eviction":
         return asyncio.run(cli_bench.bench_eviction(args))
     return asyncio.run(cli_bench.bench(args))
+
+
+def _at_least_one(value: str) -> int:
+    n = int(value) if value.strip().lstrip("-").isdigit() else 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a whole number of at least 1, got {value!r}")
+    return n
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:

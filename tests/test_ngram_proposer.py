@@ -180,6 +180,19 @@ def test_a_label_spelled_in_several_tokens_is_one_word() -> None:
     assert other.propose([*prompt, *bpe("{\"", "mail", "\":", "Ġ\"")], 2) == []
 
 
+def test_a_label_that_drafts_nothing_is_not_where_the_proposal_came_from() -> None:
+    # "Email:" labels " marg", which this vocabulary has no form of without its space: the label drafts nothing,
+    # and what the lookups propose instead is not a label's
+    w = Vocab(["Email", ":", "▁marg", "aret", "\n", "{\"", "email", "\":", "▁\""])
+    idx = NgramIndex(2, 4, TokenForms(w))
+    idx.propose(w("Email", ":", "▁marg", "aret", "\n", "{\"", "email", "\":", "▁\""), 3)
+    assert idx.by_label is False
+    idx = NgramIndex(2, 4, TokenForms(V))
+    assert idx.propose(V("Email", ":", "▁marg", "aret", "\n", "{\"", "email", "\":", "▁\""), 3) == V("marg", "aret",
+                                                                                                        "\n")
+    assert idx.by_label is True
+
+
 def test_a_word_longer_than_any_label_matches_no_shorter_label() -> None:
     letters = [chr(c) for c in range(ord("a"), ord("m"))]
     bpe = Vocab([*letters, ":", "Ġ", "VAL", "Ċ", "{\"", "\":", "Ġ\"", "x", "ĉ", "E", "mail", "email"])
@@ -302,3 +315,13 @@ def test_a_labels_value_before_any_of_its_kind_opens_with_the_token_the_grammar_
     seq.num_computed_tokens = seq.num_tokens - 1
     # The label drafts " Margaret ...": refused right after `":`; opened with ` "`, the name without its space.
     assert spec.propose(seq, 7) == V("▁\"", "Margaret", "▁Ok", "onk", "wo")  # type: ignore[arg-type]
+    # Never a stop token among the drafts it opens with; none when the opener or the first token stops.
+    for stop in ("▁\"", "Margaret"):
+        spec = Speculation(SpeculativeConfig(method="ngram"), None, 512, TokenForms(V))  # type: ignore[arg-type]
+        seq.spec, seq.request.stop_ids = None, frozenset({1, V.ids[stop]})
+        assert V.ids[stop] not in spec.propose(seq, 7), stop  # type: ignore[arg-type]
+    # A separator the label drafted first (learned after other keys) is no value's first token: dropped.
+    spec = Speculation(SpeculativeConfig(method="ngram"), None, 512, TokenForms(V))  # type: ignore[arg-type]
+    assert spec._opened(seq, V("▁\"", "▁Margaret", "▁Ok"), 7) == []  # type: ignore[arg-type]  # its stop still holds
+    seq.request.stop_ids = frozenset({1})
+    assert spec._opened(seq, V("▁\"", "▁Margaret", "▁Ok"), 7) == V("▁\"", "Margaret", "▁Ok")  # type: ignore[arg-type]

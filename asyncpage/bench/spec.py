@@ -68,6 +68,8 @@ async def speculative_figures(base: AsyncEngine, config: dict[str, Any], num_req
     `repeat` times on each engine, the two taking turns (which one goes first alternates), each run with its
     own prefix-cache salt (its prompt prefilled every time): the medians are reported, so a machine's
     slower spell (this kind of VM varies ~15% within a minute) lands on both. `streams`: STREAMS by default."""
+    if repeat < 1:
+        raise ValueError(f"repeat must be at least 1, got {repeat}")
     spec = base.clone(speculative_config=config)
     rows = []
     async with base, spec:
@@ -80,7 +82,7 @@ async def speculative_figures(base: AsyncEngine, config: dict[str, Any], num_req
                 # first would otherwise pay alone.
                 await engine.generate("Warm-up. " + prompt[9:], msgspec.structs.replace(params, max_tokens=2))
             b = spec.stats()
-            for r in range(max(1, repeat)):
+            for r in range(repeat):
                 order = (("off", base), ("on", spec)) if r % 2 == 0 else (("on", spec), ("off", base))
                 for label, engine in order:
                     salted = msgspec.structs.replace(params, cache_salt=f"bench-{name}-{r}")

@@ -103,12 +103,18 @@ class Speculation:
         the grammar takes that lets the value's first token follow (without its leading space after a quote)
         opens the drafts; none: no drafts."""
         assert seq.matcher is not None
-        if self.forms is None or room < 2:
+        f, stops = self.forms, seq.request.stop_ids
+        if f is None or room < 2:
             return []
-        for opener in self.forms.openers():
+        if f.separator(draft[0]):
+            draft = draft[1:]  # a separator learned after other keys (` "`): this value opens otherwise
+        if not draft:
+            return []
+        for opener in f.openers():
             m = seq.matcher.fork()
-            first = self.forms.unspaced(draft[0]) if self.forms.opens(opener) else draft[0]
-            if first is not None and m.accept(opener) and not m.is_terminated() and m.accept(first):
+            first = f.unspaced(draft[0]) if f.opens(opener) else draft[0]
+            if first is not None and opener not in stops and first not in stops and m.accept(opener) \
+                    and not m.is_terminated() and m.accept(first):
                 rest = draft[1 : room - 1]
                 return [opener, first, *rest[: m.valid_prefix(rest)]]
         return []

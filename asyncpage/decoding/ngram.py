@@ -247,7 +247,6 @@ class NgramIndex:
         hit = self._labels.get("".join(f.folded(t) for t in tokens[start : i + 1]))
         if hit is None or not hit[2] or hit[0] >= start:
             return []
-        self.by_label = True
         # The separator that followed the last one more than half of the times, once included (`":` then
         # ` "` before a JSON string from its first key on; the grammar leaves the space free, so it is not
         # forced): drafted first.
@@ -263,4 +262,5 @@ class NgramIndex:
             if first is None:
                 return []
             draft[0] = first
+        self.by_label = bool(draft)
         return (bridge + draft)[:k]
