@@ -787,6 +787,25 @@ def test_an_id_its_field_s_own_word_labels_right_before_it_is_taken_whole_and_ne
                        ("ORDINAL-5521 and ORDX-9981", "ORDX-9981")):
         assert not labeled(text, span, ("order",)), text
     assert not labeled("Bestellnummer: DW-5590213", "DW-5590213", ("tracking",))  # an order's word, not a tracking's
+    for text, span in (("Agent: Could you confirm your order number?\r\nSarah: LQ-3390\r\nAgent: thanks", "LQ-3390"),
+                       ("[14:04] Agent: Do you have your order number?\n[14:04] Sarah: 7730019245", "7730019245")):
+        assert labeled(text, span, ("order",)), text
+    # the chat's answer is the field's own label, not a customer's number
+    assert doubt("Agent: Could you confirm your order number?\nCustomer: #LQ-3390", "LQ-3390", ("order",),
+                 "order_id") == -LABELED
+    # a question about the order that asks for another number, or an answer under another kind's label; an
+    # "ORD" that is no order's id; a count in another language
+    for text, span in (("Agent: What's the tracking number on your order?\nSarah: 1Z999AA10123456784",
+                        "1Z999AA10123456784"), ("Which phone number is on the order?\nSarah: 555-201-8890",
+                                                "555-201-8890"),
+                       ("In order to help, could you share your case number?\nSarah: CS-44810", "CS-44810"),
+                       ("Agent: Could you give me your order number?\nInvoice: INV-2231", "INV-2231"),
+                       ("Shipped from facility ORD2 on Monday", "ORD2"), ("Departed ORD5-SORT hub", "ORD5-SORT"),
+                       ("nothing here", "ORD-5562190"), ("ordine 12500 pezzi", "12500"),
+                       ("Bestellung 12000 Stück", "12000")):
+        assert not labeled(text, span, ("order",)), text
+    hostile = "AB-1234\n" * 50_000  # read in linear time
+    assert not labeled(hostile, "AB-1234", ("order",))
 
 
 def test_a_product_s_value_is_its_name_without_the_common_nouns_that_close_its_phrase() -> None:

@@ -100,8 +100,8 @@ _LABEL_TAIL = (rf")s?(?:[ \t]+(?:{_ID_NOUNS})){{0,2}}[ \t]*(?:[:#][ \t]*){{0,2}}
 _BOOKINGS = ("booking", "reservation", "bestellung", "bestellnummer", "bestelnummer", "bestelling", "commande",
              "pedido", "encomenda", "ordine", "zamówienie", "zamowienie", "tilaus", "tilausnumero", "ordrenummer",
              "bestilling", "bestillingsnummer", "beställning", "ordernummer", "sipariş", "objednávka", "rendelés")
-# An id that names itself an order's ("ORD-5562190", "ORDER-55123").
-_SELF_ORDER = re.compile(r"ORD(?:ER)?[-_#/]?\d", re.IGNORECASE)
+# An id that names itself an order's ("ORD-5562190", "ORDER-55123", "Ord-20931-B"; not "ORD2", "ORD5-SORT").
+_SELF_ORDER = re.compile(r"(?:ORD|Ord|ORDER|Order)[-_#/]?\d{4,}(?:-[A-Z0-9]{1,6})*")
 # An order's id in brackets right after the ordered thing's phrase: "the Parlour 12 I ordered (MF-0911-2287)", "I
 # ordered a Zipvolt Urban X scooter (#55019)".
 # Only an id's shape: "#" and digits, or groups of capitals and digits joined by hyphens ("MF-0911-2287"); not a
@@ -112,8 +112,8 @@ _BRACKETED = re.compile(r"\b(?P<verb>ordered|purchased|bought|booked)\b[^.\n()]{
 # What reads as an amount or a count, not an id, right after an order's word ("order 2500 more units", "My order
 # 1,299.00"): four digits or fewer, thousands separators, decimals, or a unit after it.
 _AMOUNT = re.compile(r"[\d,.]*\d|\d{1,4}")
-_UNIT = re.compile(r"[ \t]*(?:units?|pcs|pieces?|items?|boxes|cases|packs?|kg|lbs?|pairs?|sets?|more)\b",
-                   re.IGNORECASE)
+_UNIT = re.compile(r"[ \t]*(?:units?|pcs|pieces?|items?|boxes|cases|packs?|kg|lbs?|pairs?|sets?|more|stück|stk|pezzi"
+                   r"|pz|piezas|unidades|unités|pièces|sztuk|szt|stuks|stycken|kpl)\b", re.IGNORECASE)
 _DATE = re.compile(r"\d{1,4}[-/.]\d{1,2}[-/.]\d{2,4}|\d{1,2}:\d{2}(?::\d{2})?")
 # Where a stretch naming the field ends once it has held a value (a word with a digit): the line's end, or another
 # kind's label ("order HVN-3381045, model HK-17P", "Order LMV-209-88413, invoice INV-55102").
@@ -174,10 +174,11 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
     if not words or not span:
         return 0.0
     pattern = re.compile(r"\b(?:" + "|".join(map(re.escape, words)) + ")", re.IGNORECASE)
+    own_label = labeled(text, span, words)  # the field's own label wins over another kind's ("Customer: #LQ-3390")
     if numbered(field) and _ORDERS.intersection(words) and not _KIND_WORDS.intersection(words) and \
-            named_otherwise(text, span, pattern):
+            not own_label and named_otherwise(text, span, pattern):
         return OTHERWISE
-    if labeled(text, span, words):
+    if own_label:
         return -LABELED
     if not pattern.search(text):
         return NAMELESS
@@ -214,7 +215,7 @@ def labeled_id(text: str, span: str, words: Sequence[str]) -> str:
             (_AMOUNT.fullmatch(span) and (len(span) <= 4 or not span.isdecimal())):
         return ""
     orders, own = _naming(words)
-    if orders and _SELF_ORDER.match(span):
+    if orders and _SELF_ORDER.fullmatch(span) and re.search(r"(?<![\w-])" + re.escape(span) + r"(?![\w-])", text):
         return span
     label = re.compile(r"\b(?:" + "|".join(map(re.escape, own)) + _LABEL_TAIL, re.IGNORECASE)
     i = text.find(span)
@@ -235,17 +236,25 @@ def labeled_id(text: str, span: str, words: Sequence[str]) -> str:
     return ""
 
 
-# A chat's answer: the span alone on its line after its speaker ("Customer: #LQ-3390"), the line before a question
-# naming the field ("Could you confirm your order number?").
-_SPEAKER = re.compile(r"[^\S\n]*(?:[^\n:]{1,40}:)?[^\S\n]*#?")
+# A chat's answer: the span alone on its line after its speaker ("Customer: #LQ-3390", "[14:04] Sarah: 77300192"),
+# the line before a question asking for the field's id ("Could you confirm your order number?"; not "What's the
+# tracking number on your order?", "When did you place the order?"). A speaker is no kind's label ("Invoice:").
+_SPEAKER = re.compile(r"[^\S\n]*(?:\[[^\]\n]{1,24}\][^\S\n]*)?(?:[^\n:\[\]]{1,40}:)?[^\S\n]*#?")
+_KIND_SPEAKER = re.compile(r"\b(?:" + "|".join([k for k in _KINDS if k not in ("customer", "client", "user", "contact")]
+                                               + ["invoice", "receipt", "order", "ref", "reference"]) + r")\b", re.I)
+_LINE = 200  # characters a chat's answer line and its question are read over at most
 
 
 def _answers(text: str, start: int, end: int, own: Sequence[str]) -> bool:
-    line = text.rfind("\n", 0, start) + 1
-    if not line or not _SPEAKER.fullmatch(text, line, start) or text[end:].split("\n", 1)[0].strip(" \t.!"):
+    line = text.rfind("\n", max(0, start - _LINE), start) + 1
+    stop = text.find("\n", end, end + _LINE)
+    if not line or not _SPEAKER.fullmatch(text, line, start) or _KIND_SPEAKER.search(text, line, start) or \
+            text[end : stop if stop >= 0 else end + _LINE].strip(" \t\r.!"):
         return False
-    asked = text[text.rfind("\n", 0, line - 1) + 1 : line - 1].rstrip()
-    return asked.endswith("?") and bool(re.search(r"\b(?:" + "|".join(map(re.escape, own)) + ")", asked, re.I))
+    above = text.rfind("\n", max(0, line - 1 - _LINE), line - 1) + 1
+    asked = text[max(above, line - 1 - _LINE) : line - 1].rstrip()
+    ids = re.compile(r"\b(?:" + "|".join(map(re.escape, own)) + rf")s?[ \t]*(?:{_ID_NOUNS}|#)", re.IGNORECASE)
+    return asked.endswith("?") and bool(ids.search(asked))
 
 
 def named_otherwise(text: str, span: str, own: re.Pattern[str]) -> bool:
