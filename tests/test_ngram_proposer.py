@@ -325,3 +325,13 @@ def test_a_labels_value_before_any_of_its_kind_opens_with_the_token_the_grammar_
     assert spec._opened(seq, V("▁\"", "▁Margaret", "▁Ok"), 7) == []  # type: ignore[arg-type]  # its stop still holds
     seq.request.stop_ids = frozenset({1})
     assert spec._opened(seq, V("▁\"", "▁Margaret", "▁Ok"), 7) == V("▁\"", "Margaret", "▁Ok")  # type: ignore[arg-type]
+
+
+def test_a_label_right_before_the_object_opens_keeps_the_record_s_value() -> None:
+    # The record's "Email: marg..." then an instruction ending in the field's name ("..., email:") right before the
+    # output's `{"customer`: the key is no value of "email", so the label still drafts the record's value.
+    w = Vocab(["Email", ":", "▁marg", "marg", "aret", "\n", "▁fields", "▁email", "{\"", "customer", "\":", "▁\"",
+               "Ann", "\",", "email"])
+    tokens = w("Email", ":", "▁marg", "aret", "\n", "▁fields", "▁email", ":", "\n", "{\"", "customer", "\":", "▁\"",
+               "Ann", "\",", "▁\"", "email", "\":", "▁\"")
+    assert NgramIndex(2, 4, TokenForms(w)).propose(tokens, 2) == w("marg", "aret")

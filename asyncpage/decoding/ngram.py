@@ -156,6 +156,7 @@ class NgramIndex:
         self._label: str | None = None  # the last word (its tokens' folded forms), while only separators followed
         self._label_len = 0  # the tokens of the word the index is in (0: not in a word)
         self._gap = False  # at least one separator since that word
+        self._braced = False  # one of those separators opens an object: what follows is its first key, no value
         self._indexed = 0  # tokens before this position are in the index
         self.by_label = False  # the last proposal came from a label (3.): a value's start, not a copy's middle
 
@@ -186,8 +187,11 @@ class NgramIndex:
                     if e and f.separator(tokens[e - 1]):
                         self._bridges.setdefault(tokens[e - 1], Counter())[t] += 1
                     self._gap = True
+                    self._braced = self._braced or "{" in f.form(t)
                 else:
-                    if self._label is not None and self._gap:
+                    # A label's value; not where an object opens after it ("... payment, notes:\n" then the
+                    # output's `{"customer`: the key is no value of "notes", and made its lookup disagree)
+                    if self._label is not None and self._gap and not self._braced:
                         self._note(self._labels, self._label, e, key)
                     if not f.word(t):
                         self._label, self._label_len = None, 0
@@ -199,7 +203,7 @@ class NgramIndex:
                             self._label is not None and self._label_len <= LABEL_GAP + 1) else None
                     else:
                         self._label, self._label_len = f.folded(t), 1
-                    self._gap = False
+                    self._gap = self._braced = False
             keys.append(key)
             self._indexed = e + 1
 
