@@ -335,3 +335,6 @@ def test_a_label_right_before_the_object_opens_keeps_the_record_s_value() -> Non
     tokens = w("Email", ":", "▁marg", "aret", "\n", "▁fields", "▁email", ":", "\n", "{\"", "customer", "\":", "▁\"",
                "Ann", "\",", "▁\"", "email", "\":", "▁\"")
     assert NgramIndex(2, 4, TokenForms(w)).propose(tokens, 2) == w("marg", "aret")
+    # and where an object opens after a key in the output, its first key is due: no value drafted from the label
+    assert NgramIndex(2, 4, TokenForms(w)).propose(w("Email", ":", "▁marg", "aret", "\n", "{\"", "email", "\":",
+                                                      "{\""), 2) == []

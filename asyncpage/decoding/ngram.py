@@ -240,6 +240,8 @@ class NgramIndex:
         assert f is not None
         i = len(tokens) - 1
         while i >= len(tokens) - LABEL_GAP and i >= 0 and f.separator(tokens[i]):
+            if "{" in f.form(tokens[i]):
+                return []  # an object opens after the word: its first key is due, no value (as extend notes none)
             i -= 1
         if i == len(tokens) - 1 or i < 0 or not f.word(tokens[i]):
             return []
