@@ -338,3 +338,19 @@ def test_a_label_right_before_the_object_opens_keeps_the_record_s_value() -> Non
     # and where an object opens after a key in the output, its first key is due: no value drafted from the label
     assert NgramIndex(2, 4, TokenForms(w)).propose(w("Email", ":", "▁marg", "aret", "\n", "{\"", "email", "\":",
                                                       "{\""), 2) == []
+
+
+def test_a_chat_template_s_marker_is_no_label_s_value() -> None:
+    # "..., email:" then the template's markers before the output: the marker is no value of "email", so the
+    # label still drafts the record's value.
+    class Chat(Vocab):
+        all_special_ids: tuple[int, ...] = ()
+
+    w = Chat(["Email", ":", "▁marg", "marg", "aret", "\n", "▁email", "{\"", "customer", "\":", "▁\"", "Ann", "\",",
+              "email", "<end_of_turn>", "model"])
+    Chat.all_special_ids = (w.ids["<end_of_turn>"],)
+    tokens = w("Email", ":", "▁marg", "aret", "\n", "▁email", ":", "\n", "<end_of_turn>", "\n", "model", "\n", "{\"",
+               "customer", "\":", "▁\"", "Ann", "\",", "▁\"", "email", "\":", "▁\"")
+    assert NgramIndex(2, 4, TokenForms(w)).propose(tokens, 2) == w("marg", "aret")
+    Chat.all_special_ids = ()  # read as a word, the marker was the label's value: the lookup disagreed
+    assert NgramIndex(2, 4, TokenForms(w)).propose(tokens, 2) != w("marg", "aret")

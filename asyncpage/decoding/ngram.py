@@ -57,6 +57,10 @@ class TokenForms:
         self._info: dict[int, _Form] = {}
         self._unspaced: dict[int, int | None] = {}
         self._openers: list[int] | None = None
+        try:  # a chat template's markers ("<end_of_turn>", "<|im_end|>"): no words of a record's, nor separators
+            self._special = frozenset(int(i) for i in getattr(tokenizer, "all_special_ids", None) or ())
+        except (TypeError, ValueError):
+            self._special = frozenset()
 
     def _read(self, t: int) -> _Form:
         info = self._info.get(t)
@@ -70,7 +74,7 @@ class TokenForms:
                     raw = chr(int(raw[3:5], 16)) if int(raw[3:5], 16) < 128 else raw
                 except ValueError:
                     pass
-            if not isinstance(raw, str) or not raw:
+            if not isinstance(raw, str) or not raw or t in self._special:
                 info = _Form(f"\0{t}", f"\0{t}", False, False, False, True)
             else:
                 text = raw
@@ -191,8 +195,8 @@ class NgramIndex:
                 else:
                     # A label's value; not where an object opens after it ("... payment, notes:\n" then the
                     # output's `{"customer`: the key is no value of "notes", and made its lookup disagree)
-                    if self._label is not None and self._gap and not self._braced:
-                        self._note(self._labels, self._label, e, key)
+                    if self._label is not None and self._gap and not self._braced and not f.form(t).startswith("\0"):
+                        self._note(self._labels, self._label, e, key)  # a template's marker is no value either
                     if not f.word(t):
                         self._label, self._label_len = None, 0
                     elif self._label_len and not self._gap and not f.starts_word(t):
