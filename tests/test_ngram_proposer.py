@@ -342,15 +342,29 @@ def test_a_label_right_before_the_object_opens_keeps_the_record_s_value() -> Non
 
 def test_a_chat_template_s_marker_is_no_label_s_value() -> None:
     # "..., email:" then the template's markers before the output: the marker is no value of "email", so the
-    # label still drafts the record's value.
+    # label still drafts the record's value. Gemma 3's turn markers are special in its added tokens only.
+    from types import SimpleNamespace
+
     class Chat(Vocab):
-        all_special_ids: tuple[int, ...] = ()
+        all_special_ids: tuple[object, ...] = (0, None)  # an entry that is no id is skipped, not the others
+        marked: tuple[int, ...] = ()
+
+        @property
+        def added_tokens_decoder(self) -> dict[int, object]:
+            return {i: SimpleNamespace(special=True) for i in self.marked}
 
     w = Chat(["Email", ":", "▁marg", "marg", "aret", "\n", "▁email", "{\"", "customer", "\":", "▁\"", "Ann", "\",",
               "email", "<end_of_turn>", "model"])
-    Chat.all_special_ids = (w.ids["<end_of_turn>"],)
     tokens = w("Email", ":", "▁marg", "aret", "\n", "▁email", ":", "\n", "<end_of_turn>", "\n", "model", "\n", "{\"",
                "customer", "\":", "▁\"", "Ann", "\",", "▁\"", "email", "\":", "▁\"")
+    Chat.marked = (w.ids["<end_of_turn>"],)
     assert NgramIndex(2, 4, TokenForms(w)).propose(tokens, 2) == w("marg", "aret")
-    Chat.all_special_ids = ()  # read as a word, the marker was the label's value: the lookup disagreed
+    Chat.marked = ()  # read as a word, the marker was the label's value: the lookup disagreed
     assert NgramIndex(2, 4, TokenForms(w)).propose(tokens, 2) != w("marg", "aret")
+
+    class Broken(Vocab):
+        @property
+        def all_special_ids(self) -> list[int]:
+            raise RuntimeError("cannot say")
+
+    assert TokenForms(Broken(["a"])).form(1) == "a"  # a tokenizer that cannot say: read by its text

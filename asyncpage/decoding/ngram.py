@@ -23,6 +23,7 @@ the lookup goes on; a loop that repeats itself predicts from its second turn. Wh
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from typing import Any, NamedTuple
 
@@ -57,10 +58,7 @@ class TokenForms:
         self._info: dict[int, _Form] = {}
         self._unspaced: dict[int, int | None] = {}
         self._openers: list[int] | None = None
-        try:  # a chat template's markers ("<end_of_turn>", "<|im_end|>"): no words of a record's, nor separators
-            self._special = frozenset(int(i) for i in getattr(tokenizer, "all_special_ids", None) or ())
-        except (TypeError, ValueError):
-            self._special = frozenset()
+        self._special = _special_ids(tokenizer)
 
     def _read(self, t: int) -> _Form:
         info = self._info.get(t)
@@ -143,6 +141,27 @@ class TokenForms:
                 out = t
             self._unspaced[t] = out
         return self._unspaced[t]
+
+
+def _special_ids(tokenizer: Any) -> frozenset[int]:
+    """A chat template's markers and the other special tokens ("<end_of_turn>", "<|im_end|>"): no words of a
+    record's, nor separators. `all_special_ids` and the added tokens marked special (Gemma 3's turn markers are
+    only the latter); an entry that is no id is skipped, a tokenizer that cannot say gives none."""
+    ids: list[Any] = []
+    for read in (lambda: list(getattr(tokenizer, "all_special_ids", None) or ()),
+                 lambda: [i for i, tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+                          if getattr(tok, "special", False) is True]):
+        try:
+            ids += read()
+        except Exception:  # a tokenizer that cannot say: its tokens read by their text
+            continue
+    found = set()
+    for i in ids:
+        try:
+            found.add(operator.index(i))
+        except TypeError:
+            continue
+    return frozenset(found)
 
 
 class NgramIndex:
