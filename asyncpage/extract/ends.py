@@ -47,18 +47,33 @@ def widened(text: str, value: str) -> list[str]:
         return []
     out: dict[str, None] = {}
     for m in re.finditer(re.escape(value) + r"(?![\w-])", text):
-        words = re.split(r"[ \t]+", text[max(0, m.start() - 200):m.start()].rsplit("\n", 1)[-1])
-        if len(words) < 2 or words[-1] != "":  # the value does not follow a space
-            continue
-        words.pop()
-        caps = 0
-        while caps < min(_MAX_WIDER, len(words) - 1) and re.fullmatch(r"[^\W\d_][\w'’-]*", words[-1 - caps]) \
-                and words[-1 - caps][0].isupper() and words[-1 - caps].lower() not in grounding.DETERMINERS:
-            caps += 1
-        anchor = words[-1 - caps]
-        if caps and anchor.isalpha() and (anchor.islower() or anchor.lower() in grounding.DETERMINERS):
-            out[" ".join(words[len(words) - caps:]) + " " + value] = None
+        if opening := _opening(text, m.start(), _cap_word):
+            out[opening + " " + value] = None
     return list(out)
+
+
+def _cap_word(word: str) -> bool:
+    return bool(re.fullmatch(r"[^\W\d_][\w'’-]*", word)) and word[0].isupper() \
+        and word.lower() not in grounding.DETERMINERS
+
+
+def _opening(text: str, start: int, word_ok: Callable[[str], bool], after: frozenset[str] = frozenset()) -> str:
+    """The words (at most _MAX_WIDER, each `word_ok`) right before `start` on its line, a space or a tab between them
+    and it, after a lowercase word of letters not in `after` or a determiner: "" where there are none so."""
+    words = re.split(r"[ \t]+", text[max(0, start - 200):start].rsplit("\n", 1)[-1])
+    if len(words) < 2 or words[-1] != "":
+        return ""  # not after a space
+    words.pop()
+    caps = 0
+    while caps < min(_MAX_WIDER, len(words) - 1) and word_ok(words[-1 - caps]):
+        caps += 1
+    anchor = words[-1 - caps]
+    if caps and anchor.isalpha() and (anchor.islower() or anchor.lower() in grounding.DETERMINERS) \
+            and anchor not in after:
+        return " ".join(words[len(words) - caps:])
+    return ""
+
+
 # A common noun closing a name's phrase: a lowercase word ("sofa", "e-bike", "desk lamp") or a measure-led one
 # ("3-seater", "3-door"); a bracket ("(Queen size)") and a comma's tail ("sofa, grey") go first.
 _COMMON = re.compile(r"[a-z][a-z'’]*(?:-[a-z]+)*|\d+-[a-z]+(?:-[a-z]+)*")
@@ -125,19 +140,9 @@ def opened(text: str, value: str, sources: Sequence[str]) -> str:
     through v66) is written only so."""
     first = ""
     for m in re.finditer(r"(?<![\w-])" + re.escape(value) + r"(?![\w-])", text):
-        line = text[max(0, m.start() - 200):m.start()].rsplit("\n", 1)[-1]
-        words = re.split(r"[ \t]+", line)
-        if len(words) < 2 or words[-1] != "":
-            return value  # not after a space: the model's start stands
-        words.pop()
-        caps = 0
-        while caps < min(_MAX_WIDER, len(words) - 1) and _name_word(words[-1 - caps]):
-            caps += 1
-        anchor = words[-1 - caps]
-        if not caps or not (anchor.lower() in grounding.DETERMINERS or (
-                anchor.isalpha() and anchor.islower() and anchor not in _PLACES)):
+        if not (opening := _opening(text, m.start(), _name_word, _PLACES)):
             return value  # written alone here, or after what is no name's opening
-        first = first or " ".join(words[len(words) - caps:]) + " " + value
+        first = first or opening + " " + value
     whole = re.compile(r"(?<![\w-])" + re.escape(first) + r"(?![\w-])") if first else None
     return first if whole is not None and len(first.split()) <= _MOST_WORDS and any(
         whole.search(s) for s in sources) else value
@@ -153,12 +158,15 @@ def opened_brands(text: str, sources: Sequence[str], brands: set[str], decided: 
     """The brand fields whose value (as decided, else as the model wrote it) opens wider (`opened`), with it, where
     the field's schema holds the wider one and it holds no other field's value ("my son Tom Kestrel bike" with the
     customer "Tom Kestrel")."""
-    out = {}
+    out: dict[str, str] = {}
+    brand_sources: list[str] | None = None  # read once, for the first brand field that needs them
     for name in brands:
         value = decided.get(name, written.get(name))
         if not isinstance(value, str) or not value:
             continue
-        if (wide := opened(text, value, without_employer(sources))) == value:
+        if brand_sources is None:
+            brand_sources = without_employer(sources)
+        if (wide := opened(text, value, brand_sources)) == value:
             continue
         others = {v.casefold() for d in (decided, written) for n, v in d.items() if n != name and isinstance(v, str)}
         if holds(name, wide) and not any(o and o in wide.casefold() for o in others):
