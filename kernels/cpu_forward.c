@@ -449,7 +449,7 @@ int fwd_set_embed(Model *m, int type, const void *w, long vocab) {
         const int block = gguf_block_elems(type);
         if (block == 0)
             return E_TYPE;
-        if (m->hidden % block)
+        if (m->hidden % block || (type == T_Q8_0_R8 && vocab % 8))
             return E_SHAPE;
         rb = m->hidden / block * gguf_block_bytes(type);
     } else if (type == MAT_F32 || type == MAT_BF16)
@@ -472,7 +472,7 @@ int fwd_set_mat(Model *m, int layer, int which, int type, int form, const void *
     Mat t = {.type = type, .form = form, .w = w, .n = n, .k = k, .bias = bias};
     if (type >= 0) {
         const int block = gguf_block_elems(type);
-        if (block == 0)
+        if (block == 0 || type == T_Q8_0_R8) /* the repacked head has no tile kernel: no layer's matrix */
             return E_TYPE;
         if (k % block)
             return E_SHAPE;
@@ -759,8 +759,7 @@ int fwd_step(Model *m, int rows, const long *ids, const float *x_in, const long 
                     if (x_in != NULL)
                         memcpy(x, x_in + r * H, (size_t)H * sizeof(float));
                     else if (m->embed_type >= 0)
-                        dequantize_row(m->embed_type, m->embed + ids[r] * m->embed_rb,
-                                       H / gguf_block_elems(m->embed_type), x);
+                        read_row(m->embed_type, m->embed, m->embed_rb, ids[r], H / gguf_block_elems(m->embed_type), x);
                     else if (m->embed_type == MAT_F32)
                         memcpy(x, m->embed + ids[r] * m->embed_rb, (size_t)H * sizeof(float));
                     else

@@ -42,10 +42,15 @@
    once and used for all of them, and a chunk's weight rows (a few KB) stay in L1 while every activation
    tile passes them.
 
-   No repacking of the stored weights: the kernels read the bytes of the GGUF's tensor as they are (rows
-   are not vector aligned: every load is unaligned; the interleaved path unpacks into a per-thread
-   scratch tile of 8 weight rows: 9 bytes per value of k, about 12.4 for the K-quants). A NaN or infinity
-   in an activation block gives NaN outputs. */
+   The layers' weights are read as the GGUF stores them (rows are not vector aligned: every load is
+   unaligned; the interleaved path unpacks into a per-thread scratch tile of 8 weight rows: 9 bytes per
+   value of k, about 12.4 for the K-quants). One exception, the LM head where the VNNI form runs: a Q8_0
+   head's rows are repacked by eight in place at load (gguf_repack8: the same bytes, each block's 8
+   scales then its values in the interleaved path's order, T_Q8_0_R8), so every row count reads it with
+   the interleaved arithmetic and no unpacking (r8_rows): a verify's 8 rows cost about one row's time
+   (LM head [262144, 640]: 6.5 ms against the tiles' 17; one row 5.0 either way), and an output's bits
+   do not depend on the row count. Lookups read the repacked rows too (read_row). A NaN or infinity in
+   an activation block gives NaN outputs. */
 
 #ifndef GQ_SECTION /* the common part; the per-form section is at the end */
 
@@ -61,18 +66,21 @@
 #define GQ_X86 0
 #endif
 
-enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+/* T_Q8_0_R8: no file's type; Q8_0 rows repacked by eight in place (gguf_repack8), read by the VNNI form. */
+enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_Q8_0_R8 = 108 };
 enum { FORM_PORTABLE = 0, FORM_AVX2 = 1, FORM_VNNI = 2 };
 enum { E_MEMORY = -1, E_SHAPE = -2, E_TYPE = -3, E_FORM = -4, E_INDEX = -5 };
 /* From this many activation rows every format takes the interleaved path (matmul_ilv, VNNI form):
    past the 8 rows of a decode or speculative-verify step (native_step.MAX_ROWS), so those keep the tile
    kernels' arithmetic whatever their row count and a verify gives the bits one-row steps give. */
 #define ILV_ROWS 9
+/* Bytes ahead of the block being read that the repacked path prefetches (r8_rows). */
+#define R8_AHEAD 8192
 
 /* Elements and bytes per block; 0 for a type this file has no kernel for. */
 int gguf_block_elems(int type) {
     switch (type) {
-    case T_Q4_0: case T_Q5_0: case T_Q8_0: return 32;
+    case T_Q4_0: case T_Q5_0: case T_Q8_0: case T_Q8_0_R8: return 32;
     case T_Q4_K: case T_Q5_K: case T_Q6_K: return 256;
     default: return 0;
     }
@@ -82,7 +90,7 @@ int gguf_block_bytes(int type) {
     switch (type) {
     case T_Q4_0: return 18;
     case T_Q5_0: return 22;
-    case T_Q8_0: return 34;
+    case T_Q8_0: case T_Q8_0_R8: return 34;
     case T_Q4_K: return 144;
     case T_Q5_K: return 176;
     case T_Q6_K: return 210;
@@ -399,9 +407,9 @@ int gguf_matmul(int type, int form, const float *x, const uint8_t *w, long n, lo
     const int block = gguf_block_elems(type);
     if (block == 0)
         return E_TYPE;
-    if (k <= 0 || k % block != 0 || n < 0 || rows < 0)
+    if (k <= 0 || k % block != 0 || n < 0 || rows < 0 || (type == T_Q8_0_R8 && n % 8))
         return E_SHAPE;
-    if (form < 0 || form > gguf_form_best())
+    if (form < 0 || form > gguf_form_best() || (type == T_Q8_0_R8 && form != FORM_VNNI))
         return E_FORM;
     row_kernel kern = kernel_for(type, form);
     if (rows == 0 || n == 0)
@@ -418,10 +426,28 @@ int gguf_matmul(int type, int form, const float *x, const uint8_t *w, long n, lo
         return E_MEMORY;
     }
     /* The weights' offset the SIMD forms read them with (the portable form subtracts its own). */
-    const int offset = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : type == T_Q8_0 && form == FORM_VNNI ? 128 : 0;
+    const int offset = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : type == T_Q8_0 && form == FORM_VNNI ? 128
+                     : type == T_Q8_0_R8 ? 128 : 0;
     quantize_rows(x, k, block, offset, rows, threads, &a);
     const long nb = k / block, row_bytes = nb * gguf_block_bytes(type);
 #if GQ_X86
+    if (type == T_Q8_0_R8) { /* groups of 8 weight rows, a few to a thread at once (the LM head: 32768) */
+        const long groups = n / 8;
+        long chunk = rows > 8 ? 2 : 64;
+        while (chunk > 1 && (groups + chunk - 1) / chunk < 8L * threads)
+            chunk /= 2;
+        const long chunks = (groups + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && chunks > 1)
+        for (long c = 0; c < chunks; c++) {
+            const long g0 = c * chunk, g1 = g0 + chunk < groups ? g0 + chunk : groups;
+            r8_range_vnni(w, nb, g0, g1, &a, rows, out, n);
+        }
+        free(a.q);
+        free(a.d);
+        free(a.s);
+        free(a.c);
+        return 0;
+    }
     if (uses_ilv(type, form, rows)) {
         const int rc = matmul_ilv_vnni(type, &a, w, n, row_bytes, rows, threads, out);
         free(a.q);
@@ -453,6 +479,47 @@ int gguf_matmul(int type, int form, const float *x, const uint8_t *w, long n, lo
     free(a.s);
     free(a.c);
     return 0;
+}
+
+/* Q8_0 rows repacked by eight, in place (the same bytes, rearranged; r8_rows gives the layout): what the
+   VNNI form reads without unpacking, at any row count. n: a multiple of 8. Returns 0, E_TYPE (not Q8_0),
+   E_SHAPE, E_FORM (no VNNI on this CPU: nothing to read it) or E_MEMORY (nothing changed then). */
+int gguf_repack8(int type, uint8_t *w, long n, long k, int threads) {
+    if (type != T_Q8_0)
+        return E_TYPE;
+    if (k <= 0 || k % 32 != 0 || n < 0 || n % 8 != 0)
+        return E_SHAPE;
+    if (gguf_form_best() != FORM_VNNI)
+        return E_FORM;
+    const long nb = k / 32, gb = nb * 272; /* a group's bytes: 8 rows of nb * 34 */
+    int failed = 0;
+    threads = threads > 0 ? threads : 1;
+#pragma omp parallel num_threads(threads) if (threads > 1 && n > 64)
+    {
+        uint8_t *t = malloc((size_t)gb);
+        if (t == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (long g = 0; g < n / 8; g++) {
+            if (t == NULL)
+                continue;
+            uint8_t *src = w + g * gb;
+            memcpy(t, src, (size_t)gb);
+            for (long b = 0; b < nb; b++) {
+                uint8_t *o = src + b * 272;
+                for (int j = 0; j < 8; j++) {
+                    const uint8_t *blk = t + j * nb * 34 + b * 34;
+                    memcpy(o + 2 * j, blk, 2);
+                    for (int q = 0; q < 8; q++)
+                        memcpy(o + 16 + 32 * q + 4 * j, blk + 2 + 4 * q, 4);
+                }
+            }
+        }
+        free(t);
+    }
+    return failed ? E_MEMORY : 0;
 }
 
 /* One row of nb blocks dequantized to float (what gguf's dequantize gives, up to its float rounding). */
@@ -513,6 +580,23 @@ static void dequantize_row(int type, const uint8_t *w, long nb, float *out) {
     }
 }
 
+/* Row `id` of a weight of nb blocks a row (rb bytes), dequantized: as dequantize_row, and for a weight
+   repacked by eight (T_Q8_0_R8) the same values read from its group. */
+static void read_row(int type, const uint8_t *w, long rb, long id, long nb, float *out) {
+    if (type != T_Q8_0_R8) {
+        dequantize_row(type, w + id * rb, nb, out);
+        return;
+    }
+    const int j = (int)(id % 8);
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *p = w + ((id / 8) * nb + b) * 272;
+        const float d = half(rd16(p + 2 * j));
+        for (int q = 0; q < 8; q++)
+            for (int e = 0; e < 4; e++)
+                out[32 * b + 4 * q + e] = d * (float)(int8_t)p[16 + 32 * q + 4 * j + e];
+    }
+}
+
 /* out [nids, k] = rows ids of w [n, k] (blocks of `type`), dequantized. Returns 0, E_TYPE, E_SHAPE,
    or E_INDEX (an id outside 0..n-1; nothing written then). */
 int gguf_get_rows(int type, const uint8_t *w, long n, long k, const long *ids, long nids, float *out) {
@@ -524,9 +608,11 @@ int gguf_get_rows(int type, const uint8_t *w, long n, long k, const long *ids, l
     for (long i = 0; i < nids; i++)
         if (ids[i] < 0 || ids[i] >= n)
             return E_INDEX;
+    if (type == T_Q8_0_R8 && n % 8)
+        return E_SHAPE;
     const long nb = k / block, row_bytes = nb * gguf_block_bytes(type);
     for (long i = 0; i < nids; i++)
-        dequantize_row(type, w + ids[i] * row_bytes, nb, out + i * k);
+        read_row(type, w, row_bytes, ids[i], nb, out + i * k);
     return 0;
 }
 
@@ -538,7 +624,7 @@ int gguf_dequantize(int type, const uint8_t *w, long n, long k, int threads, int
     const int block = gguf_block_elems(type);
     if (block == 0)
         return E_TYPE;
-    if (k <= 0 || k % block != 0 || n < 0)
+    if (k <= 0 || k % block != 0 || n < 0 || (type == T_Q8_0_R8 && n % 8))
         return E_SHAPE;
     const long nb = k / block, row_bytes = nb * gguf_block_bytes(type);
     threads = threads > 0 ? threads : 1;
@@ -555,10 +641,10 @@ int gguf_dequantize(int type, const uint8_t *w, long n, long k, int threads, int
             if (bf16 && buf == NULL)
                 continue;
             if (!bf16) {
-                dequantize_row(type, w + i * row_bytes, nb, (float *)out + i * k);
+                read_row(type, w, row_bytes, i, nb, (float *)out + i * k);
                 continue;
             }
-            dequantize_row(type, w + i * row_bytes, nb, buf);
+            read_row(type, w, row_bytes, i, nb, buf);
             uint16_t *o = (uint16_t *)out + i * k;
             for (long j = 0; j < k; j++) {
                 uint32_t u;
@@ -1194,6 +1280,68 @@ static int F(matmul_ilv)(int type, const Act *a, const uint8_t *w, long n, long 
         free(dw);
     }
     return failed ? E_MEMORY : 0;
+}
+
+/* Q8_0 rows repacked by eight (gguf_repack8): group g's block b is 272 bytes at w + (g * nb + b) * 272, the
+   8 rows' fp16 scales (row j's at 2j), then 8 chunks of 32 bytes, chunk q's lane j row j's values
+   4q .. 4q + 3 as stored. NR activation rows from r0 against one group: out[r * ldo + j], j < 8. The
+   arithmetic of matmul_ilv's (ilv_rows) with the unpacking done once at load: per block and activation
+   row 8 vpdpbusd, one conversion and one multiply-add for 8 outputs, whatever the row count. */
+GQ_INLINE void F(r8_rows)(const uint8_t *g, long nb, const Act *a, int r0, const int NR, float *out, long ldo) {
+    __m256 acc[8];
+    const int8_t *xq[8];
+    const float *xd[8];
+    const int32_t *xc[8];
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    for (int r = 0; r < NR; r++) {
+        acc[r] = _mm256_setzero_ps();
+        xq[r] = a->q + (long)(r0 + r) * a->k;
+        xd[r] = a->d + (long)(r0 + r) * a->nb;
+        xc[r] = a->c + (long)(r0 + r) * a->nb;
+    }
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *p = g + b * 272;
+        _mm_prefetch((const char *)p + R8_AHEAD, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + R8_AHEAD + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + R8_AHEAD + 128, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + R8_AHEAD + 192, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + R8_AHEAD + 256, _MM_HINT_T0);
+        const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        __m256i is[8];
+        for (int r = 0; r < NR; r++)
+            is[r] = _mm256_set1_epi32(xc[r][b]);
+        for (int q = 0; q < 8; q++) {
+            const __m256i wv = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 16 + 32 * q)), flip);
+            for (int r = 0; r < NR; r++) {
+                int32_t x4;
+                memcpy(&x4, xq[r] + 32 * b + 4 * q, 4);
+                is[r] = _mm256_dpbusd_epi32(is[r], wv, _mm256_set1_epi32(x4));
+            }
+        }
+        for (int r = 0; r < NR; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(sw, _mm256_set1_ps(xd[r][b])), acc[r]);
+    }
+    for (int r = 0; r < NR; r++)
+        _mm256_storeu_ps(out + (long)r * ldo, acc[r]);
+}
+
+/* Groups [g0, g1) of a repacked weight against activation rows 0 .. rows - 1, 8 at a time. */
+static void F(r8_range)(const uint8_t *w, long nb, long g0, long g1, const Act *a, int rows, float *out, long n) {
+    for (long g = g0; g < g1; g++)
+        for (int r0 = 0; r0 < rows; r0 += 8) {
+            const uint8_t *gw = w + g * nb * 272;
+            float *o = out + (long)r0 * n + 8 * g;
+            switch (rows - r0 < 8 ? rows - r0 : 8) {
+            case 1: F(r8_rows)(gw, nb, a, r0, 1, o, n); break;
+            case 2: F(r8_rows)(gw, nb, a, r0, 2, o, n); break;
+            case 3: F(r8_rows)(gw, nb, a, r0, 3, o, n); break;
+            case 4: F(r8_rows)(gw, nb, a, r0, 4, o, n); break;
+            case 5: F(r8_rows)(gw, nb, a, r0, 5, o, n); break;
+            case 6: F(r8_rows)(gw, nb, a, r0, 6, o, n); break;
+            case 7: F(r8_rows)(gw, nb, a, r0, 7, o, n); break;
+            default: F(r8_rows)(gw, nb, a, r0, 8, o, n); break;
+            }
+        }
 }
 #endif
 #undef GQ_CASES

@@ -12,7 +12,9 @@ dequantizes the weight to the model dtype in one transient tile
 (gguf_kernels.dequantize, multithreaded; tiles of at most `TILE_BYTES` for the LM head) and runs
 torch's GEMM on it (bfloat16 uses AMX / AVX-512 BF16 where the CPU has them); the tile is dropped
 after the call. The embedding reads only the rows it is asked for (get_rows), and a tied LM head
-reads the same bytes: one copy for both.
+reads the same bytes: one copy for both. Where the VNNI form runs, a Q8_0 head's rows are repacked by
+eight in place at load (gguf_kernels.repack8; the lookups read them so too): its 262k rows at a verify's
+8 activation rows then cost about what one row costs, each output the same bits at any row count.
 
 The crossover of the four-row tiles (the AVX2 and portable forms still; the VNNI form's own figures are
 in gguf_kernels.Bound), measured on the default model's tensors (2 shared cores, AVX-512 VNNI + AMX, 2
@@ -77,8 +79,7 @@ def available() -> bool:
 
 def has_kernel(ggml_type: int, shape: list[int]) -> bool:
     """Whether a GGUF tensor (its ggml type, its dims innermost first) can stay in its blocks."""
-    return len(shape) == 2 and gk.supports(ggml_type) and ggml_type in gk.BLOCKS and \
-        shape[0] % gk.BLOCKS[gk.GGMLType(ggml_type)][0] == 0
+    return len(shape) == 2 and gk.supports(ggml_type) and shape[0] % gk.BLOCKS[gk.GGMLType(ggml_type)][0] == 0
 
 
 class GGUFLinear(nn.Module):
@@ -215,11 +216,13 @@ def install(model: nn.Module, blocks: dict[str, Blocks], state: dict[str, torch.
     emb_name = "model.embed_tokens.weight"
     if emb_name in blocks:
         emb = blocks.pop(emb_name)
-        lm.model.embed_tokens = GGUFEmbedding(emb, dtype)
-        if tied:
+        if tied:  # the head's rows repacked by eight where the VNNI form reads them so (gk.repack8)
+            emb = (gk.repack8(emb[1], emb[0]), emb[1], emb[2])
             lm.lm_head = GGUFLinear(emb, dtype, out_dtype=torch.float32)
+        lm.model.embed_tokens = GGUFEmbedding(emb, dtype)
     if "lm_head.weight" in blocks and not tied:
-        lm.lm_head = GGUFLinear(blocks.pop("lm_head.weight"), dtype, out_dtype=torch.float32)
+        head = blocks.pop("lm_head.weight")
+        lm.lm_head = GGUFLinear((gk.repack8(head[1], head[0]), head[1], head[2]), dtype, out_dtype=torch.float32)
     blocks.clear()  # anything left has no place in this model (the caller has warned of unused tensors)
 
 
