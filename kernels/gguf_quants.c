@@ -44,7 +44,7 @@
 
    The layers' weights are read as the GGUF stores them (rows are not vector aligned: every load is
    unaligned; the interleaved path unpacks into a per-thread scratch tile of 8 weight rows: 9 bytes per
-   value of k, about 12.4 for the K-quants). One exception, the LM head where the VNNI form runs: a Q8_0
+   value of k, about 12.4 for the K-quants). One exception, the LM head where a SIMD form runs: a Q8_0
    head's rows are repacked by eight in place at load (gguf_repack8: the same bytes, each block's 8
    scales then its values in the interleaved path's order, T_Q8_0_R8), so every row count reads it with
    the interleaved arithmetic and no unpacking (r8_rows): a verify's 8 rows cost about one row's time
@@ -66,7 +66,7 @@
 #define GQ_X86 0
 #endif
 
-/* T_Q8_0_R8: no file's type; Q8_0 rows repacked by eight in place (gguf_repack8), read by the VNNI form. */
+/* T_Q8_0_R8: no file's type; Q8_0 rows repacked by eight in place (gguf_repack8), read by the VNNI and AVX2 forms. */
 enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_Q8_0_R8 = 108 };
 enum { FORM_PORTABLE = 0, FORM_AVX2 = 1, FORM_VNNI = 2 };
 enum { E_MEMORY = -1, E_SHAPE = -2, E_TYPE = -3, E_FORM = -4, E_INDEX = -5 };
@@ -409,7 +409,7 @@ int gguf_matmul(int type, int form, const float *x, const uint8_t *w, long n, lo
         return E_TYPE;
     if (k <= 0 || k % block != 0 || n < 0 || rows < 0 || (type == T_Q8_0_R8 && n % 8))
         return E_SHAPE;
-    if (form < 0 || form > gguf_form_best() || (type == T_Q8_0_R8 && form != FORM_VNNI))
+    if (form < 0 || form > gguf_form_best() || (type == T_Q8_0_R8 && form == FORM_PORTABLE))
         return E_FORM;
     row_kernel kern = kernel_for(type, form);
     if (rows == 0 || n == 0)
@@ -426,8 +426,8 @@ int gguf_matmul(int type, int form, const float *x, const uint8_t *w, long n, lo
         return E_MEMORY;
     }
     /* The weights' offset the SIMD forms read them with (the portable form subtracts its own). */
-    const int offset = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : type == T_Q8_0 && form == FORM_VNNI ? 128
-                     : type == T_Q8_0_R8 ? 128 : 0;
+    const int offset = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16
+                     : (type == T_Q8_0 || type == T_Q8_0_R8) && form == FORM_VNNI ? 128 : 0;
     quantize_rows(x, k, block, offset, rows, threads, &a);
     const long nb = k / block, row_bytes = nb * gguf_block_bytes(type);
 #if GQ_X86
@@ -440,7 +440,10 @@ int gguf_matmul(int type, int form, const float *x, const uint8_t *w, long n, lo
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && chunks > 1)
         for (long c = 0; c < chunks; c++) {
             const long g0 = c * chunk, g1 = g0 + chunk < groups ? g0 + chunk : groups;
-            r8_range_vnni(w, nb, g0, g1, &a, rows, out, n);
+            if (form == FORM_VNNI)
+                r8_range_vnni(w, nb, g0, g1, &a, rows, out, n);
+            else
+                r8_range_avx2(w, nb, g0, g1, &a, rows, out, n);
         }
         free(a.q);
         free(a.d);
@@ -482,44 +485,35 @@ int gguf_matmul(int type, int form, const float *x, const uint8_t *w, long n, lo
 }
 
 /* Q8_0 rows repacked by eight, in place (the same bytes, rearranged; r8_rows gives the layout): what the
-   VNNI form reads without unpacking, at any row count. n: a multiple of 8. Returns 0, E_TYPE (not Q8_0),
-   E_SHAPE, E_FORM (no VNNI on this CPU: nothing to read it) or E_MEMORY (nothing changed then). */
-int gguf_repack8(int type, uint8_t *w, long n, long k, int threads) {
+   VNNI and AVX2 forms read without unpacking, at any row count. n: a multiple of 8. Returns 0, E_TYPE (not
+   Q8_0), E_SHAPE, E_FORM (neither form on this CPU: nothing to read it) or E_MEMORY (nothing changed). */
+int gguf_repack8(int type, uint8_t *w, long n, long k) {
+    /* One serial pass (about 20 ms for a 178 MB head); a failed malloc has changed nothing. */
     if (type != T_Q8_0)
         return E_TYPE;
     if (k <= 0 || k % 32 != 0 || n < 0 || n % 8 != 0)
         return E_SHAPE;
-    if (gguf_form_best() != FORM_VNNI)
+    if (gguf_form_best() == FORM_PORTABLE)
         return E_FORM;
     const long nb = k / 32, gb = nb * 272; /* a group's bytes: 8 rows of nb * 34 */
-    int failed = 0;
-    threads = threads > 0 ? threads : 1;
-#pragma omp parallel num_threads(threads) if (threads > 1 && n > 64)
-    {
-        uint8_t *t = malloc((size_t)gb);
-        if (t == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (long g = 0; g < n / 8; g++) {
-            if (t == NULL)
-                continue;
-            uint8_t *src = w + g * gb;
-            memcpy(t, src, (size_t)gb);
-            for (long b = 0; b < nb; b++) {
-                uint8_t *o = src + b * 272;
-                for (int j = 0; j < 8; j++) {
-                    const uint8_t *blk = t + j * nb * 34 + b * 34;
-                    memcpy(o + 2 * j, blk, 2);
-                    for (int q = 0; q < 8; q++)
-                        memcpy(o + 16 + 32 * q + 4 * j, blk + 2 + 4 * q, 4);
-                }
+    uint8_t *t = malloc((size_t)gb);
+    if (t == NULL)
+        return E_MEMORY;
+    for (long g = 0; g < n / 8; g++) {
+        uint8_t *src = w + g * gb;
+        memcpy(t, src, (size_t)gb);
+        for (long b = 0; b < nb; b++) {
+            uint8_t *o = src + b * 272;
+            for (int j = 0; j < 8; j++) {
+                const uint8_t *blk = t + j * nb * 34 + b * 34;
+                memcpy(o + 2 * j, blk, 2);
+                for (int q = 0; q < 8; q++)
+                    memcpy(o + 16 + 32 * q + 4 * j, blk + 2 + 4 * q, 4);
             }
         }
-        free(t);
     }
-    return failed ? E_MEMORY : 0;
+    free(t);
+    return 0;
 }
 
 /* One row of nb blocks dequantized to float (what gguf's dequantize gives, up to its float rounding). */
@@ -1282,17 +1276,21 @@ static int F(matmul_ilv)(int type, const Act *a, const uint8_t *w, long n, long 
     return failed ? E_MEMORY : 0;
 }
 
+#endif
+
 /* Q8_0 rows repacked by eight (gguf_repack8): group g's block b is 272 bytes at w + (g * nb + b) * 272, the
    8 rows' fp16 scales (row j's at 2j), then 8 chunks of 32 bytes, chunk q's lane j row j's values
    4q .. 4q + 3 as stored. NR activation rows from r0 against one group: out[r * ldo + j], j < 8. The
    arithmetic of matmul_ilv's (ilv_rows) with the unpacking done once at load: per block and activation
-   row 8 vpdpbusd, one conversion and one multiply-add for 8 outputs, whatever the row count. */
+   row 8 integer dots of 8 lanes (VNNI: vpdpbusd on the values + 128, the offset back through the
+   activations' c; AVX2: |w| times x with w's sign, vpmaddubsw + vpmaddwd), one conversion and one
+   multiply-add for 8 outputs, whatever the row count. Both forms sum the same integers, so they give the
+   same bits. */
 GQ_INLINE void F(r8_rows)(const uint8_t *g, long nb, const Act *a, int r0, const int NR, float *out, long ldo) {
     __m256 acc[8];
     const int8_t *xq[8];
     const float *xd[8];
     const int32_t *xc[8];
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
     for (int r = 0; r < NR; r++) {
         acc[r] = _mm256_setzero_ps();
         xq[r] = a->q + (long)(r0 + r) * a->k;
@@ -1309,13 +1307,26 @@ GQ_INLINE void F(r8_rows)(const uint8_t *g, long nb, const Act *a, int r0, const
         const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         __m256i is[8];
         for (int r = 0; r < NR; r++)
+#if GQ_FORM == 2
             is[r] = _mm256_set1_epi32(xc[r][b]);
+#else
+            is[r] = _mm256_setzero_si256();
+#endif
         for (int q = 0; q < 8; q++) {
-            const __m256i wv = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 16 + 32 * q)), flip);
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * q));
+#if GQ_FORM == 2
+            const __m256i wv = _mm256_xor_si256(raw, _mm256_set1_epi8((char)0x80));
+#else
+            const __m256i wv = _mm256_sign_epi8(raw, raw);
+#endif
             for (int r = 0; r < NR; r++) {
                 int32_t x4;
                 memcpy(&x4, xq[r] + 32 * b + 4 * q, 4);
+#if GQ_FORM == 2
                 is[r] = _mm256_dpbusd_epi32(is[r], wv, _mm256_set1_epi32(x4));
+#else
+                is[r] = _mm256_add_epi32(is[r], F(dot)(wv, _mm256_sign_epi8(_mm256_set1_epi32(x4), raw)));
+#endif
             }
         }
         for (int r = 0; r < NR; r++)
@@ -1343,7 +1354,6 @@ static void F(r8_range)(const uint8_t *w, long nb, long g0, long g1, const Act *
             }
         }
 }
-#endif
 #undef GQ_CASES
 #undef GQ_CASES32
 #undef GQ_KERNEL32

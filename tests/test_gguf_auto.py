@@ -63,8 +63,8 @@ def test_auto_keeps_each_quantized_tensor_in_its_blocks_and_no_dense_copy_of_a_p
     lm: Any = model
     assert isinstance(lm.model.embed_tokens, GGUFEmbedding)
     assert isinstance(lm.lm_head, GGUFLinear) and lm.lm_head.qweight is lm.model.embed_tokens.qweight  # one copy
-    # Its rows repacked by eight where the VNNI form reads them so (the head and the lookups alike).
-    head_type = gguf_kernels.GGMLType.Q8_0_R8 if gguf_kernels.default_form() == "vnni" else Q.Q8_0
+    # Its rows repacked by eight where a SIMD form reads them so (the head and the lookups alike).
+    head_type = Q.Q8_0 if gguf_kernels.default_form() == "portable" else gguf_kernels.GGMLType.Q8_0_R8
     assert lm.lm_head.ggml_type == lm.model.embed_tokens.ggml_type == head_type
     for layer in lm.model.layers:
         attn, mlp = layer.self_attn, layer.mlp

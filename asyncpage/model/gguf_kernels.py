@@ -51,7 +51,7 @@ class GGMLType(IntEnum):
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
-    Q8_0_R8 = 108  # no file's type: Q8_0 rows repacked by eight in place (repack8), the VNNI form's LM head
+    Q8_0_R8 = 108  # no file's type: Q8_0 rows repacked by eight in place (repack8), the SIMD forms' LM head
 
 
 # (elements, bytes) per block.
@@ -78,7 +78,7 @@ class _Lib:
         self.dequantize.restype = _I
         self.best = int(lib.gguf_form_best())
         self.repack8 = lib.gguf_repack8
-        self.repack8.argtypes = [_I, _P, _L, _L, _I]
+        self.repack8.argtypes = [_I, _P, _L, _L]
         self.repack8.restype = _I
 
 
@@ -182,8 +182,9 @@ def matmul(x: torch.Tensor, w: torch.Tensor, ggml_type: int, *, form: str | None
 
 
 def _repacked_form(ggml_type: int, form: int) -> None:
-    if ggml_type == GGMLType.Q8_0_R8 and FORMS[form] != "vnni":
-        raise ValueError(f"Q8_0 rows repacked by eight (Q8_0_R8) are read by the VNNI form only, not {FORMS[form]}")
+    if ggml_type == GGMLType.Q8_0_R8 and FORMS[form] == "portable":
+        raise ValueError("Q8_0 rows repacked by eight (Q8_0_R8) are read by the VNNI and AVX2 forms only, not the "
+                         "portable one")
 
 
 def get_rows(ids: torch.Tensor, w: torch.Tensor, ggml_type: int) -> torch.Tensor:
@@ -203,19 +204,19 @@ def get_rows(ids: torch.Tensor, w: torch.Tensor, ggml_type: int) -> torch.Tensor
 
 
 def repack8(w: torch.Tensor, ggml_type: int) -> int:
-    """A Q8_0 weight of a multiple of 8 rows, where the VNNI form is the one in use, repacked in place by
-    eight rows (the same bytes rearranged: each block's 8 scales, then its values with 4 of each row
-    side by side, as vpdpbusd reads them) and Q8_0_R8 returned: `matmul` then reads it without unpacking
-    at every row count, one output's arithmetic the same at 1 row as at 8 or 64 (a speculative verify
-    gives the bits of one-token steps), and LM head [262144, 640] at 8 rows takes 6.5 ms where the tiles
-    take 17 (2-core AMD EPYC VM, 2 threads; one row 5.0 either way). `get_rows` and `dequantize` read it
-    too. Anything else is left as it is and its type returned. Only the VNNI form reads Q8_0_R8: a later
-    call asking another form for it gets a ValueError."""
+    """A Q8_0 weight of a multiple of 8 rows, where a SIMD form (VNNI or AVX2) is the one in use, repacked in
+    place by eight rows (the same bytes rearranged: each block's 8 scales, then its values with 4 of each
+    row side by side, as one 8-lane integer dot reads them) and Q8_0_R8 returned: `matmul` then reads it
+    without unpacking at every row count, one output's arithmetic the same at 1 row as at 8 or 64 (a
+    speculative verify gives the bits of one-token steps; the VNNI and AVX2 forms give the same bits), and
+    LM head [262144, 640] at 8 rows takes 6.5 ms where the tiles take 17 (VNNI, 2-core AMD EPYC VM, 2
+    threads; one row 5.0 either way). `get_rows` and `dequantize` read it too. Anything else is left as it
+    is and its type returned. The portable form does not read Q8_0_R8: asked for it, a ValueError."""
     lib = _require()
     n, k = _weight(w, ggml_type)
-    if ggml_type != GGMLType.Q8_0 or n % 8 or default_form() != "vnni":
+    if ggml_type != GGMLType.Q8_0 or n % 8 or default_form() == "portable":
         return ggml_type
-    rc = lib.repack8(int(ggml_type), w.data_ptr(), n, k, torch.get_num_threads())
+    rc = lib.repack8(int(ggml_type), w.data_ptr(), n, k)
     if rc == -1:
         raise MemoryError("gguf_repack8: no memory for a group's buffer")
     if rc != 0:

@@ -12,8 +12,8 @@ dequantizes the weight to the model dtype in one transient tile
 (gguf_kernels.dequantize, multithreaded; tiles of at most `TILE_BYTES` for the LM head) and runs
 torch's GEMM on it (bfloat16 uses AMX / AVX-512 BF16 where the CPU has them); the tile is dropped
 after the call. The embedding reads only the rows it is asked for (get_rows), and a tied LM head
-reads the same bytes: one copy for both. Where the VNNI form runs, a Q8_0 head's rows are repacked by
-eight in place at load (gguf_kernels.repack8; the lookups read them so too): its 262k rows at a verify's
+reads the same bytes: one copy for both. Where a SIMD form (VNNI, AVX2) runs, a Q8_0 head's rows are
+repacked by eight in place at load (gguf_kernels.repack8; the lookups read them so too): its 262k rows at a verify's
 8 activation rows then cost about what one row costs, each output the same bits at any row count.
 
 The crossover of the four-row tiles (the AVX2 and portable forms still; the VNNI form's own figures are
@@ -119,7 +119,7 @@ class GGUFLinear(nn.Module):
     def dense_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 times the weight dequantized to the model dtype, tile by tile (each dropped after use)."""
         x2 = x2.to(self.dtype)
-        tile = max(1, TILE_BYTES // (self.in_features * 4))
+        tile = max(8, TILE_BYTES // (self.in_features * 4) // 8 * 8)  # whole groups of a head repacked by 8
         if self.out_features <= tile:
             return F.linear(x2, gk.dequantize(self.qweight, self.ggml_type, self.dtype))
         out = torch.empty(x2.shape[0], self.out_features, dtype=self.dtype)
@@ -216,7 +216,7 @@ def install(model: nn.Module, blocks: dict[str, Blocks], state: dict[str, torch.
     emb_name = "model.embed_tokens.weight"
     if emb_name in blocks:
         emb = blocks.pop(emb_name)
-        if tied:  # the head's rows repacked by eight where the VNNI form reads them so (gk.repack8)
+        if tied:  # the head's rows repacked by eight where a SIMD form reads them so (gk.repack8)
             emb = (gk.repack8(emb[1], emb[0]), emb[1], emb[2])
             lm.lm_head = GGUFLinear(emb, dtype, out_dtype=torch.float32)
         lm.model.embed_tokens = GGUFEmbedding(emb, dtype)
