@@ -779,8 +779,14 @@ def test_an_id_its_field_s_own_word_labels_right_before_it_is_taken_whole_and_ne
                        ("numéro de commande: FR-88120", "FR-88120"), ("Bestellung Nr. 55019 kam", "55019"),
                        ("Subject: Damaged in transit - ORD-5562190", "ORD-5562190"),
                        ("Agent: Could you confirm your order number?\nCustomer: #LQ-3390\nAgent: thanks", "LQ-3390"),
-                       ("Jo: what's the order number?\nZR 4471 0092", "ZR 4471 0092")):
+                       ("Jo: what's the order number?\nZR 4471 0092", "ZR 4471 0092"),
+                       ("Commande n° KF-884120 (facture F-55019)", "KF-884120"),
+                       ("commande nº 2024-19-5527", "2024-19-5527"),
+                       ("Zamówienie: ZAM/2024/07/1182", "ZAM/2024/07/1182")):
         assert labeled(text, span, ("order",)), text
+    # groups like a date's that are no date are an id; a bracket after another kind's word is that kind's id
+    assert not labeled("order: 2024-06-03", "2024-06-03", ("order",))
+    assert not labeled("I bought a licence and the invoice (INV-2024-118734) is wrong", "INV-2024-118734", ("order",))
     for text, span in (("Agent: Could you confirm your phone number?\nCustomer: 5550-1234", "5550-1234"),
                        ("Agent: Your order number?\nCustomer: it is 55019 I think", "55019"),
                        ("Agent: Any order number?\nCustomer: 55019 and serial 88123", "55019"),

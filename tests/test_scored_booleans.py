@@ -348,6 +348,23 @@ def test_a_boolean_declined_in_the_record_s_words_is_false_and_a_missing_one_is_
                  "Could you repair it? I need it back working; a refund would not help me.",
                  "I would rather have it repaired than get a refund."):
         assert refund.decide(3.0, text)[0] is False, text
+    # Declined in customers' other languages, in a wish that names something else first, by saying it is not
+    # needed further on, or by preferring the thing working: whatever the score, false.
+    for text in ("Nie chcemy zwrotu pieniędzy, potrzebujemy naprawy.", "Ich möchte keine Rückerstattung, nur Ersatz.",
+                 "Je ne veux pas de remboursement, juste une réparation.", "No quiero un reembolso, solo el cambio.",
+                 "Das Geld zurück brauche ich nicht, nur ein neues Kabel.",
+                 "I don't want to send it back or get a refund, please just send the missing part.",
+                 "Support mentioned a refund and a new order - I hope that's not needed, just fix the invoice.",
+                 "I could get a refund, but I'd rather just get it working.",
+                 "Agent: I can refund the lamp or send a new one.\nMe: a new one please, no refund needed"):
+        assert refund.decide(3.0, text)[0] is False, text
+    # ... and asked for in them: true whatever the score. A refund someone had is no request: the score's.
+    for text in ("Bitte um Rückerstattung des Kaufpreises.", "Je demande le remboursement complet.",
+                 "Quiero el reembolso de mi pedido."):
+        assert refund.decide(-3.0, text)[0] is True, text
+    for text in ("My brother got a refund when his broke, I don't know what I want yet.",
+                 "I received a partial refund last year for another order."):
+        assert refund.decide(3.0, text)[0] is True and refund.decide(-3.0, text)[0] is False, text
     # Asked for in other words than "refund" and "money back": whatever the score, true.
     for text in ("I'd like the $150 cleaning fee refunded please.", "I want to return it and get back the 680 yuan.",
                  "Honestly I prefer to receive back what I paid and not another one.",

@@ -92,7 +92,7 @@ _CONTRAST = re.compile(r";|\b(?:but|however)\b", re.IGNORECASE)
 # labeled by a booking's or a reservation's word too. A date or a time is never such an id ("purchase: 14-02-2024").
 # A label may hold the id's first group ("order GLM#559203", "order AUR 5519 0087", "order HF 33-0912"): a span found
 # after it is read with it (labeled_id).
-_ID_NOUNS = r"(?:ids?|numbers?|no|nr|num|ref|reference|code|nummer|numéro|número|numero)\b\.?"
+_ID_NOUNS = r"(?:(?:ids?|numbers?|no|nr|num|ref|reference|code|nummer|numéro|número|numero)\b|n\.?[°º])\.?"
 _LABEL_TAIL = (rf")s?(?:[ \t]+(?:{_ID_NOUNS})){{0,2}}[ \t]*(?:[:#][ \t]*){{0,2}}(?:is[ \t]+|was[ \t]+)?#?"
                rf"((?<![A-Za-z0-9])(?!{_ID_NOUNS}|(?:" + "|".join(_KINDS) + r")\b)(?-i:[A-Z][A-Z0-9]{0,4})[ #])?\Z")
 # What else names an order's id: a booking's or a reservation's word, and the word for an order in the languages
@@ -114,10 +114,17 @@ _BRACKETED = re.compile(r"\b(?P<verb>ordered|purchased|bought|booked)\b[^.\n()]{
 _AMOUNT = re.compile(r"[\d,.]*\d|\d{1,4}")
 _UNIT = re.compile(r"[ \t]*(?:units?|pcs|pieces?|items?|boxes|cases|packs?|kg|lbs?|pairs?|sets?|more|stück|stk|pezzi"
                    r"|pz|piezas|unidades|unités|pièces|sztuk|szt|stuks|stycken|kpl)\b", re.IGNORECASE)
-_DATE = re.compile(r"\d{1,4}[-/.]\d{1,2}[-/.]\d{2,4}|\d{1,2}:\d{2}(?::\d{2})?")
+# A date (a year first, then a month and a day; or two groups of one or two digits, then a year of two or four) or a
+# time; not an id of date-like groups ("2024-19-5527", "ZAM/2024/07/1182").
+_DATE = re.compile(r"(?<!\d)(?:\d{4}[-/.](?:0?[1-9]|1[0-2])[-/.](?:0?[1-9]|[12]\d|3[01])"
+                   r"|\d{1,2}[-/.]\d{1,2}[-/.](?:\d{4}|\d{2}))(?!\d)|\d{1,2}:\d{2}(?::\d{2})?")
 # Where a stretch naming the field ends once it has held a value (a word with a digit): the line's end, or another
 # kind's label ("order HVN-3381045, model HK-17P", "Order LMV-209-88413, invoice INV-55102").
 _ANOTHER = re.compile(r"\n|\b(?:" + "|".join([*_KINDS, "invoice", "receipt"]) + r")\b", re.IGNORECASE)
+# Another kind's word right before the bracket: the bracket is its id ("bought a licence and the invoice (INV-2024-1187)
+# is wrong").
+_KIND_BRACKET = re.compile(r"\b(?:" + "|".join([*_KINDS, "invoice", "receipt"])
+                           + r")s?(?:[ \t]+(?:no|nr|number|id)\.?)?[ \t]*\([ \t]*$", re.IGNORECASE)
 _VALUE = re.compile(r"(?=\S*\d)\S{4,}")  # an id's shape: four characters or more, one a digit
 _CLAUSE = re.compile(r"[,!?()]")
 # The label: a kind, an id noun, a colon or "#", at most one more id of a list before the span, then the span.
@@ -230,6 +237,7 @@ def labeled_id(text: str, span: str, words: Sequence[str]) -> str:
                 return span
             if orders and any(m.end("id") == end and m.start("id") in (i, i - (text[i - 1 : i] == "#"))
                               and not is_denied(text, *m.span("verb"))
+                              and not _KIND_BRACKET.search(text, max(0, m.start("id") - 40), m.start("id"))
                               for m in _BRACKETED.finditer(text, max(0, i - 80), min(len(text), end + 4))):
                 return span
         i = text.find(span, i + 1)
