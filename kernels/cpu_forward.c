@@ -310,6 +310,17 @@ static void mat_part(const Mat *m, const Act *a, const float *xf, int rows, long
         return;
     }
 #if GQ_X86
+    if (r8_base(m->type) >= 0) { /* rows repacked by eight (i0 and i1 whole groups: chunk_rows, run_ffn) */
+        if (m->form == FORM_VNNI)
+            r8_range_vnni(r8_base(m->type), m->w, m->nb, i0, i1, a, rows, out + i0 - col0, ldo);
+        else
+            r8_range_avx2(r8_base(m->type), m->w, m->nb, i0, i1, a, rows, out + i0 - col0, ldo);
+        if (m->bias)
+            for (int r = 0; r < rows; r++)
+                for (long i = i0; i < i1; i++)
+                    out[(long)r * ldo + i - col0] += m->bias[i];
+        return;
+    }
     if (uses_ilv(m->type, m->form, rows)) { /* past 8 rows: the interleaved path, as gguf_matmul takes it */
         const int kq = gguf_block_elems(m->type) == 256;
         void *u = aligned_alloc(32, kq ? (size_t)m->nb * sizeof(KTile_vnni) : (size_t)m->nb * 8 * sizeof(__m256i));
@@ -363,7 +374,7 @@ static void quantize_part(const Rounded *s, int need, const float *xr, long k, i
 
 static long chunk_rows(long n, int threads) {
     long chunk = 64;
-    while (chunk > 4 && (n + chunk - 1) / chunk < 4L * threads)
+    while (chunk > 8 && (n + chunk - 1) / chunk < 4L * threads) /* 8: whole groups of rows repacked by eight */
         chunk /= 2;
     return chunk;
 }
@@ -449,7 +460,7 @@ int fwd_set_embed(Model *m, int type, const void *w, long vocab) {
         const int block = gguf_block_elems(type);
         if (block == 0)
             return E_TYPE;
-        if (m->hidden % block || (type == T_Q8_0_R8 && vocab % 8))
+        if (m->hidden % block || (r8_base(type) >= 0 && vocab % 8))
             return E_SHAPE;
         rb = m->hidden / block * gguf_block_bytes(type);
     } else if (type == MAT_F32 || type == MAT_BF16)
@@ -472,15 +483,16 @@ int fwd_set_mat(Model *m, int layer, int which, int type, int form, const void *
     Mat t = {.type = type, .form = form, .w = w, .n = n, .k = k, .bias = bias};
     if (type >= 0) {
         const int block = gguf_block_elems(type);
-        if (block == 0 || type == T_Q8_0_R8) /* the repacked head has no tile kernel: no layer's matrix */
+        const int base = r8_base(type), plain = base >= 0 ? base : type;
+        if (block == 0)
             return E_TYPE;
-        if (k % block)
+        if (k % block || (base >= 0 && n % 8))
             return E_SHAPE;
-        if (form < 0 || form > gguf_form_best())
+        if (form < 0 || form > gguf_form_best() || (base >= 0 && form == FORM_PORTABLE))
             return E_FORM;
-        t.nb = k / block, t.rb = t.nb * gguf_block_bytes(type), t.kern = kernel_for(type, form);
-        t.offset = form == FORM_PORTABLE ? 0 : type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16
-                 : type == T_Q8_0 && form == FORM_VNNI ? 128 : 0;
+        t.nb = k / block, t.rb = t.nb * gguf_block_bytes(type), t.kern = base >= 0 ? NULL : kernel_for(type, form);
+        t.offset = form == FORM_PORTABLE ? 0 : plain == T_Q4_0 ? 8 : plain == T_Q5_0 ? 16
+                 : plain == T_Q8_0 && form == FORM_VNNI ? 128 : 0;
     } else if (type == MAT_F32 || type == MAT_BF16)
         t.rb = k * (type == MAT_F32 ? 4 : 2);
     else

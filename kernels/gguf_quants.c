@@ -66,8 +66,10 @@
 #define GQ_X86 0
 #endif
 
-/* T_Q8_0_R8: no file's type; Q8_0 rows repacked by eight in place (gguf_repack8), read by the VNNI and AVX2 forms. */
-enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_Q8_0_R8 = 108 };
+/* The *_R8 types: no file's; the 32-element formats' rows repacked by eight in place (gguf_repack8), read by the
+   VNNI and AVX2 forms (r8_rows). */
+enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_Q4_0_R8 = 102, T_Q5_0_R8 = 106,
+       T_Q8_0_R8 = 108 };
 enum { FORM_PORTABLE = 0, FORM_AVX2 = 1, FORM_VNNI = 2 };
 enum { E_MEMORY = -1, E_SHAPE = -2, E_TYPE = -3, E_FORM = -4, E_INDEX = -5 };
 /* From this many activation rows every format takes the interleaved path (matmul_ilv, VNNI form):
@@ -80,7 +82,7 @@ enum { E_MEMORY = -1, E_SHAPE = -2, E_TYPE = -3, E_FORM = -4, E_INDEX = -5 };
 /* Elements and bytes per block; 0 for a type this file has no kernel for. */
 int gguf_block_elems(int type) {
     switch (type) {
-    case T_Q4_0: case T_Q5_0: case T_Q8_0: case T_Q8_0_R8: return 32;
+    case T_Q4_0: case T_Q5_0: case T_Q8_0: case T_Q4_0_R8: case T_Q5_0_R8: case T_Q8_0_R8: return 32;
     case T_Q4_K: case T_Q5_K: case T_Q6_K: return 256;
     default: return 0;
     }
@@ -88,14 +90,19 @@ int gguf_block_elems(int type) {
 
 int gguf_block_bytes(int type) {
     switch (type) {
-    case T_Q4_0: return 18;
-    case T_Q5_0: return 22;
+    case T_Q4_0: case T_Q4_0_R8: return 18;
+    case T_Q5_0: case T_Q5_0_R8: return 22;
     case T_Q8_0: case T_Q8_0_R8: return 34;
     case T_Q4_K: return 144;
     case T_Q5_K: return 176;
     case T_Q6_K: return 210;
     default: return 0;
     }
+}
+
+/* The file's type of a type repacked by eight (T_Q5_0 for T_Q5_0_R8), or -1 for any other. */
+static int r8_base(int type) {
+    return type == T_Q4_0_R8 ? T_Q4_0 : type == T_Q5_0_R8 ? T_Q5_0 : type == T_Q8_0_R8 ? T_Q8_0 : -1;
 }
 
 /* The best form this CPU runs. */
@@ -407,9 +414,10 @@ int gguf_matmul(int type, int form, const float *x, const uint8_t *w, long n, lo
     const int block = gguf_block_elems(type);
     if (block == 0)
         return E_TYPE;
-    if (k <= 0 || k % block != 0 || n < 0 || rows < 0 || (type == T_Q8_0_R8 && n % 8))
+    const int base = r8_base(type);
+    if (k <= 0 || k % block != 0 || n < 0 || rows < 0 || (base >= 0 && n % 8))
         return E_SHAPE;
-    if (form < 0 || form > gguf_form_best() || (type == T_Q8_0_R8 && form == FORM_PORTABLE))
+    if (form < 0 || form > gguf_form_best() || (base >= 0 && form == FORM_PORTABLE))
         return E_FORM;
     row_kernel kern = kernel_for(type, form);
     if (rows == 0 || n == 0)
@@ -426,12 +434,12 @@ int gguf_matmul(int type, int form, const float *x, const uint8_t *w, long n, lo
         return E_MEMORY;
     }
     /* The weights' offset the SIMD forms read them with (the portable form subtracts its own). */
-    const int offset = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16
-                     : (type == T_Q8_0 || type == T_Q8_0_R8) && form == FORM_VNNI ? 128 : 0;
+    const int plain = base >= 0 ? base : type;
+    const int offset = plain == T_Q4_0 ? 8 : plain == T_Q5_0 ? 16 : plain == T_Q8_0 && form == FORM_VNNI ? 128 : 0;
     quantize_rows(x, k, block, offset, rows, threads, &a);
     const long nb = k / block, row_bytes = nb * gguf_block_bytes(type);
 #if GQ_X86
-    if (type == T_Q8_0_R8) { /* groups of 8 weight rows, a few to a thread at once (the LM head: 32768) */
+    if (base >= 0) { /* groups of 8 weight rows, a few to a thread at once (the LM head: 32768) */
         const long groups = n / 8;
         long chunk = rows > 8 ? 2 : 64;
         while (chunk > 1 && (groups + chunk - 1) / chunk < 8L * threads)
@@ -441,9 +449,9 @@ int gguf_matmul(int type, int form, const float *x, const uint8_t *w, long n, lo
         for (long c = 0; c < chunks; c++) {
             const long g0 = c * chunk, g1 = g0 + chunk < groups ? g0 + chunk : groups;
             if (form == FORM_VNNI)
-                r8_range_vnni(w, nb, g0, g1, &a, rows, out, n);
+                r8_range_vnni(base, w, nb, 8 * g0, 8 * g1, &a, rows, out + 8 * g0, n);
             else
-                r8_range_avx2(w, nb, g0, g1, &a, rows, out, n);
+                r8_range_avx2(base, w, nb, 8 * g0, 8 * g1, &a, rows, out + 8 * g0, n);
         }
         free(a.q);
         free(a.d);
@@ -484,18 +492,25 @@ int gguf_matmul(int type, int form, const float *x, const uint8_t *w, long n, lo
     return 0;
 }
 
-/* Q8_0 rows repacked by eight, in place (the same bytes, rearranged; r8_rows gives the layout): what the
-   VNNI and AVX2 forms read without unpacking, at any row count. n: a multiple of 8. Returns 0, E_TYPE (not
-   Q8_0), E_SHAPE, E_FORM (neither form on this CPU: nothing to read it) or E_MEMORY (nothing changed). */
+/* Rows of a 32-element format repacked by eight, in place (the same bytes, rearranged): what the VNNI and AVX2
+   forms read without unpacking, at any row count (r8_rows). Group g's block b, 8 * bytes at w + (g * nb + b) * 8
+   * bytes: the 8 rows' fp16 scales (row j's at 2j), then
+     Q8_0: 8 chunks of 32 bytes, chunk q's lane j (bytes 4j .. 4j + 3) row j's values 4q .. 4q + 3;
+     Q4_0 / Q5_0: 4 chunks of 32 bytes, chunk c's lane j row j's bytes qs[4c .. 4c + 3] (their low nibbles values
+       4c .. 4c + 3, their high ones 16 + 4c ..); Q5_0 then 32 bytes of fifth bits, byte 4j + e's bit q row j's
+       qh bit 4q + e (the fifth bit of value 4q + e).
+   n: a multiple of 8. Returns the repacked type (T_Q8_0_R8 ...), or E_TYPE (another format), E_SHAPE, E_FORM
+   (neither form on this CPU: nothing to read it) or E_MEMORY (nothing changed then). One serial pass (about 20
+   ms for a 178 MB head). */
 int gguf_repack8(int type, uint8_t *w, long n, long k) {
-    /* One serial pass (about 20 ms for a 178 MB head); a failed malloc has changed nothing. */
-    if (type != T_Q8_0)
+    if (type != T_Q4_0 && type != T_Q5_0 && type != T_Q8_0)
         return E_TYPE;
     if (k <= 0 || k % 32 != 0 || n < 0 || n % 8 != 0)
         return E_SHAPE;
     if (gguf_form_best() == FORM_PORTABLE)
         return E_FORM;
-    const long nb = k / 32, gb = nb * 272; /* a group's bytes: 8 rows of nb * 34 */
+    const int bytes = gguf_block_bytes(type);
+    const long nb = k / 32, gb = nb * 8 * bytes; /* a group's bytes: 8 rows of nb blocks */
     uint8_t *t = malloc((size_t)gb);
     if (t == NULL)
         return E_MEMORY;
@@ -503,17 +518,32 @@ int gguf_repack8(int type, uint8_t *w, long n, long k) {
         uint8_t *src = w + g * gb;
         memcpy(t, src, (size_t)gb);
         for (long b = 0; b < nb; b++) {
-            uint8_t *o = src + b * 272;
+            uint8_t *o = src + b * 8 * bytes;
             for (int j = 0; j < 8; j++) {
-                const uint8_t *blk = t + j * nb * 34 + b * 34;
+                const uint8_t *blk = t + (j * nb + b) * bytes;
                 memcpy(o + 2 * j, blk, 2);
-                for (int q = 0; q < 8; q++)
-                    memcpy(o + 16 + 32 * q + 4 * j, blk + 2 + 4 * q, 4);
+                if (type == T_Q8_0) {
+                    for (int q = 0; q < 8; q++)
+                        memcpy(o + 16 + 32 * q + 4 * j, blk + 2 + 4 * q, 4);
+                    continue;
+                }
+                const uint8_t *qs = blk + (type == T_Q5_0 ? 6 : 2);
+                for (int c = 0; c < 4; c++)
+                    memcpy(o + 16 + 32 * c + 4 * j, qs + 4 * c, 4);
+                if (type == T_Q5_0) {
+                    const uint32_t qh = rd32(blk + 2);
+                    for (int e = 0; e < 4; e++) {
+                        uint8_t hb = 0;
+                        for (int q = 0; q < 8; q++)
+                            hb |= (uint8_t)(((qh >> (4 * q + e)) & 1u) << q);
+                        o[144 + 4 * j + e] = hb;
+                    }
+                }
             }
         }
     }
     free(t);
-    return 0;
+    return type + 100;
 }
 
 /* One row of nb blocks dequantized to float (what gguf's dequantize gives, up to its float rounding). */
@@ -577,17 +607,27 @@ static void dequantize_row(int type, const uint8_t *w, long nb, float *out) {
 /* Row `id` of a weight of nb blocks a row (rb bytes), dequantized: as dequantize_row, and for a weight
    repacked by eight (T_Q8_0_R8) the same values read from its group. */
 static void read_row(int type, const uint8_t *w, long rb, long id, long nb, float *out) {
-    if (type != T_Q8_0_R8) {
+    const int base = r8_base(type);
+    if (base < 0) {
         dequantize_row(type, w + id * rb, nb, out);
         return;
     }
-    const int j = (int)(id % 8);
+    const int j = (int)(id % 8), gbb = 8 * gguf_block_bytes(base);
     for (long b = 0; b < nb; b++) {
-        const uint8_t *p = w + ((id / 8) * nb + b) * 272;
+        const uint8_t *p = w + ((id / 8) * nb + b) * gbb;
         const float d = half(rd16(p + 2 * j));
         for (int q = 0; q < 8; q++)
-            for (int e = 0; e < 4; e++)
-                out[32 * b + 4 * q + e] = d * (float)(int8_t)p[16 + 32 * q + 4 * j + e];
+            for (int e = 0; e < 4; e++) {
+                const int at = 16 + 32 * (q & 3) + 4 * j + e;
+                int v;
+                if (base == T_Q8_0)
+                    v = (int8_t)p[16 + 32 * q + 4 * j + e];
+                else if (base == T_Q4_0)
+                    v = (q < 4 ? p[at] & 15 : p[at] >> 4) - 8;
+                else
+                    v = ((q < 4 ? p[at] & 15 : p[at] >> 4) | (((p[144 + 4 * j + e] >> q) & 1) << 4)) - 16;
+                out[32 * b + 4 * q + e] = d * (float)v;
+            }
     }
 }
 
@@ -602,7 +642,7 @@ int gguf_get_rows(int type, const uint8_t *w, long n, long k, const long *ids, l
     for (long i = 0; i < nids; i++)
         if (ids[i] < 0 || ids[i] >= n)
             return E_INDEX;
-    if (type == T_Q8_0_R8 && n % 8)
+    if (r8_base(type) >= 0 && n % 8)
         return E_SHAPE;
     const long nb = k / block, row_bytes = nb * gguf_block_bytes(type);
     for (long i = 0; i < nids; i++)
@@ -618,7 +658,7 @@ int gguf_dequantize(int type, const uint8_t *w, long n, long k, int threads, int
     const int block = gguf_block_elems(type);
     if (block == 0)
         return E_TYPE;
-    if (k <= 0 || k % block != 0 || n < 0 || (type == T_Q8_0_R8 && n % 8))
+    if (k <= 0 || k % block != 0 || n < 0 || (r8_base(type) >= 0 && n % 8))
         return E_SHAPE;
     const long nb = k / block, row_bytes = nb * gguf_block_bytes(type);
     threads = threads > 0 ? threads : 1;
@@ -1278,15 +1318,38 @@ static int F(matmul_ilv)(int type, const Act *a, const uint8_t *w, long n, long 
 
 #endif
 
-/* Q8_0 rows repacked by eight (gguf_repack8): group g's block b is 272 bytes at w + (g * nb + b) * 272, the
-   8 rows' fp16 scales (row j's at 2j), then 8 chunks of 32 bytes, chunk q's lane j row j's values
-   4q .. 4q + 3 as stored. NR activation rows from r0 against one group: out[r * ldo + j], j < 8. The
-   arithmetic of matmul_ilv's (ilv_rows) with the unpacking done once at load: per block and activation
-   row 8 integer dots of 8 lanes (VNNI: vpdpbusd on the values + 128, the offset back through the
-   activations' c; AVX2: |w| times x with w's sign, vpmaddubsw + vpmaddwd), one conversion and one
-   multiply-add for 8 outputs, whatever the row count. Both forms sum the same integers, so they give the
-   same bits. */
-GQ_INLINE void F(r8_rows)(const uint8_t *g, long nb, const Act *a, int r0, const int NR, float *out, long ldo) {
+/* A Q4_0 / Q5_0 group's block (p) as the 8 chunks of unsigned values r8_rows multiplies: chunk q's lane j row j's
+   values 4q .. 4q + 3 (a nibble; Q5_0's fifth bit, bit q of its byte in the bits' chunk, moved to bit 4). */
+GQ_INLINE void F(r8_unpack)(const int base, const uint8_t *p, __m256i *wv) {
+    const __m256i low = _mm256_set1_epi8(15), five = _mm256_set1_epi8(16);
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * c));
+        wv[c] = _mm256_and_si256(v, low);
+        wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+    if (base == T_Q5_0) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(p + 144));
+        wv[0] = _mm256_or_si256(wv[0], _mm256_and_si256(_mm256_slli_epi16(h, 4), five));
+        wv[1] = _mm256_or_si256(wv[1], _mm256_and_si256(_mm256_slli_epi16(h, 3), five));
+        wv[2] = _mm256_or_si256(wv[2], _mm256_and_si256(_mm256_slli_epi16(h, 2), five));
+        wv[3] = _mm256_or_si256(wv[3], _mm256_and_si256(_mm256_slli_epi16(h, 1), five));
+        wv[4] = _mm256_or_si256(wv[4], _mm256_and_si256(h, five));
+        wv[5] = _mm256_or_si256(wv[5], _mm256_and_si256(_mm256_srli_epi16(h, 1), five));
+        wv[6] = _mm256_or_si256(wv[6], _mm256_and_si256(_mm256_srli_epi16(h, 2), five));
+        wv[7] = _mm256_or_si256(wv[7], _mm256_and_si256(_mm256_srli_epi16(h, 3), five));
+    }
+}
+
+/* Rows repacked by eight (gguf_repack8 gives the layout), `base` their format: NR activation rows from r0 against
+   one group: out[r * ldo + j], j < 8. The arithmetic of matmul_ilv's (ilv_rows) with the unpacking done once at
+   load (Q4_0 / Q5_0: a nibble's mask or shift, Q5_0's fifth bits a shift and a mask, per 32 values of 8 rows):
+   per block and activation row 8 integer dots of 8 lanes (VNNI: vpdpbusd on unsigned values, Q8_0's + 128, the
+   offset back through the activations' c; AVX2: vpmaddubsw + vpmaddwd, Q8_0 as |w| times x with w's sign), one
+   conversion and one multiply-add for 8 outputs, whatever the row count. Both forms sum the same integers, so
+   they give the same bits. */
+GQ_INLINE void F(r8_rows)(const int base, const uint8_t *g, long nb, const Act *a, int r0, const int NR, float *out,
+                          long ldo, const __m256i *un) {
+    const int gbb = base == T_Q8_0 ? 272 : base == T_Q5_0 ? 176 : 144;
     __m256 acc[8];
     const int8_t *xq[8];
     const float *xd[8];
@@ -1297,38 +1360,43 @@ GQ_INLINE void F(r8_rows)(const uint8_t *g, long nb, const Act *a, int r0, const
         xd[r] = a->d + (long)(r0 + r) * a->nb;
         xc[r] = a->c + (long)(r0 + r) * a->nb;
     }
+    const int offset_in_c = GQ_FORM == 2 || base != T_Q8_0; /* AVX2 Q8_0: signed values, no offset */
     for (long b = 0; b < nb; b++) {
-        const uint8_t *p = g + b * 272;
-        _mm_prefetch((const char *)p + R8_AHEAD, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + R8_AHEAD + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + R8_AHEAD + 128, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + R8_AHEAD + 192, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + R8_AHEAD + 256, _MM_HINT_T0);
+        const uint8_t *p = g + b * gbb;
         const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-        __m256i is[8];
+        __m256i wv[8], raw[8];
+        if (un == NULL || base == T_Q8_0)
+            for (int l = 0; l < gbb; l += 64)
+                _mm_prefetch((const char *)p + R8_AHEAD + l, _MM_HINT_T0);
+        if (un != NULL) { /* Q4_0 / Q5_0 unpacked already (r8_range, past 8 activation rows) */
+            for (int q = 0; q < 8; q++)
+                wv[q] = _mm256_load_si256(un + 8 * b + q);
+        } else if (base == T_Q8_0) {
+            for (int q = 0; q < 8; q++) {
+                raw[q] = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * q));
+#if GQ_FORM == 2
+                wv[q] = _mm256_xor_si256(raw[q], _mm256_set1_epi8((char)0x80));
+#else
+                wv[q] = _mm256_sign_epi8(raw[q], raw[q]);
+#endif
+            }
+        } else {
+            F(r8_unpack)(base, p, wv);
+        }
+        __m256i is[8]; /* one integer chain per activation row, the rows interleaved (as ilv_rows) */
         for (int r = 0; r < NR; r++)
-#if GQ_FORM == 2
-            is[r] = _mm256_set1_epi32(xc[r][b]);
-#else
-            is[r] = _mm256_setzero_si256();
-#endif
-        for (int q = 0; q < 8; q++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * q));
-#if GQ_FORM == 2
-            const __m256i wv = _mm256_xor_si256(raw, _mm256_set1_epi8((char)0x80));
-#else
-            const __m256i wv = _mm256_sign_epi8(raw, raw);
-#endif
+            is[r] = offset_in_c ? _mm256_set1_epi32(xc[r][b]) : _mm256_setzero_si256();
+        for (int q = 0; q < 8; q++)
             for (int r = 0; r < NR; r++) {
                 int32_t x4;
                 memcpy(&x4, xq[r] + 32 * b + 4 * q, 4);
+                const __m256i xv = _mm256_set1_epi32(x4);
 #if GQ_FORM == 2
-                is[r] = _mm256_dpbusd_epi32(is[r], wv, _mm256_set1_epi32(x4));
+                is[r] = _mm256_dpbusd_epi32(is[r], wv[q], xv);
 #else
-                is[r] = _mm256_add_epi32(is[r], F(dot)(wv, _mm256_sign_epi8(_mm256_set1_epi32(x4), raw)));
+                is[r] = _mm256_add_epi32(is[r], F(dot)(wv[q], base == T_Q8_0 ? _mm256_sign_epi8(xv, raw[q]) : xv));
 #endif
             }
-        }
         for (int r = 0; r < NR; r++)
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(sw, _mm256_set1_ps(xd[r][b])), acc[r]);
     }
@@ -1336,23 +1404,36 @@ GQ_INLINE void F(r8_rows)(const uint8_t *g, long nb, const Act *a, int r0, const
         _mm256_storeu_ps(out + (long)r * ldo, acc[r]);
 }
 
-/* Groups [g0, g1) of a repacked weight against activation rows 0 .. rows - 1, 8 at a time. */
-static void F(r8_range)(const uint8_t *w, long nb, long g0, long g1, const Act *a, int rows, float *out, long n) {
-    for (long g = g0; g < g1; g++)
+/* Weight rows [i0, i1) (multiples of 8, or i1 = n) of a repacked weight against activation rows 0 .. rows - 1, 8 at a
+   time: out[r * ldo + i - i0]. gguf_matmul's chunks and the fused step's matrix parts (cpu_forward.c mat_part). */
+static void F(r8_range)(const int base, const uint8_t *w, long nb, long i0, long i1, const Act *a, int rows, float *out,
+                        long ldo) {
+    const long gbb = base == T_Q8_0 ? 272 : base == T_Q5_0 ? 176 : 144;
+    /* Past 8 activation rows a Q4_0 / Q5_0 group's values are unpacked once for all their tiles (Q8_0's need none). */
+    __m256i *un = rows > 8 && base != T_Q8_0 ? aligned_alloc(32, (size_t)nb * 8 * sizeof(__m256i)) : NULL;
+    for (long i = i0; i < i1; i += 8) {
+        const uint8_t *gw = w + (i / 8) * nb * gbb;
+        if (un != NULL)
+            for (long b = 0; b < nb; b++)
+                F(r8_unpack)(base, gw + b * gbb, un + 8 * b);
         for (int r0 = 0; r0 < rows; r0 += 8) {
-            const uint8_t *gw = w + g * nb * 272;
-            float *o = out + (long)r0 * n + 8 * g;
+            float *o = out + (long)r0 * ldo + (i - i0);
+#define R8_CASE(N)                                                                                                     \
+    case N:                                                                                                            \
+        if (base == T_Q8_0)                                                                                            \
+            F(r8_rows)(T_Q8_0, gw, nb, a, r0, N, o, ldo, NULL);                                                        \
+        else if (base == T_Q5_0)                                                                                       \
+            F(r8_rows)(T_Q5_0, gw, nb, a, r0, N, o, ldo, un);                                                          \
+        else                                                                                                           \
+            F(r8_rows)(T_Q4_0, gw, nb, a, r0, N, o, ldo, un);                                                          \
+        break;
             switch (rows - r0 < 8 ? rows - r0 : 8) {
-            case 1: F(r8_rows)(gw, nb, a, r0, 1, o, n); break;
-            case 2: F(r8_rows)(gw, nb, a, r0, 2, o, n); break;
-            case 3: F(r8_rows)(gw, nb, a, r0, 3, o, n); break;
-            case 4: F(r8_rows)(gw, nb, a, r0, 4, o, n); break;
-            case 5: F(r8_rows)(gw, nb, a, r0, 5, o, n); break;
-            case 6: F(r8_rows)(gw, nb, a, r0, 6, o, n); break;
-            case 7: F(r8_rows)(gw, nb, a, r0, 7, o, n); break;
-            default: F(r8_rows)(gw, nb, a, r0, 8, o, n); break;
+                R8_CASE(1) R8_CASE(2) R8_CASE(3) R8_CASE(4) R8_CASE(5) R8_CASE(6) R8_CASE(7) default: R8_CASE(8)
             }
+#undef R8_CASE
         }
+    }
+    free(un);
 }
 #undef GQ_CASES
 #undef GQ_CASES32

@@ -73,6 +73,9 @@ def test_auto_keeps_each_quantized_tensor_in_its_blocks_and_no_dense_copy_of_a_p
         assert isinstance(mlp.gate_up, GGUFFused) and mlp.gate_up.merged is not None  # both Q5_0: one call
         assert mlp.gate_proj is None and mlp.up_proj is None
         assert isinstance(attn.o_proj, GGUFLinear)
+        # A 32-element format's rows repacked by eight where a SIMD form reads them so (Q4_0 here).
+        assert attn.o_proj.ggml_type == (Q.Q4_0 if gguf_kernels.default_form() == "portable"
+                                         else gguf_kernels.GGMLType.Q4_0_R8)
         assert isinstance(mlp.down_proj, torch.nn.Linear)  # Q4_1: no kernel, dense for that tensor alone
     # No floating-point tensor anywhere of a quantized projection's size: only norms, biases, and the
     # Q4_1 down projections.

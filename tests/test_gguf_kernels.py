@@ -144,46 +144,49 @@ def test_k_not_a_multiple_of_the_block_is_refused() -> None:
         gk.matmul(torch.zeros(1, 256), torch.zeros(4, 256, dtype=torch.uint8), T.Q2_K)
 
 
-R8 = gk.GGMLType.Q8_0_R8
+R8 = {T.Q4_0: gk.GGMLType.Q4_0_R8, T.Q5_0: gk.GGMLType.Q5_0_R8, T.Q8_0: gk.GGMLType.Q8_0_R8}
 
 
-@pytest.mark.skipif("avx2" not in gk.forms(), reason="the SIMD forms read Q8_0 rows repacked by eight")
-def test_a_q8_0_head_repacked_by_eight_gives_each_row_the_bits_of_a_one_row_call_at_any_row_count(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # The LM head repacked at load (gk.repack8): every row count, a verify's 8 and a batch's 40 included,
-    # gives each output row what a one-row call gives it, within the reference's bound, in each SIMD form
-    # and the same bits in both; lookups and the dequantized weight are the file's values exactly. 72 rows:
+@pytest.mark.skipif("avx2" not in gk.forms(), reason="the SIMD forms read rows repacked by eight")
+@pytest.mark.parametrize("t", list(R8), ids=lambda t: t.name)
+def test_rows_repacked_by_eight_give_each_row_the_bits_of_a_one_row_call_at_any_row_count(
+        t: T, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A 32-element format's weight repacked at load (gk.repack8): every row count, a verify's 8 and a batch's 40
+    # included, gives each output row what a one-row call gives it, within the reference's bound, in each SIMD
+    # form and the same bits in both; lookups and the dequantized weight are the file's values exactly. 72 rows:
     # 9 groups of 8.
     monkeypatch.setenv("ASYNCPAGE_GGUF_FORM", "avx2")  # repacked where only AVX2 runs too
-    raw = _weights(T.Q8_0, 72, 640, seed=5)
+    raw = _weights(t, 72, 640, seed=5)
     packed = torch.from_numpy(raw.copy())
-    assert gk.repack8(packed, T.Q8_0) == R8
+    rt = gk.repack8(packed, t)
+    assert rt == R8[t]
     assert not torch.equal(packed, torch.from_numpy(raw))  # the same bytes, rearranged in place
-    assert sorted(packed.reshape(-1).tolist()) == sorted(raw.reshape(-1).tolist())
-    w = gguf.quants.dequantize(raw, T.Q8_0).astype(np.float64)
+    if t == T.Q8_0:
+        assert sorted(packed.reshape(-1).tolist()) == sorted(raw.reshape(-1).tolist())
+    w = gguf.quants.dequantize(raw, t).astype(np.float64)
     x = np.random.default_rng(4).standard_normal((40, 640)).astype(np.float32)
     xt = torch.from_numpy(x)
     xq = _round(x, 32)
     forms = [f for f in ("avx2", "vnni") if f in gk.forms()]
-    ones = {f: torch.cat([gk.matmul(xt[r : r + 1], packed, R8, form=f) for r in range(40)]) for f in forms}
+    ones = {f: torch.cat([gk.matmul(xt[r : r + 1], packed, rt, form=f) for r in range(40)]) for f in forms}
     for f, one in ones.items():
         assert np.all(np.abs(one.numpy() - xq @ w.T) <= 1e-6 * (np.abs(xq) @ np.abs(w).T)), f
         assert torch.equal(one, ones[forms[0]])  # the same integers, the same float order: the same bits
         for rows in (2, 5, 8, 9, 16, 40):
-            assert torch.equal(gk.matmul(xt[:rows], packed, R8, form=f), one[:rows]), (f, rows)
+            assert torch.equal(gk.matmul(xt[:rows], packed, rt, form=f), one[:rows]), (f, rows)
     ids = torch.tensor([0, 7, 8, 71, 33])
-    assert torch.equal(gk.get_rows(ids, packed, R8), gk.get_rows(ids, torch.from_numpy(raw), T.Q8_0))
-    assert torch.equal(gk.dequantize(packed, R8), gk.dequantize(torch.from_numpy(raw), T.Q8_0))
-    assert torch.equal(torch.ops.asyncpage.gguf_matmul(xt[:3], packed, int(R8)), ones["avx2"][:3])
+    assert torch.equal(gk.get_rows(ids, packed, rt), gk.get_rows(ids, torch.from_numpy(raw), t))
+    assert torch.equal(gk.dequantize(packed, rt), gk.dequantize(torch.from_numpy(raw), t))
+    assert torch.equal(torch.ops.asyncpage.gguf_matmul(xt[:3], packed, int(rt)), ones["avx2"][:3])
     with pytest.raises(ValueError, match="AVX2 forms only"):  # the portable form refuses it, never misreads
-        gk.matmul(xt[:1], packed, R8, form="portable")
+        gk.matmul(xt[:1], packed, rt, form="portable")
     with pytest.raises(ValueError, match="AVX2 forms only"):
-        gk.Bound(packed, R8, form="portable")
+        gk.Bound(packed, rt, form="portable")
 
 
 def test_repack8_leaves_what_it_does_not_repack_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
     # Another format, rows not a multiple of 8, or the portable form in use: the bytes and the type unchanged.
-    cases = [(T.Q5_0, 64), (T.Q8_0, 37)]
+    cases = [(T.Q4_K, 64), (T.Q6_K, 64), (T.Q8_0, 37), (T.Q5_0, 12)]
     monkeypatch.setenv("ASYNCPAGE_GGUF_FORM", "portable")
     cases.append((T.Q8_0, 64))
     for t, n in cases:

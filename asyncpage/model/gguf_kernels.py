@@ -51,15 +51,19 @@ class GGMLType(IntEnum):
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
-    Q8_0_R8 = 108  # no file's type: Q8_0 rows repacked by eight in place (repack8), the SIMD forms' LM head
+    # No file's types: the 32-element formats' rows repacked by eight in place (repack8), for the SIMD forms.
+    Q4_0_R8 = 102
+    Q5_0_R8 = 106
+    Q8_0_R8 = 108
 
 
 # (elements, bytes) per block.
 BLOCKS: dict[GGMLType, tuple[int, int]] = {
     GGMLType.Q4_0: (32, 18), GGMLType.Q5_0: (32, 22), GGMLType.Q8_0: (32, 34),
     GGMLType.Q4_K: (256, 144), GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210),
-    GGMLType.Q8_0_R8: (32, 34),
+    GGMLType.Q4_0_R8: (32, 18), GGMLType.Q5_0_R8: (32, 22), GGMLType.Q8_0_R8: (32, 34),
 }
+REPACKED = frozenset({GGMLType.Q4_0_R8, GGMLType.Q5_0_R8, GGMLType.Q8_0_R8})
 FORMS = ("portable", "avx2", "vnni")  # index = the C code's form number
 _SYMBOLS = ("gguf_matmul", "gguf_get_rows", "gguf_dequantize", "gguf_form_best", "gguf_block_elems",
             "gguf_block_bytes", "gguf_repack8")
@@ -95,7 +99,7 @@ def available() -> bool:
 
 def supports(ggml_type: int) -> bool:
     """Whether `matmul` / `get_rows` read this file's ggml type (and the kernels are available)."""
-    return ggml_type in {int(t) for t in GGMLType} and ggml_type != GGMLType.Q8_0_R8 and available()
+    return ggml_type in {int(t) for t in GGMLType} and ggml_type not in REPACKED and available()
 
 
 def forms() -> tuple[str, ...]:
@@ -182,9 +186,9 @@ def matmul(x: torch.Tensor, w: torch.Tensor, ggml_type: int, *, form: str | None
 
 
 def _repacked_form(ggml_type: int, form: int) -> None:
-    if ggml_type == GGMLType.Q8_0_R8 and FORMS[form] == "portable":
-        raise ValueError("Q8_0 rows repacked by eight (Q8_0_R8) are read by the VNNI and AVX2 forms only, not the "
-                         "portable one")
+    if ggml_type in REPACKED and FORMS[form] == "portable":
+        raise ValueError(f"rows repacked by eight ({GGMLType(ggml_type).name}) are read by the VNNI and AVX2 forms "
+                         "only, not the portable one")
 
 
 def get_rows(ids: torch.Tensor, w: torch.Tensor, ggml_type: int) -> torch.Tensor:
@@ -204,24 +208,25 @@ def get_rows(ids: torch.Tensor, w: torch.Tensor, ggml_type: int) -> torch.Tensor
 
 
 def repack8(w: torch.Tensor, ggml_type: int) -> int:
-    """A Q8_0 weight of a multiple of 8 rows, where a SIMD form (VNNI or AVX2) is the one in use, repacked in
-    place by eight rows (the same bytes rearranged: each block's 8 scales, then its values with 4 of each
-    row side by side, as one 8-lane integer dot reads them) and Q8_0_R8 returned: `matmul` then reads it
-    without unpacking at every row count, one output's arithmetic the same at 1 row as at 8 or 64 (a
-    speculative verify gives the bits of one-token steps; the VNNI and AVX2 forms give the same bits), and
-    LM head [262144, 640] at 8 rows takes 6.5 ms where the tiles take 17 (VNNI, 2-core AMD EPYC VM, 2
-    threads; one row 5.0 either way). `get_rows` and `dequantize` read it too. Anything else is left as it
-    is and its type returned. The portable form does not read Q8_0_R8: asked for it, a ValueError."""
+    """A Q4_0 / Q5_0 / Q8_0 weight of a multiple of 8 rows, where a SIMD form (VNNI or AVX2) is the one in use,
+    repacked in place by eight rows (the same bytes rearranged: each block's 8 scales, then its values with 4 of
+    each row side by side, as one 8-lane integer dot reads them; kernels/gguf_quants.c gguf_repack8) and its
+    repacked type returned (Q8_0_R8 ...): `matmul` then reads it without unpacking at every row count, one
+    output's arithmetic the same at 1 row as at 8 or 64 (a speculative verify gives the bits of one-token steps;
+    the VNNI and AVX2 forms give the same bits). LM head [262144, 640] Q8_0 at 8 rows: 6.5 ms where the tiles
+    take 17 (VNNI, 2-core AMD EPYC VM, 2 threads; one row 5.0 either way). `get_rows` and `dequantize` read it
+    too. Anything else is left as it is and its type returned. The portable form does not read the repacked
+    types: asked for them, a ValueError."""
     lib = _require()
     n, k = _weight(w, ggml_type)
-    if ggml_type != GGMLType.Q8_0 or n % 8 or default_form() == "portable":
+    if ggml_type not in (GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q8_0) or n % 8 or default_form() == "portable":
         return ggml_type
     rc = lib.repack8(int(ggml_type), w.data_ptr(), n, k)
     if rc == -1:
         raise MemoryError("gguf_repack8: no memory for a group's buffer")
-    if rc != 0:
-        raise ValueError(f"gguf_repack8 refused a Q8_0 [{n}, {k}] weight (code {rc})")
-    return int(GGMLType.Q8_0_R8)
+    if rc < 0:
+        raise ValueError(f"gguf_repack8 refused a {GGMLType(ggml_type).name} [{n}, {k}] weight (code {rc})")
+    return int(rc)
 
 
 def dequantize(w: torch.Tensor, ggml_type: int, dtype: torch.dtype = torch.float32, *,

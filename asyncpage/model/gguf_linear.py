@@ -12,9 +12,10 @@ dequantizes the weight to the model dtype in one transient tile
 (gguf_kernels.dequantize, multithreaded; tiles of at most `TILE_BYTES` for the LM head) and runs
 torch's GEMM on it (bfloat16 uses AMX / AVX-512 BF16 where the CPU has them); the tile is dropped
 after the call. The embedding reads only the rows it is asked for (get_rows), and a tied LM head
-reads the same bytes: one copy for both. Where a SIMD form (VNNI, AVX2) runs, a Q8_0 head's rows are
-repacked by eight in place at load (gguf_kernels.repack8; the lookups read them so too): its 262k rows at a verify's
-8 activation rows then cost about what one row costs, each output the same bits at any row count.
+reads the same bytes: one copy for both. Where a SIMD form (VNNI, AVX2) runs, the rows of every Q4_0, Q5_0 and
+Q8_0 weight (the head's too) are repacked by eight in place at load (gguf_kernels.repack8; the lookups read them so
+too): a verify's 8 activation rows then cost little more than one row (the Q8_0 head's 262k rows: 6.5 against 17
+ms), each output the same bits at any row count.
 
 The crossover of the four-row tiles (the AVX2 and portable forms still; the VNNI form's own figures are
 in gguf_kernels.Bound), measured on the default model's tensors (2 shared cores, AVX-512 VNNI + AMX, 2
@@ -203,7 +204,7 @@ def install(model: nn.Module, blocks: dict[str, Blocks], state: dict[str, torch.
             full = f"{prefix}{child_name}"
             if isinstance(child, nn.Linear) and f"{full}.weight" in blocks and full != "lm_head":
                 bias = state.pop(f"{full}.bias", None)
-                setattr(mod, child_name, GGUFLinear(blocks.pop(f"{full}.weight"), dtype, bias))
+                setattr(mod, child_name, GGUFLinear(_repacked(blocks.pop(f"{full}.weight")), dtype, bias))
         for attr, names in _FUSED:
             parts = [getattr(mod, p, None) for p in names]
             if not all(isinstance(p, nn.Module) for p in parts) or not any(isinstance(p, GGUFLinear) for p in parts):
@@ -216,14 +217,19 @@ def install(model: nn.Module, blocks: dict[str, Blocks], state: dict[str, torch.
     emb_name = "model.embed_tokens.weight"
     if emb_name in blocks:
         emb = blocks.pop(emb_name)
-        if tied:  # the head's rows repacked by eight where a SIMD form reads them so (gk.repack8)
-            emb = (gk.repack8(emb[1], emb[0]), emb[1], emb[2])
+        if tied:
+            emb = _repacked(emb)
             lm.lm_head = GGUFLinear(emb, dtype, out_dtype=torch.float32)
         lm.model.embed_tokens = GGUFEmbedding(emb, dtype)
     if "lm_head.weight" in blocks and not tied:
-        head = blocks.pop("lm_head.weight")
-        lm.lm_head = GGUFLinear((gk.repack8(head[1], head[0]), head[1], head[2]), dtype, out_dtype=torch.float32)
+        lm.lm_head = GGUFLinear(_repacked(blocks.pop("lm_head.weight")), dtype, out_dtype=torch.float32)
     blocks.clear()  # anything left has no place in this model (the caller has warned of unused tensors)
+
+
+def _repacked(blocks: Blocks) -> Blocks:
+    """A 32-element format's rows repacked by eight in place where a SIMD form reads them so (gk.repack8); anything
+    else as it is."""
+    return gk.repack8(blocks[1], blocks[0]), blocks[1], blocks[2]
 
 
 def _merge(parts: list[nn.Module], dtype: torch.dtype) -> GGUFLinear | None:
