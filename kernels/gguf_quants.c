@@ -42,14 +42,15 @@
    once and used for all of them, and a chunk's weight rows (a few KB) stay in L1 while every activation
    tile passes them.
 
-   The layers' weights are read as the GGUF stores them (rows are not vector aligned: every load is
-   unaligned; the interleaved path unpacks into a per-thread scratch tile of 8 weight rows: 9 bytes per
-   value of k, about 12.4 for the K-quants). One exception, the LM head where a SIMD form runs: a Q8_0
-   head's rows are repacked by eight in place at load (gguf_repack8: the same bytes, each block's 8
-   scales then its values in the interleaved path's order, T_Q8_0_R8), so every row count reads it with
-   the interleaved arithmetic and no unpacking (r8_rows): a verify's 8 rows cost about one row's time
-   (LM head [262144, 640]: 6.5 ms against the tiles' 17; one row 5.0 either way), and an output's bits
-   do not depend on the row count. Lookups read the repacked rows too (read_row). A NaN or infinity in
+   Where a SIMD form runs, the 32-element formats' rows (Q4_0, Q5_0, Q8_0: the layers' and the LM head's) are
+   repacked by eight in place at load (gguf_repack8: the same bytes, each block's 8 scales then its values in
+   the interleaved path's order; T_*_R8), and one kernel reads them at every row count with the interleaved
+   arithmetic and no unpacking (r8_rows): a verify's 8 rows cost little more than one (LM head [262144, 640]
+   Q8_0: 6.5 ms against the tiles' 17; one row 5.0 either way), and an output's bits depend neither on the row
+   count nor on the form (VNNI or AVX2). Lookups read the repacked rows too (read_row). The K-quants are read
+   as the GGUF stores them (rows are not vector aligned: every load is unaligned; the interleaved path unpacks
+   into a per-thread scratch tile of 8 weight rows: 9 bytes per value of k, about 12.4 for the K-quants), and
+   so are the 32-element formats in the portable form. A NaN or infinity in
    an activation block gives NaN outputs. */
 
 #ifndef GQ_SECTION /* the common part; the per-form section is at the end */
@@ -605,7 +606,7 @@ static void dequantize_row(int type, const uint8_t *w, long nb, float *out) {
 }
 
 /* Row `id` of a weight of nb blocks a row (rb bytes), dequantized: as dequantize_row, and for a weight
-   repacked by eight (T_Q8_0_R8) the same values read from its group. */
+   repacked by eight (T_*_R8) the same values read from its group. */
 static void read_row(int type, const uint8_t *w, long rb, long id, long nb, float *out) {
     const int base = r8_base(type);
     if (base < 0) {

@@ -184,6 +184,30 @@ def test_rows_repacked_by_eight_give_each_row_the_bits_of_a_one_row_call_at_any_
         gk.Bound(packed, rt, form="portable")
 
 
+@pytest.mark.skipif("avx2" not in gk.forms(), reason="the SIMD forms read rows repacked by eight")
+@pytest.mark.parametrize("t", list(R8), ids=lambda t: t.name)
+def test_repacked_rows_at_their_extreme_values_sum_without_saturating(t: T) -> None:
+    # The largest products each form's integer dot meets (AVX2's vpmaddubsw sums pairs into int16): every Q8_0 value
+    # -128 or 127, every Q4_0 / Q5_0 nibble and fifth bit set or clear, activations all +-127 after rounding: the
+    # same bits in both forms and at every row count, exactly the float64 products of the rounded values.
+    block, size = gk.BLOCKS[gk.GGMLType(t)]
+    raw = np.zeros((16, 640 // block, size), dtype=np.uint8)
+    raw[:, :, 0:2] = np.array([1.0], dtype=np.float16).view(np.uint8)  # d = 1
+    raw[:8, :, 2:] = 0x80 if t == T.Q8_0 else 0x00  # -128, or the format's most negative value
+    raw[8:, :, 2:] = 0x7F if t == T.Q8_0 else 0xFF  # 127, or its largest
+    raw = raw.reshape(16, -1)
+    w = gguf.quants.dequantize(raw, t).astype(np.float64)
+    packed = torch.from_numpy(raw.copy())
+    rt = gk.repack8(packed, t)
+    x = torch.full((9, 640), 1.0)
+    x[1::2] *= -1
+    ref = torch.from_numpy(np.sign(x.numpy()).astype(np.float64) * 127 @ w.T / 127)
+    for f in [f for f in ("avx2", "vnni") if f in gk.forms()]:
+        one = torch.cat([gk.matmul(x[r : r + 1], packed, rt, form=f) for r in range(9)])
+        assert torch.equal(gk.matmul(x, packed, rt, form=f), one)
+        assert torch.equal(one.double(), ref), f
+
+
 def test_repack8_leaves_what_it_does_not_repack_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
     # Another format, rows not a multiple of 8, or the portable form in use: the bytes and the type unchanged.
     cases = [(T.Q4_K, 64), (T.Q6_K, 64), (T.Q8_0, 37), (T.Q5_0, 12)]
