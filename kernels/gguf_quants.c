@@ -614,20 +614,30 @@ static void read_row(int type, const uint8_t *w, long rb, long id, long nb, floa
         return;
     }
     const int j = (int)(id % 8), gbb = 8 * gguf_block_bytes(base);
+    const int off = base == T_Q4_0 ? 8 : 16;
     for (long b = 0; b < nb; b++) {
         const uint8_t *p = w + ((id / 8) * nb + b) * gbb;
         const float d = half(rd16(p + 2 * j));
-        for (int q = 0; q < 8; q++)
-            for (int e = 0; e < 4; e++) {
-                const int at = 16 + 32 * (q & 3) + 4 * j + e;
-                int v;
-                if (base == T_Q8_0)
-                    v = (int8_t)p[16 + 32 * q + 4 * j + e];
-                else if (base == T_Q4_0)
-                    v = (q < 4 ? p[at] & 15 : p[at] >> 4) - 8;
-                else
-                    v = ((q < 4 ? p[at] & 15 : p[at] >> 4) | (((p[144 + 4 * j + e] >> q) & 1) << 4)) - 16;
-                out[32 * b + 4 * q + e] = d * (float)v;
+        float *o = out + 32 * b;
+        if (base == T_Q8_0) {
+            for (int q = 0; q < 8; q++) {
+                const int8_t *v = (const int8_t *)(p + 16 + 32 * q + 4 * j);
+                for (int e = 0; e < 4; e++)
+                    o[4 * q + e] = d * (float)v[e];
+            }
+            continue;
+        }
+        const uint8_t *c0 = p + 16 + 4 * j, *hb = p + 144 + 4 * j;
+        for (int c = 0; c < 4; c++)
+            for (int e = 0; e < 4; e++) { /* values 4c + e (low nibble) and 16 + 4c + e (high) */
+                const int byte = c0[32 * c + e];
+                int lo = byte & 15, hi = byte >> 4;
+                if (base == T_Q5_0) {
+                    lo |= ((hb[e] >> c) & 1) << 4;
+                    hi |= ((hb[e] >> (c + 4)) & 1) << 4;
+                }
+                o[4 * c + e] = d * (float)(lo - off);
+                o[16 + 4 * c + e] = d * (float)(hi - off);
             }
     }
 }
@@ -664,6 +674,38 @@ int gguf_dequantize(int type, const uint8_t *w, long n, long k, int threads, int
     const long nb = k / block, row_bytes = nb * gguf_block_bytes(type);
     threads = threads > 0 ? threads : 1;
     int failed = 0;
+#if GQ_X86
+    const int base = r8_base(type);
+    if (base >= 0) { /* 8 rows a group at once (r8_dequant8); the AVX2 code runs wherever a repacked type exists */
+        const long gbytes = 8 * row_bytes;
+#pragma omp parallel num_threads(threads) if (threads > 1 && n > 16)
+        {
+            float *buf = bf16 ? malloc((size_t)8 * k * sizeof(float)) : NULL;
+            if (bf16 && buf == NULL) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(static)
+            for (long g = 0; g < n / 8; g++) {
+                if (bf16 && buf == NULL)
+                    continue;
+                if (!bf16) {
+                    r8_dequant8_avx2(base, w + g * gbytes, nb, (float *)out + 8 * g * k, k);
+                    continue;
+                }
+                r8_dequant8_avx2(base, w + g * gbytes, nb, buf, k);
+                uint16_t *o = (uint16_t *)out + 8 * g * k;
+                for (long j = 0; j < 8 * k; j++) {
+                    uint32_t u;
+                    memcpy(&u, buf + j, 4);
+                    o[j] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+                }
+            }
+            free(buf);
+        }
+        return failed ? E_MEMORY : 0;
+    }
+#endif
 #pragma omp parallel num_threads(threads) if (threads > 1 && n > 16)
     {
         float *buf = bf16 ? malloc((size_t)k * sizeof(float)) : NULL;
@@ -1338,6 +1380,36 @@ GQ_INLINE void F(r8_unpack)(const int base, const uint8_t *p, __m256i *wv) {
         wv[5] = _mm256_or_si256(wv[5], _mm256_and_si256(_mm256_srli_epi16(h, 1), five));
         wv[6] = _mm256_or_si256(wv[6], _mm256_and_si256(_mm256_srli_epi16(h, 2), five));
         wv[7] = _mm256_or_si256(wv[7], _mm256_and_si256(_mm256_srli_epi16(h, 3), five));
+    }
+}
+
+/* A repacked group's 8 rows dequantized (what read_row gives each): out[j * ldo + i], i < nb * 32. gguf_dequantize's
+   path for the repacked types (a dense GEMM's transient weight), 8 rows at once from each block's chunks. */
+static void F(r8_dequant8)(const int base, const uint8_t *g, long nb, float *out, long ldo) {
+    const int gbb = base == T_Q8_0 ? 272 : base == T_Q5_0 ? 176 : 144;
+    const __m256i off = _mm256_set1_epi8(base == T_Q4_0 ? 8 : 16);
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *p = g + b * gbb;
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        float d[8];
+        _mm256_storeu_ps(d, d8);
+        __m256i wv[8];
+        if (base == T_Q8_0) {
+            for (int q = 0; q < 8; q++)
+                wv[q] = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * q));
+        } else {
+            F(r8_unpack)(base, p, wv);
+            for (int q = 0; q < 8; q++)
+                wv[q] = _mm256_sub_epi8(wv[q], off);
+        }
+        for (int q = 0; q < 8; q++) {
+            int32_t lanes[8];
+            _mm256_storeu_si256((__m256i *)lanes, wv[q]);
+            for (int j = 0; j < 8; j++) {
+                const __m128 v = _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(lanes[j])));
+                _mm_storeu_ps(out + j * ldo + 32 * b + 4 * q, _mm_mul_ps(_mm_set1_ps(d[j]), v));
+            }
+        }
     }
 }
 
