@@ -787,6 +787,9 @@ def test_an_id_its_field_s_own_word_labels_right_before_it_is_taken_whole_and_ne
     # groups like a date's that are no date are an id; a bracket after another kind's word is that kind's id
     assert not labeled("order: 2024-06-03", "2024-06-03", ("order",))
     assert not labeled("I bought a licence and the invoice (INV-2024-118734) is wrong", "INV-2024-118734", ("order",))
+    for text, span in (("I ordered a new phone (MF-0911-2287)", "MF-0911-2287"),
+                       ("I bought a gift card (GC-5521-88)", "GC-5521-88")):  # a thing's word, not another number's
+        assert labeled(text, span, ("order",)), text
     for text, span in (("Agent: Could you confirm your phone number?\nCustomer: 5550-1234", "5550-1234"),
                        ("Agent: Your order number?\nCustomer: it is 55019 I think", "55019"),
                        ("Agent: Any order number?\nCustomer: 55019 and serial 88123", "55019"),

@@ -34,6 +34,8 @@ back"); without one, its title or name.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import re
 from typing import Any, NamedTuple
 
@@ -69,7 +71,8 @@ _DECLINED_BEFORE = re.compile(r"(?:\b(?:do\s*n[o'’]?t|dont|not|never)\s+(?:\w+
                               r"(?:want|need|require|wish|looking\s+(?:for|to(?:\s+(?:get|have|receive))?)"
                               r"|asking\s+for|interested\s+in|expecting|seeking|requesting|claiming|demanding|after)"
                               r"|\bno\s+need\s+(?:for|of)|\brather\s+than|\binstead\s+of"
-                              r"|\bthan\s+(?:get|getting|receive|receiving))\s+(?:\w+\s+){0,4}(?:or\s+(?:\w+\s+){0,2})?$",
+                              r"|\bthan\s+(?:get|getting|receive|receiving))\s+"
+                              r"(?:(?:\w+\s+){0,2}|(?:\w+\s+){0,4}(?=or\s))(?:or\s+(?:\w+\s+){0,2})?$",
                               re.IGNORECASE)
 # "not" or "do not" right before it where no verb is denied by it ("I want a new frame, not my money back", "I want
 # not my money back", "Exchange for XL please, not refund", "Please do not refund"; not "you have still not refunded
@@ -108,7 +111,8 @@ _HAPPENED = re.compile(r"\b(?:was|were|been|is|are|have|has|had|got|received|alr
 # A field that is a refund asked for: its name's words or what its description says is asked for are these.
 _REFUNDS = re.compile(r"refunds?|money\s+back|reimbursement|refund\s+(?:request|wanted)", re.IGNORECASE)
 _REMEDY = (r"(?:replacement|repair|exchange|swap|new\s+one|store\s+credit|voucher|repaired|replaced|fixed"
-           r"|working\s+(?:one|unit|device|product|machine)|it\s+(?:working|fixed|repaired|replaced))")
+           r"|working\s+(?:one|unit|device|product|machine)|(?<=get\s)it\s+(?:working|fixed|repaired|replaced)"
+           r"|(?<=have\s)it\s+(?:working|fixed|repaired|replaced))")
 _NEEDED_WORDS = r"(?:needed|necessary|required|wanted)\b"
 _DECLINED_AFTER = re.compile(r"\s*(?:(?:is|was)\s+not|(?:isn|wasn)['\u2019]t|not)\s+" + _NEEDED_WORDS +
                              r"|[^.!?\n]{0,40}?\bbut\s+(?:I|we)(?:['\u2019]d|\s+would)\s+(?:just\s+|really\s+)?"
@@ -116,34 +120,41 @@ _DECLINED_AFTER = re.compile(r"\s*(?:(?:is|was)\s+not|(?:isn|wasn)['\u2019]t|not
                              r"|[^.!?\n]{0,60}?\bbut\s+(?:I|we)\s+(?:do\s*n['\u2019]?t|do\s+not)\s+want\s+"
                              r"(?:either|it|that|one|them|those|any)(?:\s+(?:either|of\s+(?:them|those)))?\s*"
                              r"(?:[.!,;\n]|[-–—]|$)"
-                             r"|[^.!?\n]{0,60}?\b(?:that|this|it)(?:['\u2019]s|\s+is|\s+will\s+be|['\u2019]ll\s+be)\s+not\s+"
-                             r"(?:needed|necessary|required)\b", re.IGNORECASE)
+                             r"|[^.!?\n]{0,60}?\b(?:I\s+hope|hopefully)\s+(?:that|this|it)(?:['\u2019]s|\s+is|\s+will\s+be"
+                             r"|['\u2019]ll\s+be)\s+not\s+(?:needed|necessary|required)\s*(?:[,.;!\n]|[-–—]|$)",
+                             re.IGNORECASE)
 # What an agent offers, not what is asked for: "Would you like a refund or a replacement?", "Are you looking for a
 # repair or a refund?", "I can offer you a full refund" (the naming within five words of the offer).
 _OFFER = re.compile(r"\b(?:(?:would|do)\s+you\s+(?:like|want|prefer)|are\s+you\s+looking\s+for"
                     r"|(?:I|we)\s+(?:can|could)\s+offer(?:\s+you)?)(?:\s+[\w-]+){0,5}?\s+$"
-                    r"|\b(?:I|we)(?:\s+(?:can|could|will)|['\u2019]ll)\s+(?:also\s+|gladly\s+|happily\s+)?$",
-                    re.IGNORECASE)
+                    r"|(?:^|[:.!?]\s+)(?:I|we)(?:\s+(?:can|could|will)|['\u2019]ll)\s+(?:also\s+|gladly\s+|happily\s+)?$",
+                    re.IGNORECASE | re.MULTILINE)
 # What was had, not asked for: "my sister got a refund", "I received a partial refund" (the naming neither said nor
 # declined: the score decides).
-_HAD = re.compile(r"\b(?:got|gotten|received|(?:was|were)\s+given|issued)\s+(?:a|an|the|her|his|their|my|our)\s+"
+_HAD = re.compile(r"\b(?:got|gotten|received|(?:was|were)\s+given)\s+(?:a|an|the|her|his|their|my|our)\s+"
                   r"(?:full\s+|partial\s+)?$", re.IGNORECASE)
-# The words for a refund in customers' other languages (a field that is a refund: _REFUNDS), and a negated wish right
-# before them ("Nie chcemy zwrotu pieniędzy", "keine Rückerstattung", "pas de remboursement", "no quiero un
-# reembolso").
+# The words for a refund in customers' other languages (a field that is a refund: _REFUNDS). They only decline it: after
+# a denied wish or need, with no contrast word between ("Nie chcemy zwrotu pieniędzy", "Ich möchte keine
+# Rückerstattung", "Je ne veux pas de remboursement", "No quiero un reembolso"; not "Ich will keinen Ersatz, sondern
+# Rückerstattung", "Sigo sin recibir el reembolso"); named otherwise (a request, a policy, a refund received) the
+# score decides.
 _FOREIGN_REFUND = re.compile(
     r"\b(?:r[üu]ckerstattung|erstattung|geld\s+zur[üu]ck|remboursement|rembourser|rembours[ée]e?|reembolsos?"
     r"|reembolsar|devoluci[óo]n\s+del?\s+(?:dinero|importe)|rimbors[oi]|rimborsare|terugbetaling|geld\s+terug"
     r"|zwrot\w*\s+(?:pieni[ęe]dzy|koszt[óo]w|got[óo]wki|należności)|devolu[çc][ãa]o\s+do\s+dinheiro"
     r"|[åa]terbetalning|pengarna\s+tillbaka)\b", re.IGNORECASE)
 _FOREIGN_NOT = re.compile(
-    r"(?:\bnie\s+(?:\w+\s+)?(?:chc\w*|potrzebuj\w*|oczekuj\w*|wymagam\w*)|\bkeine?[nm]?|\bnicht|\bpas\s+(?:de|d['’]|besoin)"
-    r"|\bne\s+\w+\s+pas(?:\s+(?:de|d['’]|un|une|le|la|mon|notre))?|\bno\s+(?:quiero|queremos|necesito|necesitamos|busco"
-    r"|buscamos|pido|pedimos)|\bsin|\bnon\s+(?:voglio|vogliamo|serve|chiedo)|\bgeen|\bniet|\bn[ãa]o\s+(?:quero|queremos"
-    r"|preciso)|\bingen|\binte)\s+(?:\w+\s+){0,2}$", re.IGNORECASE)
+    r"(?:\bnie\s+(?:\w+\s+)?(?:chc[eęa]\w*|potrzebuj\w*|oczekuj\w*)"
+    r"|\b(?:m[öo]chte\w*|will|wollen|brauche\w*|ben[öo]tige\w*)\s+(?:ich\s+|wir\s+)?(?:\w+\s+)?kein\w*"
+    r"|\bne\s+(?:veux|voulons|souhaite|souhaitons|demande|demandons)\s+pas(?:\s+(?:de|d['’]|un|une|le|la|mon|notre))?"
+    r"|\bpas\s+besoin\s+(?:de|d['’])|\bno\s+(?:quiero|queremos|necesito|necesitamos|busco|buscamos|pido|pedimos)"
+    r"|\bnon\s+(?:voglio|vogliamo|chiedo|chiediamo)|\b(?:wil|willen|hoef|hoeven)\s+(?:ik\s+|we\s+|wij\s+)?geen"
+    r"|\bn[ãa]o\s+(?:quero|queremos|preciso|precisamos)|\b(?:vill|beh[öo]ver)\s+(?:jag\s+|vi\s+)?(?:inte|ingen))"
+    r"\s+(?:(?!(?:sondern|mais|ma|pero|sino|tylko|maar|utan|nur|solo|only|just|but)\b)\w+\s+){0,2}$", re.IGNORECASE)
 # ... or a need or wish denied right after them ("Geld zurück brauche ich nicht", "geld terug hoef ik niet").
 _FOREIGN_NOT_AFTER = re.compile(r"\s+(?:brauch\w*|m[öo]cht\w*|will|wollen|ben[öo]tig\w*|hoef|wil|willen)\s+"
-                                r"(?:ich|wir|ik|we)\s+(?:\w+\s+)?(?:nicht|niet)\b", re.IGNORECASE)
+                                r"(?:ich|wir|ik|we)\s+(?:\w+\s+)?(?:nicht|niet)\b(?!\s+(?:als|as|in|auf|per|via|on|to|op)\b)",
+                                re.IGNORECASE)
 _NO_BEFORE = re.compile(r"\bno\s+$", re.IGNORECASE)  # "no refund needed": with _NEEDED after
 _NEEDED = re.compile(r"\s*(?:is\s+)?" + _NEEDED_WORDS, re.IGNORECASE)
 # What names a policy, not a request ("a money-back guarantee", "our refund policy").
@@ -187,12 +198,11 @@ class Reading(NamedTuple):
         asks for its money back (_MONEY_BACK) where they do not overlap those."""
         spans = sorted(sp for words in {self.name, self.asked} - {""} for sp in naming_spans(words, text))
         if any(_REFUNDS.fullmatch(w) for w in (self.name, self.asked)):
-            spans += [(m.start(), m.end(), is_denied(text, m.start(), m.end())) for m in _MONEY_BACK.finditer(text)
-                      if not any(m.start() < e and s < m.end() for s, e, _ in spans)
-                      and not (m.group().lower().startswith(("refunded", "reimbursement"))
-                               and _HAPPENED.search(text, max(0, m.start() - 20), m.start()))]
-            spans += [(m.start(), m.end(), False) for m in _FOREIGN_REFUND.finditer(text)
-                      if not any(m.start() < e and s < m.end() for s, e, _ in spans)]
+            spans += _apart(spans, [(m.start(), m.end(), is_denied(text, m.start(), m.end()))
+                                    for m in _MONEY_BACK.finditer(text)
+                                    if not (m.group().lower().startswith(("refunded", "reimbursement"))
+                                            and _HAPPENED.search(text, max(0, m.start() - 20), m.start()))])
+            spans += _apart(spans, [(m.start(), m.end(), False) for m in _FOREIGN_REFUND.finditer(text)])
         return sorted(spans)
 
     @property
@@ -246,6 +256,15 @@ def called(name: str) -> str:
     return phrase if nameable(phrase) and phrase not in _GENERIC else ""
 
 
+def _apart(spans: list[tuple[int, int, bool]], more: list[tuple[int, int, bool]]) -> list[tuple[int, int, bool]]:
+    """The spans of `more` that overlap none of `spans` (a bisection each: a record naming a field thousands of times
+    stays linear)."""
+    spans = sorted(spans)
+    starts = [a for a, _, _ in spans]
+    reach = list(itertools.accumulate((b for _, b, _ in spans), max))
+    return [(a, b, f) for a, b, f in more if not ((i := bisect.bisect_left(starts, b)) and reach[i - 1] > a)]
+
+
 def namings_declined(spans: list[tuple[int, int, bool]], text: str) -> tuple[int, int, int]:
     """(stated, denied, declined) of a field's namings in `text` (`spans`: Reading.namings; declined: a negated
     wish before it, "rather than" it, a "not" that denies no verb, "not needed" after it, "No refund please", a
@@ -256,12 +275,17 @@ def namings_declined(spans: list[tuple[int, int, bool]], text: str) -> tuple[int
         if _POLICY.match(text, end) or _OFFER.search(text, max(0, start - 60), start) \
                 or _HAD.search(text, max(0, start - 40), start):
             continue
+        foreign = (m := _FOREIGN_REFUND.match(text, start)) is not None and m.end() == end
+        if foreign:  # another language's word: only its decline counts (_FOREIGN_REFUND)
+            if _FOREIGN_NOT.search(text, max(0, start - 50), start) or _FOREIGN_NOT_AFTER.match(text, end) \
+                    or _DECLINED_BEFORE.search(text, max(0, start - 80), start):
+                denied, declined = denied + 1, declined + 1
+            continue
         no = _NO_BEFORE.search(text, max(0, start - 10), start)
         participle = text[start:end].lower().endswith("ed")
         turned_down = bool(_DECLINED_BEFORE.search(text, max(0, start - 80), start) or _DECLINED_AFTER.match(text, end)
                            or (not participle and _NOT_IT.search(text, max(0, start - 40), start))
-                           or _ANSWERED_NO.match(text, end) or _FOREIGN_NOT.search(text, max(0, start - 50), start)
-                           or _FOREIGN_NOT_AFTER.match(text, end)
+                           or _ANSWERED_NO.match(text, end)
                            or (no and (_NEEDED.match(text, end) or _NO_PLEASE.match(text, end))))
         if turned_down or negated:
             denied, declined = denied + 1, declined + turned_down

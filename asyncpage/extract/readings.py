@@ -121,10 +121,10 @@ _DATE = re.compile(r"(?<!\d)(?:\d{4}[-/.](?:0?[1-9]|1[0-2])[-/.](?:0?[1-9]|[12]\
 # Where a stretch naming the field ends once it has held a value (a word with a digit): the line's end, or another
 # kind's label ("order HVN-3381045, model HK-17P", "Order LMV-209-88413, invoice INV-55102").
 _ANOTHER = re.compile(r"\n|\b(?:" + "|".join([*_KINDS, "invoice", "receipt"]) + r")\b", re.IGNORECASE)
-# Another kind's word right before the bracket: the bracket is its id ("bought a licence and the invoice (INV-2024-1187)
-# is wrong").
-_KIND_BRACKET = re.compile(r"\b(?:" + "|".join([*_KINDS, "invoice", "receipt"])
-                           + r")s?(?:[ \t]+(?:no|nr|number|id)\.?)?[ \t]*\([ \t]*$", re.IGNORECASE)
+# A document's or another number's word right before the bracket: the bracket is its id ("bought a licence and the
+# invoice (INV-2024-1187) is wrong"); not a thing's ("I ordered a new phone (MF-0911-2287)", "a gift card (GC-55)").
+_KIND_BRACKET = re.compile(r"\b(?:invoice|receipt|serial|tracking|ticket|rma|claim|imei|sku|iban|vat|waybill|account"
+                           r"|transaction)s?(?:[ \t]+(?:no|nr|number|id)\.?)?[ \t]*\([ \t]*$", re.IGNORECASE)
 _VALUE = re.compile(r"(?=\S*\d)\S{4,}")  # an id's shape: four characters or more, one a digit
 _CLAUSE = re.compile(r"[,!?()]")
 # The label: a kind, an id noun, a colon or "#", at most one more id of a list before the span, then the span.
