@@ -7,8 +7,10 @@ machine's memory read bandwidth (a sum over 1 GiB) as the bound for the one-row 
         [--rows 1,4,32,512] [--form vnni|avx2|portable] [--no-head] [--torch-ops] [--gguf PATH] [--from-memory]
 
 GB/s = the weight's bytes as stored / the time of a call (at many rows that is no longer the bound:
-us per call says the rest). --torch-ops also times torch's weight-only int4 / int8 CPU kernels at one
-row (the figures gguf_kernels.py's docstring quotes)."""
+us per call says the rest). "r8 us": the same weight repacked by eight as the engine holds a Q4_0 / Q5_0 / Q8_0
+weight where a SIMD form runs (gguf_kernels.repack8; "-" for the K-quants and the portable form), the
+figures the kernels' commits and docs/performance.md quote. --torch-ops also times torch's weight-only int4 /
+int8 CPU kernels at one row (the figures gguf_kernels.py's docstring quotes)."""
 
 from __future__ import annotations
 
@@ -118,8 +120,8 @@ def main() -> None:
     bw = read_bandwidth()
     print(f"memory read bandwidth (sum over 1 GiB): {bw:.1f} GB/s")
     rows_list = [int(r) for r in args.rows.split(",")]
-    print(f"{'tensor':28} {'type':5} {'n x k':>13} {'rows':>4} {'ours us':>10} {'GB/s':>6} {'bf16 us':>10} "
-          f"{'f32 us':>10} {'x bf16':>6} {'x f32':>6}")
+    print(f"{'tensor':28} {'type':5} {'n x k':>13} {'rows':>4} {'ours us':>10} {'GB/s':>6} {'r8 us':>10} "
+          f"{'bf16 us':>10} {'f32 us':>10} {'x bf16':>6} {'x f32':>6}")
     for name, kind, raw in pick_tensors(reader, not args.no_head):
         bench_tensor(name, kind, raw, rows_list, form, args.torch_ops)
 
@@ -154,6 +156,8 @@ def from_memory(reader: gguf.GGUFReader, rows_list: list[int], form: str) -> Non
 def bench_tensor(name: str, kind: int, raw: np.ndarray, rows_list: list[int], form: str, with_torch_ops: bool) -> None:
     """One table row per row count: ours, torch bf16 and float32 dense matmul of the dequantized weight."""
     w = torch.from_numpy(raw)
+    packed = torch.from_numpy(raw.copy())
+    rk = gk.repack8(packed, kind) if form != "portable" else kind
     dense32 = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(kind)))
     dense16 = dense32.to(torch.bfloat16)
     n, k = dense32.shape
@@ -161,10 +165,11 @@ def bench_tensor(name: str, kind: int, raw: np.ndarray, rows_list: list[int], fo
         x = torch.randn(rows, k)
         x16 = x.to(torch.bfloat16)
         ours = timed(lambda: gk.matmul(x, w, kind, form=form))  # noqa: B023  (called at once)
+        r8 = f"{timed(lambda: gk.matmul(x, packed, rk, form=form)) * 1e6:10.1f}" if rk != kind else f"{'-':>10}"  # noqa: B023
         t16 = timed(lambda: x16 @ dense16.T)  # noqa: B023
         t32 = timed(lambda: x @ dense32.T)  # noqa: B023
         print(f"{name:28} {gk.GGMLType(kind).name:5} {f'{n}x{k}':>13} {rows:4} {ours * 1e6:10.1f} "
-              f"{raw.nbytes / ours / 1e9:6.1f} {t16 * 1e6:10.1f} {t32 * 1e6:10.1f} {t16 / ours:6.2f} "
+              f"{raw.nbytes / ours / 1e9:6.1f} {r8} {t16 * 1e6:10.1f} {t32 * 1e6:10.1f} {t16 / ours:6.2f} "
               f"{t32 / ours:6.2f}", flush=True)
         if with_torch_ops and rows == 1 and (name.endswith("ffn_up.weight") or name == "token_embd.weight"):
             torch_ops(x, dense32, name)
