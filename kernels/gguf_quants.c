@@ -38,7 +38,7 @@
    activation values broadcast against it (matmul_ilv; 2.0-4.7x the tiles at 32 rows).
 
    Threads: OpenMP over chunks of output rows (torch's libgomp, see native.py), taken dynamically.
-   Within a chunk, activation rows go four (eight: rows32x2) at a time: each weight block is unpacked
+   Within a chunk, activation rows go four (eight in the VNNI form) at a time: each weight block is unpacked
    once and used for all of them, and a chunk's weight rows (a few KB) stay in L1 while every activation
    tile passes them.
 
@@ -344,9 +344,11 @@ static int tile_rows(int type, int form, int nr) {
     return form == FORM_VNNI ? 4 : 2;
 }
 
-/* Activation rows per tile: 8 for the 32-element formats in the VNNI form (rows32x2), else 4. */
+/* Activation rows per tile: 8 in the VNNI form (rows32x2; the K-quants' rowsk unpacks each block once for 8 rows:
+   at a verify's 8 rows Q4_K ffn_down [640, 2048] 166.5 -> 154.5 us, Q6_K 143.3 -> 134.9, scripts/gguf_kernel_bench.py),
+   else 4. */
 static int tile_acts(int type, int form) {
-    return GQ_X86 && form == FORM_VNNI && gguf_block_elems(type) == 32 ? 8 : 4;
+    return GQ_X86 && form == FORM_VNNI ? 8 : 4;
 }
 
 /* Whether a product of `rows` activation rows takes the interleaved path (matmul_ilv). */
@@ -862,11 +864,11 @@ GQ_INLINE void F(rows32)(const int type, const uint8_t *w, long rb, long nb, con
 GQ_INLINE void F(rowsk)(const int type, const uint8_t *w, long rb, long nb, const Act *a, int r0, const int NR,
                         const int WR, float *res) {
     const int bytes = type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210;
-    __m256 acc[4][4];
-    __m256 offv[4][4];
-    const int8_t *xq[4];
-    const float *xd[4];
-    const int16_t *xs[4];
+    __m256 acc[4][8];
+    __m256 offv[4][8];
+    const int8_t *xq[8];
+    const float *xd[8];
+    const int16_t *xs[8];
     for (int r = 0; r < NR; r++) {
         for (int i = 0; i < WR; i++) {
             acc[i][r] = _mm256_setzero_ps();
@@ -1053,7 +1055,11 @@ GQ_INLINE void F(rows32x2)(const int type, const uint8_t *w, long rb, long nb, c
             case 1: F(BODY)(TYPE, w, rb, nb, a, r0, 1, 1, res); break;                             \
             case 2: F(BODY)(TYPE, w, rb, nb, a, r0, 2, 1, res); break;                             \
             case 3: F(BODY)(TYPE, w, rb, nb, a, r0, 3, 1, res); break;                             \
-            default: F(BODY)(TYPE, w, rb, nb, a, r0, 4, 1, res); break;                            \
+            case 4: F(BODY)(TYPE, w, rb, nb, a, r0, 4, 1, res); break;                             \
+            case 5: F(BODY)(TYPE, w, rb, nb, a, r0, 5, 1, res); break;                             \
+            case 6: F(BODY)(TYPE, w, rb, nb, a, r0, 6, 1, res); break;                             \
+            case 7: F(BODY)(TYPE, w, rb, nb, a, r0, 7, 1, res); break;                             \
+            default: F(BODY)(TYPE, w, rb, nb, a, r0, 8, 1, res); break;                            \
             }                                                                                      \
     }
 GQ_KERNEL32(k_q4_0, T_Q4_0)
