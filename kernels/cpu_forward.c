@@ -483,7 +483,7 @@ int fwd_set_mat(Model *m, int layer, int which, int type, int form, const void *
     Mat t = {.type = type, .form = form, .w = w, .n = n, .k = k, .bias = bias};
     if (type >= 0) {
         const int block = gguf_block_elems(type);
-        const int base = r8_base(type), plain = base >= 0 ? base : type;
+        const int base = r8_base(type);
         if (block == 0)
             return E_TYPE;
         if (k % block || (base >= 0 && n % 8))
@@ -491,8 +491,7 @@ int fwd_set_mat(Model *m, int layer, int which, int type, int form, const void *
         if (form < 0 || form > gguf_form_best() || (base >= 0 && form == FORM_PORTABLE))
             return E_FORM;
         t.nb = k / block, t.rb = t.nb * gguf_block_bytes(type), t.kern = base >= 0 ? NULL : kernel_for(type, form);
-        t.offset = form == FORM_PORTABLE ? 0 : plain == T_Q4_0 ? 8 : plain == T_Q5_0 ? 16
-                 : plain == T_Q8_0 && form == FORM_VNNI ? 128 : 0;
+        t.offset = form == FORM_PORTABLE ? 0 : act_offset(type, form);
     } else if (type == MAT_F32 || type == MAT_BF16)
         t.rb = k * (type == MAT_F32 ? 4 : 2);
     else

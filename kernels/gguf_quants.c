@@ -106,6 +106,14 @@ static int r8_base(int type) {
     return type == T_Q4_0_R8 ? T_Q4_0 : type == T_Q5_0_R8 ? T_Q5_0 : type == T_Q8_0_R8 ? T_Q8_0 : -1;
 }
 
+/* The weights' offset the SIMD forms read a 32-element format (or its rows repacked by eight) with, which comes
+   back through the activations' c: Q4_0's 8, Q5_0's 16, Q8_0's 128 in the VNNI form (its AVX2 form reads signed
+   values), else 0. */
+static int act_offset(int type, int form) {
+    const int base = r8_base(type), plain = base >= 0 ? base : type;
+    return plain == T_Q4_0 ? 8 : plain == T_Q5_0 ? 16 : plain == T_Q8_0 && form == FORM_VNNI ? 128 : 0;
+}
+
 /* The best form this CPU runs. */
 int gguf_form_best(void) {
 #if GQ_X86
@@ -437,8 +445,7 @@ int gguf_matmul(int type, int form, const float *x, const uint8_t *w, long n, lo
         return E_MEMORY;
     }
     /* The weights' offset the SIMD forms read them with (the portable form subtracts its own). */
-    const int plain = base >= 0 ? base : type;
-    const int offset = plain == T_Q4_0 ? 8 : plain == T_Q5_0 ? 16 : plain == T_Q8_0 && form == FORM_VNNI ? 128 : 0;
+    const int offset = act_offset(type, form);
     quantize_rows(x, k, block, offset, rows, threads, &a);
     const long nb = k / block, row_bytes = nb * gguf_block_bytes(type);
 #if GQ_X86
@@ -1392,7 +1399,7 @@ GQ_INLINE void F(r8_unpack)(const int base, const uint8_t *p, __m256i *wv) {
 /* A repacked group's 8 rows dequantized (what read_row gives each): out[j * ldo + i], i < nb * 32. gguf_dequantize's
    path for the repacked types (a dense GEMM's transient weight), 8 rows at once from each block's chunks. */
 static void F(r8_dequant8)(const int base, const uint8_t *g, long nb, float *out, long ldo) {
-    const int gbb = base == T_Q8_0 ? 272 : base == T_Q5_0 ? 176 : 144;
+    const int gbb = 8 * gguf_block_bytes(base); /* a group's block: 8 rows' */
     const __m256i off = _mm256_set1_epi8(base == T_Q4_0 ? 8 : 16);
     for (long b = 0; b < nb; b++) {
         const uint8_t *p = g + b * gbb;
@@ -1428,7 +1435,7 @@ static void F(r8_dequant8)(const int base, const uint8_t *g, long nb, float *out
    they give the same bits. */
 GQ_INLINE void F(r8_rows)(const int base, const uint8_t *g, long nb, const Act *a, int r0, const int NR, float *out,
                           long ldo, const __m256i *un) {
-    const int gbb = base == T_Q8_0 ? 272 : base == T_Q5_0 ? 176 : 144;
+    const int gbb = 8 * gguf_block_bytes(base); /* a group's block: 8 rows' */
     __m256 acc[8];
     const int8_t *xq[8];
     const float *xd[8];
@@ -1487,7 +1494,7 @@ GQ_INLINE void F(r8_rows)(const int base, const uint8_t *g, long nb, const Act *
    time: out[r * ldo + i - i0]. gguf_matmul's chunks and the fused step's matrix parts (cpu_forward.c mat_part). */
 static void F(r8_range)(const int base, const uint8_t *w, long nb, long i0, long i1, const Act *a, int rows, float *out,
                         long ldo) {
-    const long gbb = base == T_Q8_0 ? 272 : base == T_Q5_0 ? 176 : 144;
+    const long gbb = 8 * gguf_block_bytes(base);
     /* Past 8 activation rows a Q4_0 / Q5_0 group's values are unpacked once for all their tiles (Q8_0's need none). */
     __m256i *un = rows > 8 && base != T_Q8_0 ? aligned_alloc(32, (size_t)nb * 8 * sizeof(__m256i)) : NULL;
     for (long i = i0; i < i1; i += 8) {
