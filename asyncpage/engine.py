@@ -139,8 +139,9 @@ class AsyncEngine:
         refused; `debug_checks` (or ASYNCPAGE_DEBUG_CHECKS=1) checks the pool's invariants every step;
         `eviction_policy` None (prefix-aware: shared prefixes kept, chain ends first) | "lru";
         `quantization` "auto" (a GGUF's quantized tensors kept in their block formats, the only copy; float
-        weights stay float), "int8" / "int4" (weight-only, LM head and embeddings included), None (dequantize
-        to `dtype`); `kv_cache_dtype`
+        weights stay float), "int8" / "int4" (the same, and float weights written as GGUF blocks at load: Q8_0,
+        or Q4_K for int4's projections; LM head and embeddings included), None (dequantize to `dtype`);
+        `kv_cache_dtype`
         "int8" / "fp8": one byte a value (a scale per token and head); `speculative_config`
         {"method": "ngram", "num_speculative_tokens": 4} or {"method": "draft", "model": PATH}
         (asyncpage.decoding.speculative, asyncpage.core.draft); `compile=True` (or ASYNCPAGE_COMPILE=1):

@@ -95,7 +95,7 @@ ENGINE_FLAGS: dict[str, tuple[dict[str, Any], Any]] = {
     "debug_checks": ({"action": _BOOL, "help": "check the KV pool's invariants every step (slow)"}, None),
     "eviction_policy": ({"help": "which cached prefix a full pool gives up first: lru, or the default"}, None),
     "quantization": ({"type": _quantization, "help": "auto: a GGUF's own quantized blocks, float weights float; "
-                      "int8 | int4: weight-only quantization at load; none: dequantize"}, "auto"),
+                      "int8 | int4: float weights as GGUF blocks at load; none: dequantize"}, "auto"),
     "kv_cache_dtype": ({"help": "auto | int8 | fp8"}, "auto"),
     "speculative_config": ({"type": _json_object, "metavar": "JSON", "flags": ["--speculative-config", "--speculative"],
                             "help": "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'"}, None),

@@ -152,8 +152,17 @@ def test_two_models_of_the_same_shapes_compiled_in_one_process_each_run_their_ow
         assert not torch.allclose(expected, _decode_logits(eager_first, rows, 9), atol=1e-2)
 
 
-def test_compiled_decode_with_quantized_weights(tiny_models: dict[str, tuple[Path, Any]]) -> None:
-    """The packed int8 / int4 kernels inside the compiled layers compute what they do eagerly."""
+@pytest.mark.parametrize("layers", ["gguf blocks", "torch quantized"])
+def test_compiled_decode_with_quantized_weights(tiny_models: dict[str, tuple[Path, Any]], layers: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The int8 / int4 kernels inside the compiled layers compute what they do eagerly: the GGUF block
+    kernels (the CPU's int8 / int4, the fused native step turned off so that the compiled steps run) and
+    torch's quantized layers (where the block kernels do not run)."""
+    from asyncpage.model import gguf_linear
+
+    monkeypatch.setenv("ASYNCPAGE_FUSED_STEP", "0")
+    if layers == "torch quantized":
+        monkeypatch.setattr(gguf_linear, "available", lambda: False)
     path = tiny_models["gemma3"][0]
     for kind in ("int8", "int4"):
         torch._dynamo.reset()  # as above: so that `graphs` counts this engine's

@@ -31,7 +31,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     debug_checks: bool = False  # check the KV pool's invariants after every step (tests, fuzzing)
     eviction_policy: str | None = None  # None: prefix-aware (eviction.py); "lru": plain LRU
     kv_cache_dtype: str | None = None  # the KV pool's torch dtype name; None: `dtype`
-    quantization: str | None = None  # weight-only: None, "int8", "int4" (quant.py), "auto" (gguf_linear.py)
+    quantization: str | None = None  # weight-only: None, "int8", "int4" (gguf_quantize.py), "auto" (gguf_linear.py)
     speculative: SpeculativeConfig | None = None  # n-gram speculative decoding (speculative.py)
     compiled: bool = False  # small decode steps run torch.compile'd layers (models/compiled.py)
     # Requests handed over but not started past which submission raises QueueFullError (HTTP 429).
@@ -110,7 +110,8 @@ def check_load_options(num_threads: Any, compile: Any) -> None:
 
 
 def check_quantization(q: Any) -> None:
-    """None (dequantize to the dtype), "int8", "int4" (quant.py), or "auto" (a GGUF's quantized tensors
+    """None (dequantize to the dtype), "int8", "int4" (float weights as GGUF blocks, gguf_quantize.py; quant.py
+    where the block kernels do not run), or "auto" (a GGUF's quantized tensors
     stay in their own block formats on the CPU, gguf_linear.py; float weights stay float)."""
     if q not in (None, "int8", "int4", "auto"):
         raise InvalidRequestError("quantization", f"must be None, 'auto', 'int8' or 'int4', got {q!r}")

@@ -1,4 +1,8 @@
-"""Weight-only quantization: int8 per output channel, int4 in groups of 32 along the input.
+"""Weight-only quantization in torch's layers: int8 per output channel, int4 in groups of 32 along the input.
+
+`quantization="int8" | "int4"` loads these only where the GGUF block kernels do not run (CUDA, no C
+compiler): on the CPU float weights become GGUF blocks (gguf_quantize.py) held by gguf_linear.py's layers
+with no dense copy, where these layers keep one beside the packed weights (below).
 
 Owns the quantized layers (`QuantLinear`, `QuantFused`, `QuantEmbedding`), the kernel chosen per
 call by row count, and `quantize_model`, which swaps them into a loaded float model (LM head and

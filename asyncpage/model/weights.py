@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from asyncpage.errors import ModelLoadError
-from asyncpage.model import gguf_linear, native_step
+from asyncpage.model import gguf_linear, gguf_quantize, native_step
 from asyncpage.model.gguf import _end_of_turn_ids, _gguf_index, _gguf_q4_k, _read_gguf, slim_tokenizer, trim_heap
 from asyncpage.model.gguf_linear import Blocks
 from asyncpage.model.quant import Int4, quantize_model
@@ -84,30 +84,34 @@ def _default_model() -> Path:
 
 def load(model: str | os.PathLike[str] | None, dtype: torch.dtype, device: torch.device,
          quantization: str | None = None) -> LoadedModel:
-    """`quantization` "int8" / "int4": weight-only, LM head and embeddings included (quant.py);
-    "auto": a GGUF's quantized tensors stay in their block formats, the only copy (gguf_linear.py),
-    float weights stay float; None: everything dequantized to `dtype`."""
+    """`quantization` "auto": a GGUF's quantized tensors stay in their block formats, the only copy
+    (gguf_linear.py), float weights stay float; "int8" / "int4": the same, and float weights (a float
+    checkpoint's, a GGUF's float tensors) are written as GGUF blocks too, LM head and embedding included
+    (gguf_quantize.py); None: everything dequantized to `dtype`. The blocks run where the GGUF kernels
+    do (the CPU, a C compiler); elsewhere "int8" / "int4" are quant.py's torch layers and "auto" dequantizes."""
     t0 = time.perf_counter()
     path: Path | None = None
     try:
         path = resolve(model)
         exact: dict[str, Int4] = {}
         blocks: dict[str, Blocks] | None = None
+        if quantization in ("int8", "int4") or (quantization == "auto" and path.suffix == ".gguf"):
+            if device.type == "cpu" and gguf_linear.available():
+                blocks = {}
+            else:
+                log.info("quantization=%r: the GGUF block kernels are CPU-only and %s here; %s", quantization,
+                         "this is " + device.type if device.type != "cpu" else "did not build (see the log above)",
+                         "dequantizing the weights" if quantization == "auto" else "torch's quantized layers run")
         if path.suffix == ".gguf":
-            if quantization == "auto":
-                if device.type == "cpu" and gguf_linear.available():
-                    blocks = {}
-                else:
-                    log.info("quantization='auto': the GGUF block kernels are CPU-only and %s here; "
-                             "dequantizing the weights", "this is " + device.type if device.type != "cpu"
-                             else "did not build (see the log above)")
             config, state, tokenizer, extra_eos = _read_gguf(path, blocks)
-            if quantization == "int4":
+            if quantization == "int4" and blocks is None:
                 exact = _gguf_q4_k(path, config.model_type)
         else:
             config, state, tokenizer, extra_eos = _read_hf_dir(path)
         # "auto" keeps a GGUF's own blocks (above) and float weights float: nothing to quantize.
-        module = _build(config, state, dtype, device, None if quantization == "auto" else quantization, exact, blocks)
+        torch_quant = None if quantization == "auto" or blocks is not None else quantization
+        module = _build(config, state, dtype, device, torch_quant, exact, blocks,
+                        quantization if blocks is not None and quantization != "auto" else None)
         if blocks is not None:  # GGUF blocks on the CPU: decode steps through the fused native step
             native_step.enable(module)
     except ModelLoadError:
@@ -145,12 +149,16 @@ def load_tokenizer(model: str | os.PathLike[str] | None) -> tuple[Any, Any, froz
 
 def _build(config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
            quantization: str | None = None, exact: dict[str, Int4] | None = None,
-           blocks: dict[str, Blocks] | None = None) -> CausalLM:
+           blocks: dict[str, Blocks] | None = None, to_blocks: str | None = None) -> CausalLM:
+    """`to_blocks` ("int8" / "int4", with `blocks`): float weights of projections, head and embedding
+    written as GGUF blocks before the model is materialized (gguf_quantize.py)."""
     cls = model_class(config)
     # Built on the meta device: no time spent on random init of weights about to be overwritten.
     with torch.device("meta"):
         module = cls(config)
     tied = bool(getattr(config, "tie_word_embeddings", False) or config.model_type == "gemma3_text")
+    if blocks is not None and to_blocks is not None:
+        gguf_quantize.into_blocks(module, state, blocks, to_blocks, tied)
     if blocks:
         # Before anything is allocated: the layers over GGUF blocks hold no float weight at all.
         gguf_linear.install(module, blocks, state, dtype, tied)
