@@ -282,7 +282,9 @@ async def test_int8_kv_outputs_survive_preemption_and_prefix_sharing(tiny_llama:
 @pytest.mark.heavy  # ~40 s: `make test-heavy`
 async def test_default_model_int4_greedy_agrees_with_float32_reference(reference: dict[str, Any]) -> None:
     """Greedy tokens of the reference prompts with int4 weights (and then also an int8 KV pool),
-    counted against transformers' float32 ones up to each prompt's first difference."""
+    counted against transformers' float32 ones up to each prompt's first difference. On the CPU a GGUF keeps
+    its stored blocks under int4 (as under "auto": its Q4_K, Q5_0, Q6_K and Q8_0 tensors all have kernels);
+    tests/test_quantize_blocks.py checks int4 written from float weights."""
     engine = AsyncEngine.from_pretrained(quantization="int4", max_num_batched_tokens=256)
     cases = reference["cases"]
     prompts = [c["prompt"] if c["prompt"] is not None else c["prompt_token_ids"] for c in cases]
@@ -304,13 +306,20 @@ async def test_default_model_int4_greedy_agrees_with_float32_reference(reference
         assert sum(agree) >= total // 6 and sum(a == 48 for a in agree) >= 1, agree
 
 
+@pytest.mark.parametrize("layers", ["gguf blocks", "torch quantized"])
 def test_decode_perplexity_is_prefills_on_a_float_model_and_near_it_with_int8(
-        tiny_models: dict[str, tuple[Path, Any]]) -> None:
+        tiny_models: dict[str, tuple[Path, Any]], layers: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """`python -m asyncpage.bench.quality` reports perplexity both ways: teacher-forced one token a step
     through the decode path must give what prefill gives when both run the same kernels, and stay
-    near it where the decode path's packed int8 kernel rounds its activations (linear_q8)."""
+    near it where the decode path's kernels round their activations to int8: the GGUF block kernels (int8
+    on the CPU) and torch's quantized layers' linear_q8 (where the block kernels do not run)."""
     from asyncpage import AsyncEngine
     from asyncpage.bench.quality import _decode_nll, _prefill_nll
+    from asyncpage.model import gguf_linear
+    from asyncpage.model.gguf_linear import GGUFLinear
+
+    if layers == "torch quantized":
+        monkeypatch.setattr(gguf_linear, "available", lambda: False)
 
     ids = list(range(3, 43))
     float_engine = AsyncEngine.from_pretrained(tiny_models["gemma3"][0], dtype="float32")
@@ -318,8 +327,13 @@ def test_decode_perplexity_is_prefills_on_a_float_model_and_near_it_with_int8(
     dnll, dn = float_engine.compute.run(_decode_nll, float_engine, ids, 39)
     assert n == dn == 39 and abs(dnll - nll) < 1e-3 * n
     int8 = AsyncEngine.from_pretrained(tiny_models["gemma3"][0], dtype="float32", quantization="int8")
-    layers = [m for m in int8._core.runner.model.modules() if isinstance(m, QuantLinear)]
-    assert all(m.q8 is not None for m in layers) or native.load() is None or not native.load().q8_granule
+    model = int8._core.runner.model
+    if layers == "gguf blocks":
+        assert isinstance(model.lm_head, GGUFLinear)
+    else:
+        quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        assert quantized and isinstance(model.lm_head, QuantLinear)
+        assert all(m.q8 is not None for m in quantized) or native.load() is None or not native.load().q8_granule
     qnll, _ = int8.compute.run(_prefill_nll, int8, ids)
     qdnll, _ = int8.compute.run(_decode_nll, int8, ids, 39)
     assert abs(qdnll - qnll) < 0.02 * qnll

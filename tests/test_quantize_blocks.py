@@ -21,7 +21,7 @@ from asyncpage.errors import ModelLoadError
 from asyncpage.model import gguf_kernels as gk
 from asyncpage.model.gguf_kernels import GGMLType
 from asyncpage.model.gguf_linear import GGUFEmbedding, GGUFFused, GGUFLinear, block_bytes
-from asyncpage.model.gguf_quantize import quantize, target
+from asyncpage.model.gguf_quantize import LIMITS, quantize, target
 from asyncpage.model.quant import dequantize_int4, quantize_int4
 from asyncpage.model.weights import load
 from tests.test_gguf_auto import tiny_quantized_gguf  # noqa: F401  (a fixture)
@@ -66,13 +66,25 @@ def test_int4_writes_q4_k_that_gguf_and_the_kernels_read_alike_and_as_close_as_m
     assert abs(float(outlier[7]) - 3.0) < 0.1 and _rel(outlier, w[39]) < 0.3
 
 
+@pytest.mark.parametrize("std", [1e-5, 5e-6, 1e-6])
+def test_q4_k_of_small_weights_and_of_quiet_sub_blocks_beside_a_loud_one_is_not_worse_than_zeros(std: float) -> None:
+    torch.manual_seed(2)
+    w = torch.randn(16, 512) * std  # fp16 holds no d of max-scale / 63 here: floored at its smallest subnormal
+    assert _rel(gk.dequantize(quantize(w, GGMLType.Q4_K), int(GGMLType.Q4_K)), w) < 0.15
+    loud = torch.randn(16, 256) * 0.01
+    loud[:, :32] *= 300  # one sub-block 300x the others: theirs round to sc = 0 unless given a step
+    got = gk.dequantize(quantize(loud, GGMLType.Q4_K), int(GGMLType.Q4_K))
+    assert _rel(got[:, 32:], loud[:, 32:]) < 0.9 and _rel(got[:, :32], loud[:, :32]) < 0.1
+
+
 @pytest.mark.parametrize(("fmt", "bound"), [(GGMLType.Q8_0, 0.01), (GGMLType.Q5_0, 0.05), (GGMLType.Q4_0, 0.1)])
-def test_the_32_value_formats_are_ggufs_own_quantizers(fmt: GGMLType, bound: float) -> None:
+def test_the_32_value_formats_are_ggufs_own_quantizers_bit_for_bit(fmt: GGMLType, bound: float) -> None:
     torch.manual_seed(0)
-    w = torch.randn(20, 96) * 0.1
-    b = quantize(w, fmt)
+    ties = torch.tensor([1.0, -1.0, 0.5, -0.5] * 24)  # equal magnitudes (Q5_0 takes the first) and halves
+    w = torch.cat([torch.randn(20, 96) * 0.1, _hard_rows(96), ties[None], torch.arange(96.0)[None] / 7 - 6])
+    b = quantize(w, fmt)  # Q8_0 / Q5_0 in torch (multithreaded), Q4_0 gguf's numpy itself
     assert torch.equal(b, torch.from_numpy(gguf.quants.quantize(w.numpy(), Q(int(fmt)))))
-    assert _rel(gk.dequantize(b, int(fmt)), w) < bound
+    assert _rel(gk.dequantize(b, int(fmt))[:20], w[:20]) < bound
 
 
 def test_a_weight_quantizers_refuse_name_what_is_wrong() -> None:
@@ -80,6 +92,13 @@ def test_a_weight_quantizers_refuse_name_what_is_wrong() -> None:
     w[5, 3] = float("nan")
     with pytest.raises(ValueError, match="non-finite values"):
         quantize(w, GGMLType.Q8_0)
+    for fmt in (GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q4_K):  # past the fp16 scales: it would read back as NaN
+        big = torch.randn(4, 256)
+        big[2, 9] = 1.01 * LIMITS[fmt]
+        with pytest.raises(ValueError, match=f"past the .* that {fmt.name}'s fp16 scales hold"):
+            quantize(big, fmt)
+        big[2, 9] = 0.99 * LIMITS[fmt]
+        assert bool(torch.isfinite(gk.dequantize(quantize(big, fmt), int(fmt))).all())
     with pytest.raises(ValueError, match="multiple of 256"):
         quantize(torch.randn(4, 96), GGMLType.Q4_K)
     with pytest.raises(ValueError, match="int8"):

@@ -1,8 +1,9 @@
 """What quantization costs in quality: perplexity of a fixed text and greedy agreement with the
 float32 reference, per setting (the settings of `asyncpage bench --settings`).
 
-    python -m asyncpage.bench.quality                      # float32,bfloat16,int8,int4,int4+kv=int8,int4+kv=fp8
-    python -m asyncpage.bench.quality --settings float32,int4 --reference tests/data/gemma3_270m_reference.json
+    python -m asyncpage.bench.quality                      # float32,bfloat16,gguf,gguf+kv=int8,gguf+kv=fp8
+    python -m asyncpage.bench.quality --settings float32,gguf --reference tests/data/gemma3_270m_reference.json
+    python -m asyncpage.bench.quality --model DIR --settings float32,int8,int4   # a float checkpoint quantized
 
 Perplexity: the text below (written for this, ~900 tokens), teacher-forced in 256-token chunks that
 continue their cached context (so a quantized KV pool is read as in serving). Decode perplexity: its
@@ -27,7 +28,8 @@ import torch
 
 from asyncpage.bench.quant import parse_setting
 
-DEFAULT_SETTINGS = "float32,bfloat16,int8,int4,int4+kv=int8,int4+kv=fp8"
+# int8 / int4 change a float checkpoint's weights (--model DIR); a GGUF keeps its own blocks under them, as `gguf`.
+DEFAULT_SETTINGS = "float32,bfloat16,gguf,gguf+kv=int8,gguf+kv=fp8"
 
 TEXT = """\
 The old harbour town wakes before the sun. Fishing boats leave in a line, their engines coughing in the

@@ -4,8 +4,9 @@ the ratios); `--baseline llama.cpp` adds llama-cpp-python on the same GGUF in th
 `--baseline llama-server` llama.cpp's C++ server with one slot per request (bench_llama_server.py).
 
 A setting is a dtype (`float32`, `bfloat16`, `float16`, `auto`: weights dequantized, `quantization=None`)
-or a weight quantization (`int8`, `int4`, `gguf` = `quantization="auto"`, a GGUF's own blocks: dtype
-"auto" for the activations; `int4:float32` names the dtype), optionally `+kv=int8` /
+or a weight quantization (`int8`, `int4`: float weights written as GGUF blocks at load, a GGUF's own kept;
+`gguf` = `quantization="auto"`, a GGUF's own blocks, float weights float: dtype "auto" for the activations;
+`int4:float32` names the dtype), optionally `+kv=int8` /
 `+kv=fp8` for the KV pool and `+compile` for compiled decode layers (`compile=True`).
 """
 
@@ -20,7 +21,8 @@ from asyncpage.bench.throughput import BenchResult, Item, format_result, make_wo
 from asyncpage.core.config import KV_CACHE_DTYPES, resolve_dtype
 from asyncpage.errors import InvalidRequestError
 
-DEFAULT_SETTINGS = "float32,bfloat16,int8,int4,int4+kv=int8"
+# int8 / int4 change a float checkpoint's weights (--model DIR); a GGUF keeps its own blocks under them, as `gguf`.
+DEFAULT_SETTINGS = "float32,bfloat16,gguf,gguf+kv=int8"
 
 
 def parse_setting(s: str) -> dict[str, Any]:

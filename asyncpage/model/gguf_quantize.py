@@ -14,7 +14,8 @@ fp16 `d` and `dmin`, then each value rounded against the stored, rounded scale a
 quantize_row_q4_K_ref searches each sub-block for a better scale (make_qkx2_quants); min/max is what the
 int4 layers always did here (quant.py's quantize_int4).
 
-A row length no block divides keeps the tensor float (said at load). A non-finite weight is refused.
+A row length no block divides keeps the tensor float (said at load). A non-finite weight is refused, as is one
+past what its format's fp16 scales hold (LIMITS).
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ from asyncpage.model.gguf_kernels import BLOCKS, GGMLType
 log = logging.getLogger("asyncpage")
 
 KINDS = ("int8", "int4")
+_FP16_MAX = 65504.0
+_FP16_TINY = 2.0**-24  # fp16's smallest subnormal: a nonzero scale below it would be stored as 0
+# The largest |w| each format's fp16 scales hold (Q8_0: max / 127, Q5_0: / 16, Q4_0: / 8, Q4_K: a sub-block's
+# minimum / 63 for dmin); past it gguf's quantizers store an infinite scale, and the weights read back as NaN.
+LIMITS = {GGMLType.Q8_0: _FP16_MAX * 127, GGMLType.Q5_0: _FP16_MAX * 16, GGMLType.Q4_0: _FP16_MAX * 8,
+          GGMLType.Q4_K: _FP16_MAX * 63}
 _CHUNK = 1 << 22  # values quantized at a time (bounds the float32 temporaries: ~16 MB each)
 
 
@@ -97,6 +104,10 @@ def quantize(w: torch.Tensor, ggml_type: GGMLType) -> torch.Tensor:
         rows = w[i : i + step].detach().to(torch.float32)
         if not bool(torch.isfinite(rows).all()):
             raise ValueError(f"the weight has non-finite values (rows {i}..{i + rows.shape[0] - 1})")
+        top = float(rows.abs().max()) if rows.numel() else 0.0
+        if top > LIMITS[ggml_type]:
+            raise ValueError(f"|w| reaches {top:.3g} (rows {i}..{i + rows.shape[0] - 1}), past the "
+                             f"{LIMITS[ggml_type]:.3g} that {ggml_type.name}'s fp16 scales hold")
         out[i : i + rows.shape[0]] = _quantize_rows(rows, ggml_type)
     return out
 
@@ -104,10 +115,39 @@ def quantize(w: torch.Tensor, ggml_type: GGMLType) -> torch.Tensor:
 def _quantize_rows(rows: torch.Tensor, ggml_type: GGMLType) -> torch.Tensor:
     if ggml_type == GGMLType.Q4_K:
         return q4_k(rows)
+    if ggml_type == GGMLType.Q8_0:
+        return q8_0(rows)
+    if ggml_type == GGMLType.Q5_0:
+        return q5_0(rows)
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize as gguf_quantize
 
     return torch.from_numpy(np.ascontiguousarray(gguf_quantize(rows.numpy(), GGMLQuantizationType(int(ggml_type)))))
+
+
+def q8_0(rows: torch.Tensor) -> torch.Tensor:
+    """float32 [n, k] as Q8_0 blocks: gguf.quants' Q8_0 (llama.cpp's reference arithmetic) bit for bit, in torch
+    (multithreaded: gguf's numpy form quantizes ~30M values a second, minutes for a 7B model)."""
+    n, k = rows.shape
+    x = rows.reshape(-1, 32)
+    d = x.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = _roundf(x * inv).to(torch.int8).view(torch.uint8)
+    return torch.cat([d.to(torch.float16).view(torch.uint8), q], dim=1).reshape(n, k // 32 * 34)
+
+
+def q5_0(rows: torch.Tensor) -> torch.Tensor:
+    """float32 [n, k] as Q5_0 blocks: gguf.quants' Q5_0 bit for bit, in torch."""
+    n, k = rows.shape
+    x = rows.reshape(-1, 32)
+    signed_max = x.gather(1, x.abs().argmax(-1, keepdim=True))  # the first of equal magnitudes, as numpy's
+    d = signed_max / -16
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.trunc(x * inv + 16.5).to(torch.uint8).clamp(max=31)
+    qs = (q[:, :16] & 0x0F) | (q[:, 16:] << 4)
+    bits = ((q >> 4) & 1).reshape(-1, 4, 8).to(torch.int32) << torch.arange(8, dtype=torch.int32)
+    qh = bits.sum(-1).to(torch.uint8)
+    return torch.cat([d.to(torch.float16).view(torch.uint8), qh, qs], dim=1).reshape(n, k // 32 * 22)
 
 
 def q4_k(rows: torch.Tensor) -> torch.Tensor:
@@ -118,9 +158,13 @@ def q4_k(rows: torch.Tensor) -> torch.Tensor:
     hi = x.amax(-1)
     scale = (hi - lo) / 15.0
     mins = -lo  # >= 0: w = d * sc * q - dmin * m
-    d = _fp16(scale.amax(-1) / 63.0)
-    dmin = _fp16(mins.amax(-1) / 63.0)
-    sc = _round_div(scale, d[:, None]).clamp(0, 63)
+    # Floored at fp16's smallest subnormal where nonzero: a super-block of values under ~1e-5 would otherwise
+    # store d = 0 and read back as its minimums (worse than zeros).
+    d = _fp16(_floor_nonzero(scale.amax(-1) / 63.0))
+    dmin = _fp16(_floor_nonzero(mins.amax(-1) / 63.0))
+    # A sub-block with any range gets a step: a quiet one beside a loud one (range under 1/126 of it) would
+    # round to sc = 0 and read back as its minimum.
+    sc = torch.where(scale > 0, _round_div(scale, d[:, None]).clamp(1, 63), torch.zeros_like(scale))
     m = _round_div(mins, dmin[:, None]).clamp(0, 63)
     step = d[:, None] * sc
     q = _round_div(x + (dmin[:, None] * m)[..., None], step[..., None]).clamp(0, 15).to(torch.uint8)
@@ -135,9 +179,20 @@ def q4_k(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([head, scales, qs], dim=1).reshape(n, k // 256 * 144)
 
 
+def _floor_nonzero(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x > 0, x.clamp(min=_FP16_TINY), x)
+
+
 def _fp16(x: torch.Tensor) -> torch.Tensor:
     """x as stored (fp16, clamped to its range), back in float32: what the kernels will read."""
-    return x.clamp(max=65504.0).to(torch.float16).to(torch.float32)
+    return x.clamp(max=_FP16_MAX).to(torch.float16).to(torch.float32)
+
+
+def _roundf(x: torch.Tensor) -> torch.Tensor:
+    """gguf.quants.np_roundf: half away from zero, computed as it does (floor(a) + floor(2 * (a - floor(a))))."""
+    a = x.abs()
+    f = torch.floor(a)
+    return torch.sign(x) * (f + torch.floor(2 * (a - f)))
 
 
 def _round_div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
