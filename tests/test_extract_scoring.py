@@ -556,7 +556,8 @@ async def test_a_record_whose_start_search_is_refused_still_finishes(tiny_llama:
 def test_a_start_never_takes_another_field_s_value_and_gives_way_when_the_model_copied_one() -> None:
     from types import SimpleNamespace
 
-    def run(written: dict[str, Any], decided: dict[str, Any], margins: dict[str, tuple[str, float]]) -> dict[str, Any]:
+    def run(written: dict[str, Any], decided: dict[str, Any], margins: dict[str, tuple[str, float]],
+            brands: frozenset[str] = frozenset()) -> dict[str, Any]:
         """`margins`: field -> (its line's span, how much likelier than the model's value)."""
         s = starts.Starts()
         s.written = dict(written)
@@ -567,7 +568,7 @@ def test_a_start_never_takes_another_field_s_value_and_gives_way_when_the_model_
             s.pairs[name] = pairs
             scores[id(pairs[written[name]][0])], scores[id(pairs[span][0])] = -20.0, -20.0 + margin
         return {n: v[0] for n, v in s.outcome(lambda p: SimpleNamespace(logprob=scores.get(id(p), 0.0)),
-                                              decided).items()}
+                                              decided, brands).items()}
 
     clock = {"product": "Marlisse Dawn 6 alarm clock", "order_id": None}
     # Likelier by the margin, but the order id's value (as written, or as decided): the product stays the model's.
@@ -600,6 +601,16 @@ def test_a_start_never_takes_another_field_s_value_and_gives_way_when_the_model_
     # Two fields never take the same span: the larger margin has it.
     assert run({"product": "Dawn 6", "brand": "Marlisse"}, {}, {"product": ("Zed", 6), "brand": ("Zed", 9)}) == \
         {"brand": "Zed"}
+    # A common noun in a field asking for a brand, where the span is a name: any margin lets the span in; a field
+    # asking for no brand, or a span that is a common noun too, keeps START_MARGIN.
+    vacuum = {"product": "vacuum", "order_id": None}
+    assert run(vacuum, {}, {"product": ("Sweeply V8", 1)}, frozenset({"product"})) == {"product": "Sweeply V8"}
+    assert run(vacuum, {}, {"product": ("Sweeply V8", -1)}, frozenset({"product"})) == {}
+    assert run(vacuum, {}, {"product": ("Sweeply V8", 1)}) == {}
+    assert run(vacuum, {}, {"product": ("cordless vacuum", 1)}, frozenset({"product"})) == {}
+    assert starts.common("tile cutter") and starts.common("e-bike") and starts.common("café")
+    for name in ("iPhone", "Sweeply V8", "3-seater", "LG", "", "--"):
+        assert not starts.common(name), name
 
 
 def test_an_optional_copied_field_s_span_needs_more_where_the_record_does_not_name_the_field_near_it() -> None:

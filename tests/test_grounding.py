@@ -495,10 +495,13 @@ def test_a_brand_copied_from_inside_its_name_opens_with_the_name() -> None:
 
     text = "Hi, my Glacierpoint Q7 heat pump runs nonstop. The Zanthe K5 Split unit too."
     assert opened(text, "Q7", [text]) == "Glacierpoint Q7" and opened(text, "K5 Split", [text]) == "Zanthe K5 Split"
-    # Written alone somewhere, opening its line or sentence, after a determiner or a lowercase word: as it is.
-    for other in ("Q7 works again. my Glacierpoint Q7", "Glacierpoint Q7 broke", "Hi,\nQ7 broke", "It broke. Q7 again",
-                  "the Q7 broke", "my Glacierpoint Q7 broke, the Q7 is new"):
+    # Written nowhere after a name's opening (at its line's or sentence's start, after a determiner): as it is.
+    for other in ("Glacierpoint Q7 broke", "Hi,\nQ7 broke", "It broke. Q7 again", "the Q7 broke"):
         assert opened(other, "Q7", [other]) == "Q7", other
+    # Once so is enough, wherever else it stands alone; a quantity opens a name too.
+    for other in ("Q7 works again. my Glacierpoint Q7", "my Glacierpoint Q7 broke, the Q7 is new",
+                  "We ordered 12 Glacierpoint Q7 units. The Q7 ones fail"):
+        assert opened(other, "Q7", [other]) == "Glacierpoint Q7", other
     assert opened(text, "Q7", ["Q7 heat pump"]) == "Q7"  # the wider span is no span the field allows
     # Only after a determiner or a lowercase word that is no preposition; no shout, possessive, day, month or title;
     # at most three words, whole words of the sources.
@@ -507,6 +510,7 @@ def test_a_brand_copied_from_inside_its_name_opens_with_the_name() -> None:
                   "my Dr Echo S", "Re: Fwd Echo S", "I bought it on Amazon. Echo S broke", "the X B C D Echo S"):
         assert opened(other, "Echo S", [other]) == "Echo S", other
     assert opened("the B C D E thing", "E", ["the B C D E thing"]) == "B C D E"
+    # "Zeta Q7" (one space) is no whole span of the record:
     assert opened("my Zeta  Q7 ok; Zeta Q7s are bad", "Q7", ["my Zeta  Q7 ok; Zeta Q7s are bad"]) == "Q7"
     written = {"product": "Q7", "customer": "Rick"}
     assert opened_brands(text, [text], {"product"}, {}, written, lambda n, v: True) == {"product": "Glacierpoint Q7"}

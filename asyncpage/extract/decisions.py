@@ -438,8 +438,8 @@ class Plan:
                     decided[name] = json.loads(found.text[len(self.bridge[name]):])
                 except ValueError:
                     shares.pop(name)
-        for name, (span, share) in self.starts.outcome(self._got, decided).items():  # a brand without its noun
-            decided[name], shares[name] = ends.name_of(span) if name in self.d.brands else span, share
+        for name, (span, share) in self.starts.outcome(self._got, decided, self.d.brands).items():
+            decided[name], shares[name] = ends.name_of(span) if name in self.d.brands else span, share  # no noun
         decided |= ends.opened_brands(self.text, self.sources, self.d.brands, decided, self.starts.written,
                                       self.d.holds)
         for name in [n for n, v in decided.items() if not self.d.holds(n, v)]:

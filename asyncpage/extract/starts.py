@@ -82,10 +82,13 @@ class Starts:
         """Every probe it made (their grammars are the record's own: forgotten with it)."""
         return [*self.found.values(), *(p for pairs in self.pairs.values() for pair in pairs.values() for p in pair)]
 
-    def outcome(self, got: Callable[[Probe], Scored | None], decided: dict[str, Any]) -> dict[str, tuple[str, float]]:
+    def outcome(self, got: Callable[[Probe], Scored | None], decided: dict[str, Any],
+                brands: frozenset[str] | set[str] = frozenset()) -> dict[str, tuple[str, float]]:
         """field -> (the span, its share against the model's value) where the span wins by START_MARGIN (by any
         margin where the model's value is another field's, the order id as the product, or a code where the field
-        is no code and the span is not: a serial number as the product, a phone number as the name) and is no
+        is no code and the span is not: a serial number as the product, a phone number as the name; or, in a field
+        asking for a brand (`brands`), a common noun where the span is a name: "vacuum" or "blender" where the record
+        names the Sweeply V8 or the Mezclart Pro 1200, four of 200 spent tickets) and is no
         other field's value (as written, as `decided`, or as a start decided here, the larger margin first): the
         line of "the product brand" found the record's order id, and once the person's name, likelier than a long
         product name the model wrote (two fresh tickets). Values compare stripped and casefolded."""
@@ -102,6 +105,7 @@ class Starts:
                 copied = any(_key(mine) == v for n, v in written.items() if n != name) or \
                     any(_key(mine) == _key(v) for n, v in decided.items() if n != name and n not in self.values)
                 copied = copied or (coded(mine) and not coded(span) and not names_a_code(name))
+                copied = copied or (name in brands and common(mine) and not common(span))
                 if (margin := sums[span] - sums[mine]) > (0.0 if copied else START_MARGIN):
                     ranked.append((margin, name, span))
         out: dict[str, tuple[str, float]] = {}
@@ -110,6 +114,12 @@ class Starts:
                 out[name] = (span, logistic(margin))
                 taken[name] = {_key(span)}
         return out
+
+
+def common(value: str) -> bool:
+    """Whether a value is a common noun's phrase, no name: letters, none uppercase, no digit ("vacuum", "tile
+    cutter", "e-bike"; not "iPhone", "Sweeply V8", "3-seater")."""
+    return any(ch.isalpha() for ch in value) and not any(ch.isupper() or ch.isdigit() for ch in value)
 
 
 def coded(value: str) -> bool:
