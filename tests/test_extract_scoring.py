@@ -601,15 +601,18 @@ def test_a_start_never_takes_another_field_s_value_and_gives_way_when_the_model_
     # Two fields never take the same span: the larger margin has it.
     assert run({"product": "Dawn 6", "brand": "Marlisse"}, {}, {"product": ("Zed", 6), "brand": ("Zed", 9)}) == \
         {"brand": "Zed"}
-    # A common noun in a field asking for a brand, where the span is a name: the span, however unlikely; a field
-    # asking for no brand, or a span that is a common noun too, keeps START_MARGIN.
-    vacuum = {"product": "vacuum", "order_id": None}
+    # A common noun in a field asking for a brand, where the span is a name: the span unless START_MARGIN less likely,
+    # or made of another field's words; a field asking for no brand, or a span that is a common noun too, keeps
+    # START_MARGIN.
+    vacuum = {"product": "vacuum", "order_id": None, "customer": "Rukmini Rao"}
     assert run(vacuum, {}, {"product": ("Sweeply V8", 1)}, frozenset({"product"})) == {"product": "Sweeply V8"}
-    assert run(vacuum, {}, {"product": ("Sweeply V8", -9)}, frozenset({"product"})) == {"product": "Sweeply V8"}
+    assert run(vacuum, {}, {"product": ("Sweeply V8", -3)}, frozenset({"product"})) == {"product": "Sweeply V8"}
+    assert run(vacuum, {}, {"product": ("Sweeply V8", -5)}, frozenset({"product"})) == {}
+    assert run(vacuum, {}, {"product": ("Rukmini", 1)}, frozenset({"product"})) == {}
     assert run(vacuum, {}, {"product": ("Sweeply V8", 1)}) == {}
     assert run(vacuum, {}, {"product": ("cordless vacuum", 1)}, frozenset({"product"})) == {}
     assert starts.common("tile cutter") and starts.common("e-bike") and starts.common("café")
-    for name in ("iPhone", "Sweeply V8", "3-seater", "LG", "", "--"):
+    for name in ("iPhone", "Sweeply V8", "3-seater", "LG", "", "--", "小米", "ソニー", "삼성"):  # no case: no noun
         assert not starts.common(name), name
 
 

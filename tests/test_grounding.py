@@ -498,10 +498,16 @@ def test_a_brand_copied_from_inside_its_name_opens_with_the_name() -> None:
     # Written nowhere after a name's opening (at its line's or sentence's start, after a determiner): as it is.
     for other in ("Glacierpoint Q7 broke", "Hi,\nQ7 broke", "It broke. Q7 again", "the Q7 broke"):
         assert opened(other, "Q7", [other]) == "Q7", other
-    # Once so is enough, wherever else it stands alone; a quantity opens a name too.
+    # Once so is enough, wherever else it stands alone; a quantity of at most three digits opens a name too.
     for other in ("Q7 works again. my Glacierpoint Q7", "my Glacierpoint Q7 broke, the Q7 is new",
                   "We ordered 12 Glacierpoint Q7 units. The Q7 ones fail"):
         assert opened(other, "Q7", [other]) == "Glacierpoint Q7", other
+    # Not where it stands alone before a model's word somewhere (it is itself a brand), nor after an id's number or a
+    # date's month.
+    for other, value in (("My Velora X5 broke. I took it to the Manchester Velora store.", "Velora"),
+                         ("The Dyson V8 stopped. Our John Lewis Dyson display model worked.", "Dyson"),
+                         ("Order 4471 Amazon Velora X5 never came", "X5"), ("On 5 Jan Velora X5 arrived broken", "X5")):
+        assert opened(other, value, [other]) == value, other
     assert opened(text, "Q7", ["Q7 heat pump"]) == "Q7"  # the wider span is no span the field allows
     # Only after a determiner or a lowercase word that is no preposition; no shout, possessive, day, month or title;
     # at most three words, whole words of the sources.

@@ -57,10 +57,11 @@ def _cap_word(word: str) -> bool:
         and word.lower() not in grounding.DETERMINERS
 
 
-def _opening(text: str, start: int, word_ok: Callable[[str], bool], after: frozenset[str] = frozenset()) -> str:
+def _opening(text: str, start: int, word_ok: Callable[[str], bool], after: frozenset[str] = frozenset(),
+             quantity: bool = False) -> str:
     """The words (at most _MAX_WIDER, each `word_ok`) right before `start` on its line, a space or a tab between them
-    and it, after a lowercase word of letters not in `after`, a determiner or a number (a quantity: "12 Corvelle
-    ErgoSeat 300 chairs"): "" where there are none so."""
+    and it, after a lowercase word of letters not in `after`, a determiner or, with `quantity`, a number of at most
+    three digits ("12 Corvelle ErgoSeat 300 chairs"; not an id's "Order 4471 Amazon"): "" where there are none so."""
     words = re.split(r"[ \t]+", text[max(0, start - 200):start].rsplit("\n", 1)[-1])
     if len(words) < 2 or words[-1] != "":
         return ""  # not after a space
@@ -70,7 +71,8 @@ def _opening(text: str, start: int, word_ok: Callable[[str], bool], after: froze
         caps += 1
     anchor = words[-1 - caps]
     after_word = anchor.isalpha() and (anchor.islower() or anchor.lower() in grounding.DETERMINERS)
-    if caps and (anchor.isdigit() or (after_word and anchor not in after)):
+    counted = quantity and anchor.isdigit() and len(anchor) <= 3
+    if caps and (counted or (after_word and anchor not in after)):
         return " ".join(words[len(words) - caps:])
     return ""
 
@@ -125,7 +127,8 @@ def names_the_writer(field: str, line: str = "") -> bool:
 # New Velora"), and the prepositions after which a capitalized word is a place or a shop ("bought at Harrow Dekko").
 _NOT_NAME = frozenset("monday tuesday wednesday thursday friday saturday sunday january february march april may june "
                       "july august september october november december today yesterday tomorrow mr mrs ms mx dr prof "
-                      "sir madam new brand".split())
+                      "sir madam new brand jan feb mar apr jun jul aug sep sept oct nov dec mon tue tues wed thu thur "
+                      "thurs fri sat sun".split())
 _PLACES = frozenset("in at from to on via by for of into onto near since until after before during with".split())
 _NAME_WORD = re.compile(r"[^\W\d_]+(?:[-'’][^\W\d_]+)*")  # letters, hyphens or apostrophes between them
 _MOST_WORDS = 6  # a brand's span holds at most six words (grounding.NAMED)
@@ -136,19 +139,29 @@ def opened(text: str, value: str, sources: Sequence[str]) -> str:
     of "our Payloop T10 card terminal ... affecting T10 terminals") with the capitalized words that open that name
     right before it on its line, at the first place the record writes it after such words, these after a determiner,
     a lowercase word ("my", "new"; not a preposition: "in Lisbon Velora", "from Amazon Velora") or a quantity ("12
-    Corvelle ErgoSeat 300"), where the wider span is one of whole words the field's `sources` hold; `value` itself
-    otherwise. Such a word is of letters (no ALL-CAPS shout, no possessive "Harrow's", no day, month or title:
-    _NOT_NAME), at most _MAX_WIDER of them. Until 2026-12-05 every place had to be so (a model name also written
-    alone stayed alone): on the labeled tickets through v78, each accepted product's word prefixes and suffixes taken
-    as the model's value, the first place gives an accepted answer 590 times more and a refused one never."""
+    Corvelle ErgoSeat 300"), where the wider span is one of whole words the field's `sources` hold and no place writes
+    the value alone before a model's word (a name word or one with a digit: "my Velora X5 ... the Manchester Velora
+    store" keeps "Velora"); `value` itself otherwise. Such a word is of letters (no ALL-CAPS shout, no possessive
+    "Harrow's", no day, month or title: _NOT_NAME), at most _MAX_WIDER of them. Until 2026-12-05 every place had to be
+    so (a model name also written alone stayed alone): on the labeled tickets through v78, each accepted product's word
+    prefixes and suffixes taken as the model's value, the first place gives an accepted answer 575 times more and a
+    refused one never."""
     first = ""
     for m in re.finditer(r"(?<![\w-])" + re.escape(value) + r"(?![\w-])", text):
-        if opening := _opening(text, m.start(), _name_word, _PLACES):
-            first = opening + " " + value  # the first place its name opens: written alone elsewhere as well or not
-            break
+        if opening := _opening(text, m.start(), _name_word, _PLACES, quantity=True):
+            first = first or opening + " " + value
+        elif _opens_own_name(text, m.end()):
+            return value  # "my Velora X5 ... the Manchester Velora store": alone before a model's word, itself a brand
     whole = re.compile(r"(?<![\w-])" + re.escape(first) + r"(?![\w-])") if first else None
     return first if whole is not None and len(first.split()) <= _MOST_WORDS and any(
         whole.search(s) for s in sources) else value
+
+
+def _opens_own_name(text: str, end: int) -> bool:
+    """Whether the word right after `end` (a space or a tab between) is a model's: a name word or one with a digit."""
+    nxt = re.match(r"[ \t]+(\S+)", text[end:end + 200])
+    word = nxt.group(1).rstrip(".,;:!?") if nxt else ""
+    return bool(word) and (any(ch.isdigit() for ch in word) or _name_word(word))
 
 
 def _name_word(word: str) -> bool:

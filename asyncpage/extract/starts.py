@@ -15,7 +15,6 @@ inside the model's value is not a start: where that value ends is read on the sa
 from __future__ import annotations
 
 import json
-import math
 import re
 import unicodedata
 from collections.abc import Callable
@@ -87,10 +86,11 @@ class Starts:
                 brands: frozenset[str] | set[str] = frozenset()) -> dict[str, tuple[str, float]]:
         """field -> (the span, its share against the model's value) where the span wins by START_MARGIN (by any
         margin where the model's value is another field's, the order id as the product, or a code where the field
-        is no code and the span is not: a serial number as the product, a phone number as the name; by any margin at
-        all, in a field asking for a brand (`brands`), where the model's value is a common noun and the span a name:
-        "vacuum" or "tile cutter" where the record names the Sweeply V8 or Hirewell Tools, four of 200 spent tickets,
-        against nine of 1,564 labeled products with no name) and is no
+        is no code and the span is not: a serial number as the product, a phone number as the name; even up to
+        START_MARGIN less likely, in a field asking for a brand (`brands`), where the model's value is a common noun
+        and the span a name that is no other field's words: "vacuum" or "tile cutter" where the record names the
+        Sweeply V8 or Hirewell Tools, four of 200 spent tickets, against nine of 1,564 labeled products with no name)
+        and is no
         other field's value (as written, as `decided`, or as a start decided here, the larger margin first): the
         line of "the product brand" found the record's order id, and once the person's name, likelier than a long
         product name the model wrote (two fresh tickets). Values compare stripped and casefolded."""
@@ -107,10 +107,11 @@ class Starts:
                 copied = any(_key(mine) == v for n, v in written.items() if n != name) or \
                     any(_key(mine) == _key(v) for n, v in decided.items() if n != name and n not in self.values)
                 copied = copied or (coded(mine) and not coded(span) and not names_a_code(name))
-                # A common noun is no brand: the name its line found replaces it, however its JSON reads it (the
-                # model's own value: "vacuum" read 3.4 nats likelier than the record's "V8" of "the Sweeply V8").
-                noun = name in brands and common(mine) and not common(span)
-                if (margin := sums[span] - sums[mine]) > (-math.inf if noun else 0.0 if copied else START_MARGIN):
+                # A common noun is no brand: the name its line found replaces it unless the model's own value reads
+                # START_MARGIN likelier ("vacuum" read 3.4 nats likelier than the record's "V8" of "the Sweeply V8"),
+                # and not with a word of another field's value ("Rukmini" of the customer "Rukmini Rao").
+                noun = name in brands and common(mine) and not common(span) and not _within(span, written, name)
+                if (margin := sums[span] - sums[mine]) > (-START_MARGIN if noun else 0.0 if copied else START_MARGIN):
                     ranked.append((margin, name, span))
         out: dict[str, tuple[str, float]] = {}
         for margin, name, span in sorted(ranked, reverse=True):
@@ -120,10 +121,17 @@ class Starts:
         return out
 
 
+def _within(span: str, written: dict[str, Any], name: str) -> bool:
+    """Whether every word of `span` is a word of another field's value as written."""
+    words = set(span.casefold().split())
+    return any(words <= set(v.split()) for n, v in written.items() if n != name and isinstance(v, str))
+
+
 def common(value: str) -> bool:
     """Whether a value is a common noun's phrase, no name: letters, none uppercase, no digit ("vacuum", "tile
     cutter", "e-bike"; not "iPhone", "Sweeply V8", "3-seater")."""
-    return any(ch.isalpha() for ch in value) and not any(ch.isupper() or ch.isdigit() for ch in value)
+    cased = [ch for ch in value if ch.isalpha() and ch.lower() != ch.upper()]  # no case in CJK, Thai, Arabic: no noun
+    return bool(cased) and not any(ch.isupper() or ch.isdigit() for ch in value)
 
 
 def coded(value: str) -> bool:
