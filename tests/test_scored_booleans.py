@@ -346,11 +346,10 @@ def test_a_boolean_declined_in_the_record_s_words_is_false_and_a_missing_one_is_
                  "I'm not after compensation or a refund, I want somebody competent to come out.",
                  "We are not requesting a credit or refund, we need the instrument repaired.",
                  "Could you repair it? I need it back working; a refund would not help me.",
-                 "I would rather have it repaired than get a refund."):
-        assert refund.decide(3.0, text)[0] is False, text
-    # Declined in customers' other languages, in a wish that names something else first, by saying it is not
-    # needed further on, or by preferring the thing working: whatever the score, false.
-    for text in ("Nie chcemy zwrotu pieniędzy, potrzebujemy naprawy.", "Ich möchte keine Rückerstattung, nur Ersatz.",
+                 "I would rather have it repaired than get a refund.",
+                 # in customers' other languages, in a wish that names something else first, by saying it is not
+                 # needed further on, or by preferring the thing working
+                 "Nie chcemy zwrotu pieniędzy, potrzebujemy naprawy.", "Ich möchte keine Rückerstattung, nur Ersatz.",
                  "Je ne veux pas de remboursement, juste une réparation.", "No quiero un reembolso, solo el cambio.",
                  "Das Geld zurück brauche ich nicht, nur ein neues Kabel.",
                  "I don't want to send it back or get a refund, please just send the missing part.",

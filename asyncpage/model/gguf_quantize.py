@@ -21,6 +21,7 @@ past what its format's fp16 scales hold (LIMITS).
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import numpy as np
@@ -102,9 +103,9 @@ def quantize(w: torch.Tensor, ggml_type: GGMLType) -> torch.Tensor:
     step = max(1, _CHUNK // k)
     for i in range(0, n, step):
         rows = w[i : i + step].detach().to(torch.float32)
-        if not bool(torch.isfinite(rows).all()):
+        top = float(rows.abs().amax()) if rows.numel() else 0.0  # NaN or inf where any value is: one pass for both
+        if not math.isfinite(top):
             raise ValueError(f"the weight has non-finite values (rows {i}..{i + rows.shape[0] - 1})")
-        top = float(rows.abs().max()) if rows.numel() else 0.0
         if top > LIMITS[ggml_type]:
             raise ValueError(f"|w| reaches {top:.3g} (rows {i}..{i + rows.shape[0] - 1}), past the "
                              f"{LIMITS[ggml_type]:.3g} that {ggml_type.name}'s fp16 scales hold")
