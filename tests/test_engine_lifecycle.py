@@ -36,7 +36,9 @@ PROMPTS = [f"Numbers: {i} {i + 1} {i + 2} and the quick brown fox " * (1 + i % 3
 async def test_stream_yields_tokens_then_a_final_chunk(tiny_llama: Path) -> None:
     async with tiny_engine(tiny_llama) as engine:
         chunks = [c async for c in engine.stream("The quick brown", SamplingParams(max_tokens=5, ignore_eos=True))]
-    assert [c.finish_reason for c in chunks] == [None] * 4 + ["length"]
+    # Tokens that arrive before the reader reads are one chunk (the mailbox merges them): the tiny model's
+    # steps, a burst on the compute thread holding the GIL in short torch calls, can run ahead of the reader.
+    assert [c.finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
     assert sum(len(c.token_ids) for c in chunks) == 5
 
 

@@ -5,9 +5,11 @@
 
 One greedy stream on the default model (a 32-token random prompt, as `asyncpage bench --workload
 single`), after a warm-up request; prints the mean milliseconds per decode step of each part of the
-engine loop (schedule, prepare, the hand-off to the compute thread, forward, LM head, sampling, commit,
-detokenizer, mailbox, stats) and the latency until the caller's read of the request's mailbox (what
-`async for` over a stream awaits) returns the token.
+engine loop (schedule, prepare, forward, LM head, sampling, commit, stats, and what is left: the
+hand-offs between the event loop and the compute thread, once per burst of steps, and posting each
+step's output), what "outside the forward" sums to, and what the event loop does beside the next step
+(detokenizer, mailbox) with the latency until the caller's read of the request's mailbox (what `async
+for` over a stream awaits) returns the token.
 
 The timers are wrappers set as instance attributes on one engine's own objects (its scheduler, runner,
 model, compute thread, and the profiled request's detokenizer and mailbox) for the profiled request,
@@ -87,8 +89,7 @@ def attach(engine: AsyncEngine, timer: StepTimer) -> None:
     timer.wrap(core.runner, "execute", "execute")
     timer.wrap(core.runner.model, "forward", "forward")
     timer.wrap(core.runner.model, "compute_logits", "lm_head")
-    timer.wrap(core, "_commit", "commit")
-    timer.wrap(core.scheduler, "update", "update")
+    timer.wrap(core, "_advance", "advance")
     timer.wrap(core.output, "process", "process")
     timer.wrap(core, "_publish_stats", "stats")
 
@@ -119,9 +120,10 @@ def step_table(timer: StepTimer, arrivals: list[int]) -> list[tuple[str, float]]
     """Mean ms per decode step of each part: the first step (prefill) and the last are left out."""
     c = timer.calls
     steps = len(c["schedule"])
-    # One call per step at batch 1 (stats once more: the idle loop publishes a last snapshot).
-    for name in ("prepare", "arun", "execute", "forward", "lm_head", "commit", "update", "process", "stats"):
-        assert len(c[name]) in (steps, steps + 1), f"{name}: {len(c[name])} calls for {steps} steps"
+    # One call per step at batch 1 (stats once more: the idle loop publishes a last snapshot, and once
+    # before each burst). The hand-offs to the compute thread are fewer: one per burst of steps.
+    for name in ("prepare", "execute", "forward", "lm_head", "advance", "process"):
+        assert len(c[name]) == steps, f"{name}: {len(c[name])} calls for {steps} steps"
     keep = range(1, steps - 1)
 
     def mean(xs: list[float]) -> float:
@@ -131,30 +133,32 @@ def step_table(timer: StepTimer, arrivals: list[int]) -> list[tuple[str, float]]
         return [float(c[name][i]) for i in keep]
 
     starts = timer.marks["schedule:start"]
-    total = [float(starts[i + 1] - starts[i]) for i in keep]
+    total = mean([float(starts[i + 1] - starts[i]) for i in keep])
     detok = [float(x) for x in c["detokenizer"][1 : steps - 1]]
     mailbox = [float(x) for x in c["mailbox"][1 : steps - 1]]
     puts = timer.marks["mailbox:end"]
     delivery = [float(a - p) for a, p in zip(arrivals[1:-1], puts[1:-1], strict=False)]
-    sched, prep, arun, exe = part("schedule"), part("prepare"), part("arun"), part("execute")
-    fwd, head, commit, upd, proc, stats = (part(x) for x in ("forward", "lm_head", "commit", "update", "process",
-                                                              "stats"))
+    sched, prep, exe, fwd, head, adv, proc = (mean(part(x)) for x in ("schedule", "prepare", "execute", "forward",
+                                                                        "lm_head", "advance", "process"))
+    stats = sum(c["stats"]) / 1e6 / steps
+    on_path = sched + prep + exe + adv + stats
     rows = [
-        ("schedule", mean(sched)),
-        ("prepare (tensors)", mean(prep)),
-        ("hand-off (arun - execute)", mean(arun) - mean(exe)),
-        ("forward: embed + layers + norm", mean(fwd)),
-        ("forward: LM head", mean(head)),
-        ("sampling + execute glue", mean(exe) - mean(fwd) - mean(head)),
-        ("commit: scheduler.update", mean(upd)),
-        ("commit: detokenizer", mean(detok)),
-        ("commit: mailbox put", mean(mailbox)),
-        ("commit: rest of output processing", mean(proc) - mean(detok) - mean(mailbox)),
-        ("commit: rest", mean(commit) - mean(upd) - mean(proc)),
-        ("publish stats", mean(stats)),
-        ("rest of the loop", mean(total) - mean(sched) - mean(prep) - mean(arun) - mean(commit) - mean(stats)),
-        ("total (step to step)", mean(total)),
-        ("(caller gets the token, after put)", mean(delivery) if delivery else float("nan")),
+        ("schedule", sched),
+        ("prepare (tensors)", prep),
+        ("forward: embed + layers + norm", fwd),
+        ("forward: LM head", head),
+        ("sampling + execute glue", exe - fwd - head),
+        ("commit: scheduler side", adv),
+        ("publish stats", stats),
+        ("hand-offs, posting, the loop", total - on_path),
+        ("total (step to step)", total),
+        ("outside the forward", total - fwd - head),
+        ("steps per hand-off", steps / max(1, len(c["arun"]))),
+        ("on the event loop, beside the next step:", 0.0),
+        ("  detokenizer", mean(detok)),
+        ("  mailbox put", mean(mailbox)),
+        ("  rest of output processing", proc - mean(detok) - mean(mailbox)),
+        ("  caller gets the token, after put", mean(delivery) if delivery else float("nan")),
     ]
     return rows
 
@@ -198,6 +202,9 @@ async def main(argv: list[str] | None = None) -> int:
     w = max(12, *(len(s) + 2 for s in settings))  # a column as wide as its setting's name
     print(f"{'part':<36}" + "".join(f"{s:>{w}}" for s in settings))
     for i, (name, _) in enumerate(results[0][0]):
+        if name.endswith(":"):  # a heading
+            print(name)
+            continue
         print(f"{name:<36}" + "".join(f"{rows[i][1]:{w}.3f}" for rows, _, _ in results))
     print(f"{'tok/s, profiled':<36}" + "".join(f"{t:{w}.1f}" for _, t, _ in results))
     print(f"{'tok/s, no wrappers':<36}" + "".join(f"{t:{w}.1f}" for _, _, t in results))

@@ -19,18 +19,25 @@ target's step; the loop's objects reach it only as plain lists (DraftAsk).
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
+from asyncpage.core.request import Sequence
 from asyncpage.core.runner import ModelRunner
+from asyncpage.core.speculation import Speculation
 from asyncpage.decoding.speculative import DraftAsk, SpeculativeConfig
 from asyncpage.errors import ModelLoadError
 from asyncpage.kv.cache import BlockTable, KVCacheManager
 from asyncpage.model.batch import FlatBatch
 from asyncpage.model.registry import CausalLM
 from asyncpage.model.weights import LoadedModel, load
+from asyncpage.runtime.compute import ComputeThread
 from asyncpage.runtime.reduce import first_max
+
+log = logging.getLogger("asyncpage")
 
 
 def load_draft(config: SpeculativeConfig, target: LoadedModel, dtype: torch.dtype,
@@ -90,6 +97,29 @@ class DraftGate:
         self.drafting = self._rate_on > rate
         self.num_pauses += not self.drafting
         self._held = self.hold
+
+
+async def propose(draft: DraftProposer, gate: DraftGate | None, compute: ComputeThread, spec: Speculation,
+                  running: list[Sequence], waiting: Iterable[Sequence]) -> bool | None:
+    """The draft model's guesses for the sequences about to decode, on the compute thread (unless the
+    gate has it paused). Returns whether a sequence could have used it (the gate counts the step), or
+    None when the draft model failed."""
+    asks = spec.draft_asks(running)
+    if not asks or (gate is not None and not gate.allow()):
+        spec.set_drafts(running, {})  # no proposal left over from an earlier step may be used
+        return bool(asks)
+    live = {s.seq_id for s in (*running, *waiting)}
+    try:
+        drafts = await compute.arun(draft.propose, asks, live)
+    except Exception:
+        # The draft model is an optimisation: its failure costs speculation, never a request. Its pool
+        # is reset (what it held may be half-written); the loop turns it off after a few in a row.
+        log.exception("the draft model failed; this step decodes without speculation")
+        draft.release_all()
+        spec.set_drafts(running, {})
+        return None
+    spec.set_drafts(running, drafts)
+    return True
 
 
 @dataclass(eq=False)

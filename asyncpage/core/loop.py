@@ -11,6 +11,9 @@ safe points:
 So no abort, however it arrives (a finalizer run by the garbage collector in the middle of
 `schedule()`, a stream dropped on another thread), can change the scheduler between those points.
 This is mini-sglang's "one point per iteration", and vLLM V1's EngineCore.
+
+Runs of plain steps stay on the compute thread (`_burst`, core/burst.py), so that one stream's
+decode steps cross no thread.
 """
 
 from __future__ import annotations
@@ -24,13 +27,15 @@ from typing import Any
 import anyio
 import torch
 
+from asyncpage.core.burst import Posted, burstable, plain
 from asyncpage.core.config import EngineConfig
-from asyncpage.core.draft import DraftGate, DraftProposer
+from asyncpage.core.draft import DraftGate, DraftProposer, propose
 from asyncpage.core.mailbox import Mailbox
 from asyncpage.core.output import OutputProcessor
 from asyncpage.core.request import Request, SeqStatus, Sequence
-from asyncpage.core.runner import ModelRunner, StepResult
+from asyncpage.core.runner import ModelRunner, StepBatch, StepResult
 from asyncpage.core.scheduler import Scheduler, SchedulerOutput
+from asyncpage.core.stats import engine_stats
 from asyncpage.decoding.beam import BeamParams, BeamSearch
 from asyncpage.decoding.ngram import TokenForms
 from asyncpage.errors import (
@@ -43,7 +48,7 @@ from asyncpage.errors import (
 from asyncpage.guided import CompiledGrammar
 from asyncpage.kv.cache import KVCacheManager
 from asyncpage.model.registry import CausalLM
-from asyncpage.outputs import EngineStats
+from asyncpage.outputs import EngineStats, TokenLogprob
 from asyncpage.params import SamplingParams
 from asyncpage.runtime.compute import ComputeThread
 from asyncpage.runtime.eventloop import LoopHandle
@@ -57,6 +62,10 @@ DRAFT_FAILURES = 3
 
 
 class EngineCore:
+    # Whether runs of plain steps stay on the compute thread (`_burst`); subclasses whose other threads
+    # post work onto the event loop that touches the pool (disagg/cores.py) turn it off.
+    BURSTS = True
+
     def __init__(self, config: EngineConfig, model: Any, tokenizer: Any, compute: ComputeThread,
                  mask_vocab_size: int, draft_model: CausalLM | None = None) -> None:
         """`draft_model`: the speculative "draft" method's model (its KV pool is made here)."""
@@ -82,6 +91,8 @@ class EngineCore:
         # The two queues outside code may touch (deque append/popleft are atomic in CPython).
         self._adds: deque[Request] = deque()
         self._aborts: deque[Request] = deque()
+        self.posted = Posted(self.output)  # bursts' output on its way to the event loop
+        self._bursting = False  # a burst holds the loop's state (on the compute thread)
         self._requests: dict[int, Request] = {}
         self._ids = itertools.count(1)
         self._wake_event: anyio.Event | None = None
@@ -137,16 +148,18 @@ class EngineCore:
     def stats(self) -> EngineStats:
         """Fresh on the loop's own thread; elsewhere (a metrics scrape thread) the snapshot the loop
         last published, never state read while the loop changes it."""
-        if self.loop is None or self.loop.is_current():
+        if self.loop is None or (self.loop.is_current() and not self._bursting):
             return self._compute_stats()
         return self._stats
 
     # ---- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
         self.loop = LoopHandle.current()
+        self.posted.open(self.loop)
         try:
             while True:
                 self._apply_aborts()
+                self._apply_failed()
                 self._apply_adds()
                 if self.stopping:
                     break
@@ -166,8 +179,21 @@ class EngineCore:
                     await anyio.sleep(0.001)  # nothing fits yet; should not happen, but never spin
                     continue
                 batch = self.runner.prepare(out)
-                result = await self.compute.arun(self.runner.execute, batch)
+                if self.BURSTS and self.draft is None and burstable(out):
+                    self._publish_stats(force=True)  # what the event loop reads meanwhile (stats())
+                    self._bursting = True
+                    try:
+                        step = await self.compute.arun(self._burst, out, batch)
+                    finally:
+                        self._bursting = False
+                        self.posted.flush()  # every step it committed reaches its reader before what follows
+                    if step is None:
+                        continue
+                    out, result = step
+                else:
+                    result = await self.compute.arun(self.runner.execute, batch)
                 self._apply_aborts()  # aborts that arrived during the step land before it commits
+                self._apply_failed()
                 spec = self.scheduler.spec
                 before = (spec.verify_steps, spec.accepted)
                 self._commit(out, result)
@@ -180,36 +206,56 @@ class EngineCore:
         except Exception as exc:
             self._die(exc)
         finally:
+            self.posted.close()
             self._close_all()
             self._publish_stats(force=True)
             self.loop = None
 
     async def _propose_drafts(self, draft: DraftProposer) -> bool:
-        """The draft model's guesses for the sequences about to decode, on the compute thread (unless
-        the gate has it paused). Returns whether a sequence could have used it (the gate counts the step)."""
-        spec, running = self.scheduler.spec, self.scheduler.running
-        asks = spec.draft_asks(running)
-        if not asks or (self.draft_gate is not None and not self.draft_gate.allow()):
-            spec.set_drafts(running, {})  # no proposal left over from an earlier step may be used
-            return bool(asks)
-        live = {s.seq_id for s in (*running, *self.scheduler.waiting)}
-        try:
-            drafts = await self.compute.arun(draft.propose, asks, live)
-        except Exception:
-            # The draft model is an optimisation: its failure costs speculation, never a request. Its
-            # pool is reset (what it held may be half-written); after DRAFT_FAILURES in a row it is off.
-            log.exception("the draft model failed; this step decodes without speculation")
-            draft.release_all()
-            spec.set_drafts(running, {})
-            self._draft_failures += 1
-            if self._draft_failures >= DRAFT_FAILURES:
-                log.error("the draft model failed %d steps in a row: speculation is off for this engine",
-                          self._draft_failures)
-                self.draft = None
-            return False
-        self._draft_failures = 0
-        spec.set_drafts(running, drafts)
-        return True
+        """The draft model's guesses (core/draft.py `propose`): after DRAFT_FAILURES in a row it is off."""
+        sched = self.scheduler
+        used = await propose(draft, self.draft_gate, self.compute, sched.spec, sched.running, sched.waiting)
+        self._draft_failures = 0 if used is not None else self._draft_failures + 1
+        if self._draft_failures >= DRAFT_FAILURES:
+            log.error("the draft model failed %d steps in a row: speculation is off for this engine",
+                      self._draft_failures)
+            self.draft = None
+        return bool(used)
+
+    # ---- bursts: on the compute thread, while the event loop's coroutine waits on them ---------------
+    def _burst(self, out: SchedulerOutput, batch: StepBatch) -> tuple[SchedulerOutput, StepResult] | None:
+        """Execute `batch`, then, as long as each step is plain and nothing waits, commit it here, post
+        its output to the event loop and run the next. Returns a step executed but not committed (it
+        may end a request, or something arrived meanwhile), or None when the burst stopped between steps."""
+        while True:
+            # The last step's output goes to the event loop as this one starts: its thread then runs
+            # while this one is in the forward's native code, not while it schedules and prepares.
+            self.posted.wake()
+            result = self.runner.execute(batch)
+            if self._interrupted() or not plain(self.scheduler, out, batch, result):
+                return out, result
+            now, logprobs, updates, failed = self._advance(out, result)
+            self.posted.post(updates, logprobs, now)
+            self.posted.failed.extend((seq.request, self._as_error(reason)) for seq, reason in failed)
+            if self.config.debug_checks:
+                self.check_invariants()
+            self._publish_stats()
+            if self._interrupted():
+                return None
+            self.compute.adapt()
+            out = self.scheduler.schedule()
+            if not out:
+                return None
+            batch = self.runner.prepare(out)
+
+    def _interrupted(self) -> bool:
+        """Something the event loop must apply first: an add, an abort, a failed output, a close, or
+        another job for the compute thread (an engine sharing it)."""
+        return bool(self._adds or self._aborts or self.posted.failed or self.stopping or self.compute.pending())
+
+    def _apply_failed(self) -> None:
+        for req, error in self.posted.take_failed():
+            self._fail(req, error)
 
     def _apply_aborts(self) -> None:
         while self._aborts:
@@ -249,7 +295,11 @@ class EngineCore:
             self._requests[req.request_id] = req
             self.scheduler.add(req.seqs[0])
 
-    def _commit(self, out: SchedulerOutput, result: StepResult) -> None:
+    def _advance(self, out: SchedulerOutput, result: StepResult) -> tuple[
+            float, dict[int, TokenLogprob | None], list[tuple[Sequence, list[int]]],
+            list[tuple[Sequence, str | AsyncPageError]]]:
+        """The scheduler's half of a commit: timings, prompt log-probabilities, tokens appended, stops
+        applied. Returns (now, logprobs by sequence, Scheduler.update's updates and failures)."""
         now = time.monotonic()
         scored = result.prompt_logprobs or {}
         for sched in out.scheduled:
@@ -263,6 +313,10 @@ class EngineCore:
         logprobs = dict(zip(result.seq_ids, result.sampled.logprobs, strict=True))
         updates, failed = self.scheduler.update(out, sampled, result.grammar_done, result.forced, result.failed,
                                                 result.beams, result.accepted)
+        return now, logprobs, updates, failed
+
+    def _commit(self, out: SchedulerOutput, result: StepResult) -> None:
+        now, logprobs, updates, failed = self._advance(out, result)
         failing = {seq.request.request_id for seq, _ in failed}  # its failure is its end (below), not its beams
         for sched in out.scheduled:
             req = sched.seq.request
@@ -297,7 +351,11 @@ class EngineCore:
         for seq, reason in failed:
             req = seq.request
             if req.request_id in self._requests:
-                self._fail(req, reason if isinstance(reason, AsyncPageError) else SamplingError(reason))
+                self._fail(req, self._as_error(reason))
+
+    @staticmethod
+    def _as_error(reason: str | AsyncPageError) -> AsyncPageError:
+        return reason if isinstance(reason, AsyncPageError) else SamplingError(reason)
 
     def _fail(self, req: Request, error: BaseException) -> None:
         """End one request whose own work failed (its detokenizer, stop strings, grammar, sampling):
@@ -337,6 +395,7 @@ class EngineCore:
         """The loop is ending (closed or dead): every request still here or queued hears why."""
         error: BaseException = self.dead or EngineNotRunningError("the engine was closed")
         self._apply_aborts()
+        self._apply_failed()
         if self.draft is not None:
             self.draft.release_all()  # the compute thread is idle: its calls are awaited, shielded
         for req in list(self._requests.values()):
@@ -356,33 +415,7 @@ class EngineCore:
             self._stats_at = now
 
     def _compute_stats(self) -> EngineStats:
-        pool, bs = self.kv.pool, self.kv.block_size
-        # A block shared by forks or prefix hits holds its tokens once: count each block once, as
-        # full as the furthest sequence that wrote into it.
-        fill: dict[int, int] = {}
-        for s in self.scheduler.running:
-            for i, b in enumerate(s.table.blocks):
-                n = min(bs, max(0, s.num_computed_tokens - i * bs))
-                if n > fill.get(b.block_id, 0):
-                    fill[b.block_id] = n
-        sched = self.scheduler
-        by_running, by_waiting = sched.counts_by_priority()
-        kept = self.kv.retention.num_blocks
-        # Blocks a live sequence holds: kept conversations' blocks are counted apart (kv_blocks_kept).
-        used = len({b.block_id for s in (*sched.running, *sched.waiting) for b in s.table.blocks}) if kept \
-            else pool.num_used
-        return EngineStats(
-            kv_blocks_total=pool.num_blocks, kv_blocks_used=used, kv_blocks_kept=kept,
-            kv_blocks_cached=pool.num_cached_free, kv_blocks_free=pool.num_free, block_size=bs,
-            num_running=sched.num_seats, num_waiting=len(sched.waiting),
-            num_preemptions=sched.num_preemptions,
-            prefix_cache_query_tokens=self.kv.query_tokens, prefix_cache_hit_tokens=self.kv.hit_tokens,
-            kv_token_slots_allocated=used * bs, kv_token_slots_occupied=sum(fill.values()),
-            num_requests_finished=self.output.num_finished, num_generated_tokens=self.output.num_generated,
-            engine_error=repr(self.dead.__cause__) if self.dead is not None else None,
-            prefix_cache_evictions=pool.num_evictions, spec_proposed_tokens=sched.spec.proposed,
-            spec_accepted_tokens=sched.spec.accepted, num_running_by_priority=by_running,
-            num_waiting_by_priority=by_waiting)
+        return engine_stats(self.scheduler, self.kv, self.output, self.dead)
 
     def check_invariants(self) -> None:
         """The pool agrees with the block tables (raises AssertionError otherwise): run after every

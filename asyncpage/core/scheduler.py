@@ -357,13 +357,18 @@ class Scheduler(Priorities, BeamSteps):
             self.finish(seq, reason)
         return added
 
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+    def _stop_reason(self, seq: Sequence, token: int, ahead: int = 0) -> FinishReason | None:
+        """Why `token`, just appended to `seq` (or, with ahead=1, about to be), ends it, if it does."""
         p = seq.params
         if token in seq.request.stop_ids:
             return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens + ahead >= p.max_tokens or seq.num_tokens + ahead >= self.max_model_len:
             return "length"
         return None
+
+    def ends(self, seq: Sequence, token: int) -> bool:
+        """Whether appending the sampled `token` would end `seq` by a stop token or its length."""
+        return self._stop_reason(seq, token, ahead=1) is not None
 
     def generator(self, req: Request, index: int) -> torch.Generator | None:
         """Sample `index`'s random stream (decoding.sampling.seeded_generator)."""

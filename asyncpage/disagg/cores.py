@@ -43,6 +43,8 @@ OnPrefilled = Callable[[Request, int, TokenLogprob | None, BlockTable], None]
 
 
 class PrefillCore(EngineCore):
+    BURSTS = False  # the worker's transfers release pins on the event loop at any time (not within a burst)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.on_prefilled: OnPrefilled | None = None  # set by the worker before the loop starts
@@ -88,6 +90,8 @@ class Import:
 
 
 class DecodeCore(EngineCore):
+    BURSTS = False  # imports are allocated on the event loop as they arrive (not within a burst)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._imports: dict[int, Import] = {}  # request_id -> its import, until admitted or dropped
