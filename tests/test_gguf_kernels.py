@@ -242,3 +242,35 @@ def test_the_torch_operator_matches_the_function() -> None:
     x = torch.randn(2, 640)
     torch.testing.assert_close(torch.ops.asyncpage.gguf_matmul(x, raw, int(T.Q5_0)), gk.matmul(x, raw, T.Q5_0))
     assert torch.ops.asyncpage.gguf_get_rows(torch.tensor([1]), raw, int(T.Q5_0)).shape == (1, 640)
+
+
+@pytest.mark.parametrize("form", gk.forms())
+@pytest.mark.parametrize(("t", "repacked"), [*((t, False) for t in TYPES), *((t, True) for t in R8)],
+                         ids=lambda v: v.name if isinstance(v, T) else ("repacked" if v else "as stored"))
+def test_the_lm_heads_greedy_search_is_what_max_finds_in_the_outputs(t: T, repacked: bool, form: str) -> None:
+    # Bound.with_max: each output row's maximum and first index, found by the threads as they write the outputs,
+    # equal to torch's max(dim=-1) over what is returned: 9,001 outputs (many chunks, the last ragged) at 1 to 8
+    # rows, one row all zeros (every output ties: index 0), one holding NaN (NaN counts as the maximum), and the
+    # best weight row copied to row 0 and to the last (a tie: the first index).
+    k, n = _k(t), 9001 - 9001 % 8
+    raw = torch.from_numpy(_weights(t, n, k, seed=9))
+    x = torch.from_numpy(np.random.default_rng(2).standard_normal((8, k)).astype(np.float32))
+    best = int(gk.matmul(x[:1], raw, t).argmax())
+    raw[0], raw[-1] = raw[best].clone(), raw[best].clone()
+    x[3], x[5, 7] = 0.0, float("nan")
+    kind: int = t
+    if repacked:
+        if form == "portable":
+            pytest.skip("rows repacked by eight are read by the SIMD forms only")
+        kind = gk.repack8(raw, t)
+        assert kind == R8[t]
+    bound = gk.Bound(raw, kind, form=form)
+    for rows in range(1, 9):
+        out, found = bound.with_max(x[:rows])
+        assert found is not None
+        torch.testing.assert_close(out, bound(x[:rows]), rtol=0, atol=0, equal_nan=True)
+        vals, idx = out.max(dim=-1)
+        assert torch.equal(found[1], idx) and torch.allclose(found[0], vals, equal_nan=True), rows
+    assert int(bound.with_max(x[:1])[1][1][0]) == 0  # type: ignore[index]
+    many = bound.with_max(x.repeat(2, 1))  # 16 rows: the repacked rows' path finds it, the interleaved one not
+    assert (many[1] is None) == (form == "vnni" and not repacked)

@@ -43,6 +43,24 @@ async def test_a_gguf_engine_decodes_through_the_fused_step_and_generates_the_ea
     assert fused == eager
 
 
+async def test_greedy_tokens_come_from_the_lm_heads_own_search_and_match_the_samplers(
+        tiny_quantized_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    # The head's block kernel finds each row's maximum as it writes the logits (GGUFLinear.with_max): greedy
+    # decoding searches them no more, and gives what the sampler's own search of the logits gives.
+    from asyncpage.decoding import sampling
+
+    searches: list[int] = []
+    real_search = sampling.first_max
+    monkeypatch.setattr(sampling, "first_max", lambda x: searches.append(1) or real_search(x))
+    async with AsyncEngine.from_pretrained(tiny_quantized_gguf, quantization="auto", dtype="float32",
+                                           num_kv_blocks=64) as engine:
+        by_head = await _greedy(engine)
+        assert not searches
+        model = engine.model
+        monkeypatch.setattr(model, "compute_logits_max", lambda h: (model.compute_logits(h), None))
+        assert await _greedy(engine) == by_head and searches
+
+
 async def test_several_streams_at_once_decode_as_each_alone(tiny_quantized_gguf: Path) -> None:  # noqa: F811
     import asyncio
 

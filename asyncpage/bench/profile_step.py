@@ -88,7 +88,7 @@ def attach(engine: AsyncEngine, timer: StepTimer) -> None:
     timer.wrap(core.compute, "arun", "arun")
     timer.wrap(core.runner, "execute", "execute")
     timer.wrap(core.runner.model, "forward", "forward")
-    timer.wrap(core.runner.model, "compute_logits", "lm_head")
+    timer.wrap(core.runner.model, "compute_logits_max", "lm_head")
     timer.wrap(core, "_advance", "advance")
     timer.wrap(core.output, "process", "process")
     timer.wrap(core, "_publish_stats", "stats")

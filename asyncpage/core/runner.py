@@ -194,14 +194,16 @@ class ModelRunner:
             masks = self._mask_pool.submit(fill_masks, guided, bitmask)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.caches)
         rows = hidden[batch.logit_span[0] : batch.logit_span[1]] if batch.logit_span else hidden[batch.logit_rows]
-        every = self.model.compute_logits(rows).cpu()
+        every, found = self.model.compute_logits_max(rows)  # found: the rows' greedy search, done by the head
+        every = every.cpu()
         prompt_logprobs = {r.seq_id: (r.first, _prompt_logprobs(self.model, hidden, r)) for r in batch.scored}
         if batch.forked:
-            logits = every[batch.spec_rows]  # forked samples share their parent's row; drafts have several
+            pick: torch.Tensor | slice = batch.spec_rows  # forked samples share their parent's row; drafts have several
         else:
-            logits = every[: len(batch.specs)]  # one row per sample: drop the padding rows
+            pick = slice(0, len(batch.specs))  # one row per sample: drop the padding rows
+        logits = every[pick]
         broken = masks.result() if masks is not None else {}
-        result = sample(logits, batch.specs, bitmask)
+        result = sample(logits, batch.specs, bitmask, None if found is None else (found[0][pick], found[1][pick]))
         failed = {batch.specs[i].seq_id: NO_VALID_TOKEN for i in result.invalid}
         failed.update((batch.specs[i].seq_id, why) for i, why in broken.items())
         beams = beam_candidates(logits, batch.specs, bitmask)

@@ -48,9 +48,12 @@ def needs_history(p: SamplingParams) -> bool:
     return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
 
 
-def sample(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor | None = None) -> SampleResult:
+def sample(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor | None = None,
+           searched: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampleResult:
     """logits: [N, V] float32, one row per spec (rows may repeat for forked samples).
     bitmask: [N, ceil(V/32)] int32 guided-decoding masks (rows of unconstrained specs are ignored).
+    searched: each row's maximum and first index in `logits` (as `first_max`), where the LM head's kernel
+    found them as it wrote the logits: not searched again.
     A beam's row (`beam_k`) is not sampled: beam_candidates chooses among its continuations (and finds it has
     none); its entry here is its raw maximum's index, never in `invalid`."""
     n = logits.shape[0]
@@ -64,12 +67,12 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], bitmask: torch.Tensor 
     guided_rows = [i for i, s in enumerate(specs) if s.matcher is not None and i not in beam_rows] \
         if bitmask is not None else []
     picked: dict[int, tuple[float, int]] = {}  # greedy guided rows: (maximum, token) under their masks
-    found = None  # each row's maximum and its first index, while `logits` are the caller's
+    found = searched  # each row's maximum and its first index, while `logits` are the caller's
     if guided_rows:
         # A greedy row is decided under its mask row by row (masked_max: mostly without masking it); only the
         # other guided rows are masked here.
         assert bitmask is not None
-        found = first_max(logits)  # each row's maximum before any mask: one search for all
+        found = found if found is not None else first_max(logits)  # before any mask: one search for all
         tops = list(zip(found[0].tolist(), found[1].tolist(), strict=True))
         for i in guided_rows:
             if specs[i].params.greedy and i not in penalized:

@@ -11,6 +11,7 @@ from torch import nn
 
 from asyncpage.model.attention import AttentionMetadata
 from asyncpage.model.compiled import CompiledDecode
+from asyncpage.model.gguf_linear import logits_with_max
 from asyncpage.model.layers import (
     Attend,
     GatedMLP,
@@ -101,3 +102,8 @@ class Gemma3ForCausalLM(nn.Module):
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+    def compute_logits_max(self, hidden: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """compute_logits, and each row's maximum and first index where the LM head's kernel found them."""
+        got = logits_with_max(self.lm_head, hidden) if self.final_softcap is None else None
+        return got if got is not None else (self.compute_logits(hidden), None)

@@ -65,7 +65,7 @@ BLOCKS: dict[GGMLType, tuple[int, int]] = {
 }
 REPACKED = frozenset({GGMLType.Q4_0_R8, GGMLType.Q5_0_R8, GGMLType.Q8_0_R8})
 FORMS = ("portable", "avx2", "vnni")  # index = the C code's form number
-_SYMBOLS = ("gguf_matmul", "gguf_get_rows", "gguf_dequantize", "gguf_form_best", "gguf_block_elems",
+_SYMBOLS = ("gguf_matmul", "gguf_matmul_max", "gguf_get_rows", "gguf_dequantize", "gguf_form_best", "gguf_block_elems",
             "gguf_block_bytes", "gguf_repack8")
 
 
@@ -74,6 +74,9 @@ class _Lib:
         self.matmul = lib.gguf_matmul
         self.matmul.argtypes = [_I, _I, _P, _P, _L, _L, _I, _I, _P]
         self.matmul.restype = _I
+        self.matmul_max = lib.gguf_matmul_max
+        self.matmul_max.argtypes = [_I, _I, _P, _P, _L, _L, _I, _I, _P, _P, _P]
+        self.matmul_max.restype = _I
         self.get_rows = lib.gguf_get_rows
         self.get_rows.argtypes = [_I, _P, _L, _L, _P, _L, _P]
         self.get_rows.restype = _I
@@ -274,12 +277,26 @@ class Bound:
         """x [rows, k] (any float dtype, CPU) times the weight^T: float32 [rows, n]."""
         x = x.to(torch.float32).contiguous()
         out = torch.empty(x.shape[0], self.n, dtype=torch.float32)
-        rc = self.lib.matmul(self.type, self.form, x.data_ptr(), self.ptr, self.n, self.k, x.shape[0],
-                             torch.get_num_threads(), out.data_ptr())
+        self._check(self.lib.matmul(self.type, self.form, x.data_ptr(), self.ptr, self.n, self.k, x.shape[0],
+                                    torch.get_num_threads(), out.data_ptr()))
+        return out
+
+    def with_max(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """As calling it, and each output row's maximum and first index (NaN counted as the maximum, as
+        `max(dim=-1)`), found as the outputs are written; None where the interleaved path runs (past 8 rows
+        in the VNNI form, rows not repacked by eight), which finds none."""
+        x = x.to(torch.float32).contiguous()
+        rows = x.shape[0]
+        out = torch.empty(rows, self.n, dtype=torch.float32)
+        vals, idx = torch.empty(rows, dtype=torch.float32), torch.empty(rows, dtype=torch.long)
+        self._check(self.lib.matmul_max(self.type, self.form, x.data_ptr(), self.ptr, self.n, self.k, rows,
+                                        torch.get_num_threads(), out.data_ptr(), vals.data_ptr(), idx.data_ptr()))
+        return out, (None if rows and int(idx.min()) < 0 else (vals, idx))
+
+    def _check(self, rc: int) -> None:
         if rc != 0:
             raise MemoryError("gguf_matmul: no memory for its rounded activations or scratch") if rc == -1 else \
                 ValueError(f"gguf_matmul refused type {self.type} (code {rc})")
-        return out
 
 
 # As torch operators (shape-only fakes for tracing), as native.py's linears: compiled graphs call them.

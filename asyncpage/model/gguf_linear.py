@@ -117,6 +117,16 @@ class GGUFLinear(nn.Module):
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
+    def with_max(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """forward(x), and each row's maximum and first index where the block kernel finds them as it writes
+        float32 outputs (gguf_kernels.Bound.with_max; an LM head's greedy search), else None."""
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] > self.kernel_rows or self.bias is not None or self.out_dtype != torch.float32 or \
+                torch.compiler.is_compiling():
+            return self.forward(x), None
+        y, found = self.bound.with_max(x2)
+        return y.view(*x.shape[:-1], self.out_features), found
+
     def dense_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 times the weight dequantized to the model dtype, tile by tile (each dropped after use)."""
         x2 = x2.to(self.dtype)
@@ -138,6 +148,17 @@ class GGUFLinear(nn.Module):
                  f"up to {self.kernel_rows} rows, dequantized {str(self.dtype).removeprefix('torch.')} GEMM above")
         return (f"{gk.GGMLType(self.ggml_type).name}, in={self.in_features}, out={self.out_features}, "
                 f"blocks {above}")
+
+
+def logits_with_max(head: nn.Module, hidden: torch.Tensor) -> tuple[
+        torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None:
+    """A block-kernel LM head's float32 logits, and each row's maximum and first index where the kernel
+    found them as it wrote the logits (GGUFLinear.with_max); None for any other head (the model computes
+    its logits as usual)."""
+    if not isinstance(head, GGUFLinear):
+        return None
+    logits, found = head.with_max(hidden)
+    return logits.float(), found
 
 
 def unpadded_rows(model: nn.Module) -> int:

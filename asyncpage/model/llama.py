@@ -10,6 +10,7 @@ from torch import nn
 
 from asyncpage.model.attention import AttentionMetadata
 from asyncpage.model.compiled import CompiledDecode
+from asyncpage.model.gguf_linear import logits_with_max
 from asyncpage.model.layers import (
     Attend,
     GatedMLP,
@@ -94,3 +95,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def compute_logits_max(self, hidden: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """compute_logits, and each row's maximum and first index where the LM head's kernel found them."""
+        got = logits_with_max(self.lm_head, hidden)
+        return got if got is not None else (self.compute_logits(hidden), None)

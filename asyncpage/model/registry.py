@@ -23,6 +23,9 @@ class CausalLM(Protocol):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
+    def compute_logits_max(self, hidden: torch.Tensor) -> tuple[torch.Tensor,
+                                                                tuple[torch.Tensor, torch.Tensor] | None]: ...
+
 
 MODEL_TYPES: dict[str, type[nn.Module]] = {
     "gemma3_text": Gemma3ForCausalLM,
