@@ -193,8 +193,10 @@ class AsyncEngine:
         task, group = self._loop_task, self._task_group
         self._loop_task = self._task_group = None
         if task is not None:
+            import asyncio
+
             with anyio.CancelScope(shield=True):
-                await task
+                await asyncio.wait([task])  # however it ended: a loop task cancelled from outside raises nothing here
         elif group is not None:
             # Not given the body's exception: trio would wrap it in an ExceptionGroup. Not shielded
             # either (a scope around a task group's exit corrupts trio's scope stack); the loop shields

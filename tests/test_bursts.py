@@ -23,9 +23,9 @@ def count_handoffs(engine: AsyncEngine) -> list[int]:
     calls: list[int] = []
     real = compute.arun
 
-    async def counted(fn: Any, *args: Any) -> Any:
+    async def counted(fn: Any, *args: Any, **kw: Any) -> Any:
         calls.append(1)
-        return await real(fn, *args)
+        return await real(fn, *args, **kw)
 
     compute.arun = counted  # type: ignore[method-assign]
     return calls
@@ -140,3 +140,28 @@ async def test_engines_sharing_a_compute_thread_take_turns(tiny_llama: Path) -> 
         await task
         await idle(engine)
         await idle(other)
+
+
+async def test_a_cancelled_engine_loop_waits_for_its_burst_and_leaves_the_pool_whole(tiny_llama: Path) -> None:
+    """asyncio's own task.cancel() of the loop (what asyncio.run does to a task left running) gets through
+    anyio's shield: the burst is told to stop and waited for, so nothing runs on the compute thread once the
+    loop has ended and freed everything."""
+    engine = tiny_engine(tiny_llama, debug_checks=False)
+    core = engine._core
+    await engine.__aenter__()
+    req = await engine.submit("Nobody reads this", SamplingParams(max_tokens=1500, temperature=0, ignore_eos=True))
+    while core.output.num_generated < 5:
+        await asyncio.sleep(0.001)
+    steps: list[int] = []
+    real = core.scheduler.schedule
+    core.scheduler.schedule = lambda: steps.append(1) or real()  # type: ignore[method-assign]
+    task = engine._loop_task
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    ended = len(steps)
+    await asyncio.sleep(0.1)
+    assert len(steps) == ended and core.loop is None and req.released
+    assert not core.scheduler.running and core.kv.pool.num_used == 0
+    core.check_invariants()
+    await engine.__aexit__(None, None, None)

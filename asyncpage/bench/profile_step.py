@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import gc
 import inspect
 import statistics
@@ -136,8 +137,9 @@ def step_table(timer: StepTimer, arrivals: list[int]) -> list[tuple[str, float]]
     total = mean([float(starts[i + 1] - starts[i]) for i in keep])
     detok = [float(x) for x in c["detokenizer"][1 : steps - 1]]
     mailbox = [float(x) for x in c["mailbox"][1 : steps - 1]]
+    # Each read of the mailbox against the last put before it (a reader behind a burst reads several at once).
     puts = timer.marks["mailbox:end"]
-    delivery = [float(a - p) for a, p in zip(arrivals[1:-1], puts[1:-1], strict=False)]
+    delivery = [float(a - puts[i - 1]) for a in arrivals[1:-1] if (i := bisect.bisect_right(puts, a)) > 0]
     sched, prep, exe, fwd, head, adv, proc = (mean(part(x)) for x in ("schedule", "prepare", "execute", "forward",
                                                                         "lm_head", "advance", "process"))
     stats = sum(c["stats"]) / 1e6 / steps

@@ -25,6 +25,7 @@ from collections import deque
 from typing import Any
 
 import anyio
+import msgspec
 import torch
 
 from asyncpage.core.burst import Posted, burstable, plain
@@ -102,6 +103,7 @@ class EngineCore:
         self._draft_failures = 0  # draft proposals that failed in a row (_propose_drafts)
         self._stats: EngineStats = self._compute_stats()
         self._stats_at = 0.0
+        self._stats_dirty = False  # an add, abort or release since the last snapshot
 
     # ---- the only entry points from outside the loop -----------------------------------------
     def new_request(self, ids: list[int], params: SamplingParams, mailbox: Mailbox | None,
@@ -146,11 +148,16 @@ class EngineCore:
             loop.call_soon_threadsafe(event.set)
 
     def stats(self) -> EngineStats:
-        """Fresh on the loop's own thread; elsewhere (a metrics scrape thread) the snapshot the loop
-        last published, never state read while the loop changes it."""
-        if self.loop is None or (self.loop.is_current() and not self._bursting):
-            return self._compute_stats()
-        return self._stats
+        """Fresh on the loop's own thread, but while a burst holds the loop's state (core/burst.py): then
+        the pool and queue figures are the snapshot published at the burst's start or since (at most
+        STATS_PERIOD_S old), the request and token counts live. Elsewhere (a metrics scrape thread) the
+        snapshot the loop last published, never state read while the loop changes it."""
+        if self.loop is None or not self.loop.is_current():
+            return self._stats
+        if self._bursting:  # the output processor's counters are the event loop's own
+            return msgspec.structs.replace(self._stats, num_generated_tokens=self.output.num_generated,
+                                           num_requests_finished=self.output.num_finished)
+        return self._compute_stats()
 
     # ---- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -180,10 +187,11 @@ class EngineCore:
                     continue
                 batch = self.runner.prepare(out)
                 if self.BURSTS and self.draft is None and burstable(out):
-                    self._publish_stats(force=True)  # what the event loop reads meanwhile (stats())
+                    if self._stats_dirty:  # what stats() reads meanwhile: fresh after an add, abort or release
+                        self._publish_stats(force=True)
                     self._bursting = True
                     try:
-                        step = await self.compute.arun(self._burst, out, batch)
+                        step = await self.compute.arun(self._burst, out, batch, interrupt=self._stop_burst)
                     finally:
                         self._bursting = False
                         self.posted.flush()  # every step it committed reaches its reader before what follows
@@ -248,6 +256,10 @@ class EngineCore:
                 return None
             batch = self.runner.prepare(out)
 
+    def _stop_burst(self) -> None:
+        """The loop's task was cancelled while a burst ran (arun waits for it): it ends after this step."""
+        self.stopping = True
+
     def _interrupted(self) -> bool:
         """Something the event loop must apply first: an add, an abort, a failed output, a close, or
         another job for the compute thread (an engine sharing it)."""
@@ -294,6 +306,7 @@ class EngineCore:
                 continue
             self._requests[req.request_id] = req
             self.scheduler.add(req.seqs[0])
+            self._stats_dirty = True
 
     def _advance(self, out: SchedulerOutput, result: StepResult) -> tuple[
             float, dict[int, TokenLogprob | None], list[tuple[Sequence, list[int]]],
@@ -381,6 +394,7 @@ class EngineCore:
         """The loop is done with `req`: its blocks are free; tell whoever waits, then the hooks."""
         self._requests.pop(req.request_id, None)
         req.released = True
+        self._stats_dirty = True
         if req.released_event is not None:
             req.released_event.set()
         self.output.report(req)
@@ -412,7 +426,7 @@ class EngineCore:
         now = time.monotonic()
         if force or now - self._stats_at >= STATS_PERIOD_S:
             self._stats = self._compute_stats()
-            self._stats_at = now
+            self._stats_at, self._stats_dirty = now, False
 
     def _compute_stats(self) -> EngineStats:
         return engine_stats(self.scheduler, self.kv, self.output, self.dead)

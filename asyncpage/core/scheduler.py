@@ -16,6 +16,7 @@ The scheduler never touches tensors; the runner turns its output into a batch.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import time
@@ -82,7 +83,7 @@ class Scheduler(Priorities, BeamSteps):
         self.num_preemptions = 0
         self._preempted: set[int] = set()  # this step's preempted sequences
         self._admitted: set[int] = set()  # ...and admitted ones
-        self._next_seq_id = 0
+        self._seq_ids = itertools.count(1)  # next() is atomic
         self._rotation = 0  # whose turn among worse rows (Priorities._favoured)
         self._prefill_rotation = 0  # ...on the steps where they may prefill
         self._held_steps = 0  # steps favouring an urgent class without worse prefill chunks
@@ -90,8 +91,8 @@ class Scheduler(Priorities, BeamSteps):
         self._rng = random.Random()
 
     def new_seq_id(self) -> int:
-        self._next_seq_id += 1
-        return self._next_seq_id
+        """Safe from any thread: a request is made on the event loop while a burst forks on the compute thread."""
+        return next(self._seq_ids)
 
     @property
     def num_seats(self) -> int:

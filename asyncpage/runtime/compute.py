@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 import anyio
@@ -74,14 +74,24 @@ class ComputeThread:
         """Run `fn` on the compute thread and wait (from synchronous code, never from the compute thread)."""
         return self._submit(fn, *args).result()
 
-    async def arun(self, fn: Callable[..., T], *args: object) -> T:
+    async def arun(self, fn: Callable[..., T], *args: object,
+                   interrupt: Callable[[], None] | None = None) -> T:
         """Run `fn` on the compute thread without blocking the event loop and without borrowing a
         thread from anyio's shared pool (a host app that fills that pool must not stall the engine).
-        Not cancellable midway: a step that has started finishes, so its results are never half-applied."""
+        Not cancellable midway: a step that has started finishes, so its results are never half-applied.
+        A cancellation that reaches the task anyway (asyncio's own `task.cancel()` is not stopped by
+        anyio's shield) calls `interrupt` (a long job's way to end soon), waits for the job to end,
+        blocking, then goes on: nothing the job touches is touched by the caller meanwhile."""
         future: Future[T] = self._submit(self._adapt_then, fn, *args)
         done = anyio.Event()
         loop = LoopHandle.current()
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(done.set))
-        with anyio.CancelScope(shield=True):
-            await done.wait()
+        try:
+            with anyio.CancelScope(shield=True):
+                await done.wait()
+        except BaseException:
+            if interrupt is not None:
+                interrupt()
+            wait([future])
+            raise
         return future.result()
