@@ -250,6 +250,11 @@ def dequantize(w: torch.Tensor, ggml_type: int, dtype: torch.dtype = torch.float
     return out if bf16 or dtype == torch.float32 else out.to(dtype)
 
 
+# The most activation rows whose outputs' maxima the kernel finds as it writes them (Bound.with_max): a decode
+# step of a few streams, a verify of up to 7 drafts.
+SEARCH_ROWS = 8
+
+
 class Bound:
     """One weight's matmul with its checks done once (at load) and its form fixed then: the decode
     path, where matmul()'s Python checks would cost about as much as a small layer's kernel."""
@@ -283,10 +288,13 @@ class Bound:
 
     def with_max(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """As calling it, and each output row's maximum and first index (NaN counted as the maximum, as
-        `max(dim=-1)`), found as the outputs are written; None where the interleaved path runs (past 8 rows
-        in the VNNI form, rows not repacked by eight), which finds none."""
+        `max(dim=-1)`), found as the outputs are written, at up to SEARCH_ROWS rows (else None: numpy's
+        search of many rows after the call is faster than the threads' scalar pass); None too where the
+        interleaved path runs (past 8 rows in the VNNI form, rows not repacked by eight), which finds none."""
         x = x.to(torch.float32).contiguous()
         rows = x.shape[0]
+        if rows > SEARCH_ROWS:
+            return self(x), None
         out = torch.empty(rows, self.n, dtype=torch.float32)
         vals, idx = torch.empty(rows, dtype=torch.float32), torch.empty(rows, dtype=torch.long)
         self._check(self.lib.matmul_max(self.type, self.form, x.data_ptr(), self.ptr, self.n, self.k, rows,
