@@ -14,6 +14,7 @@ points. Nothing binds to an event loop before `async with` (asyncio or trio, any
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
@@ -173,8 +174,6 @@ class AsyncEngine:
         if sniffio.current_async_library() == "asyncio":
             # A plain task on asyncio, so `async with` may be entered and exited from different tasks
             # (pytest-asyncio fixtures, app lifespans); structured (a task group) everywhere else.
-            import asyncio
-
             self._loop_task = asyncio.get_running_loop().create_task(core.run())
         else:
             self._task_group = anyio.create_task_group()
@@ -193,8 +192,6 @@ class AsyncEngine:
         task, group = self._loop_task, self._task_group
         self._loop_task = self._task_group = None
         if task is not None:
-            import asyncio
-
             with anyio.CancelScope(shield=True):
                 await asyncio.wait([task])  # however it ended: a loop task cancelled from outside raises nothing here
         elif group is not None:
