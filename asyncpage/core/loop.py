@@ -236,8 +236,7 @@ class EngineCore:
         its output to the event loop and run the next. Returns a step executed but not committed (it
         may end a request, or something arrived meanwhile), or None when the burst stopped between steps."""
         while True:
-            # The last step's output goes to the event loop as this one starts: its thread then runs
-            # while this one is in the forward's native code, not while it schedules and prepares.
+            # The last step's output goes to the event loop as this one starts (burst.Posted.wake).
             self.posted.wake()
             result = self.runner.execute(batch)
             if self._interrupted() or not plain(self.scheduler, out, batch, result):
