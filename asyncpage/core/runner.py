@@ -194,7 +194,10 @@ class ModelRunner:
             masks = self._mask_pool.submit(fill_masks, guided, bitmask)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.caches)
         rows = hidden[batch.logit_span[0] : batch.logit_span[1]] if batch.logit_span else hidden[batch.logit_rows]
-        every, found = self.model.compute_logits_max(rows)  # found: the rows' greedy search, done by the head
+        # found: each row's greedy search, done by the head's kernel as it wrote the logits (a verify searches its
+        # own rows: not asked for then)
+        model = self.model
+        every, found = (model.compute_logits(rows), None) if batch.verifies else model.compute_logits_max(rows)
         every = every.cpu()
         prompt_logprobs = {r.seq_id: (r.first, _prompt_logprobs(self.model, hidden, r)) for r in batch.scored}
         if batch.forked:

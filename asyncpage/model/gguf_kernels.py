@@ -251,7 +251,7 @@ def dequantize(w: torch.Tensor, ggml_type: int, dtype: torch.dtype = torch.float
 
 
 # The most activation rows whose outputs' maxima the kernel finds as it writes them (Bound.with_max): a decode
-# step of a few streams, a verify of up to 7 drafts.
+# step of up to 8 streams.
 SEARCH_ROWS = 8
 
 
@@ -290,7 +290,9 @@ class Bound:
         """As calling it, and each output row's maximum and first index (NaN counted as the maximum, as
         `max(dim=-1)`), found as the outputs are written, at up to SEARCH_ROWS rows (else None: numpy's
         search of many rows after the call is faster than the threads' scalar pass); None too where the
-        interleaved path runs (past 8 rows in the VNNI form, rows not repacked by eight), which finds none."""
+        interleaved path runs (past 8 rows in the VNNI form, rows not repacked by eight), which finds none.
+        Under the default floating-point environment: a caller's flush-to-zero (torch.set_flush_denormal)
+        holds for its own thread only, not the kernel's other threads, whose comparisons then keep denormals."""
         x = x.to(torch.float32).contiguous()
         rows = x.shape[0]
         if rows > SEARCH_ROWS:

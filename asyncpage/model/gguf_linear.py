@@ -125,7 +125,8 @@ class GGUFLinear(nn.Module):
                 torch.compiler.is_compiling():
             return self.forward(x), None
         y, found = self.bound.with_max(x2)
-        return y.view(*x.shape[:-1], self.out_features), found
+        lead = x.shape[:-1]
+        return y.view(*lead, self.out_features), None if found is None else (found[0].view(lead), found[1].view(lead))
 
     def dense_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 times the weight dequantized to the model dtype, tile by tile (each dropped after use)."""

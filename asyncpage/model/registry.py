@@ -24,7 +24,11 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
     def compute_logits_max(self, hidden: torch.Tensor) -> tuple[torch.Tensor,
-                                                                tuple[torch.Tensor, torch.Tensor] | None]: ...
+                                                                tuple[torch.Tensor, torch.Tensor] | None]:
+        """compute_logits, and each row's maximum and first index where the LM head's kernel found them as
+        it wrote the logits (else None). What the runner's decode steps call: a wrapper that changes the
+        logits (a test's fault, say) wraps this one, or returns None for the maxima."""
+        ...
 
 
 MODEL_TYPES: dict[str, type[nn.Module]] = {
