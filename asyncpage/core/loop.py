@@ -151,8 +151,9 @@ class EngineCore:
         """Fresh on the loop's own thread, but while a burst holds the loop's state (core/burst.py): then
         the pool and queue figures are the snapshot published at the burst's start or since (at most
         STATS_PERIOD_S old), the request and token counts live. Elsewhere (a metrics scrape thread) the
-        snapshot the loop last published, never state read while the loop changes it."""
-        if self.loop is None or not self.loop.is_current():
+        snapshot the loop last published, never state read while the loop changes it. Fresh too while
+        no loop runs."""
+        if self.loop is not None and not self.loop.is_current():
             return self._stats
         if self._bursting:  # the output processor's counters are the event loop's own
             return msgspec.structs.replace(self._stats, num_generated_tokens=self.output.num_generated,
