@@ -151,4 +151,8 @@ def lean_tokenizer(hf_tokenizer: Any, n_vocab: int, eos_token: list[int]) -> Any
         return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=eos_token)
     tokens, special = token_bytes(backend, n_vocab, *kind)
     encode = _Encode(backend, tokens, special, eos_token[0], hf_tokenizer.bos_token_id)
-    return llguidance.LLTokenizer(TokenizerWrapper(encode), n_vocab=n_vocab, eos_token=eos_token)
+    lltok = llguidance.LLTokenizer(TokenizerWrapper(encode), n_vocab=n_vocab, eos_token=eos_token)
+    # Read into llguidance's own trie as it was built (its decode reads that); the wrapper, which it
+    # keeps for tokenizing, would otherwise keep the 262,144 bytes objects too (~12 MiB).
+    tokens.clear()
+    return lltok

@@ -24,7 +24,7 @@ from torch import nn
 
 from asyncpage.errors import ModelLoadError
 from asyncpage.model import gguf_linear, gguf_quantize, native_step
-from asyncpage.model.gguf import _end_of_turn_ids, _gguf_index, _gguf_q4_k, _read_gguf, slim_tokenizer, trim_heap
+from asyncpage.model.gguf import _end_of_turn_ids, _gguf_index, _gguf_q4_k, _read_gguf, cached_tokenizer, trim_heap
 from asyncpage.model.gguf_linear import Blocks
 from asyncpage.model.quant import Int4, quantize_model
 from asyncpage.model.registry import CausalLM, model_class
@@ -129,14 +129,14 @@ def load(model: str | os.PathLike[str] | None, dtype: torch.dtype, device: torch
 
 def load_tokenizer(model: str | os.PathLike[str] | None) -> tuple[Any, Any, frozenset[int]]:
     """(tokenizer, config, stop token ids) without the weights: what grammar work needs."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     path = resolve(model)
     try:
         if path.suffix == ".gguf":
             cached, index = _gguf_index(path)
             config = AutoConfig.for_model(index["model_type"], **index["config"])
-            tokenizer = slim_tokenizer(AutoTokenizer.from_pretrained(cached / "tokenizer"))
+            tokenizer = cached_tokenizer(cached / "tokenizer")
             return tokenizer, config, frozenset(index["eos_token_ids"]) | _end_of_turn_ids(tokenizer)
         _, _, tokenizer, eos = _read_hf_dir(path, weights=False)
         config = AutoConfig.from_pretrained(path)
@@ -162,7 +162,7 @@ def _build(config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype, devi
     if blocks:
         # Before anything is allocated: the layers over GGUF blocks hold no float weight at all.
         gguf_linear.install(module, blocks, state, dtype, tied)
-    module = module.to_empty(device=device)
+    _materialize(module, device)
     expected = set(module.state_dict())
     if tied:
         state.pop("lm_head.weight", None)
@@ -182,7 +182,7 @@ def _build(config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype, devi
             params[name].copy_(src)
     lm: Any = module
     if tied and isinstance(lm.lm_head, nn.Linear) and isinstance(lm.model.embed_tokens, nn.Embedding):
-        lm.lm_head.weight = lm.model.embed_tokens.weight  # to_empty() breaks the tie
+        lm.lm_head.weight = lm.model.embed_tokens.weight  # _materialize() breaks the tie
     if quantization is not None:
         # Quantized from the float32 weights, before the cast to `dtype` rounds them a second time;
         # projections are fused first so each fused matmul is one quantized layer.
@@ -194,6 +194,22 @@ def _build(config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype, devi
     # norm scales. Each module that can says how (a `fuse` method).
     _fuse(module)
     return cast(CausalLM, module)
+
+
+def _materialize(module: torch.nn.Module, device: torch.device) -> None:
+    """`module.to_empty(device=device)` for a module built on the meta device, without its cost:
+    `empty_like` of a meta tensor runs torch's Python reference kernels, whose first use imports
+    torch.fx's symbolic shapes and sympy (~28 MiB of modules kept resident, for nothing the engine
+    runs). Each parameter and buffer gets a new uninitialised tensor of its shape and dtype, as
+    to_empty gives; a tied weight comes apart, as there."""
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None:
+                m._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                   requires_grad=p.requires_grad)
+        for name, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
 
 
 def _fuse(module: torch.nn.Module) -> None:
