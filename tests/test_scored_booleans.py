@@ -355,7 +355,10 @@ def test_a_boolean_declined_in_the_record_s_words_is_false_and_a_missing_one_is_
                  "I don't want to send it back or get a refund, please just send the missing part.",
                  "Support mentioned a refund and a new order - I hope that's not needed, just fix the invoice.",
                  "I could get a refund, but I'd rather just get it working.",
-                 "Agent: I can refund the lamp or send a new one.\nMe: a new one please, no refund needed"):
+                 "Agent: I can refund the lamp or send a new one.\nMe: a new one please, no refund needed",
+                 # a remedy's participle wished for before the refund's denied one
+                 "Please send a technician - we'd like it repaired, not refunded.",
+                 "I want the unit replaced and not refunded."):
         assert refund.decide(3.0, text)[0] is False, text
     # Named in another language otherwise (asked for, not received, a contrast after the negation, a policy, a refund
     # received), a refund someone had, or a customer's "I can refund myself?": the score's.
@@ -396,7 +399,8 @@ def test_a_boolean_declined_in_the_record_s_words_is_false_and_a_missing_one_is_
                  "Refund request: no. 4471, please process it"):
         assert refund.decide(-3.0, text)[0] is True, text
     # A participle denied (a complaint), a refund that happened, an amount sent back for another reason: the score's.
-    for text in ("Order cancelled but not refunded.", "I was already refunded by the shop, I only need a charger.",
+    for text in ("Order cancelled but not refunded.", "It was repaired but not refunded, and it broke again.",
+                 "I was already refunded by the shop, I only need a charger.",
                  "The delivery fee was refunded, thanks.", "I got reimbursement from my insurer.",
                  "Should I send the €20 part back or keep it?", "The price went back to 99 euros after the sale.",
                  "Return the payment slip to me please."):

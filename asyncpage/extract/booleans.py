@@ -80,6 +80,10 @@ _DECLINED_BEFORE = re.compile(r"(?:\b(?:do\s*n[o'’]?t|dont|not|never)\s+(?:\w+
 _NOT_IT = re.compile(r"(?:(?:^|[,;:.!?(]|\b(?:please|and|but|just|want|wants|like))\s*(?:not|do\s+not|do\s*n['’]t)"
                      r"|\bplease\s+(?:do\s+not|do\s*n['’]t))\s+(?:(?:a|an|the|my|our|any|for|for\s+a)\s+)?$",
                      re.IGNORECASE)
+# A remedy's participle wished for, then the refund's denied ("we'd like it repaired, not refunded", "replaced and not
+# refunded"; not "cancelled but not refunded": a cancelled order is no remedy, and "but" says a complaint).
+_REMEDY_NOT = re.compile(r"\b(?:repaired|replaced|fixed|exchanged|swapped|serviced)\s*[,;]?\s*(?:and\s+)?not\s+$",
+                         re.IGNORECASE)
 # Answered no on a form, the "No" alone on its line ("Refund requested: No"; not "Refund? No answer yet"), or of no
 # help ("a refund would not help me").
 _ANSWERED_NO = re.compile(r"(?:[^\S\n]+(?:requested|wanted|needed|required|request))?[^\S\n]*[:?][^\S\n]*(?:no|none)"
@@ -267,7 +271,8 @@ def _apart(spans: list[tuple[int, int, bool]], more: list[tuple[int, int, bool]]
 
 def namings_declined(spans: list[tuple[int, int, bool]], text: str) -> tuple[int, int, int]:
     """(stated, denied, declined) of a field's namings in `text` (`spans`: Reading.namings; declined: a negated
-    wish before it, "rather than" it, a "not" that denies no verb, "not needed" after it, "No refund please", a
+    wish before it, "rather than" it, a "not" that denies no verb, a remedy's participle before its own ("repaired,
+    not refunded"), "not needed" after it, "No refund please", a
     form's "Refund requested: No", "would not help" after it, a part of its denied ones); none where it names a
     policy ("a money-back guarantee", "our refund policy") or offers it ("Would you like a refund?")."""
     said = denied = declined = 0
@@ -285,6 +290,7 @@ def namings_declined(spans: list[tuple[int, int, bool]], text: str) -> tuple[int
         participle = text[start:end].lower().endswith("ed")
         turned_down = bool(_DECLINED_BEFORE.search(text, max(0, start - 80), start) or _DECLINED_AFTER.match(text, end)
                            or (not participle and _NOT_IT.search(text, max(0, start - 40), start))
+                           or (participle and _REMEDY_NOT.search(text, max(0, start - 40), start))
                            or _ANSWERED_NO.match(text, end)
                            or (no and (_NEEDED.match(text, end) or _NO_PLEASE.match(text, end))))
         if turned_down or negated:
