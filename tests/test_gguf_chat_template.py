@@ -100,7 +100,9 @@ async def test_gguf_model_generates_exactly_what_its_source_checkpoint_does(
     assert g.eos_token_ids == hf.eos_token_ids and len(g.eos_token_ids) == 2
     # The tokenizer converted from the file's metadata splits text as the checkpoint's does.
     chat_prompt = g.tokenizer.apply_chat_template(ASK, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
-    for text in (chat_prompt, "héllo wörld 2024-06-01\n\n  x", '<tool_call>\n{"a": 1}\n</tool_call><|im_end|>'):
+    # Decomposed text too: Qwen2's tokenizer normalizes it to NFC (cafe + U+0301, the Angstrom sign, Zu + U+0308).
+    for text in (chat_prompt, "héllo wörld 2024-06-01\n\n  x", '<tool_call>\n{"a": 1}\n</tool_call><|im_end|>',
+                 "cafe\u0301 \u212b Zu\u0308rich"):
         assert g.tokenizer(text)["input_ids"] == hf.tokenizer(text)["input_ids"], text
     async with hf:
         for params in (SamplingParams(max_tokens=24, temperature=0, logprobs=3, ignore_eos=True),

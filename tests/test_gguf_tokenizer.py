@@ -14,7 +14,8 @@ from asyncpage.model.weights import load_tokenizer, resolve
 TEXTS = [
     "Hello , world . It 's fine", "  two leading spaces", "tab\there\n\nnew lines\r\n", "a  b   c    d",
     '{"name": "Alice", "age": 31}', "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n",
-    "emoji 😀, 中文, ﬁ ligature, Zürich", "<bos>inside<eos>", "ORD-12345 #A77812 $1,299.00", " ", "",
+    "emoji 😀, 中文, ﬁ ligature, Zürich, Zu\u0308rich, cafe\u0301, \u212b", "<bos>inside<eos>",
+    "ORD-12345 #A77812 $1,299.00", " ", "",
 ]
 
 
@@ -31,7 +32,8 @@ def both() -> tuple[object, object]:
 def test_the_default_models_tokenizer_gives_the_ids_of_its_own_class(both: tuple[object, object]) -> None:
     ours, theirs = both
     assert type(theirs).__name__ == "GemmaTokenizer"
-    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "all_special_ids", "chat_template"):
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "all_special_ids", "chat_template",
+                 "padding_side"):
         assert getattr(ours, attr) == getattr(theirs, attr), attr
     assert len(ours) == len(theirs) == 262144  # type: ignore[arg-type]
     for text in TEXTS:

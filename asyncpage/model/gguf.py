@@ -121,8 +121,9 @@ def cached_tokenizer(folder: Path) -> Any:
     generic fast tokenizer, its special tokens and chat template from the saved config. The model's own
     class (GemmaTokenizer and the like) would rebuild the same Rust tokenizer from Python copies of the
     vocabulary and merges: for a 262k vocabulary 3.6 s and ~38 MiB more kept, against 1.2 s here (the
-    same ids, text and specials: tests/test_gguf_tokenizer.py). Then the heap freed by parsing the
-    JSON is handed back (trim_heap)."""
+    same ids, text, specials and padding side: tests/test_gguf_tokenizer.py; the folder was saved from
+    that class, with what its construction adds, such as Qwen2's NFC normalizer). Then the heap freed by
+    parsing the JSON is handed back (trim_heap)."""
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
@@ -159,8 +160,9 @@ def _end_of_turn_ids(tokenizer: Any) -> set[int]:
 
 
 # What an index.json this version writes holds; another is rebuilt, not read (the key changed with
-# version 2, so older entries are simply never looked up again).
-_INDEX_VERSION = 2
+# version 2, so older entries are simply never looked up again; version 3's tokenizer folder is saved
+# from the model's own tokenizer class, _index_gguf).
+_INDEX_VERSION = 3
 _EDGE = 1 << 20  # the key hashes this much of the file's start and of its end
 
 
@@ -301,7 +303,16 @@ def _index_gguf(path: Path, dest: Path) -> None:
     # Written into a fresh private folder and renamed in whole; a concurrent first load that renamed
     # its own in first is kept (fresh_dir), and both read that one.
     with cache_dir.fresh_dir(dest) as tmp:
-        tokenizer.save_pretrained(tmp / "tokenizer")
+        folder = tmp / "tokenizer"
+        tokenizer.save_pretrained(folder)
+        # Saved again from the model's own class reading it back: its construction adds what the converted
+        # backend lacks (Qwen2Tokenizer's NFC normalizer), which the generic class that loads the folder
+        # (cached_tokenizer) then reads as saved; and the class's padding side, which it does not save.
+        own = AutoTokenizer.from_pretrained(folder)
+        own.save_pretrained(folder)
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config["padding_side"] = own.padding_side
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
         (tmp / "index.json").write_text(json.dumps(index))
     log.info("indexed %s and converted its tokenizer in %.1f s (cached in %s)", path.name,
              time.perf_counter() - t0, dest)
