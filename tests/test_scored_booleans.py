@@ -358,7 +358,8 @@ def test_a_boolean_declined_in_the_record_s_words_is_false_and_a_missing_one_is_
                  "Agent: I can refund the lamp or send a new one.\nMe: a new one please, no refund needed",
                  # a remedy's participle wished for before the refund's denied one
                  "Please send a technician - we'd like it repaired, not refunded.",
-                 "I want the unit replaced and not refunded."):
+                 "I want the unit replaced and not refunded.", "We'd like it repaired \u2014 not refunded.",
+                 "I'd prefer to have it exchanged, not refunded.", "We'd like it repaired or replaced, not refunded."):
         assert refund.decide(3.0, text)[0] is False, text
     # Named in another language otherwise (asked for, not received, a contrast after the negation, a policy, a refund
     # received), a refund someone had, or a customer's "I can refund myself?": the score's.
@@ -400,6 +401,8 @@ def test_a_boolean_declined_in_the_record_s_words_is_false_and_a_missing_one_is_
         assert refund.decide(-3.0, text)[0] is True, text
     # A participle denied (a complaint), a refund that happened, an amount sent back for another reason: the score's.
     for text in ("Order cancelled but not refunded.", "It was repaired but not refunded, and it broke again.",
+                 "It was replaced and not refunded!", "They never fixed, not refunded, not even replied.",
+                 "The item was serviced and not refunded although I returned it within 14 days.",
                  "I was already refunded by the shop, I only need a charger.",
                  "The delivery fee was refunded, thanks.", "I got reimbursement from my insurer.",
                  "Should I send the €20 part back or keep it?", "The price went back to 99 euros after the sale.",

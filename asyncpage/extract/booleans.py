@@ -80,10 +80,14 @@ _DECLINED_BEFORE = re.compile(r"(?:\b(?:do\s*n[o'’]?t|dont|not|never)\s+(?:\w+
 _NOT_IT = re.compile(r"(?:(?:^|[,;:.!?(]|\b(?:please|and|but|just|want|wants|like))\s*(?:not|do\s+not|do\s*n['’]t)"
                      r"|\bplease\s+(?:do\s+not|do\s*n['’]t))\s+(?:(?:a|an|the|my|our|any|for|for\s+a)\s+)?$",
                      re.IGNORECASE)
-# A remedy's participle wished for, then the refund's denied ("we'd like it repaired, not refunded", "replaced and not
-# refunded"; not "cancelled but not refunded": a cancelled order is no remedy, and "but" says a complaint).
-_REMEDY_NOT = re.compile(r"\b(?:repaired|replaced|fixed|exchanged|swapped|serviced)\s*[,;]?\s*(?:and\s+)?not\s+$",
-                         re.IGNORECASE)
+# A remedy's participle wished for, then the refund's denied ("we'd like it repaired, not refunded", "I want the unit
+# replaced and not refunded", "to be exchanged - not refunded"); not a remedy that happened ("it was replaced and not
+# refunded!", "they never fixed, not refunded, not even replied"), nor "cancelled but not refunded".
+_REMEDIES = r"(?:repaired|replaced|fixed|exchanged|swapped|serviced)"
+_REMEDY_NOT = re.compile(r"(?:\b(?:like|want|wants|need|needs|prefer|have|get|rather)\s+"
+                         r"(?:(?:it|this|that|them|one|the|my|our|unit|item)\s+){0,2}|\bto\s+)(?:be\s+)?"
+                         rf"{_REMEDIES}(?:\s+(?:or|and)\s+{_REMEDIES})?\s*(?:(?:[,;]|[-\u2013\u2014])\s*)?"
+                         r"(?:and\s+)?not\s+$", re.IGNORECASE)
 # Answered no on a form, the "No" alone on its line ("Refund requested: No"; not "Refund? No answer yet"), or of no
 # help ("a refund would not help me").
 _ANSWERED_NO = re.compile(r"(?:[^\S\n]+(?:requested|wanted|needed|required|request))?[^\S\n]*[:?][^\S\n]*(?:no|none)"
@@ -290,7 +294,7 @@ def namings_declined(spans: list[tuple[int, int, bool]], text: str) -> tuple[int
         participle = text[start:end].lower().endswith("ed")
         turned_down = bool(_DECLINED_BEFORE.search(text, max(0, start - 80), start) or _DECLINED_AFTER.match(text, end)
                            or (not participle and _NOT_IT.search(text, max(0, start - 40), start))
-                           or (participle and _REMEDY_NOT.search(text, max(0, start - 40), start))
+                           or (participle and _REMEDY_NOT.search(text, max(0, start - 80), start))
                            or _ANSWERED_NO.match(text, end)
                            or (no and (_NEEDED.match(text, end) or _NO_PLEASE.match(text, end))))
         if turned_down or negated:

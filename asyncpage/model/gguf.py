@@ -120,10 +120,10 @@ def cached_tokenizer(folder: Path) -> Any:
     """The tokenizer the index saved (`_index_gguf`), loaded as its tokenizer.json stands: transformers'
     generic fast tokenizer, its special tokens and chat template from the saved config. The model's own
     class (GemmaTokenizer and the like) would rebuild the same Rust tokenizer from Python copies of the
-    vocabulary and merges: for a 262k vocabulary 3.6 s and ~38 MiB more kept, against 1.2 s here (the
-    same ids, text, specials and padding side: tests/test_gguf_tokenizer.py; the folder was saved from
-    that class, with what its construction adds, such as Qwen2's NFC normalizer). Then the heap freed by
-    parsing the JSON is handed back (trim_heap)."""
+    vocabulary and merges: for a 262k vocabulary 3.6 s against 1.2 here, and 14 MiB more kept at the end
+    of an engine's load (the same ids, text, specials and padding side: tests/test_gguf_tokenizer.py; the
+    folder was saved from that class, with what its construction adds, such as Qwen2's NFC normalizer).
+    Then the heap freed by parsing the JSON is handed back (trim_heap)."""
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
@@ -280,7 +280,7 @@ def _dequantize(path: Path, t: dict[str, Any]) -> torch.Tensor:
 
 def _index_gguf(path: Path, dest: Path) -> None:
     import gguf
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     t0 = time.perf_counter()
     reader = gguf.GGUFReader(str(path))
@@ -300,18 +300,22 @@ def _index_gguf(path: Path, dest: Path) -> None:
     eos |= _end_of_turn_ids(tokenizer)
     index = {"version": _INDEX_VERSION, "source": str(path), "model_type": model_type,
              "config": _gguf_config_kwargs(reader, arch, model_type), "tensors": tensors, "eos_token_ids": sorted(eos)}
+    del reader  # its parsed metadata (hundreds of MiB for a 262k vocabulary) is not needed past here
+    # The model's own class (not the generic one) rebuilds its backend at construction, adding what the converted
+    # one lacks (Qwen2Tokenizer's NFC normalizer): its folder is saved again from that class reading it back, so
+    # the generic class that loads the folder (cached_tokenizer) reads it as saved; with the class's padding
+    # side, which it does not save.
+    rebuild, padding_side = type(tokenizer) is not PreTrainedTokenizerFast, tokenizer.padding_side
     # Written into a fresh private folder and renamed in whole; a concurrent first load that renamed
     # its own in first is kept (fresh_dir), and both read that one.
     with cache_dir.fresh_dir(dest) as tmp:
         folder = tmp / "tokenizer"
         tokenizer.save_pretrained(folder)
-        # Saved again from the model's own class reading it back: its construction adds what the converted
-        # backend lacks (Qwen2Tokenizer's NFC normalizer), which the generic class that loads the folder
-        # (cached_tokenizer) then reads as saved; and the class's padding side, which it does not save.
-        own = AutoTokenizer.from_pretrained(folder)
-        own.save_pretrained(folder)
+        del tokenizer
+        if rebuild:
+            AutoTokenizer.from_pretrained(folder).save_pretrained(folder)
         config = json.loads((folder / "tokenizer_config.json").read_text())
-        config["padding_side"] = own.padding_side
+        config["padding_side"] = padding_side
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
         (tmp / "index.json").write_text(json.dumps(index))
     log.info("indexed %s and converted its tokenizer in %.1f s (cached in %s)", path.name,

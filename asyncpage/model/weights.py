@@ -200,16 +200,18 @@ def _materialize(module: torch.nn.Module, device: torch.device) -> None:
     """`module.to_empty(device=device)` for a module built on the meta device, without its cost:
     `empty_like` of a meta tensor runs torch's Python reference kernels, whose first use imports
     torch.fx's symbolic shapes and sympy (~28 MiB of modules kept resident, for nothing the engine
-    runs). Each parameter and buffer gets a new uninitialised tensor of its shape, strides and dtype, as
-    to_empty gives; a tied weight comes apart, as there."""
+    runs). Each parameter and buffer gets a new uninitialised contiguous tensor of its shape and dtype: what
+    to_empty gives for the contiguous tensors every registered family builds (empty_like keeps a dense
+    tensor's strides, which a family with a transposed parameter would have to keep too); a tied weight
+    comes apart, as there."""
     for m in module.modules():
         for name, p in list(m._parameters.items()):
             if p is not None:
-                m._parameters[name] = nn.Parameter(torch.empty_strided(p.shape, p.stride(), dtype=p.dtype,
-                                                                       device=device), requires_grad=p.requires_grad)
+                m._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                   requires_grad=p.requires_grad)
         for name, b in list(m._buffers.items()):
             if b is not None:
-                m._buffers[name] = torch.empty_strided(b.shape, b.stride(), dtype=b.dtype, device=device)
+                m._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
 
 
 def _fuse(module: torch.nn.Module) -> None:
