@@ -52,3 +52,15 @@ def test_the_default_models_tokenizer_decodes_any_ids_as_its_own_class(both: tup
         for skip in (True, False):
             assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(  # type: ignore[attr-defined]
                 ids, skip_special_tokens=skip), ids
+
+
+def test_the_cached_config_lists_the_tokenizer_files_added_tokens() -> None:
+    """So loading reads them from the small config, not by parsing the whole tokenizer.json in Python."""
+    import json
+
+    cached, _ = _gguf_index(resolve(None))
+    config = json.loads((cached / "tokenizer" / "tokenizer_config.json").read_text())
+    added = json.loads((cached / "tokenizer" / "tokenizer.json").read_text())["added_tokens"]
+    assert len(added) == 6384
+    assert config["added_tokens_decoder"] == {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in added}
+
