@@ -30,12 +30,13 @@ from asyncpage.decoding.speculative import Verify, draft_masks, verify
 from asyncpage.guided.backend import bitmask_width
 from asyncpage.guided.budget import matcher_error
 from asyncpage.model.attention import KV_QMAX, AttentionMetadata, paged_attention
-from asyncpage.model.batch import EXACT_ROWS, FlatBatch, consecutive
+from asyncpage.model.batch import EXACT_ROWS, FlatBatch, consecutive, long_tensor
 from asyncpage.model.gguf_linear import unpadded_rows
 from asyncpage.model.registry import CausalLM
 from asyncpage.outputs import TokenLogprob
 
 log = logging.getLogger("asyncpage")
+_CPU = torch.device("cpu")
 
 
 @dataclass
@@ -176,11 +177,11 @@ class ModelRunner:
         forked = spec_rows != list(range(len(specs)))
         # spec_rows index the logits after they are moved to the CPU (execute): a CPU tensor on every device.
         return StepBatch(input_ids, positions, meta, self._t(logit_rows), consecutive(logit_rows),
-                         torch.tensor(spec_rows, dtype=torch.long),
+                         long_tensor(spec_rows, _CPU),
                          specs, list(out.block_copies), forked=forked, verifies=verifies, scored=scored)
 
     def _t(self, xs: list[int] | list[list[int]]) -> torch.Tensor:
-        return torch.tensor(xs, dtype=torch.long, device=self.device)
+        return long_tensor(xs, self.device)
 
     # ---- in the worker thread --------------------------------------------------------------
     @torch.inference_mode()
@@ -198,15 +199,17 @@ class ModelRunner:
         # own rows: not asked for then)
         model = self.model
         every, found = (model.compute_logits(rows), None) if batch.verifies else model.compute_logits_max(rows)
-        every = every.cpu()
+        if not every.is_cpu:
+            every = every.cpu()
         prompt_logprobs = {r.seq_id: (r.first, _prompt_logprobs(self.model, hidden, r)) for r in batch.scored}
-        if batch.forked:
-            pick: torch.Tensor | slice = batch.spec_rows  # forked samples share their parent's row; drafts have several
-        else:
-            pick = slice(0, len(batch.specs))  # one row per sample: drop the padding rows
-        logits = every[pick]
+        logits = every  # one row per sample, and no others: as they are
+        if batch.forked or every.shape[0] != len(batch.specs):
+            # forked samples share their parent's row, drafts have several; else one row per sample, then others
+            pick: torch.Tensor | slice = batch.spec_rows if batch.forked else slice(0, len(batch.specs))
+            logits = every[pick]
+            found = None if found is None else (found[0][pick], found[1][pick])
         broken = masks.result() if masks is not None else {}
-        result = sample(logits, batch.specs, bitmask, None if found is None else (found[0][pick], found[1][pick]))
+        result = sample(logits, batch.specs, bitmask, found)
         failed = {batch.specs[i].seq_id: NO_VALID_TOKEN for i in result.invalid}
         failed.update((batch.specs[i].seq_id, why) for i, why in broken.items())
         beams = beam_candidates(logits, batch.specs, bitmask)

@@ -293,7 +293,9 @@ class Bound:
         interleaved path runs (past 8 rows in the VNNI form, rows not repacked by eight), which finds none.
         Under the default floating-point environment: a caller's flush-to-zero (torch.set_flush_denormal)
         holds for its own thread only, not the kernel's other threads, whose comparisons then keep denormals."""
-        x = x.to(torch.float32).contiguous()
+        if x.dtype != torch.float32:
+            x = x.to(torch.float32)
+        x = x.contiguous()
         rows = x.shape[0]
         if rows > SEARCH_ROWS:
             return self(x), None
@@ -301,7 +303,7 @@ class Bound:
         vals, idx = torch.empty(rows, dtype=torch.float32), torch.empty(rows, dtype=torch.long)
         self._check(self.lib.matmul_max(self.type, self.form, x.data_ptr(), self.ptr, self.n, self.k, rows,
                                         torch.get_num_threads(), out.data_ptr(), vals.data_ptr(), idx.data_ptr()))
-        return out, (None if rows and int(idx.min()) < 0 else (vals, idx))
+        return out, (None if rows and min(idx.tolist()) < 0 else (vals, idx))
 
     def _check(self, rc: int) -> None:
         if rc != 0:

@@ -159,7 +159,7 @@ def logits_with_max(head: nn.Module, hidden: torch.Tensor) -> tuple[
     if not isinstance(head, GGUFLinear):
         return None
     logits, found = head.with_max(hidden)
-    return logits.float(), found
+    return logits if logits.dtype == torch.float32 else logits.float(), found
 
 
 def unpadded_rows(model: nn.Module) -> int:

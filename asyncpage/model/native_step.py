@@ -230,7 +230,7 @@ class NativeStep:
         tables, lens, slots = meta.decode_block_tables, meta.decode_context_lens, meta.slot_mapping
         assert pool is not None and tables is not None and lens is not None
         index = (input_ids, positions, slots, tables, lens)
-        if not all(t.dtype == torch.long and t.device.type == "cpu" and t.is_contiguous() for t in index):
+        if not all(t.dtype == torch.long and t.is_cpu and t.is_contiguous() for t in index):
             raise ValueError("the fused decode step takes contiguous int64 CPU ids, positions, slots and tables")
         rows = int(input_ids.shape[0])
         out = torch.empty(rows, self.hidden, dtype=torch.float32)
