@@ -810,6 +810,17 @@ def test_an_id_its_field_s_own_word_labels_right_before_it_is_taken_whole_and_ne
                        ("ORDINAL-5521 and ORDX-9981", "ORDX-9981")):
         assert not labeled(text, span, ("order",)), text
     assert not labeled("Bestellnummer: DW-5590213", "DW-5590213", ("tracking",))  # an order's word, not a tracking's
+    # a purchase order's "PO" in capitals labels an order's id (four digits too: no amount after it); not a post
+    # office box, a lowercase "po", or another field's
+    for text, span in (("the 12 printers we bought under PO 8823 went offline", "8823"),
+                       ("Our Voltrane PX-12 PDU (PO 4471) tripped", "4471"), ("(PO 4471) tripped", "PO 4471"),
+                       ("speakers (PO-2024-3312). Two", "PO-2024-3312"), ("P.O. 20817 has", "20817"),
+                       ("PO#: 55102 is", "55102")):
+        assert labeled(text, span, ("order",)), text
+    for text, span in (("Send it to PO Box 4471, Springfield", "4471"), ("send to P.O. box 4471", "4471"),
+                       ("the repo 4471 is", "4471"), ("po 4471", "4471"), ("Po 4471", "4471")):
+        assert not labeled(text, span, ("order",)) and not near(text, ("order",)), text
+    assert not labeled("under PO 8823 went", "8823", ("tracking",))
     for text, span in (("Agent: Could you confirm your order number?\r\nSarah: LQ-3390\r\nAgent: thanks", "LQ-3390"),
                        ("[14:04] Agent: Do you have your order number?\n[14:04] Sarah: 7730019245", "7730019245")):
         assert labeled(text, span, ("order",)), text

@@ -100,8 +100,16 @@ _LABEL_TAIL = (rf")s?(?:[ \t]+(?:{_ID_NOUNS})){{0,2}}[ \t]*(?:[:#][ \t]*){{0,2}}
 _BOOKINGS = ("booking", "reservation", "bestellung", "bestellnummer", "bestelnummer", "bestelling", "commande",
              "pedido", "encomenda", "ordine", "zamówienie", "zamowienie", "tilaus", "tilausnumero", "ordrenummer",
              "bestilling", "bestillingsnummer", "beställning", "ordernummer", "sipariş", "objednávka", "rendelés")
-# An id that names itself an order's ("ORD-5562190", "ORDER-55123", "Ord-20931-B"; not "ORD2", "ORD5-SORT").
-_SELF_ORDER = re.compile(r"(?:ORD|Ord|ORDER|Order)[-_#/]?\d{4,}(?:-[A-Z0-9]{1,6})*")
+# A purchase order's abbreviation, in capitals, naming an order as "order" does ("under PO 8823", "(PO# 4471)", "P.O.
+# 20817"); not a post office's ("PO Box 118"). Every labeled set that writes one (16 tickets of v9-v88) labels the PO
+# number the order's id where the ticket gives no other; beside the seller's own order number ("order CBX-11902, our
+# internal PO 7781") that one.
+_PO = r"(?-i:P\.?O\.?)(?!\.?[ \t]*(?i:box)\b)"
+# An id that names itself an order's ("ORD-5562190", "ORDER-55123", "Ord-20931-B", "PO-2024-117"; not "ORD2",
+# "ORD5-SORT").
+_SELF_ORDER = re.compile(r"(?:(?:ORD|Ord|ORDER|Order)[-_#/]?|PO[-_#/ ]?)\d{4,}(?:-[A-Z0-9]{1,6})*")
+# A purchase order's label right before a span: a number of four digits after it is its id, not an amount.
+_PO_LABEL = re.compile(r"(?<![\w.])" + _PO + r"[ \t]*(?:[:#][ \t]*){0,2}\Z")
 # An order's id in brackets right after the ordered thing's phrase: "the Parlour 12 I ordered (MF-0911-2287)", "I
 # ordered a Zipvolt Urban X scooter (#55019)".
 # Only an id's shape: "#" and digits, or groups of capitals and digits joined by hyphens ("MF-0911-2287"); not a
@@ -197,11 +205,11 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
     return ELSEWHERE
 
 
-def _naming(words: Sequence[str]) -> tuple[bool, tuple[str, ...]]:
-    """(whether `words` name an order's id, the words that name the field in a record: for an order's id a
-    booking's or a reservation's word too)."""
+def _naming(words: Sequence[str]) -> tuple[bool, str]:
+    """(whether `words` name an order's id, the alternation of what names the field in a record: its words, and for
+    an order's id a booking's or a reservation's word and a purchase order's "PO" too)."""
     orders = bool(_ORDERS.intersection(words))
-    return orders, tuple(words) + (_BOOKINGS if orders else ())
+    return orders, "|".join([*map(re.escape, (*words, *(_BOOKINGS if orders else ()))), *([_PO] if orders else [])])
 
 
 def labeled(text: str, span: str, words: Sequence[str]) -> bool:
@@ -217,14 +225,18 @@ def labeled_id(text: str, span: str, words: Sequence[str]) -> str:
     "order AUR 5519 0087" for "5519 0087"; never an id noun or a kind's word: "ORDER REF NO 55019", "order SKU
     88123"), or alone in brackets after the ordered thing's phrase ("I ordered a scooter (#55019)", _BRACKETED, not
     denied). Only an id's shape is read so: four characters or more, a digit, not a date, a time, an amount or a
-    count ("order 2500 more units", "order 1,299.00"). "" where no place is labeled so."""
-    if len(span) < 4 or not any(ch.isdecimal() for ch in span) or _DATE.search(span) or not words or \
-            (_AMOUNT.fullmatch(span) and (len(span) <= 4 or not span.isdecimal())):
+    count ("order 2500 more units", "order 1,299.00"; four digits after a purchase order's "PO" are its id). "" where no
+    place is labeled so."""
+    if len(span) < 4 or not any(ch.isdecimal() for ch in span) or _DATE.search(span) or not words:
         return ""
     orders, own = _naming(words)
+    after_po = orders and span.isdecimal() and any(_PO_LABEL.search(text, max(0, i - 12), i)
+                                                   for i in _places(text, span))
+    if _AMOUNT.fullmatch(span) and (len(span) <= 4 or not span.isdecimal()) and not after_po:
+        return ""
     if orders and _SELF_ORDER.fullmatch(span) and re.search(r"(?<![\w-])" + re.escape(span) + r"(?![\w-])", text):
         return span
-    label = re.compile(r"\b(?:" + "|".join(map(re.escape, own)) + _LABEL_TAIL, re.IGNORECASE)
+    label = re.compile(r"\b(?:" + own + _LABEL_TAIL, re.IGNORECASE)
     i = text.find(span)
     while i >= 0:
         end = i + len(span)
@@ -244,6 +256,15 @@ def labeled_id(text: str, span: str, words: Sequence[str]) -> str:
     return ""
 
 
+def _places(text: str, span: str) -> list[int]:
+    """Where `text` holds `span`."""
+    out, i = [], text.find(span)
+    while i >= 0:
+        out.append(i)
+        i = text.find(span, i + 1)
+    return out
+
+
 # A chat's answer: the span alone on its line after its speaker ("Customer: #LQ-3390", "[14:04] Sarah: 77300192"),
 # the line before a question asking for the field's id ("Could you confirm your order number?"; not "What's the
 # tracking number on your order?", "When did you place the order?"). A speaker is no kind's label ("Invoice:").
@@ -253,7 +274,7 @@ _KIND_SPEAKER = re.compile(r"\b(?:" + "|".join([k for k in _KINDS if k not in ("
 _LINE = 200  # characters a chat's answer line and its question are read over at most
 
 
-def _answers(text: str, start: int, end: int, own: Sequence[str]) -> bool:
+def _answers(text: str, start: int, end: int, own: str) -> bool:
     line = text.rfind("\n", max(0, start - _LINE), start) + 1
     stop = text.find("\n", end, end + _LINE)
     if not line or not _SPEAKER.fullmatch(text, line, start) or _KIND_SPEAKER.search(text, line, start) or \
@@ -261,7 +282,7 @@ def _answers(text: str, start: int, end: int, own: Sequence[str]) -> bool:
         return False
     above = text.rfind("\n", max(0, line - 1 - _LINE), line - 1) + 1
     asked = text[max(above, line - 1 - _LINE) : line - 1].rstrip()
-    ids = re.compile(r"\b(?:" + "|".join(map(re.escape, own)) + rf")s?[ \t]*(?:{_ID_NOUNS}|#)", re.IGNORECASE)
+    ids = re.compile(r"\b(?:" + own + rf")s?[ \t]*(?:{_ID_NOUNS}|#)", re.IGNORECASE)
     return asked.endswith("?") and bool(ids.search(asked))
 
 
@@ -310,7 +331,7 @@ def near(text: str, words: Sequence[str]) -> list[str]:
     if not words:
         return []
     orders, own = _naming(words)
-    pattern = re.compile(r"\b(?:" + "|".join(map(re.escape, own)) + r")s?\b", re.IGNORECASE)
+    pattern = re.compile(r"\b(?:" + own + r")s?\b", re.IGNORECASE)
     found: list[tuple[int, int]] = []
     for m in pattern.finditer(text):
         if is_denied(text, m.start(), m.end()):
