@@ -815,11 +815,13 @@ def test_an_id_its_field_s_own_word_labels_right_before_it_is_taken_whole_and_ne
     for text, span in (("the 12 printers we bought under PO 8823 went offline", "8823"),
                        ("Our Voltrane PX-12 PDU (PO 4471) tripped", "4471"), ("(PO 4471) tripped", "PO 4471"),
                        ("speakers (PO-2024-3312). Two", "PO-2024-3312"), ("P.O. 20817 has", "20817"),
-                       ("PO#: 55102 is", "55102")):
+                       ("PO#: 55102 is", "55102"), ("PO number 4471", "4471"), ("PO No. 4471", "4471")):
         assert labeled(text, span, ("order",)), text
     for text, span in (("Send it to PO Box 4471, Springfield", "4471"), ("send to P.O. box 4471", "4471"),
-                       ("the repo 4471 is", "4471"), ("po 4471", "4471"), ("Po 4471", "4471")):
+                       ("PO\u00a0Boxes 44712", "44712"), ("the repo 4471 is", "4471"), ("po 4471", "4471"),
+                       ("Po 4471", "4471"), ("I paid at your store's POS #55190", "55190"), ("POS ID: 44712", "44712")):
         assert not labeled(text, span, ("order",)) and not near(text, ("order",)), text
+    assert doubt("PO raised for a replacement, ref 558812", "558812", ("order",), "order_id") == 0.0  # named near it
     assert not labeled("under PO 8823 went", "8823", ("tracking",))
     for text, span in (("Agent: Could you confirm your order number?\r\nSarah: LQ-3390\r\nAgent: thanks", "LQ-3390"),
                        ("[14:04] Agent: Do you have your order number?\n[14:04] Sarah: 7730019245", "7730019245")):

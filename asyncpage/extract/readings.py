@@ -104,12 +104,13 @@ _BOOKINGS = ("booking", "reservation", "bestellung", "bestellnummer", "bestelnum
 # 20817"); not a post office's ("PO Box 118"). Every labeled set that writes one (16 tickets of v9-v88) labels the PO
 # number the order's id where the ticket gives no other; beside the seller's own order number ("order CBX-11902, our
 # internal PO 7781") that one.
-_PO = r"(?-i:P\.?O\.?)(?!\.?[ \t]*(?i:box)\b)"
+_PO = r"(?-i:P\.?O\.?(?!S))(?!\.?\s*(?i:box))"
 # An id that names itself an order's ("ORD-5562190", "ORDER-55123", "Ord-20931-B", "PO-2024-117"; not "ORD2",
 # "ORD5-SORT").
 _SELF_ORDER = re.compile(r"(?:(?:ORD|Ord|ORDER|Order)[-_#/]?|PO[-_#/ ]?)\d{4,}(?:-[A-Z0-9]{1,6})*")
 # A purchase order's label right before a span: a number of four digits after it is its id, not an amount.
-_PO_LABEL = re.compile(r"(?<![\w.])" + _PO + r"[ \t]*(?:[:#][ \t]*){0,2}\Z")
+_PO_LABEL = re.compile(r"(?<![\w.])" + _PO + rf"(?:[ \t]+{_ID_NOUNS}){{0,2}}[ \t]*(?:[:#][ \t]*){{0,2}}\Z",
+                       re.IGNORECASE)
 # An order's id in brackets right after the ordered thing's phrase: "the Parlour 12 I ordered (MF-0911-2287)", "I
 # ordered a Zipvolt Urban X scooter (#55019)".
 # Only an id's shape: "#" and digits, or groups of capitals and digits joined by hyphens ("MF-0911-2287"); not a
@@ -188,7 +189,8 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
         return NO_DIGIT
     if not words or not span:
         return 0.0
-    pattern = re.compile(r"\b(?:" + "|".join(map(re.escape, words)) + ")", re.IGNORECASE)
+    po = [_PO] if _ORDERS.intersection(words) else []  # a purchase order's "PO" names an order here too
+    pattern = re.compile(r"\b(?:" + "|".join([*map(re.escape, words), *po]) + ")", re.IGNORECASE)
     own_label = labeled(text, span, words)  # the field's own label wins over another kind's ("Customer: #LQ-3390")
     if numbered(field) and _ORDERS.intersection(words) and not _KIND_WORDS.intersection(words) and \
             not own_label and named_otherwise(text, span, pattern):
@@ -230,7 +232,7 @@ def labeled_id(text: str, span: str, words: Sequence[str]) -> str:
     if len(span) < 4 or not any(ch.isdecimal() for ch in span) or _DATE.search(span) or not words:
         return ""
     orders, own = _naming(words)
-    after_po = orders and span.isdecimal() and any(_PO_LABEL.search(text, max(0, i - 12), i)
+    after_po = orders and span.isdecimal() and any(_PO_LABEL.search(text, max(0, i - 32), i)
                                                    for i in _places(text, span))
     if _AMOUNT.fullmatch(span) and (len(span) <= 4 or not span.isdecimal()) and not after_po:
         return ""
@@ -323,7 +325,8 @@ def near(text: str, words: Sequence[str]) -> list[str]:
     """The stretches of `text` right where it names a field: from each of `words` (for an order's id, a booking's or
     a reservation's word too) as a whole word or its plural ("order", "Orders", not "ordered"), not denied there ("I
     have no order number"), to NEAR characters past it and the rest of the word there ("order number: CF-00931-FR",
-    at most TAIL more characters), from the start of the word holding the naming ("PO-ORDER-55123"); cut, once it has
+    at most TAIL more characters), from the start of the word holding the naming ("PO-ORDER-55123", at most TAIL
+    characters back); cut, once it has
     held a word with a digit, at the line's end or another kind's label (_ANOTHER: "order HVN-3381045, model HK-17P"
     reads "order HVN-3381045, "). For an order's id, also what stands alone in brackets after the ordered thing's
     phrase ("I ordered a Zipvolt Urban X scooter (#55019)": "#55019"). Overlapping ones merged, at most MAX_NEAR, in
@@ -337,8 +340,8 @@ def near(text: str, words: Sequence[str]) -> list[str]:
         if is_denied(text, m.start(), m.end()):
             continue
         start, end = m.start(), min(len(text), m.end() + NEAR)
-        while start > 0 and not text[start - 1].isspace():
-            start -= 1
+        while start > max(0, m.start() - TAIL) and not text[start - 1].isspace():  # at most TAIL back: no run of
+            start -= 1  # text without a space read again from each naming in it
         stop = min(len(text), end + TAIL)
         while end < stop and not text[end].isspace():
             end += 1
