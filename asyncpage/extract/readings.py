@@ -101,7 +101,7 @@ _BOOKINGS = ("booking", "reservation", "bestellung", "bestellnummer", "bestelnum
              "pedido", "encomenda", "ordine", "zamówienie", "zamowienie", "tilaus", "tilausnumero", "ordrenummer",
              "bestilling", "bestillingsnummer", "beställning", "ordernummer", "sipariş", "objednávka", "rendelés")
 # A purchase order's abbreviation, in capitals, naming an order as "order" does ("under PO 8823", "(PO# 4471)", "P.O.
-# 20817"); not a post office's ("PO Box 118"). Every labeled set that writes one (16 tickets of v9-v88) labels the PO
+# 20817"); not a post office's ("PO Box 118"). Every labeled set that writes one (15 tickets of v9-v90) labels the PO
 # number the order's id where the ticket gives no other; beside the seller's own order number ("order CBX-11902, our
 # internal PO 7781") that one.
 _PO = r"(?-i:P\.?O\.?(?!S))(?!\.?\s*(?i:box))"
@@ -199,11 +199,8 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
         return -LABELED
     if not pattern.search(text):
         return NAMELESS
-    i = text.find(span)
-    while i >= 0:
-        if pattern.search(text, max(0, i - NEAR), i + len(span)):
-            return 0.0
-        i = text.find(span, i + 1)
+    if any(pattern.search(text, max(0, i - NEAR), i + len(span)) for i in _places(text, span)):
+        return 0.0
     return ELSEWHERE
 
 
@@ -239,8 +236,7 @@ def labeled_id(text: str, span: str, words: Sequence[str]) -> str:
     if orders and _SELF_ORDER.fullmatch(span) and re.search(r"(?<![\w-])" + re.escape(span) + r"(?![\w-])", text):
         return span
     label = re.compile(r"\b(?:" + own + _LABEL_TAIL, re.IGNORECASE)
-    i = text.find(span)
-    while i >= 0:
+    for i in _places(text, span):
         end = i + len(span)
         after = text[end : end + 2]
         if not after[:1].isalnum() and not (after[:1] in "-/._#" and after[1:].isalnum()) and \
@@ -254,7 +250,6 @@ def labeled_id(text: str, span: str, words: Sequence[str]) -> str:
                               and not _KIND_BRACKET.search(text, max(0, m.start("id") - 40), m.start("id"))
                               for m in _BRACKETED.finditer(text, max(0, i - 80), min(len(text), end + 4))):
                 return span
-        i = text.find(span, i + 1)
     return ""
 
 
@@ -297,15 +292,13 @@ def named_otherwise(text: str, span: str, own: re.Pattern[str]) -> bool:
     the serial is NBX14-7" are). False where the span is not in the text."""
     if not span or own.search(span):
         return False
-    i, seen = text.find(span), False
-    while i >= 0:
+    places = _places(text, span)
+    for i in places:
         line = text[max(0, i - 48) : i].rsplit("\n", 1)[-1]
         m = _LABELED.search(line)
         if m is None or _owned(line[: m.start()], line[m.start() :], own):
             return False
-        seen = True
-        i = text.find(span, i + 1)
-    return seen
+    return bool(places)
 
 
 def _owned(before: str, label: str, own: re.Pattern[str]) -> bool:
@@ -326,11 +319,10 @@ def near(text: str, words: Sequence[str]) -> list[str]:
     a reservation's word too) as a whole word or its plural ("order", "Orders", not "ordered"), not denied there ("I
     have no order number"), to NEAR characters past it and the rest of the word there ("order number: CF-00931-FR",
     at most TAIL more characters), from the start of the word holding the naming ("PO-ORDER-55123", at most TAIL
-    characters back); cut, once it has
-    held a word with a digit, at the line's end or another kind's label (_ANOTHER: "order HVN-3381045, model HK-17P"
-    reads "order HVN-3381045, "). For an order's id, also what stands alone in brackets after the ordered thing's
-    phrase ("I ordered a Zipvolt Urban X scooter (#55019)": "#55019"). Overlapping ones merged, at most MAX_NEAR, in
-    the text's order. [] where none."""
+    characters back); cut, once it has held a word with a digit, at the line's end or another kind's label
+    (_ANOTHER: "order HVN-3381045, model HK-17P" reads "order HVN-3381045, "). For an order's id, also what stands
+    alone in brackets after the ordered thing's phrase ("I ordered a Zipvolt Urban X scooter (#55019)": "#55019").
+    Overlapping ones merged, at most MAX_NEAR, in the text's order. [] where none."""
     if not words:
         return []
     orders, own = _naming(words)
