@@ -46,7 +46,6 @@ from asyncpage.extract.readings import (
     mean,
     near_grammar,
     reading,
-    seller_order,
     value_grammar,
 )
 from asyncpage.extract.starts import Starts
@@ -426,9 +425,6 @@ class Plan:
             gain, base, need, value = max(read, self._span_read(name, near=True) or read, key=lambda r: r[0] - r[2])
             shares[name] = logistic(abs(gain - need)) if need < math.inf else logistic(base - gain)  # no digit: model's
             decided[name] = value if gain > need else None
-            if gain > need and (seller := seller_order(self.text, value, self.d.anchors[name])) and \
-                    self.d.holds(name, seller):
-                decided[name] = seller  # the seller's order number, not the customer's purchase order
         for name in self.nulls:
             m, off = self.margin(name), self.d.margins.get(name)
             found = self._got(self.best.get(name))

@@ -204,12 +204,11 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
     return ELSEWHERE
 
 
-def _naming(words: Sequence[str], po: bool = True) -> tuple[bool, str]:
+def _naming(words: Sequence[str]) -> tuple[bool, str]:
     """(whether `words` name an order's id, the alternation of what names the field in a record: its words, and for
-    an order's id a booking's or a reservation's word and, with `po`, a purchase order's "PO" too)."""
+    an order's id a booking's or a reservation's word and a purchase order's "PO" too)."""
     orders = bool(_ORDERS.intersection(words))
-    return orders, "|".join([*map(re.escape, (*words, *(_BOOKINGS if orders else ()))),
-                             *([_PO] if orders and po else [])])
+    return orders, "|".join([*map(re.escape, (*words, *(_BOOKINGS if orders else ()))), *([_PO] if orders else [])])
 
 
 def labeled(text: str, span: str, words: Sequence[str]) -> bool:
@@ -218,7 +217,7 @@ def labeled(text: str, span: str, words: Sequence[str]) -> bool:
     return bool(labeled_id(text, span, words))
 
 
-def labeled_id(text: str, span: str, words: Sequence[str], po: bool = True) -> str:
+def labeled_id(text: str, span: str, words: Sequence[str]) -> str:
     """`span` as the record labels it: where one of `words` (for an order's id, a booking's or a reservation's word
     too) labels it right before it on its line (_LABEL_TAIL: "order HVN-3381045", "Order no.: 55019", "booking ref
     RLN-8K2Q7"), for an order's id with the id's first group the label holds ("order GLM#559203" for "559203",
@@ -226,16 +225,15 @@ def labeled_id(text: str, span: str, words: Sequence[str], po: bool = True) -> s
     88123"), or alone in brackets after the ordered thing's phrase ("I ordered a scooter (#55019)", _BRACKETED, not
     denied). Only an id's shape is read so: four characters or more, a digit, not a date, a time, an amount or a
     count ("order 2500 more units", "order 1,299.00"; four digits after a purchase order's "PO" are its id). "" where no
-    place is labeled so. `po`: a purchase order's "PO" labels an order's id too (seller_order reads without it)."""
+    place is labeled so."""
     if len(span) < 4 or not any(ch.isdecimal() for ch in span) or _DATE.search(span) or not words:
         return ""
-    orders, own = _naming(words, po)
-    after_po = po and orders and span.isdecimal() and any(_PO_LABEL.search(text, max(0, i - 32), i)
-                                                          for i in _places(text, span))
+    orders, own = _naming(words)
+    after_po = orders and span.isdecimal() and any(_PO_LABEL.search(text, max(0, i - 32), i)
+                                                   for i in _places(text, span))
     if _AMOUNT.fullmatch(span) and (len(span) <= 4 or not span.isdecimal()) and not after_po:
         return ""
-    if orders and _SELF_ORDER.fullmatch(span) and (po or not span.startswith("PO")) and \
-            re.search(r"(?<![\w-])" + re.escape(span) + r"(?![\w-])", text):
+    if orders and _SELF_ORDER.fullmatch(span) and re.search(r"(?<![\w-])" + re.escape(span) + r"(?![\w-])", text):
         return span
     label = re.compile(r"\b(?:" + own + _LABEL_TAIL, re.IGNORECASE)
     for i in _places(text, span):
@@ -253,33 +251,6 @@ def labeled_id(text: str, span: str, words: Sequence[str], po: bool = True) -> s
                               for m in _BRACKETED.finditer(text, max(0, i - 80), min(len(text), end + 4))):
                 return span
     return ""
-
-
-# A customer's purchase order's label right before a span: "PO", "purchase order" (with an id noun, a colon, "#").
-_PURCHASE_LABEL = re.compile(rf"(?:(?<![\w.]){_PO}|\bpurchase[ \t]+order)(?:[ \t]+{_ID_NOUNS}){{0,2}}[ \t]*"
-                             r"(?:[:#][ \t]*){0,2}\Z", re.IGNORECASE)
-_TOKEN_EDGES = "()[]{},.;:!?\"'"
-
-
-def seller_order(text: str, span: str, words: Sequence[str]) -> str:
-    """For an order's id read as a customer's purchase-order number ("our internal PO 7781", "purchase order
-    PO-2024-117", "PO-HR-2209"), the id the record labels with the order's own word instead, where there is one
-    ("order CBX-11902", "your sales order SO-4471902", "order #ORD-558102"): every labeled set that gives both (7
-    tickets of v25-v75) labels the seller's number. "" where `span` is no PO number or no other id is so labeled."""
-    if not span or not _ORDERS.intersection(words) or not _is_po(text, span):
-        return ""
-    for m in _VALUE.finditer(text):
-        token = m.group(0).strip(_TOKEN_EDGES)
-        if token and token not in span and span not in token and not _is_po(text, token) and \
-                (whole := labeled_id(text, token, words, po=False)):
-            return whole
-    return ""
-
-
-def _is_po(text: str, span: str) -> bool:
-    """Whether `span` names itself a PO's ("PO-2024-117", "PO 4471") or the record labels it as a purchase order's."""
-    return bool(re.match(r"P\.?O\.?[-_#/ ]?\S*\d", span)) or \
-        any(_PURCHASE_LABEL.search(text, max(0, i - 40), i) for i in _places(text, span))
 
 
 def _places(text: str, span: str) -> list[int]:
