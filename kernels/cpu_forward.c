@@ -284,53 +284,30 @@ static inline __attribute__((always_inline)) void attend_heads_n(const float *q,
     }
 }
 
-/* One query head (attend_heads_n's arithmetic). */
-static void attend_head(const float *qh, const void *kc, const void *vc, int dt, const long *at, long len, int dim,
-                        float scale, float *scores, float *oh) {
-    attend_heads_n(qh, kc, vc, dt, at, len, dim, scale, scores, 0, oh, 1);
-}
-
-/* Query head `h` of a row whose context is `ctx` positions on `table` (blocks of `block` slots), over the last
-   `window` of them (0: all): the positions' offsets into `at`, then attend_head. kvd: values per pool slot (KV heads
-   x dim); group: query heads per KV head. The fused step and fwd_attend_rows both attend so. */
-static void attend_row_head(const float *qh, const void *kc, const void *vc, int dt, const long *table, long ctx,
-                            long block, long window, long kvd, int h, int group, int dim, float scale, long *at,
-                            float *scores, float *oh) {
+/* Query heads h .. h + n - 1 (n <= ATTEND_GROUP) of one KV head, in a row whose context is `ctx` positions on
+   `table` (blocks of `block` slots), over the last `window` of them (0: all): the positions' offsets into `at`, then
+   attend_heads_n. kvd: values per pool slot (KV heads x dim); group: query heads per KV head; scores: n buffers
+   `stride` apart. The fused step and fwd_attend_rows (one head) both attend so. Each K and V element converted once
+   for the n (a Gemma 3 270M layer's 4 heads of one KV head at one row: two units of two for two threads): one greedy
+   stream at 1,200-1,400 positions of context, the default model (Xeon VM, three alternating runs), the layers
+   15.6-16.5 -> 14.6-16.3 ms a step, the same bits (f32 and bf16 pools, groups of 1-8 query heads, 1-8 rows, 1-2
+   threads, sliding windows). */
+enum { ATTEND_GROUP = 4 };
+static void attend_row_heads(const float *q, const void *kc, const void *vc, int dt, const long *table, long ctx,
+                             long block, long window, long kvd, int h, int n, int group, int dim, float scale, long *at,
+                             float *scores, long stride, float *out) {
     const long first = window > 0 && ctx > window ? ctx - window : 0, len = ctx - first;
     const long off = (long)(h / group) * dim;
     for (long t = 0; t < len; t++) {
         const long p = first + t;
         at[t] = (table[p / block] * block + p % block) * kvd + off;
     }
-    attend_head(qh, kc, vc, dt, at, len, dim, scale, scores, oh);
-}
-
-
-/* attend_row_head for query heads h .. h + n - 1 of one KV head (n <= ATTEND_GROUP): the same bits per head, each K
-   and V element converted once for the n (a Gemma 3 270M layer's 4 heads of one KV head at one row: two units of two
-   for two threads). scores: n buffers `stride` apart. One greedy stream at 1,200-1,400
-   positions of context, the default model (Xeon VM, three alternating runs): the layers 15.6-16.5 -> 14.6-16.3 ms a
-   step, the same bits (f32 and bf16 pools, groups of 1-8 query heads, 1-8 rows, 1-2 threads, sliding windows). */
-enum { ATTEND_GROUP = 4 };
-static void attend_row_heads(const float *q, const void *kc, const void *vc, int dt, const long *table, long ctx,
-                             long block, long window, long kvd, int h, int n, int group, int dim, float scale, long *at,
-                             float *scores, long stride, float *out) {
-    if (n > 1) {
-        const long first = window > 0 && ctx > window ? ctx - window : 0, len = ctx - first;
-        const long off = (long)(h / group) * dim;
-        for (long t = 0; t < len; t++) {
-            const long p = first + t;
-            at[t] = (table[p / block] * block + p % block) * kvd + off;
-        }
-        switch (n) {
-        case 2: attend_heads_n(q, kc, vc, dt, at, len, dim, scale, scores, stride, out, 2); return;
-        case 3: attend_heads_n(q, kc, vc, dt, at, len, dim, scale, scores, stride, out, 3); return;
-        default: attend_heads_n(q, kc, vc, dt, at, len, dim, scale, scores, stride, out, 4); return;
-        }
+    switch (n) {
+    case 1: attend_heads_n(q, kc, vc, dt, at, len, dim, scale, scores, stride, out, 1); return;
+    case 2: attend_heads_n(q, kc, vc, dt, at, len, dim, scale, scores, stride, out, 2); return;
+    case 3: attend_heads_n(q, kc, vc, dt, at, len, dim, scale, scores, stride, out, 3); return;
+    default: attend_heads_n(q, kc, vc, dt, at, len, dim, scale, scores, stride, out, 4); return;
     }
-    for (int i = 0; i < n; i++)
-        attend_row_head(q + (long)i * dim, kc, vc, dt, table, ctx, block, window, kvd, h + i, group, dim, scale, at,
-                        scores, out + (long)i * dim);
 }
 
 /* Query heads per unit of a step's attention: as many of a KV head's (at most ATTEND_GROUP) as still leave every
@@ -889,8 +866,8 @@ void fwd_round16(const float *x, long n, int dt, uint16_t *out) {
 
 
 /* Paged attention for decode rows outside the fused step: the rows of a step the eager forward takes (a step with
-   prefill chunks in it, or past max_rows), through the fused step's own attend_head, so that a decode row's attention
-   is computed alike in either. q [rows, heads, dim] and out [rows, heads, dim] float32; kc/vc the layer's pools
+   prefill chunks in it, or past max_rows), through the fused step's own attend_row_heads, so that a decode row's
+   attention is computed alike in either. q [rows, heads, dim] and out [rows, heads, dim] float32; kc/vc the layer's pools
    [blocks, block, kv_heads, dim] of kv_dtype; tables [rows, width]; lens [rows] (the context, the row's own new
    K/V written already); window 0 for full attention. Why: the torch form gathers every row's context out of the
    pool (one copy a row and layer) and runs bf16 matmuls on it; with 64 beams at ~1,000 tokens of context that was
@@ -918,9 +895,9 @@ int fwd_attend_rows(const float *q, int rows, int heads, int kv_heads, int dim, 
                 continue;
             }
             const int r = (int)(u / heads), h = (int)(u % heads);
-            attend_row_head(q + ((long)r * heads + h) * dim, kc, vc, kv_dtype, tables + (long)r * width, lens[r],
-                            block, window, kvd, h, heads / kv_heads, dim, scale, at, scores,
-                            out + ((long)r * heads + h) * dim);
+            attend_row_heads(q + ((long)r * heads + h) * dim, kc, vc, kv_dtype, tables + (long)r * width, lens[r],
+                             block, window, kvd, h, 1, heads / kv_heads, dim, scale, at, scores, 0,
+                             out + ((long)r * heads + h) * dim);
         }
         free(scores);
         free(at);

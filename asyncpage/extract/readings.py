@@ -229,9 +229,9 @@ def labeled_id(text: str, span: str, words: Sequence[str]) -> str:
     if len(span) < 4 or not any(ch.isdecimal() for ch in span) or _DATE.search(span) or not words:
         return ""
     orders, own = _naming(words)
-    after_po = orders and span.isdecimal() and any(_PO_LABEL.search(text, max(0, i - 32), i)
-                                                   for i in _places(text, span))
-    if _AMOUNT.fullmatch(span) and (len(span) <= 4 or not span.isdecimal()) and not after_po:
+    if _AMOUNT.fullmatch(span) and (len(span) <= 4 or not span.isdecimal()) and not (  # no PO's id (read only then)
+            orders and span.isdecimal()
+            and any(_PO_LABEL.search(text, max(0, i - 32), i) for i in _places(text, span))):
         return ""
     if orders and _SELF_ORDER.fullmatch(span) and re.search(r"(?<![\w-])" + re.escape(span) + r"(?![\w-])", text):
         return span
