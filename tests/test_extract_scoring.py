@@ -798,6 +798,21 @@ def test_an_id_its_field_s_own_word_labels_right_before_it_is_taken_whole_and_ne
                        ("commande nº 2024-19-5527", "2024-19-5527"),
                        ("Zamówienie: ZAM/2024/07/1182", "ZAM/2024/07/1182")):
         assert labeled(text, span, ("order",)), text
+    # an order's confirmation number labels its id; a cancellation's does not; an id naming itself an order's may
+    # open with a short group
+    for text, span in (("two chairs last month (confirmation number FJ88-1273). The lift", "FJ88-1273"),
+                       ("Name: Dan\nConfirmation number: 2024-ALB-66120\nSerial: X1", "2024-ALB-66120"),
+                       ("your order confirmation #2024-88130 says", "2024-88130"),
+                       ("the shoes I got (ORD-58-99321) are small", "ORD-58-99321")):
+        assert labeled(text, span, ("order",)), text
+    for text, span in (("I cancelled my plan on 28 April (confirmation code CNX-4410) but", "CNX-4410"),
+                       ("the shoes (ORD-58-9) are small", "ORD-58-9"), ("(ORD5-SORT) bin", "ORD5-SORT")):
+        assert not labeled(text, span, ("order",)), text
+    assert not labeled("confirmation number FJ88-1273", "FJ88-1273", ("tracking",))  # an order's id only
+    # an id naming itself an order's is where the record names the order, wherever it stands
+    assert near("I bought a Kelvora AirPure 450 from your shop three weeks ago (ORD-48213). It", ("order",)) == \
+        ["ORD-48213"]
+    assert near("XORD-5562190 and ORD-1234x", ("order",)) == []
     # groups like a date's that are no date are an id; a bracket after another kind's word is that kind's id
     assert not labeled("order: 2024-06-03", "2024-06-03", ("order",))
     assert not labeled("I bought a licence and the invoice (INV-2024-118734) is wrong", "INV-2024-118734", ("order",))

@@ -579,6 +579,8 @@ def test_a_brand_is_never_copied_from_the_company_a_signature_names_as_the_write
     assert named("Yuki Tanabe-Morris\nHead of Sales Operations, Larchfield Logistics") == ["Larchfield Logistics"]
     assert named("Ana Silva, Customer Service Manager at Bakery Co") == ["Bakery Co"]
     assert named("Thanks\r\nJohn Smith\r\nCEO, Acme Ltd\r\n") == ["Acme Ltd"]
+    assert named("Fix it.\n\n— Matteo Rossi\nCTO, Bottega Rossi Online") == ["Bottega Rossi Online"]  # a dash signs
+    assert named("-- Ana Silva, Head of Sales at Foo Bar") == ["Foo Bar"]
     for text in ("Kind regards, Maria", "Order 55120, Foo Ltd", "My manager, John, said the Rostera app is broken",
                  "The head, Velox 3, snapped", "Manager " * 20_000, "Gaming Chair, Secretlab Titan Evo",
                  "Order details\nOffice Chair, Herman Miller Aeron", "Dear Store Manager, Zipvolt Urban X, bought",
@@ -661,7 +663,10 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
     assert staff_names("A" * 20_000 + " (Support)") == []  # a long run of capitals: no backtracking into it
     from asyncpage.extract.staff import without_staff
     left = without_staff(["Agent Tom: how can I help?\nTom Brown: my kettle leaks."])
-    assert "Tom Brown: my kettle leaks." in "".join(left)  # the label's name cut there, not everywhere
+    assert "Tom Brown: my kettle leaks." in "".join(left)  # the label's name cut there, not in a longer name
+    # and wherever else it stands alone: a greeting to the agent, the agent's own words
+    assert "Marco" not in "".join(without_staff(["[10:02] Marco (Brevo Support): You're chatting with Marco.\n"
+                                                 "[10:02] Francesca Bianchi: Hi Marco, my Duo 2 broke."]))
     marked = ends.named_copies(grounding.mark(schema, "auto"))
     assert marked["properties"]["customer"].get(grounding.WRITER) is True
     assert grounding.WRITER not in marked["properties"]["product"]
@@ -706,6 +711,14 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
     assert writer_sources(["A replacement is fine.\nReginald A. Achterberg"]) == [" replacement is fine.\nReginald A. "
                                                                                   "Achterberg"]
     assert writer_sources(["From: A Khan\nJohn A Smith"]) == ["From: A Khan\nJohn A Smith"]
+    # someone the writer names by their relation to them is not the writer: that name there is no span
+    assert writer_sources(["As my colleague Thomas Berger said, refund us.\nKatharina Vogl"]) == \
+        ["As my colleague ", " said, refund us.\nKatharina Vogl"]
+    assert writer_sources(["Our director, Mr. Adebayo Ogunleye, asked me.\nNgozi Eze"]) == \
+        ["Our director, Mr. ", ", asked me.\nNgozi Eze"]
+    assert writer_sources(["for my downstairs neighbour, Herr Eberhard Stimmel.\nRoswitha"]) == \
+        ["for my downstairs neighbour, Herr ", ".\nRoswitha"]
+    assert writer_sources(["my son\nPriority: low"]) == ["my son\nPriority: low"]  # no name after it on its line
     # a letter's closing is no one's name, in any language customers close in, however its words are spaced
     assert writer_sources(["Help!\n\nYstävällisin terveisin\nSanna Virtanen", "Merci beaucoup,\nJean Dupont",
                            "Thanks.\nTak Wing Lee", "Kind\xa0regards,\nAna Silva", "Ystävällisin\nterveisin\nMatti"]) \

@@ -11,9 +11,10 @@ so named a courier, a bank, an employer or a seller. "& Co." stays (a brand's st
 `without_employer` cuts each such company out of the texts, leaving the rest as separate texts: what a brand
 field's spans come from (grounding.NAMED). A job title is read as one only in a signature: in the record's last
 SIGNATURE characters, on the line after a name alone on its line, or after the name and a comma ("Ana Silva,
-Customer Service Manager at Bakery Co"); a role noun in it ("Manager", "Head Chef", "Head of Sales Operations"),
-then a comma or "at", then the capitalized words of the company up to the line's end or the next comma. "Kind
-regards, Maria", "Order 55120, Foo Ltd" and a product's line ("Office Chair, Herman Miller Aeron") are not.
+Customer Service Manager at Bakery Co"; a dash before the name at most: "— Matteo Rossi"); a role noun in it
+("Manager", "Head Chef", "Head of Sales Operations"), then a comma or "at", then the capitalized words of the company
+up to the line's end or the next comma. "Kind regards, Maria", "Order 55120, Foo Ltd" and a product's line ("Office
+Chair, Herman Miller Aeron") are not.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ _CAP = r"[A-Z0-9À-ÖØ-Þ][\w'’.&-]*"
 SIGNATURE = 300  # the characters at a record's end a signature is looked for in
 # A person's name: two to four capitalized words, no digit.
 _PERSON = r"[A-ZÀ-ÖØ-Þ][^\W\d_]*(?:[-'’][^\W\d_]+)*\.?(?:[ \t]+[A-ZÀ-ÖØ-Þ][^\W\d_]*(?:[-'’][^\W\d_]+)*\.?){1,3}"
+_DASH = r"(?:[-–—]{1,2}[ \t]*)?"  # a dash the name may sign after ("— Matteo Rossi", "-- Ana Silva")
 # A job title at a line's start (after the writer's name and a comma, at most): capitalized words (or "of", "and",
 # "&", "the") ending in a role noun, then "," or "at", then the company: capitalized words (an "&", "and", "of" or
 # "the" between them), up to the line's end or a comma. Case matters: "My manager, John, said" is no signature.
 _TITLE = re.compile(
-    rf"(?:^[ \t]*{_PERSON}[ \t]*\r?\n[ \t]*|^[ \t]*{_PERSON},[ \t]*)"  # the writer's name: its own line, or a comma
+    rf"(?:^[ \t]*{_DASH}{_PERSON}[ \t]*\r?\n[ \t]*|^[ \t]*{_DASH}{_PERSON},[ \t]*)"  # the name: own line, or a comma
     rf"(?:(?:[A-Z][\w'’.&/-]*|of|and|&|the)[ \t]+){{0,5}}?(?:{_ROLES})\b[^,\n]{{0,40}}?"  # the title
     rf"(?:,|[ \t]at)[ \t]+(?P<org>{_CAP}(?:[ \t]+(?:&|and|of|the|{_CAP})){{0,5}})[ \t]*(?=,|\r?$)",  # the company
     re.MULTILINE)

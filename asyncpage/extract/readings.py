@@ -105,9 +105,13 @@ _BOOKINGS = ("booking", "reservation", "bestellung", "bestellnummer", "bestelnum
 # number the order's id where the ticket gives no other; beside the seller's own order number ("order CBX-11902, our
 # internal PO 7781") that one.
 _PO = r"(?-i:P\.?O\.?(?!S))(?!\.?\s*(?i:box))"
-# An id that names itself an order's ("ORD-5562190", "ORDER-55123", "Ord-20931-B", "PO-2024-117"; not "ORD2",
-# "ORD5-SORT").
-_SELF_ORDER = re.compile(r"(?:(?:ORD|Ord|ORDER|Order)[-_#/]?|PO[-_#/ ]?)\d{4,}(?:-[A-Z0-9]{1,6})*")
+# An order's confirmation labels its id as the order's own word does ("confirmation number FJ88-1273", "Confirmation
+# number: 2024-ALB-66120", "order confirmation #2024-88130"); not a cancellation's ("I cancelled my plan on 28 April
+# (confirmation code CNX-4410)"), as every labeled set that writes one labels them (spent v9-v92).
+_CONFIRMED, _CANCELLED = "confirmation", re.compile(r"\bcancel", re.IGNORECASE)
+# An id that names itself an order's ("ORD-5562190", "ORDER-55123", "Ord-20931-B", "PO-2024-117", "ORD-58-99321": four
+# digits or more before any letter; not "ORD2", "ORD5-SORT").
+_SELF_ORDER = re.compile(r"(?:(?:ORD|Ord|ORDER|Order)[-_#/]?|PO[-_#/ ]?)(?=(?:\d-?){3}\d)\d+(?:-[A-Z0-9]{1,6})*")
 # A purchase order's label right before a span: a number of four digits after it is its id, not an amount.
 _PO_LABEL = re.compile(r"(?<![\w.])" + _PO + rf"(?:[ \t]+{_ID_NOUNS}){{0,2}}[ \t]*(?:[:#][ \t]*){{0,2}}\Z",
                        re.IGNORECASE)
@@ -235,13 +239,14 @@ def labeled_id(text: str, span: str, words: Sequence[str]) -> str:
         return ""
     if orders and _SELF_ORDER.fullmatch(span) and re.search(r"(?<![\w-])" + re.escape(span) + r"(?![\w-])", text):
         return span
-    label = re.compile(r"\b(?:" + own + _LABEL_TAIL, re.IGNORECASE)
+    label = re.compile(r"\b(?:" + own + ("|" + _CONFIRMED if orders else "") + _LABEL_TAIL, re.IGNORECASE)
     for i in _places(text, span):
         end = i + len(span)
         after = text[end : end + 2]
         if not after[:1].isalnum() and not (after[:1] in "-/._#" and after[1:].isalnum()) and \
                 not (span.isdecimal() and _UNIT.match(text, end)):  # the id's end, and no count's unit after it
-            if m := label.search(text[max(0, i - 48) : i]):
+            if (m := label.search(text[max(0, i - 48) : i])) and not (
+                    m[0].lower().startswith(_CONFIRMED) and _CANCELLED.search(text, max(0, i - 120), i)):
                 return (m.group(1) or "" if orders else "") + span
             if _answers(text, i, end, own):
                 return span
@@ -321,7 +326,8 @@ def near(text: str, words: Sequence[str]) -> list[str]:
     at most TAIL more characters), from the start of the word holding the naming ("PO-ORDER-55123", at most TAIL
     characters back); cut, once it has held a word with a digit, at the line's end or another kind's label
     (_ANOTHER: "order HVN-3381045, model HK-17P" reads "order HVN-3381045, "). For an order's id, also what stands
-    alone in brackets after the ordered thing's phrase ("I ordered a Zipvolt Urban X scooter (#55019)": "#55019").
+    alone in brackets after the ordered thing's phrase ("I ordered a Zipvolt Urban X scooter (#55019)": "#55019"), and
+    each id that names itself an order's (_SELF_ORDER: "ORD-48213").
     Overlapping ones merged, at most MAX_NEAR, in the text's order. [] where none."""
     if not words:
         return []
@@ -342,6 +348,7 @@ def near(text: str, words: Sequence[str]) -> list[str]:
         found.append((start, end))
     if orders:
         found += [m.span("id") for m in _BRACKETED.finditer(text) if not is_denied(text, *m.span("verb"))]
+        found += [m.span() for m in re.finditer(r"(?<![\w-])" + _SELF_ORDER.pattern + r"(?![\w-])", text)]
     spans: list[list[int]] = []
     for start, end in sorted(found):
         if spans and start <= spans[-1][1]:
