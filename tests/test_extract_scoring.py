@@ -805,14 +805,23 @@ def test_an_id_its_field_s_own_word_labels_right_before_it_is_taken_whole_and_ne
                        ("your order confirmation #2024-88130 says", "2024-88130"),
                        ("the shoes I got (ORD-58-99321) are small", "ORD-58-99321")):
         assert labeled(text, span, ("order",)), text
+    assert labeled("Please cancel my order. Confirmation number: ABC-12345", "ABC-12345", ("order",))
     for text, span in (("I cancelled my plan on 28 April (confirmation code CNX-4410) but", "CNX-4410"),
-                       ("the shoes (ORD-58-9) are small", "ORD-58-9"), ("(ORD5-SORT) bin", "ORD5-SORT")):
+                       ("I cancelled my plan on 28 April (confirmation no. CNX-4410) but", "CNX-4410"),
+                       ("my refund confirmation number RF-88123, order 55120", "RF-88123"),
+                       ("I never got the confirmation code 483920 to reset my password", "483920"),
+                       ("the shoes (ORD-58-9) are small", "ORD-58-9"), ("(ORD5-SORT) bin", "ORD5-SORT"),
+                       ("call PO-1-800-555-1234 today", "PO-1-800-555-1234")):
         assert not labeled(text, span, ("order",)), text
+    # a field of its own named so keeps its label
+    assert labeled("I cancelled my plan (confirmation code CNX-4410) but", "CNX-4410", ("confirmation", "code"))
     assert not labeled("confirmation number FJ88-1273", "FJ88-1273", ("tracking",))  # an order's id only
     # an id naming itself an order's is where the record names the order, wherever it stands
     assert near("I bought a Kelvora AirPure 450 from your shop three weeks ago (ORD-48213). It", ("order",)) == \
         ["ORD-48213"]
     assert near("XORD-5562190 and ORD-1234x", ("order",)) == []
+    history = "History: " + ", ".join(f"ORD-{1000 + i}" for i in range(20)) + ".\nThe kettle: order number 77777."
+    assert near(history, ("order",))[-1] == "order number 77777."  # after what the record's words name, never for it
     # groups like a date's that are no date are an id; a bracket after another kind's word is that kind's id
     assert not labeled("order: 2024-06-03", "2024-06-03", ("order",))
     assert not labeled("I bought a licence and the invoice (INV-2024-118734) is wrong", "INV-2024-118734", ("order",))

@@ -580,7 +580,8 @@ def test_a_brand_is_never_copied_from_the_company_a_signature_names_as_the_write
     assert named("Ana Silva, Customer Service Manager at Bakery Co") == ["Bakery Co"]
     assert named("Thanks\r\nJohn Smith\r\nCEO, Acme Ltd\r\n") == ["Acme Ltd"]
     assert named("Fix it.\n\n— Matteo Rossi\nCTO, Bottega Rossi Online") == ["Bottega Rossi Online"]  # a dash signs
-    assert named("-- Ana Silva, Head of Sales at Foo Bar") == ["Foo Bar"]
+    assert named("– Ana Silva, Head of Sales at Foo Bar") == ["Foo Bar"]
+    assert named("Items I bought:\n- Standing Desk\nDesk Chair, Herman Miller") == []  # a list's item is no signature
     for text in ("Kind regards, Maria", "Order 55120, Foo Ltd", "My manager, John, said the Rostera app is broken",
                  "The head, Velox 3, snapped", "Manager " * 20_000, "Gaming Chair, Secretlab Titan Evo",
                  "Order details\nOffice Chair, Herman Miller Aeron", "Dear Store Manager, Zipvolt Urban X, bought",
@@ -667,6 +668,14 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
     # and wherever else it stands alone: a greeting to the agent, the agent's own words
     assert "Marco" not in "".join(without_staff(["[10:02] Marco (Brevo Support): You're chatting with Marco.\n"
                                                  "[10:02] Francesca Bianchi: Hi Marco, my Duo 2 broke."]))
+    # but not inside a longer name, as a speaker's label or alone on its line (a customer's own name)
+    assert without_staff(["Agent Brown: hi\nTom Brown: my kettle leaks.\nThanks,\nTom Brown"]) == \
+        ["Agent ", ": hi\nTom Brown: my kettle leaks.\nThanks,\nTom Brown"]
+    assert "\nMaria: my kettle leaks\nThanks,\nMaria" in "".join(without_staff(
+        ["Maria (Acme Support): Hi!\nMaria: my kettle leaks\nThanks,\nMaria"]))
+    many = "".join(f"Agent{chr(65 + i % 26)}{i} (Support): hi Agent{chr(65 + i % 26)}{i}\n" for i in range(9_000))
+    # one pass over the text for the MAX_STAFF longest names, not one per name (9,000 passes took 33 s)
+    assert without_staff([many])[0] == " (Support): hi AgentA0\n"
     marked = ends.named_copies(grounding.mark(schema, "auto"))
     assert marked["properties"]["customer"].get(grounding.WRITER) is True
     assert grounding.WRITER not in marked["properties"]["product"]
@@ -719,6 +728,9 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
     assert writer_sources(["for my downstairs neighbour, Herr Eberhard Stimmel.\nRoswitha"]) == \
         ["for my downstairs neighbour, Herr ", ".\nRoswitha"]
     assert writer_sources(["my son\nPriority: low"]) == ["my son\nPriority: low"]  # no name after it on its line
+    # the writer saying who they are is not someone else
+    assert writer_sources(["Hello, I am her husband, Tom Smith, writing"])[-1].endswith("Tom Smith, writing")
+    assert writer_sources(["I'm their manager, Jane Doe, and"]) == ["I'm their manager, Jane Doe, and"]
     # a letter's closing is no one's name, in any language customers close in, however its words are spaced
     assert writer_sources(["Help!\n\nYstävällisin terveisin\nSanna Virtanen", "Merci beaucoup,\nJean Dupont",
                            "Thanks.\nTak Wing Lee", "Kind\xa0regards,\nAna Silva", "Ystävällisin\nterveisin\nMatti"]) \

@@ -33,7 +33,7 @@ _CAP = r"[A-Z0-9À-ÖØ-Þ][\w'’.&-]*"
 SIGNATURE = 300  # the characters at a record's end a signature is looked for in
 # A person's name: two to four capitalized words, no digit.
 _PERSON = r"[A-ZÀ-ÖØ-Þ][^\W\d_]*(?:[-'’][^\W\d_]+)*\.?(?:[ \t]+[A-ZÀ-ÖØ-Þ][^\W\d_]*(?:[-'’][^\W\d_]+)*\.?){1,3}"
-_DASH = r"(?:[-–—]{1,2}[ \t]*)?"  # a dash the name may sign after ("— Matteo Rossi", "-- Ana Silva")
+_DASH = r"(?:[–—][ \t]*)?"  # a dash the name may sign after ("— Matteo Rossi"; not a list's "- Standing Desk")
 # A job title at a line's start (after the writer's name and a comma, at most): capitalized words (or "of", "and",
 # "&", "the") ending in a role noun, then "," or "at", then the company: capitalized words (an "&", "and", "of" or
 # "the" between them), up to the line's end or a comma. Case matters: "My manager, John, said" is no signature.

@@ -106,12 +106,17 @@ _BOOKINGS = ("booking", "reservation", "bestellung", "bestellnummer", "bestelnum
 # internal PO 7781") that one.
 _PO = r"(?-i:P\.?O\.?(?!S))(?!\.?\s*(?i:box))"
 # An order's confirmation labels its id as the order's own word does ("confirmation number FJ88-1273", "Confirmation
-# number: 2024-ALB-66120", "order confirmation #2024-88130"); not a cancellation's ("I cancelled my plan on 28 April
-# (confirmation code CNX-4410)"), as every labeled set that writes one labels them (spent v9-v92).
-_CONFIRMED, _CANCELLED = "confirmation", re.compile(r"\bcancel", re.IGNORECASE)
+# number: 2024-ALB-66120", "order confirmation #2024-88130"); not a code's ("confirmation code CNX-4410", a
+# cancellation's in every labeled set that writes one, or a password reset's), not another kind's ("refund
+# confirmation number RF-88123", _NOT_ORDER_CONFIRMED), nor after a cancellation's word in its sentence ("I cancelled
+# my plan on 28 April (confirmation no. CNX-4410)"); every labeled set that writes one labels it so (spent v9-v93).
+_CONFIRMED = "confirmation"
+_NOT_ORDER_CONFIRMED = re.compile(r"(?:\b(?:refund|return|returns|payment|delivery|shipping|shipment|cancellation|"
+                                  r"password|reset|account|e-?mail|verification|appointment|rma)[ \t]+)\Z"
+                                  r"|[^.!?\n]*\bcancel[^.!?\n]*\Z", re.IGNORECASE)
 # An id that names itself an order's ("ORD-5562190", "ORDER-55123", "Ord-20931-B", "PO-2024-117", "ORD-58-99321": four
-# digits or more before any letter; not "ORD2", "ORD5-SORT").
-_SELF_ORDER = re.compile(r"(?:(?:ORD|Ord|ORDER|Order)[-_#/]?|PO[-_#/ ]?)(?=(?:\d-?){3}\d)\d+(?:-[A-Z0-9]{1,6})*")
+# digits first, or two groups of two or more; not "ORD2", "ORD5-SORT", "PO-1-800-555-1234").
+_SELF_ORDER = re.compile(r"(?:(?:ORD|Ord|ORDER|Order)[-_#/]?|PO[-_#/ ]?)(?=\d{4}|\d{2,}-\d{2})\d+(?:-[A-Z0-9]{1,6})*")
 # A purchase order's label right before a span: a number of four digits after it is its id, not an amount.
 _PO_LABEL = re.compile(r"(?<![\w.])" + _PO + rf"(?:[ \t]+{_ID_NOUNS}){{0,2}}[ \t]*(?:[:#][ \t]*){{0,2}}\Z",
                        re.IGNORECASE)
@@ -239,14 +244,16 @@ def labeled_id(text: str, span: str, words: Sequence[str]) -> str:
         return ""
     if orders and _SELF_ORDER.fullmatch(span) and re.search(r"(?<![\w-])" + re.escape(span) + r"(?![\w-])", text):
         return span
-    label = re.compile(r"\b(?:" + own + ("|" + _CONFIRMED if orders else "") + _LABEL_TAIL, re.IGNORECASE)
+    confirmed = orders and _CONFIRMED not in words  # an order's confirmation labels it too (_CONFIRMED)
+    label = re.compile(r"\b(?:" + own + ("|" + _CONFIRMED if confirmed else "") + _LABEL_TAIL, re.IGNORECASE)
     for i in _places(text, span):
         end = i + len(span)
         after = text[end : end + 2]
         if not after[:1].isalnum() and not (after[:1] in "-/._#" and after[1:].isalnum()) and \
                 not (span.isdecimal() and _UNIT.match(text, end)):  # the id's end, and no count's unit after it
             if (m := label.search(text[max(0, i - 48) : i])) and not (
-                    m[0].lower().startswith(_CONFIRMED) and _CANCELLED.search(text, max(0, i - 120), i)):
+                    confirmed and m[0].lower().startswith(_CONFIRMED) and (re.match(r"\w+[ \t]+code", m[0], re.I)
+                    or _NOT_ORDER_CONFIRMED.search(text, max(0, i - 120), i - len(m[0])))):
                 return (m.group(1) or "" if orders else "") + span
             if _answers(text, i, end, own):
                 return span
@@ -348,14 +355,18 @@ def near(text: str, words: Sequence[str]) -> list[str]:
         found.append((start, end))
     if orders:
         found += [m.span("id") for m in _BRACKETED.finditer(text) if not is_denied(text, *m.span("verb"))]
-        found += [m.span() for m in re.finditer(r"(?<![\w-])" + _SELF_ORDER.pattern + r"(?![\w-])", text)]
     spans: list[list[int]] = []
     for start, end in sorted(found):
         if spans and start <= spans[-1][1]:
             spans[-1][1] = max(spans[-1][1], end)
         elif len(spans) < MAX_NEAR:
             spans.append([start, end])
-    return [text[a:b] for a, b in spans]
+    for m in re.finditer(r"(?<![\w-])" + _SELF_ORDER.pattern + r"(?![\w-])", text) if orders else ():
+        if len(spans) >= MAX_NEAR:  # after the stretches the record's words name: never in their place
+            break
+        if not any(a <= m.start() and m.end() <= b for a, b in spans):
+            spans.append([m.start(), m.end()])
+    return [text[a:b] for a, b in sorted(spans)]
 
 
 def near_grammar(text: str, sources: Sequence[str], words: Sequence[str], field: str,

@@ -159,8 +159,10 @@ def addressed(text: str) -> list[tuple[int, int]]:
 # the account holder a relative writes for, where the later sets label the one who writes and signs.
 _RELATIONS = ("colleague|co-?worker|manager|director|boss|supervisor|assistant|husband|wife|partner|son|daughter|"
               "mother|father|mum|mom|dad|brother|sister|friend|neighbou?r|flatmate|roommate")
-_RELATED = re.compile(rf"(?<![\w'’-])(?i:my|our|his|her|their)[ \t]+(?:(?i:[a-z-]+)[ \t]+)?(?i:{_RELATIONS})s?,?"
-                      rf"[ \t]+(?:(?:{_TITLE_WORDS}|Herr|Frau|Mme)\.?[ \t]+)?({_NAME})")
+# Not the writer saying who they are ("I am her husband, Tom Smith", "I'm their manager, Jane Doe").
+_RELATED = re.compile(rf"(?<![\w'’-])(?<!\bam[ \t])(?<![’']m[ \t])(?i:my|our|his|her|their)[ \t]+"
+                      rf"(?:(?i:[a-z-]+)[ \t]+)?(?i:{_RELATIONS})s?,?[ \t]+"
+                      rf"(?:(?:{_TITLE_WORDS}|Herr|Frau|Mme)\.?[ \t]+)?({_CAP}(?:[ \t]+{_CAP}){{0,2}})")
 
 
 def related(text: str) -> list[tuple[int, int]]:
@@ -183,11 +185,27 @@ def without_staff(sources: Sequence[str]) -> list[str]:
     return cut_out(sources, lambda text: [*_staff_places(text), *addressed(text)])
 
 
+MAX_STAFF = 16  # staff names looked for again elsewhere (a support conversation has a few agents), the longest
+
+
 def _staff_places(text: str) -> list[tuple[int, int]]:
+    """The places _spans marks as staff, and each of those names in the running text elsewhere: not inside a longer
+    name (a capitalized word before it, a greeting's aside, or after it), not a speaker's label ("Maria: ...") and
+    not alone on its line (a signature): there it may be a customer's own name."""
     marked = list(_spans(text))
-    again = [m.span() for name in {text[a:b] for a, b in marked}
-             for m in re.finditer(rf"(?<![\w'’-]){re.escape(name)}(?![\w'’-])(?![ \t]+[A-ZÀ-ÖØ-Þ])", text)]
-    return marked + again
+    names = sorted({text[a:b] for a, b in marked}, key=len, reverse=True)[:MAX_STAFF]
+    if not names:
+        return marked
+    again = re.compile(r"(?<![\w'’-])(?:" + "|".join(map(re.escape, names)) + r")(?![\w'’-])(?![ \t]+[A-ZÀ-ÖØ-Þ])")
+    for m in again.finditer(text):
+        before = text[text.rfind("\n", 0, m.start()) + 1 : m.start()]
+        after = text[m.end() : (text.find("\n", m.end()) + 1 or len(text) + 1) - 1]
+        word = re.search(r"(\S+)[ \t]+\Z", before)
+        if (word and word.group(1)[:1].isupper() and word.group(1).casefold().strip(",.!") not in _NOT_NAMES) or \
+                re.match(r"[ \t]*:", after) or not (before.strip() or after.strip(" \t.,!")):
+            continue
+        marked.append(m.span())
+    return marked
 
 
 def cut_out(sources: Sequence[str], find: Callable[[str], Iterable[tuple[int, int]]]) -> list[str]:
