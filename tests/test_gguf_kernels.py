@@ -91,6 +91,19 @@ def test_a_decode_steps_rows_each_get_the_bits_of_a_one_row_call(t: T, form: str
         assert torch.equal(gk.matmul(x[:rows], raw, t, form=form), one[:rows]), rows
 
 
+@pytest.mark.skipif("avx2" not in gk.forms(), reason="the AVX2 form's tiles")
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_in_the_avx2_form_every_row_count_it_takes_gives_each_row_its_one_row_bits(t: T) -> None:
+    # The AVX2 form takes up to Bound.max_rows rows (48 for the K-quants): its four-row tiles give each row the
+    # bits of a one-row call there too, so wide decode steps and verifies compute what single steps do.
+    raw = torch.from_numpy(_weights(t, N, _k(t), seed=5))
+    rows = gk.Bound(raw, t, form="avx2").max_rows or 64
+    x = torch.from_numpy(np.random.default_rng(9).standard_normal((rows, _k(t))).astype(np.float32))
+    one = torch.cat([gk.matmul(x[r : r + 1], raw, t, form="avx2") for r in range(rows)])
+    for n in (9, 16, 33, rows):
+        assert torch.equal(gk.matmul(x[:n], raw, t, form="avx2"), one[:n]), n
+
+
 @pytest.mark.skipif("vnni" not in gk.forms(), reason="the interleaved path is the VNNI form's")
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_the_interleaved_path_past_eight_rows_matches_the_reference_at_ragged_shapes(t: T) -> None:

@@ -185,11 +185,12 @@ WIDE = [(3 + (7 * i) % 29, [2 * i + 1, 2 * i + 2]) for i in range(native_step.WI
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "llama"])
-def test_in_the_vnni_form_a_step_of_up_to_32_rows_is_fused_and_matches(arch: str,
+@pytest.mark.parametrize("form", ["vnni", "avx2"])
+def test_in_the_simd_forms_a_step_of_up_to_32_rows_is_fused_and_matches(arch: str, form: str,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    if "vnni" not in gguf_kernels.forms():
-        pytest.skip("this CPU does not run the vnni form")
-    monkeypatch.setenv("ASYNCPAGE_GGUF_FORM", "vnni")
+    if form not in gguf_kernels.forms():
+        pytest.skip(f"this CPU does not run the {form} form")
+    monkeypatch.setenv("ASYNCPAGE_GGUF_FORM", form)
     hf = hf_model(arch, wide=True)
     for types in (KQUANTS, SMALL):
         model = gguf_model(hf, types)
@@ -239,7 +240,7 @@ def test_steps_the_fused_step_does_not_take_run_the_eager_forward() -> None:
     flat.add([8], 9, [2])
     meta = flat.build()[2]
     assert not model.native.applies(meta, 4, caches)
-    over = model.native.max_rows + 1  # past what it takes: 9 rows, or 33 in the VNNI form
+    over = model.native.max_rows + 1  # past what it takes: 9 rows, or 33 in the VNNI and AVX2 forms
     rows = [(n, [i + 1]) for i, n in enumerate([3] * over)]
     flat = FlatBatch(16, 0, torch.device("cpu"), paged_attention)
     for n, t in rows:

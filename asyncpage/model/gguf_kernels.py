@@ -273,10 +273,20 @@ class Bound:
         # this at AMX_ROWS) the 32-element formats are ahead at every count measured (ffn_up Q5_0 [2048, 640]
         # at 32 rows 0.25 ms vs 0.53, at 512 3.1 vs 3.5; the Q8_0 LM head at 32 rows 43 vs 128 ms, at 128
         # 152 vs 166); the K-quants up to about 48 (ffn_down Q6_K [640, 2048] at 32 rows 0.39 vs 0.55 ms, 64
-        # even, at 512 5.3 vs 3.9). The other forms tile four activation rows at a time and fall behind
-        # past 8 (gguf_linear.py's docstring).
+        # even, at 512 5.3 vs 3.9). In the AVX2 form the rows repacked by eight go at any count too and the
+        # K-quants' four-row tiles up to 48, against a float32 GEMM (what dtype="auto" picks without native bf16)
+        # on the weight already dequantized (the Xeon VM with torch held to AVX2, ATEN_CPU_CAPABILITY=avx2;
+        # scripts/gguf_kernel_bench.py --form avx2): the Q8_0 head at 32 rows 51 ms vs 73, at 64 116 vs 132;
+        # ffn_up Q5_0 at 32 rows 0.35 vs 0.38, at 128 1.30 vs 1.04; ffn_down Q4_K at 32 rows 0.51 vs 0.62, at
+        # 64 0.94 vs 0.63; the dense path also dequantizes the weight each call. The portable form and rows
+        # not repacked tile four activation rows at a time and fall behind past 8 (gguf_linear.py's docstring).
         vnni, block = self.form == FORMS.index("vnni"), _block(self.type)[0]
-        self.max_rows: int | None = (None if block == 32 else 48) if vnni else 8
+        if vnni:
+            self.max_rows: int | None = None if block == 32 else 48
+        elif FORMS[self.form] == "avx2":
+            self.max_rows = None if self.type in REPACKED else 8 if block == 32 else 48
+        else:
+            self.max_rows = 8
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, k] (any float dtype, CPU) times the weight^T: float32 [rows, n]."""

@@ -4,9 +4,9 @@ into a model built on the meta device before anything dense is allocated for the
 
 A projection of up to `GGUFLinear.kernel_rows` rows runs gguf_kernels' integer kernels on the blocks
 (activations rounded to int8 blocks, as llama.cpp does): `KERNEL_ROWS` (8: decode steps, small batches)
-where the kernels only tile rows four at a time; where the CPU has AVX-512 VNNI, any count for the
-32-element formats and up to 48 rows for the K-quants (the interleaved path past 8 rows,
-gguf_kernels.Bound's max_rows says what it was measured against), but at most `AMX_ROWS` (48) for a
+where the kernels only tile rows four at a time (the portable form); in the VNNI and AVX2 forms any count for
+the 32-element formats (repacked by eight) and up to 48 rows for the K-quants (the VNNI form's interleaved path
+past 8 rows; gguf_kernels.Bound's max_rows says what it was measured against), but at most `AMX_ROWS` (48) for a
 bfloat16 model where torch's GEMM runs on AMX tiles (`amx_bf16`). A call with more rows (prefill chunks, large batches)
 dequantizes the weight to the model dtype in one transient tile
 (gguf_kernels.dequantize, multithreaded; tiles of at most `TILE_BYTES` for the LM head) and runs

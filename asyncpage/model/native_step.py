@@ -1,5 +1,5 @@
-"""The fused decode step: a decode step of 1..8 rows (up to WIDE_ROWS where every projection runs the VNNI block
-kernels) through the whole decoder stack in one native call
+"""The fused decode step: a decode step of 1..8 rows (up to WIDE_ROWS where every projection runs the VNNI or AVX2
+block kernels) through the whole decoder stack in one native call
 (kernels/cpu_forward.c, which says what it computes and how it threads), for models whose
 projections are GGUF blocks (`quantization="auto"` on a GGUF file, gguf_linear.py), Gemma 3 and the
 Llama family. Set up once at load (`enable`): every weight's pointer, format and shape go into a C-side
@@ -40,10 +40,11 @@ from asyncpage.model.layers import FusedLinear, GemmaRMSNorm, RMSNorm
 log = logging.getLogger("asyncpage")
 
 MAX_ROWS = EXACT_ROWS  # the runner's exact buckets (batch.py): decode steps of up to 8 rows have no padding
-# Where every projection is GGUF blocks in the VNNI form taking up to this many rows (gguf_linear), a step of up to
-# WIDE_ROWS decode rows goes through too: its products past 8 rows take the interleaved path, as the eager forward's
-# do (cpu_forward.c mat_part), and its ~40 torch ops a layer (norms, RoPE, the paged attention) are a quarter of a
-# 32-row step (2-core AMD EPYC VM: 99 ms a step, 50 ms of it the layers, 42 the LM head).
+# Where every projection is GGUF blocks in the VNNI or AVX2 form taking up to this many rows (gguf_linear), a step of
+# up to WIDE_ROWS decode rows goes through too: its products past 8 rows take the paths the eager forward's take
+# (cpu_forward.c mat_part: the VNNI form's interleaved one, rows repacked by eight, the K-quants' row tiles), and its
+# ~40 torch ops a layer (norms, RoPE, the paged attention) are a quarter of a 32-row step (2-core AMD EPYC VM: 99 ms
+# a step, 50 ms of it the layers, 42 the LM head).
 WIDE_ROWS = 32
 _MAT_F32, _MAT_BF16 = -1, -2  # dense rows (a tensor without a block kernel)
 _DENSE = {torch.float32: _MAT_F32, torch.bfloat16: _MAT_BF16}
@@ -245,12 +246,13 @@ class NativeStep:
 
 
 def _wide(layers: list[Any]) -> bool:
-    """Whether every projection of `layers` is GGUF blocks whose VNNI kernels take WIDE_ROWS rows (no dense one)."""
-    vnni = gk.FORMS.index("vnni")
+    """Whether every projection of `layers` is GGUF blocks whose SIMD kernels (VNNI or AVX2) take WIDE_ROWS rows (no
+    dense one)."""
+    simd = {gk.FORMS.index("vnni"), gk.FORMS.index("avx2")}
     mods = [m for layer in layers for m in layer.modules()]
     blocks = [m for m in mods if isinstance(m, GGUFLinear)]
     return bool(blocks) and not any(isinstance(m, (nn.Linear, FusedLinear)) for m in mods) and \
-        all(m.bound.form == vnni and m.kernel_rows >= WIDE_ROWS for m in blocks)
+        all(m.bound.form in simd and m.kernel_rows >= WIDE_ROWS for m in blocks)
 
 
 def _part(mod: nn.Module | None) -> Part:
