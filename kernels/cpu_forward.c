@@ -1,5 +1,5 @@
 /* The fused decode step: a whole decoder stack (Gemma 3 and the Llama family) for 1..8 decode rows (up to
-   FWD_MAX_ROWS where every product runs the VNNI form) in one call (asyncpage/model/native_step.py is its Python face and says when it is used).
+   FWD_MAX_ROWS where every product runs the VNNI or AVX2 form) in one call (asyncpage/model/native_step.py is its Python face and says when it is used).
 
    Why: at a few rows a layer is ~40 small torch ops around seven matrix-vector products, and their
    dispatch, not their bytes, set the time (one-stream decode of the default model: ~40 ms a step
@@ -28,8 +28,9 @@
 
 #include "gguf_quants.c" /* the block formats, the activations' rounding and the dot kernels */
 
-/* The most rows a step may have (fwd_create's max_rows): 8 where the tile kernels take every product, up to 32
-   in the VNNI form, whose rows past 8 go through the interleaved path (mat_part), as gguf_matmul's do. */
+/* The most rows a step may have (fwd_create's max_rows): 8 where the portable tile kernels take a product, up to 32
+   in the VNNI and AVX2 forms, whose rows past 8 go through the paths gguf_matmul's take (mat_part: the VNNI form's
+   interleaved one, rows repacked by eight, the K-quants' row tiles). */
 #define FWD_MAX_ROWS 32
 
 #ifdef _OPENMP

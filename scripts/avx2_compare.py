@@ -6,7 +6,8 @@
 Some machines of the kind the figures are taken on have AVX2 and no AVX-512 (no VNNI, no native bf16). On one that
 has them, this runs what such a machine would: the native kernels built for Haswell (`-march=haswell` in place of
 `-march=native`, so no AVX-512 code is compiled), the block kernels' AVX2 form (ASYNCPAGE_GGUF_FORM=avx2), torch's
-kernels held to AVX2 (ATEN_CPU_CAPABILITY=avx2), and no native bf16, so `dtype="auto"` picks float32 as it does
+kernels held to AVX2 (ATEN_CPU_CAPABILITY=avx2, and its GEMM libraries: MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA),
+and no native bf16, so `dtype="auto"` picks float32 as it does
 there. llama.cpp's side: built with `-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 -DGGML_BMI2=ON -DGGML_AVX512=OFF` (docs/performance.md). The same figures as `asyncpage bench --llama-bench`: one
 stream, prefill of 512 tokens, mixed-32, resident memory after load (64 MiB KV pool), load time. Memory bandwidth,
@@ -28,6 +29,8 @@ def emulate_avx2() -> None:
     """In this process, before the engine loads: what an AVX2-only CPU gives asyncpage (see the module doc)."""
     os.environ["ASYNCPAGE_GGUF_FORM"] = "avx2"
     os.environ["ATEN_CPU_CAPABILITY"] = "avx2"  # read when torch loads its kernels
+    os.environ["MKL_ENABLE_INSTRUCTIONS"] = "AVX2"  # torch's float32 GEMM (MKL) would still pick AVX-512 / AMX
+    os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
     import torch
 
     torch.cpu._is_avx512_bf16_supported = lambda: False  # type: ignore[attr-defined]

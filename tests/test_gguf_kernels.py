@@ -96,12 +96,14 @@ def test_a_decode_steps_rows_each_get_the_bits_of_a_one_row_call(t: T, form: str
 def test_in_the_avx2_form_every_row_count_it_takes_gives_each_row_its_one_row_bits(t: T) -> None:
     # The AVX2 form takes up to Bound.max_rows rows (48 for the K-quants): its four-row tiles give each row the
     # bits of a one-row call there too, so wide decode steps and verifies compute what single steps do.
-    raw = torch.from_numpy(_weights(t, N, _k(t), seed=5))
-    rows = gk.Bound(raw, t, form="avx2").max_rows or 64
+    raw = torch.from_numpy(_weights(t, 40, _k(t), seed=5))  # rows in whole groups of eight: repacked
+    kind = gk.repack8(raw, t)  # the 32-element formats as the engine holds them in the SIMD forms; K-quants as stored
+    rows = gk.Bound(raw, kind, form="avx2").max_rows or 64
+    assert rows >= 48
     x = torch.from_numpy(np.random.default_rng(9).standard_normal((rows, _k(t))).astype(np.float32))
-    one = torch.cat([gk.matmul(x[r : r + 1], raw, t, form="avx2") for r in range(rows)])
+    one = torch.cat([gk.matmul(x[r : r + 1], raw, kind, form="avx2") for r in range(rows)])
     for n in (9, 16, 33, rows):
-        assert torch.equal(gk.matmul(x[:n], raw, t, form="avx2"), one[:n]), n
+        assert torch.equal(gk.matmul(x[:n], raw, kind, form="avx2"), one[:n]), n
 
 
 @pytest.mark.skipif("vnni" not in gk.forms(), reason="the interleaved path is the VNNI form's")

@@ -1,5 +1,5 @@
 """The fused decode step (asyncpage.model.native_step, kernels/cpu_forward.c): a decode step of 1..8 rows (up to 32
-in the VNNI form)
+in the VNNI and AVX2 forms)
 through the whole stack in one native call gives what the model's eager forward gives on the same
 GGUF blocks: the same hidden states (after the final norm) and the same K/V written into the pool.
 

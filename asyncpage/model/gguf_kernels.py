@@ -275,11 +275,12 @@ class Bound:
         # 152 vs 166); the K-quants up to about 48 (ffn_down Q6_K [640, 2048] at 32 rows 0.39 vs 0.55 ms, 64
         # even, at 512 5.3 vs 3.9). In the AVX2 form the rows repacked by eight go at any count too and the
         # K-quants' four-row tiles up to 48, against a float32 GEMM (what dtype="auto" picks without native bf16)
-        # on the weight already dequantized (the Xeon VM with torch held to AVX2, ATEN_CPU_CAPABILITY=avx2;
-        # scripts/gguf_kernel_bench.py --form avx2): the Q8_0 head at 32 rows 51 ms vs 73, at 64 116 vs 132;
-        # ffn_up Q5_0 at 32 rows 0.35 vs 0.38, at 128 1.30 vs 1.04; ffn_down Q4_K at 32 rows 0.51 vs 0.62, at
-        # 64 0.94 vs 0.63; the dense path also dequantizes the weight each call. The portable form and rows
-        # not repacked tile four activation rows at a time and fall behind past 8 (gguf_linear.py's docstring).
+        # on the weight already dequantized, which the dense path also does each call (the Xeon VM with torch and
+        # MKL held to AVX2, scripts/avx2_compare.py's settings; scripts/gguf_kernel_bench.py --form avx2):
+        # ffn_up Q5_0 at 512 rows 5.41 ms vs 6.14 + 0.19 to dequantize; a Q4_K ffn_down at 32 rows 0.49 vs 0.54 +
+        # 0.17, at 64 0.84 vs 0.83 + 0.17, at 128 1.71 vs 1.50 + 0.17; the Q8_0 head at 32 rows 51 ms vs 73 (MKL
+        # left on AVX-512 there, in the dense path's favour). The portable form and rows not repacked tile four
+        # activation rows at a time and fall behind past 8 (gguf_linear.py's docstring).
         vnni, block = self.form == FORMS.index("vnni"), _block(self.type)[0]
         if vnni:
             self.max_rows: int | None = None if block == 32 else 48

@@ -17,8 +17,8 @@ Q8_0 weight (the head's too) are repacked by eight in place at load (gguf_kernel
 too): a verify's 8 activation rows then cost little more than one row (the Q8_0 head's 262k rows: 6.5 against 17
 ms), each output the same bits at any row count.
 
-The crossover of the four-row tiles (the AVX2 and portable forms still; the VNNI form's own figures are
-in gguf_kernels.Bound), measured on the default model's tensors (2 shared cores, AVX-512 VNNI + AMX, 2
+The crossover of the four-row tiles (the portable form's, and the AVX2 form's before its wider steps; the SIMD forms'
+own figures are in gguf_kernels.Bound), measured on the default model's tensors (2 shared cores, AVX-512 VNNI + AMX, 2
 threads, bfloat16, best of 5; scripts/gguf_kernel_bench.py measures the kernels alone), kernel vs
 dequantize + GEMM in ms: ffn_up Q5_0 [2048, 640] 8 rows 0.24 vs 0.44, 16 rows 0.50 vs 0.44, 32 rows 0.95 vs 0.79;
 ffn_down Q6_K [640, 2048] 8 rows 0.26 vs 0.84, 16 rows 0.40 vs 0.48, 32 rows 0.81 vs 0.56; ffn_down
