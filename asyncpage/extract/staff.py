@@ -186,6 +186,7 @@ def without_staff(sources: Sequence[str]) -> list[str]:
 
 
 MAX_STAFF = 16  # staff names looked for again elsewhere (a support conversation has a few agents), the longest
+_LINE = 200  # characters of its line read either side of a staff name found again
 
 
 def _staff_places(text: str) -> list[tuple[int, int]]:
@@ -198,13 +199,16 @@ def _staff_places(text: str) -> list[tuple[int, int]]:
         return marked
     again = re.compile(r"(?<![\w'’-])(?:" + "|".join(map(re.escape, names)) + r")(?![\w'’-])(?![ \t]+[A-ZÀ-ÖØ-Þ])")
     for m in again.finditer(text):
-        before = text[text.rfind("\n", 0, m.start()) + 1 : m.start()]
-        after = text[m.end() : (text.find("\n", m.end()) + 1 or len(text) + 1) - 1]
-        word = re.search(r"(\S+)[ \t]+\Z", before)
-        if (word and word.group(1)[:1].isupper() and word.group(1).casefold().strip(",.!") not in _NOT_NAMES) or \
+        i, j = m.span()
+        before = text[max(text.rfind("\n", max(0, i - _LINE), i) + 1, i - _LINE) : i]  # its line, at most _LINE
+        stop = text.find("\n", j, j + _LINE)
+        after = text[j : stop if stop >= 0 else j + _LINE]
+        head = before.rstrip(" \t")
+        word = head.rsplit(None, 1)[-1] if head and len(head) < len(before) else ""  # the word right before it
+        if (word[:1].isupper() and word.casefold().strip(",.!") not in _NOT_NAMES) or \
                 re.match(r"[ \t]*:", after) or not (before.strip() or after.strip(" \t.,!")):
             continue
-        marked.append(m.span())
+        marked.append((i, j))
     return marked
 
 
