@@ -676,7 +676,7 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
     many = "".join(f"Agent{chr(65 + i % 26)}{i} (Support): hi Agent{chr(65 + i % 26)}{i}\n" for i in range(9_000))
     # one pass over the text for the MAX_STAFF longest names, not one per name (9,000 passes took 33 s)
     assert without_staff([many])[0] == " (Support): hi AgentA0\n"
-    assert len(without_staff(["Marco (Support): hi " + "x" * 20_000 + " and Marco" * 2_000])) > 2_000  # each read on
+    assert len(without_staff(["Marco (Support): hi " + "x" * 20_000 + " and Marco" * 2_000])) == 2_000  # each read on
     # at most _LINE characters of its line (the whole line each time took minutes)
     marked = ends.named_copies(grounding.mark(schema, "auto"))
     assert marked["properties"]["customer"].get(grounding.WRITER) is True
