@@ -806,6 +806,7 @@ def test_an_id_its_field_s_own_word_labels_right_before_it_is_taken_whole_and_ne
                        ("the shoes I got (ORD-58-99321) are small", "ORD-58-99321")):
         assert labeled(text, span, ("order",)), text
     assert labeled("Please cancel my order. Confirmation number: ABC-12345", "ABC-12345", ("order",))
+    assert labeled("I cancelled my booking (booking confirmation no. SLY-844209) on 2 April", "SLY-844209", ("order",))
     for text, span in (("I cancelled my plan on 28 April (confirmation code CNX-4410) but", "CNX-4410"),
                        ("I cancelled my plan on 28 April (confirmation no. CNX-4410) but", "CNX-4410"),
                        ("my refund confirmation number RF-88123, order 55120", "RF-88123"),

@@ -106,14 +106,15 @@ _BOOKINGS = ("booking", "reservation", "bestellung", "bestellnummer", "bestelnum
 # internal PO 7781") that one.
 _PO = r"(?-i:P\.?O\.?(?!S))(?!\.?\s*(?i:box))"
 # An order's confirmation labels its id as the order's own word does ("confirmation number FJ88-1273", "Confirmation
-# number: 2024-ALB-66120", "order confirmation #2024-88130"); not a code's ("confirmation code CNX-4410", a
-# cancellation's in every labeled set that writes one, or a password reset's), not another kind's ("refund
-# confirmation number RF-88123", _NOT_ORDER_CONFIRMED), nor after a cancellation's word in its sentence ("I cancelled
-# my plan on 28 April (confirmation no. CNX-4410)"); every labeled set that writes one labels it so (spent v9-v93).
+# number: 2024-ALB-66120"); not a code's ("confirmation code CNX-4410", a cancellation's in every labeled set that
+# writes one, or a password reset's), another kind's ("refund confirmation number RF-88123"), or one after a
+# cancellation's word in its sentence ("I cancelled my plan (confirmation no. CNX-4410)") but an order's or a
+# booking's ("I cancelled my booking (booking confirmation no. SLY-844209)"): _NOT_ORDER_CONFIRMED. Spent v9-v100.
 _CONFIRMED = "confirmation"
 _NOT_ORDER_CONFIRMED = re.compile(r"(?:\b(?:refund|return|returns|payment|delivery|shipping|shipment|cancellation|"
                                   r"password|reset|account|e-?mail|verification|appointment|rma)[ \t]+)\Z"
-                                  r"|[^.!?\n]*\bcancel[^.!?\n]*\Z", re.IGNORECASE)
+                                  r"|[^.!?\n]*\bcancel[^.!?\n]*(?<!order )(?<!booking )(?<!reservation )\Z",
+                                  re.IGNORECASE)
 # An id that names itself an order's ("ORD-5562190", "ORDER-55123", "Ord-20931-B", "PO-2024-117", "ORD-58-99321": four
 # digits first, or two groups of two or more; not "ORD2", "ORD5-SORT", "PO-1-800-555-1234").
 _SELF_ORDER = re.compile(r"(?:(?:ORD|Ord|ORDER|Order)[-_#/]?|PO[-_#/ ]?)(?=\d{4}|\d{2,}-\d{2})\d+(?:-[A-Z0-9]{1,6})*")
