@@ -673,6 +673,8 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
         ["Agent ", ": hi\nTom Brown: my kettle leaks.\nThanks,\nTom Brown"]
     assert "\nMaria: my kettle leaks\nThanks,\nMaria" in "".join(without_staff(
         ["Maria (Acme Support): Hi!\nMaria: my kettle leaks\nThanks,\nMaria"]))
+    assert without_staff(["Marco (Support): hi\r\nok\r\nMarco\r\n"])[-1].endswith("\r\nMarco\r\n")  # CRLF lines
+    assert without_staff(["Marco (Support): hi\nCustomer: Marco said no"])[-1] == " said no"  # after a speaker
     many = "".join(f"Agent{chr(65 + i % 26)}{i} (Support): hi Agent{chr(65 + i % 26)}{i}\n" for i in range(9_000))
     # one pass over the text for the MAX_STAFF longest names, not one per name (9,000 passes took 33 s)
     assert without_staff([many])[0] == " (Support): hi AgentA0\n"

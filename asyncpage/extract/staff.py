@@ -205,8 +205,8 @@ def _staff_places(text: str) -> list[tuple[int, int]]:
         after = text[j : stop if stop >= 0 else j + _LINE]
         head = before.rstrip(" \t")
         word = head.rsplit(None, 1)[-1] if head and len(head) < len(before) else ""  # the word right before it
-        if (word[:1].isupper() and word.casefold().strip(",.!") not in _NOT_NAMES) or \
-                re.match(r"[ \t]*:", after) or not (before.strip() or after.strip(" \t.,!")):
+        if (word[:1].isupper() and word.casefold().strip(",.!:") not in _NOT_NAMES) or \
+                re.match(r"[ \t]*:", after) or not (before.strip() or after.strip(" \t\r.,!")):
             continue
         marked.append((i, j))
     return marked
