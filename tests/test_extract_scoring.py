@@ -617,7 +617,7 @@ def test_a_start_never_takes_another_field_s_value_and_gives_way_when_the_model_
 
 
 def test_an_optional_copied_field_s_span_needs_more_where_the_record_does_not_name_the_field_near_it() -> None:
-    from asyncpage.extract.readings import ELSEWHERE, LABELED, NAMELESS, NEAR, NO_DIGIT, anchors, doubt, numbered
+    from asyncpage.extract.labels import ELSEWHERE, LABELED, NAMELESS, NEAR, NO_DIGIT, anchors, doubt, numbered
 
     assert anchors("order_id", {}) == ("order",) and anchors("orderNumber", {}) == ("order",)
     assert anchors("x", {"title": "Tracking number"}) == ("tracking",) and anchors("id", {}) == ()
@@ -649,7 +649,7 @@ def test_an_optional_copied_field_s_span_needs_more_where_the_record_does_not_na
 
 
 def test_a_span_without_a_digit_is_no_id_and_its_confidence_is_the_model_s() -> None:
-    from asyncpage.extract.readings import LABELED  # "Order number: ORD-12345" labels it: it needs that less
+    from asyncpage.extract.labels import LABELED  # "Order number: ORD-12345" labels it: it needs that less
 
     schema = mark({"type": "object", "properties": {"order_id": {"type": ["string", "null"]}},
                    "required": ["order_id"]}, "auto")
@@ -668,7 +668,7 @@ def test_a_span_without_a_digit_is_no_id_and_its_confidence_is_the_model_s() -> 
 
 
 def test_an_id_named_in_the_record_wins_over_a_likelier_number_far_from_its_naming() -> None:
-    from asyncpage.extract.readings import LABELED, NEAR, near
+    from asyncpage.extract.labels import LABELED, NEAR, near
 
     text = "Subject: Freezer stopped - order CF-00931-FR\n\n" + "It was delivered six weeks ago. " * 3 + \
         "(ref 1Z84F3309211784402) and stopped cooling."
@@ -702,7 +702,7 @@ def test_an_id_named_in_the_record_wins_over_a_likelier_number_far_from_its_nami
 
 
 def test_an_id_the_record_labels_as_another_kind_of_number_is_refused() -> None:
-    from asyncpage.extract.readings import LABELED, OTHERWISE, doubt
+    from asyncpage.extract.labels import LABELED, OTHERWISE, doubt
 
     def need(text: str, span: str, words: tuple[str, ...] = ("order",), field: str = "order_id") -> float:
         return doubt(text, span, words, field)
@@ -743,7 +743,7 @@ def test_an_id_the_record_labels_as_another_kind_of_number_is_refused() -> None:
 
 
 def test_an_id_its_field_s_own_word_labels_right_before_it_is_taken_whole_and_needs_less() -> None:
-    from asyncpage.extract.readings import LABELED, OTHERWISE, doubt, labeled, labeled_id, near
+    from asyncpage.extract.labels import LABELED, OTHERWISE, doubt, labeled, labeled_id, near
 
     text = "Re the Havrenn Kettle Pro 1.7 from your store (order HVN-3381045, model HK-17P). It leaks."
     assert doubt(text, "HVN-3381045", ("order",), "order_id") == -LABELED
