@@ -633,6 +633,10 @@ def test_an_optional_copied_field_s_span_needs_more_where_the_record_does_not_na
     assert doubt("\u0130" * 100 + " Order #A-1", "A-1", ("order",)) == 0.0  # no lower() shifting the positions
     assert doubt("Border " + "x " * 40 + "1Z999", "1Z999", ("order",)) == NAMELESS  # "Border" names no order
     assert doubt("Ref 1Z999, the lamp broke", "1Z999", ("order",)) == NAMELESS  # never named: more evidence
+    # a booking's or a reservation's word names an order's id as "order" does (labeled_id and near read them so)
+    chat = "Agent: And the booking reference?\nCustomer: Confirmation code QX7RTN. Flight SH 418 to Boston."
+    assert doubt(chat, "QX7RTN", ("order",)) == 0.0 and doubt(chat, "QX7RTN", ("tracking",)) == NAMELESS
+    assert doubt("Reserva " + "x " * 40 + "1Z999", "1Z999", ("order",)) == NAMELESS  # "Reserva" is no word of them
     # A field whose name says it holds a digit never takes a span without one (a form's "(left blank)").
     form = "Order number: (left blank)\nProduct: Lindqvar Glow 2"
     assert doubt(form, "(left blank)", ("order",), "order_id") == NO_DIGIT == math.inf
@@ -751,6 +755,8 @@ def test_an_id_its_field_s_own_word_labels_right_before_it_is_taken_whole_and_ne
     # the stretch naming the order ends at the next kind's label once it held a value, or at its line's end
     assert near(text, ("order",)) == ["(order HVN-3381045, "]
     assert near("Order LMV-209-88413, invoice INV-55102 attached", ("order",)) == ["Order LMV-209-88413, "]
+    assert near("(commande n° CMD-884120, facture F-55019)", ("order",)) == ["(commande n° CMD-884120, "]  # French
+    assert near("Bestellung DW-5590213, Rechnung R-2291", ("order",)) == ["Bestellung DW-5590213, "]
     assert near("Order: 55120\nSerial: 99812", ("order",)) == ["Order: 55120"]
     assert near("Order / account no. 55120", ("order",)) == ["Order / account no. 55120"]  # a label before its value
     for label, span in (("order #KS90817.", "KS90817"), ("Order number: 55019", "55019"),
@@ -883,6 +889,15 @@ def test_a_product_s_value_is_its_name_without_the_common_nouns_that_close_its_p
     assert ends.names_a_brand("product", "\n\nThe product brand the ticket is about:") and ends.names_a_brand("make")
     for field in ("product", "product_issue", "device_problem", "company_address", "deviceModel"):
         assert not ends.names_a_brand(field, f"\n\n{field}:"), field  # a thing, not its brand: never trimmed
+    # the common nouns and counts that open a brand's phrase: its name without them is read too, never applied unread
+    for phrase, name in (("e-bike Velosta City E5", "Velosta City E5"), ("18 of 40 Novaro X5", "Novaro X5"),
+                         ("eero Pro 6", "Pro 6"), ("air purifier", "air purifier"), ("Novaro X5", "Novaro X5"),
+                         ("2 boxes", "2 boxes"), ("iPhone 15", "iPhone 15")):
+        assert ends.after_nouns(phrase) == name, phrase
+    bike = "I buy the e-bike Velosta City E5 in your shop."
+    assert {"Velosta", "Velosta City E5"} <= set(ends.candidates(bike, "e-bike Velosta City E5", lambda c: True,
+                                                                 named=True))
+    assert "Velosta City E5" not in ends.candidates(bike, "e-bike Velosta City E5", lambda c: True)  # no brand asked
     text = "We love the Havenbrook Mira 3-seater sofa we got."
     everything = ends.candidates(text, "Havenbrook Mira 3-seater sofa", lambda c: True)
     assert everything[-1] == "Havenbrook Mira 3-seater sofa"  # any field: every end is read

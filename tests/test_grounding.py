@@ -732,6 +732,10 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
     assert writer_sources(["for my downstairs neighbour, Herr Eberhard Stimmel.\nRoswitha"]) == \
         ["for my downstairs neighbour, Herr ", ".\nRoswitha"]
     assert writer_sources(["my son\nPriority: low"]) == ["my son\nPriority: low"]  # no name after it on its line
+    # a brand before its model's code is no one's name ("Vantor" of "the Vantor M27Q" was copied as the customer)
+    assert writer_sources(["I shipped the Vantor M27Q back.\nConnor McAllister"]) == \
+        [" shipped the ", " back.\nConnor McAllister"]
+    assert writer_sources(["Thanks,\nConnor McAllister\nPhone 0412 555 908"]) == [",\nConnor McAllister\nPhone "]
     # the writer saying who they are is not someone else
     assert writer_sources(["Hello, I am her husband, Tom Smith, writing"])[-1].endswith("Tom Smith, writing")
     assert writer_sources(["I'm their manager, Jane Doe, and"]) == ["I'm their manager, Jane Doe, and"]

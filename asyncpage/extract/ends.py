@@ -206,6 +206,18 @@ def name_of(phrase: str) -> str:
     return name if name and any(ch.isupper() or ch.isdigit() for ch in name) else phrase
 
 
+def after_nouns(phrase: str) -> str:
+    """A brand's phrase from its first named word on, the common nouns and counts that open it left off ("Velosta
+    City E5" of "e-bike Velosta City E5", "Novaro X5" of "18 of 40 Novaro X5"); the phrase itself where none opens
+    it or nothing named follows. Read as one more candidate, never applied unread: "eero Pro 6" opens with its
+    brand."""
+    words = phrase.split()
+    i = 0
+    while i < len(words) and (_COMMON.fullmatch(words[i]) or words[i].isdigit()):
+        i += 1
+    return " ".join(words[i:]) if 0 < i < len(words) and any(ch.isupper() for ch in words[i]) else phrase
+
+
 def candidates(text: str, wrote: str, holds: Callable[[str], bool], named: bool = False) -> list[str]:
     """The ends read for a value the model wrote in `text`'s field: [] where there is nothing but its own. `named`: the
     field asks for a brand (`names_a_brand`), so an end that runs on past its name into common nouns is not read where
@@ -214,8 +226,8 @@ def candidates(text: str, wrote: str, holds: Callable[[str], bool], named: bool 
     value = wrote
     while (head := value.split(maxsplit=1))[0].lower() in grounding.ARTICLES and len(head) > 1:
         value = head[1]  # "The Glossvane Sleek 3 straightener": a name opens after its article
-    cands = list(dict.fromkeys(c for v in (value, *widened(text, value))
-                               for c in word_prefixes(v)))  # "Flame 6", "Juniperra Flame 6"
+    heads = (value, *((after_nouns(value),) if named else ()), *widened(text, value))
+    cands = list(dict.fromkeys(c for v in heads for c in word_prefixes(v)))  # "Flame 6", "Juniperra Flame 6"
     cands = [c for c in cands if any(ch.isalnum() for ch in c) and c.lower() not in grounding.DETERMINERS and holds(c)]
     if named:
         cands = [c for c in cands if name_of(c) == c or name_of(c) not in cands]

@@ -90,13 +90,18 @@ _UNIT = re.compile(r"[ \t]*(?:units?|pcs|pieces?|items?|boxes|cases|packs?|kg|lb
 # time; not an id of date-like groups ("2024-19-5527", "ZAM/2024/07/1182").
 _DATE = re.compile(r"(?<!\d)(?:\d{4}[-/.](?:0?[1-9]|1[0-2])[-/.](?:0?[1-9]|[12]\d|3[01])"
                    r"|\d{1,2}[-/.]\d{1,2}[-/.](?:\d{4}|\d{2}))(?!\d)|\d{1,2}:\d{2}(?::\d{2})?")
+# An invoice's or a receipt's word, in the languages customers write it in beside English ("commande n° CMD-884120,
+# facture F-55019": the facture's number was read as the order's id once).
+_INVOICES = ("invoice", "receipt", "facture", "factura", "fattura", "fatura", "faktura", "rechnung", "rechnungsnummer",
+             "quittung", "lasku", "kuitti", "kvitto", "kvittering", "ricevuta", "recibo", "reçu")
 # Where a stretch naming the field ends once it has held a value (a word with a digit): the line's end, or another
 # kind's label ("order HVN-3381045, model HK-17P", "Order LMV-209-88413, invoice INV-55102").
-_ANOTHER = re.compile(r"\n|\b(?:" + "|".join([*_KINDS, "invoice", "receipt"]) + r")\b", re.IGNORECASE)
+_ANOTHER = re.compile(r"\n|\b(?:" + "|".join([*_KINDS, *_INVOICES]) + r")\b", re.IGNORECASE)
 # A document's or another number's word right before the bracket: the bracket is its id ("bought a licence and the
 # invoice (INV-2024-1187) is wrong"); not a thing's ("I ordered a new phone (MF-0911-2287)", "a gift card (GC-55)").
-_KIND_BRACKET = re.compile(r"\b(?:invoice|receipt|serial|tracking|ticket|rma|claim|imei|sku|iban|vat|waybill|account"
-                           r"|transaction)s?(?:[ \t]+(?:no|nr|number|id)\.?)?[ \t]*\([ \t]*$", re.IGNORECASE)
+_KIND_BRACKET = re.compile(r"\b(?:" + "|".join(_INVOICES) + r"|serial|tracking|ticket|rma|claim|imei|sku|iban|vat|"
+                           r"waybill|account|transaction)s?(?:[ \t]+(?:no|nr|number|id)\.?)?[ \t]*\([ \t]*$",
+                           re.IGNORECASE)
 _VALUE = re.compile(r"(?=\S*\d)\S{4,}")  # an id's shape: four characters or more, one a digit
 _CLAUSE = re.compile(r"[,!?()]")
 # The label: a kind, an id noun, a colon or "#", at most one more id of a list before the span, then the span.
@@ -134,7 +139,8 @@ def numbered(field: str) -> bool:
 
 def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: dict[str, Any] | None = None) -> float:
     """How much more a nullable copied field's span must beat its offset by, from where the record names the field
-    (a word of `words` opening one of its words, any case: "order", "ordered"): nothing where one comes within
+    (a word of `words` opening one of its words, any case: "order", "ordered"; for an order's id a booking's or a
+    reservation's word and a purchase order's "PO" too, as `_naming` gives them): nothing where one comes within
     NEAR characters before the span or inside it ("Order #A-1", "ORDER-55123"), or where the field has no such
     word; NAMELESS where the record never names it; ELSEWHERE (e^8) where it names it only away from the span:
     the span is then likely another number (a tracking or serial number where the order id was asked);
@@ -148,8 +154,7 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
         return NO_DIGIT
     if not words or not span:
         return 0.0
-    po = [_PO] if _ORDERS.intersection(words) else []  # a purchase order's "PO" names an order here too
-    pattern = re.compile(r"\b(?:" + "|".join([*map(re.escape, words), *po]) + ")", re.IGNORECASE)
+    pattern = re.compile(r"\b(?:" + _naming(words)[1] + ")", re.IGNORECASE)  # "booking ref", "PO" name an order too
     own_label = labeled(text, span, words)  # the field's own label wins over another kind's ("Customer: #LQ-3390")
     if numbered(field) and _ORDERS.intersection(words) and not _KIND_WORDS.intersection(words) and \
             not own_label and named_otherwise(text, span, pattern):

@@ -99,7 +99,11 @@ _CLOSINGS = "|".join(re.escape(c) for c in sorted((
     "Mahalo", "Saluti", "Thanks", "Danke", "Grüße", "Hvala", "Merci",
 ), key=len, reverse=True)).replace("\\ ", r"\s+")  # its words apart by any spacing ("Kind\xa0regards")
 _TITLE_WORDS = "Mrs|Mr|Ms|Miss|Mx|Dr|Prof"
+# And a brand before its model's code, whose digit-holding word is cut ("the Vantor M27Q": "Vantor" was copied as
+# the customer once; no customer of 2,043 labeled tickets stands before a code of letters and digits).
+_MODEL_CODE = r"(?=[\w-]*[^\W\d_])(?=[\w-]*\d)[\w-]+(?![\w'’-])"
 _NO_NAME = re.compile(rf"(?<!\S)[^\s\d]*+\d\S*|(?<![\w'’-])(?:{_TITLE_WORDS})\.?(?=[ \t]+[A-ZÀ-ÖØ-Þ])|"
+                      rf"(?:{_CAP}[ \t]+){{1,3}}(?={_MODEL_CODE})|"
                       # and the pronoun "I" (an initial has its dot), the article "A" before a lowercase word
                       rf"(?<![\w'’-])(?:{_GREETINGS}|I|A(?=[ \t]+[a-zß-öø-ÿ]))(?![\w'’.-])|"
                       rf"(?<![\w'’-])(?i:{_CLOSINGS})(?![\w'’-])|"
