@@ -757,6 +757,10 @@ def test_an_id_its_field_s_own_word_labels_right_before_it_is_taken_whole_and_ne
     assert near("Order LMV-209-88413, invoice INV-55102 attached", ("order",)) == ["Order LMV-209-88413, "]
     assert near("(commande n° CMD-884120, facture F-55019)", ("order",)) == ["(commande n° CMD-884120, "]  # French
     assert near("Bestellung DW-5590213, Rechnung R-2291", ("order",)) == ["Bestellung DW-5590213, "]
+    # an order's confirmation no naming word's stretch reaches is a stretch of its own
+    assert near("I booked the VIP package for the March 22 game, confirmation ARL-QX7731, and", ("order",)) == \
+        ["ARL-QX7731"]
+
     assert near("Order: 55120\nSerial: 99812", ("order",)) == ["Order: 55120"]
     assert near("Order / account no. 55120", ("order",)) == ["Order / account no. 55120"]  # a label before its value
     for label, span in (("order #KS90817.", "KS90817"), ("Order number: 55019", "55019"),
@@ -875,6 +879,25 @@ def test_an_id_its_field_s_own_word_labels_right_before_it_is_taken_whole_and_ne
     assert not labeled(hostile, "AB-1234", ("order",))
 
 
+def test_the_customer_s_purchase_order_beside_the_seller_s_order_is_never_the_order_id() -> None:
+    from asyncpage.extract.labels import LABELED, OTHERWISE, customers_po, doubt, near
+
+    both = "12 units under your order KX-ORD-33018 (our PO 4500123987). Since"
+    assert doubt(both, "4500123987", ("order",), "order_id") == OTHERWISE
+    assert doubt(both, "KX-ORD-33018", ("order",), "order_id") == -LABELED
+    assert near(both, ("order",)) == ["order KX-ORD-33018 (our PO ", "). Since"]  # cut from the stretches
+    confirmed = "scanner (order confirmation OC-2210-559, our PO 78812) shows"
+    assert customers_po(confirmed, "78812", ("order",)) and not customers_po(confirmed, "OC-2210-559", ("order",))
+    assert customers_po("our purchase order 7781-HB, your order confirmation SO-55120", "7781-HB", ("order",))
+    # the sole reference: the PO is the order's id; and a field asking for the PO reads it as its own
+    for sole in ("under our purchase order PO-4471982. Serial number: LP9-00A-339120.", "Our PO 4471; invoice INV-1"):
+        span = "PO-4471982" if "PO-" in sole else "4471"
+        assert not customers_po(sole, span, ("order",)) and doubt(sole, span, ("order",), "order_id") == -LABELED
+    assert not customers_po(both, "4500123987", ("purchase", "order"))
+    for hostile in ("our PO 4500123987. " + "order AB-1234, " * 20_000, "order 12345 PO 55123 " * 5_000):
+        assert len(near(hostile, ("order",))) <= 16 and doubt(hostile, "4500123987", ("order",), "order_id") > 0
+
+
 def test_a_product_s_value_is_its_name_without_the_common_nouns_that_close_its_phrase() -> None:
     from asyncpage.extract import ends
 
@@ -892,7 +915,8 @@ def test_a_product_s_value_is_its_name_without_the_common_nouns_that_close_its_p
     # the common nouns and counts that open a brand's phrase: its name without them is read too, never applied unread
     for phrase, name in (("e-bike Velosta City E5", "Velosta City E5"), ("18 of 40 Novaro X5", "Novaro X5"),
                          ("eero Pro 6", "Pro 6"), ("air purifier", "air purifier"), ("Novaro X5", "Novaro X5"),
-                         ("2 boxes", "2 boxes"), ("iPhone 15", "iPhone 15")):
+                         ("2 boxes", "2 boxes"), ("iPhone 15", "iPhone 15"),
+                         ("My Cloudnest Home Backup 2TB", "Cloudnest Home Backup 2TB"), ("Our Place", "Place")):
         assert ends.after_nouns(phrase) == name, phrase
     bike = "I buy the e-bike Velosta City E5 in your shop."
     assert {"Velosta", "Velosta City E5"} <= set(ends.candidates(bike, "e-bike Velosta City E5", lambda c: True,

@@ -582,6 +582,10 @@ def test_a_brand_is_never_copied_from_the_company_a_signature_names_as_the_write
     assert named("Fix it.\n\n— Matteo Rossi\nCTO, Bottega Rossi Online") == ["Bottega Rossi Online"]  # a dash signs
     assert named("– Ana Silva, Head of Sales at Foo Bar") == ["Foo Bar"]
     assert named("Items I bought:\n- Standing Desk\nDesk Chair, Herman Miller") == []  # a list's item is no signature
+    # the company on the line after the title alone on its own
+    assert named("Best regards,\nPriyanka Venkataraman\nFinance Controller\nOakridge Dental Group\n+353 1 555 2290") \
+        == ["Oakridge Dental Group"]
+    assert named("Olusegun Bakare\nIT Director\r\nMeridian Freight Co.") == ["Meridian Freight Co."]
     for text in ("Kind regards, Maria", "Order 55120, Foo Ltd", "My manager, John, said the Rostera app is broken",
                  "The head, Velox 3, snapped", "Manager " * 20_000, "Gaming Chair, Secretlab Titan Evo",
                  "Order details\nOffice Chair, Herman Miller Aeron", "Dear Store Manager, Zipvolt Urban X, bought",
@@ -732,6 +736,9 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
     assert writer_sources(["for my downstairs neighbour, Herr Eberhard Stimmel.\nRoswitha"]) == \
         ["for my downstairs neighbour, Herr ", ".\nRoswitha"]
     assert writer_sources(["my son\nPriority: low"]) == ["my son\nPriority: low"]  # no name after it on its line
+    # ... nor anywhere else the record names them, with their surname ("To: Gareth Hutchins", "Dear Gareth,")
+    assert writer_sources(["My husband Gareth booked it.\nClaire Hutchins\n> To: Gareth Hutchins\n> Dear Gareth,"]) \
+        == ["My husband ", " booked it.\nClaire Hutchins\n> To: ", "\n> ", ","]
     # a brand before its model's code is no one's name ("Vantor" of "the Vantor M27Q" was copied as the customer)
     assert writer_sources(["I shipped the Vantor M27Q back.\nConnor McAllister"]) == \
         [" shipped the ", " back.\nConnor McAllister"]

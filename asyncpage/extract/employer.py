@@ -40,7 +40,8 @@ _DASH = r"(?:[–—][ \t]*)?"  # a dash the name may sign after ("— Matteo Ro
 _TITLE = re.compile(
     rf"(?:^[ \t]*{_DASH}{_PERSON}[ \t]*\r?\n[ \t]*|^[ \t]*{_DASH}{_PERSON},[ \t]*)"  # the name: own line, or a comma
     rf"(?:(?:[A-Z][\w'’.&/-]*|of|and|&|the)[ \t]+){{0,5}}?(?:{_ROLES})\b[^,\n]{{0,40}}?"  # the title
-    rf"(?:,|[ \t]at)[ \t]+(?P<org>{_CAP}(?:[ \t]+(?:&|and|of|the|{_CAP})){{0,5}})[ \t]*(?=,|\r?$)",  # the company
+    rf"(?:(?:,|[ \t]at)[ \t]+|[ \t]*\r?\n[ \t]*)"  # a comma or "at", or the title alone on its line
+    rf"(?P<org>{_CAP}(?:[ \t]+(?:&|and|of|the|{_CAP})){{0,5}})[ \t]*(?=,|\r?$)",  # the company
     re.MULTILINE)
 
 

@@ -79,6 +79,7 @@ def _opening(text: str, start: int, word_ok: Callable[[str], bool], after: froze
 
 # A common noun closing a name's phrase: a lowercase word ("sofa", "e-bike", "desk lamp") or a measure-led one
 # ("3-seater", "3-door"); a bracket ("(Queen size)") and a comma's tail ("sofa, grey") go first.
+_POSSESSIVES = frozenset("my our your his her their".split())
 _COMMON = re.compile(r"[a-z][a-z'’]*(?:-[a-z]+)*|\d+-[a-z]+(?:-[a-z]+)*")
 _TAIL = re.compile(r"(?:\s*\([^()]*\)|,[^,]*)$")
 
@@ -208,11 +209,11 @@ def name_of(phrase: str) -> str:
 
 def after_nouns(phrase: str) -> str:
     """A brand's phrase from its first named word on, the common nouns and counts that open it left off ("Velosta
-    City E5" of "e-bike Velosta City E5", "Novaro X5" of "18 of 40 Novaro X5"); the phrase itself where none opens
-    it or nothing named follows. Read as one more candidate, never applied unread: "eero Pro 6" opens with its
-    brand."""
+    City E5" of "e-bike Velosta City E5", "Novaro X5" of "18 of 40 Novaro X5"), and a possessive that opens a
+    sentence ("My Cloudnest Home Backup 2TB"); the phrase itself where none opens it or nothing named follows. Read
+    as one more candidate, never applied unread: "eero Pro 6" opens with its brand, "Our Place" with its "Our"."""
     words = phrase.split()
-    i = 0
+    i = 1 if words and words[0].lower() in _POSSESSIVES else 0  # "My Cloudnest Home Backup 2TB": read without it
     while i < len(words) and (_COMMON.fullmatch(words[i]) or words[i].isdigit()):
         i += 1
     return " ".join(words[i:]) if 0 < i < len(words) and any(ch.isupper() for ch in words[i]) else phrase

@@ -6,6 +6,7 @@ all that (`doubt`). Read by asyncpage.extract.decisions for a nullable copied fi
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -144,7 +145,8 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
     NEAR characters before the span or inside it ("Order #A-1", "ORDER-55123"), or where the field has no such
     word; NAMELESS where the record never names it; ELSEWHERE (e^8) where it names it only away from the span:
     the span is then likely another number (a tracking or serial number where the order id was asked);
-    OTHERWISE (never) for an order's id (_ORDERS) the record labels as another kind of number (`named_otherwise`). And
+    OTHERWISE (never) for an order's id (_ORDERS) the record labels as another kind of number (`named_otherwise`) or
+    as the customer's purchase order beside the seller's order (`customers_po`). And
     NO_DIGIT (never) where `field`'s name says its value holds a digit (`numbered`) and the span has none: a form's
     "(left blank)" or "N/A (bought in a shop)" as the order id. So a digit-less id ("XKQZTB") is null there, unless
     the field's schema (`branch`) gives its own `pattern`, which then says what its values look like. And LABELED
@@ -160,7 +162,7 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
             not own_label and named_otherwise(text, span, pattern):
         return OTHERWISE
     if own_label:
-        return -LABELED
+        return OTHERWISE if customers_po(text, span, words) else -LABELED
     if not pattern.search(text):
         return NAMELESS
     if any(pattern.search(text, max(0, i - NEAR), i + len(span)) for i in _places(text, span)):
@@ -168,11 +170,12 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
     return ELSEWHERE
 
 
-def _naming(words: Sequence[str]) -> tuple[bool, str]:
+def _naming(words: Sequence[str], po: bool = True) -> tuple[bool, str]:
     """(whether `words` name an order's id, the alternation of what names the field in a record: its words, and for
-    an order's id a booking's or a reservation's word and a purchase order's "PO" too)."""
+    an order's id a booking's or a reservation's word and, with `po`, a purchase order's "PO" too)."""
     orders = bool(_ORDERS.intersection(words))
-    return orders, "|".join([*map(re.escape, (*words, *(_BOOKINGS if orders else ()))), *([_PO] if orders else [])])
+    return orders, "|".join([*map(re.escape, (*words, *(_BOOKINGS if orders else ()))),
+                             *([_PO] if orders and po else [])])
 
 
 def labeled(text: str, span: str, words: Sequence[str]) -> bool:
@@ -181,7 +184,7 @@ def labeled(text: str, span: str, words: Sequence[str]) -> bool:
     return bool(labeled_id(text, span, words))
 
 
-def labeled_id(text: str, span: str, words: Sequence[str]) -> str:
+def labeled_id(text: str, span: str, words: Sequence[str], po: bool = True) -> str:
     """`span` as the record labels it: where one of `words` (for an order's id, a booking's or a reservation's word
     too) labels it right before it on its line (_LABEL_TAIL: "order HVN-3381045", "Order no.: 55019", "booking ref
     RLN-8K2Q7"), for an order's id with the id's first group the label holds ("order GLM#559203" for "559203",
@@ -189,15 +192,17 @@ def labeled_id(text: str, span: str, words: Sequence[str]) -> str:
     88123"), or alone in brackets after the ordered thing's phrase ("I ordered a scooter (#55019)", _BRACKETED, not
     denied). Only an id's shape is read so: four characters or more, a digit, not a date, a time, an amount or a
     count ("order 2500 more units", "order 1,299.00"; four digits after a purchase order's "PO" are its id). "" where no
-    place is labeled so."""
+    place is labeled so. Without `po`, a purchase order's label labels nothing ("PO 4471", "purchase order 7781-HB",
+    "PO-4471982"): what the record labels as the seller's order (`customers_po`)."""
     if len(span) < 4 or not any(ch.isdecimal() for ch in span) or _DATE.search(span) or not words:
         return ""
-    orders, own = _naming(words)
+    orders, own = _naming(words, po)
     if _AMOUNT.fullmatch(span) and (len(span) <= 4 or not span.isdecimal()) and not (  # no PO's id (read only then)
-            orders and span.isdecimal()
+            orders and po and span.isdecimal()
             and any(_PO_LABEL.search(text, max(0, i - 32), i) for i in _places(text, span))):
         return ""
-    if orders and _SELF_ORDER.fullmatch(span) and re.search(r"(?<![\w-])" + re.escape(span) + r"(?![\w-])", text):
+    if orders and _SELF_ORDER.fullmatch(span) and (po or not span.startswith("PO")) and \
+            re.search(r"(?<![\w-])" + re.escape(span) + r"(?![\w-])", text):
         return span
     confirmed = orders and _CONFIRMED not in words  # an order's confirmation labels it too (_CONFIRMED)
     label = re.compile(r"\b(?:" + own + ("|" + _CONFIRMED if confirmed else "") + _LABEL_TAIL, re.IGNORECASE)
@@ -206,9 +211,10 @@ def labeled_id(text: str, span: str, words: Sequence[str]) -> str:
         after = text[end : end + 2]
         if not after[:1].isalnum() and not (after[:1] in "-/._#" and after[1:].isalnum()) and \
                 not (span.isdecimal() and _UNIT.match(text, end)):  # the id's end, and no count's unit after it
-            if (m := label.search(text[max(0, i - 48) : i])) and not (
+            if (m := label.search(before := text[max(0, i - 48) : i])) and not (
                     confirmed and m[0].lower().startswith(_CONFIRMED) and (re.match(r"\w+[ \t]+code", m[0], re.I)
-                    or _NOT_ORDER_CONFIRMED.search(text, max(0, i - 120), i - len(m[0])))):
+                    or _NOT_ORDER_CONFIRMED.search(text, max(0, i - 120), i - len(m[0])))) and \
+                    (po or not _PURCHASE.search(before, 0, m.start())):
                 return (m.group(1) or "" if orders else "") + span
             if _answers(text, i, end, own):
                 return span
@@ -218,6 +224,33 @@ def labeled_id(text: str, span: str, words: Sequence[str]) -> str:
                               for m in _BRACKETED.finditer(text, max(0, i - 80), min(len(text), end + 4))):
                 return span
     return ""
+
+
+# A purchase order's words right before an order's label: "purchase order 7781-HB" is the customer's PO.
+_PURCHASE = re.compile(r"\bpurchase[ \t]+\Z", re.IGNORECASE)
+# An id's shape as a record writes it, for the ids it labels (`customers_po`): a digit in it, no "#" before it.
+_AN_ID = re.compile(r"(?<![\w#/-])[A-Za-z0-9][\w/#-]*\d[\w/#-]*(?<![-/#])")
+MAX_IDS = 32  # distinct id-shaped words read for the seller's order (customers_po)
+
+
+def customers_po(text: str, span: str, words: Sequence[str]) -> bool:
+    """Whether `span`, read as an order's id, is the customer's purchase order beside the seller's own order: only a
+    purchase order's label labels it ("our PO 4500123987", "purchase order 7781-HB"), and the record labels another
+    id with the order's own word ("your order KX-ORD-33018", "order confirmation OC-2210-559"). Every labeled set
+    that gives both labels the seller's id the order's (five tickets of v9-v104). Never for a field that asks for
+    the purchase order ("purchase_order_number", "po_ref"). The first MAX_IDS id-shaped words are read."""
+    if not _ORDERS.intersection(words) or {"purchase", "po"}.intersection(words) or \
+            not labeled_id(text, span, words) or labeled_id(text, span, words, po=False):
+        return False
+    return any(other != span for other in _sellers(text, tuple(words)))
+
+
+@functools.lru_cache(maxsize=8)
+def _sellers(text: str, words: tuple[str, ...]) -> tuple[str, ...]:
+    """The ids `text` labels as an order's with the order's own word, no purchase order's (of its first MAX_IDS
+    id-shaped words)."""
+    ids = list(dict.fromkeys(m[0] for m in _AN_ID.finditer(text)))[:MAX_IDS]
+    return tuple(i for i in ids if labeled_id(text, i, words, po=False))
 
 
 def _places(text: str, span: str) -> list[int]:
@@ -289,7 +322,8 @@ def near(text: str, words: Sequence[str]) -> list[str]:
     characters back); cut, once it has held a word with a digit, at the line's end or another kind's label
     (_ANOTHER: "order HVN-3381045, model HK-17P" reads "order HVN-3381045, "). For an order's id, also what stands
     alone in brackets after the ordered thing's phrase ("I ordered a Zipvolt Urban X scooter (#55019)": "#55019"), and
-    each id that names itself an order's (_SELF_ORDER: "ORD-48213").
+    each id that names itself an order's or that labeled_id reads as one (`_labeled_places`), after those. An order's
+    stretches are cut at the customer's purchase order beside the seller's order (`customers_po`).
     Overlapping ones merged, at most MAX_NEAR, in the text's order. [] where none."""
     if not words:
         return []
@@ -316,12 +350,47 @@ def near(text: str, words: Sequence[str]) -> list[str]:
             spans[-1][1] = max(spans[-1][1], end)
         elif len(spans) < MAX_NEAR:
             spans.append([start, end])
-    for m in re.finditer(r"(?<![\w-])" + _SELF_ORDER.pattern + r"(?![\w-])", text) if orders else ():
+    for a, b in _labeled_places(text, words) if orders else ():
         if len(spans) >= MAX_NEAR:  # after the stretches the record's words name: never in their place
             break
-        if not any(a <= m.start() and m.end() <= b for a, b in spans):
-            spans.append([m.start(), m.end()])
-    return [text[a:b] for a, b in sorted(spans)]
+        if not any(x <= a and b <= y for x, y in spans):
+            spans.append([a, b])
+    pos = _customer_pos(text, tuple(words)) if orders else ()
+    if not pos:
+        return [text[a:b] for a, b in sorted(spans)]
+    return [part for a, b in sorted(spans) for part in _cut(text, a, b, pos)][:MAX_NEAR]
+
+
+@functools.lru_cache(maxsize=8)
+def _customer_pos(text: str, words: tuple[str, ...]) -> tuple[str, ...]:
+    """The ids `customers_po` reads as the customer's purchase order beside the seller's (of the first MAX_IDS
+    id-shaped words)."""
+    ids = list(dict.fromkeys(m[0] for m in _AN_ID.finditer(text)))[:MAX_IDS]
+    return tuple(i for i in ids if customers_po(text, i, words))
+
+
+def _cut(text: str, a: int, b: int, ids: Sequence[str]) -> list[str]:
+    """text[a:b] with each whole-word place of `ids` cut out: what is left, blank parts dropped."""
+    cut = re.compile(r"(?<![\w#/-])(?:" + "|".join(map(re.escape, ids)) + r")(?![\w/#-])")
+    return [p for p in cut.split(text[a:b]) if p.strip()]
+
+
+def _labeled_places(text: str, words: Sequence[str]) -> list[tuple[int, int]]:
+    """Where the record writes an order's id it labels in a way no naming word's stretch finds: an id naming itself
+    an order's (_SELF_ORDER: "(ORD-48213)"), one after an order's confirmation ("... for the March 22 game,
+    confirmation ARL-QX7731": the stretch of "booked" ends before it); the first place of each, the first MAX_IDS
+    id-shaped words read."""
+    places = {m.start(): m.end() for m in re.finditer(r"(?<![\w-])" + _SELF_ORDER.pattern + r"(?![\w-])", text)}
+    seen: set[str] = set()
+    for m in _AN_ID.finditer(text):
+        if m[0] in seen:
+            continue
+        if len(seen) >= MAX_IDS:
+            break
+        seen.add(m[0])
+        if labeled_id(text, m[0], words):
+            places.setdefault(m.start(), m.end())
+    return sorted(places.items())
 
 
 def near_grammar(text: str, sources: Sequence[str], words: Sequence[str], field: str,

@@ -170,8 +170,18 @@ _RELATED = re.compile(rf"(?<![\w'’-])(?<!\bam[ \t])(?<![’']m[ \t])(?i:my|our
 
 
 def related(text: str) -> list[tuple[int, int]]:
-    """Where `text` names someone by their relation to the writer (_RELATED): each such name's (start, end), there."""
-    return [m.span(1) for m in _RELATED.finditer(text)]
+    """Where `text` names someone by their relation to the writer (_RELATED), and that name wherever else it stands
+    as whole words, with the capitalized words after it on its line ("My husband Gareth booked this ... To: Gareth
+    Hutchins ... Dear Gareth,": the model copied "Gareth" as the customer once; of 2,043 labeled tickets, none but
+    the three the module's note names has a customer holding such a name): each (start, end). MAX_STAFF names at
+    most, the longest; no one-letter one."""
+    marked = [m.span(1) for m in _RELATED.finditer(text)]
+    names = sorted({text[a:b] for a, b in marked if b - a > 1}, key=len, reverse=True)[:MAX_STAFF]
+    if names:
+        again = re.compile(r"(?<![\w'’-])(?:" + "|".join(map(re.escape, names)) +
+                           rf")(?![\w'’-])(?:[ \t]+{_CAP}){{0,2}}")
+        marked += [m.span() for m in again.finditer(text)]
+    return marked
 
 
 def writer_sources(sources: Sequence[str]) -> list[str]:
