@@ -585,7 +585,12 @@ def test_a_brand_is_never_copied_from_the_company_a_signature_names_as_the_write
     # the company on the line after the title alone on its own
     assert named("Best regards,\nPriyanka Venkataraman\nFinance Controller\nOakridge Dental Group\n+353 1 555 2290") \
         == ["Oakridge Dental Group"]
-    assert named("Olusegun Bakare\nIT Director\r\nMeridian Freight Co.") == ["Meridian Freight Co."]
+    assert named("Call me.\n\nOlusegun Bakare\nIT Director\r\nMeridian Freight Co.") == ["Meridian Freight Co."]
+    for listed in ("two items damaged:\nStanding Desk Frame\nErgonomic Office Chair\nMonitor Arm Pro\n",
+                   "Subject: Broken\nVelvet Buds Pro\nHead Band Snapped\nVelvet Buds Pro",
+                   "Tom Reed\nOwner\nSorrelgate Breeze 16",
+                   "Thanks,\nMaria Lopez\nLead time was three weeks\nVelosta City E5"):
+        assert named(listed) == [], listed  # a list of products, a model's digits, a line that is no title
     for text in ("Kind regards, Maria", "Order 55120, Foo Ltd", "My manager, John, said the Rostera app is broken",
                  "The head, Velox 3, snapped", "Manager " * 20_000, "Gaming Chair, Secretlab Titan Evo",
                  "Order details\nOffice Chair, Herman Miller Aeron", "Dear Store Manager, Zipvolt Urban X, bought",
@@ -739,9 +744,14 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
     # ... nor anywhere else the record names them, with their surname ("To: Gareth Hutchins", "Dear Gareth,")
     assert writer_sources(["My husband Gareth booked it.\nClaire Hutchins\n> To: Gareth Hutchins\n> Dear Gareth,"]) \
         == ["My husband ", " booked it.\nClaire Hutchins\n> To: ", "\n> ", ","]
+    # not inside a longer name (a shared surname), nor alone on its line (a signature)
+    assert writer_sources(["My husband, Mr. Smith, booked it.\nRegards,\nJane Smith"])[-1] == ",\nJane Smith"
+    assert writer_sources(["My friend Will recommended you.\nWill Turner"])[-1].endswith("Will Turner")
     # a brand before its model's code is no one's name ("Vantor" of "the Vantor M27Q" was copied as the customer)
     assert writer_sources(["I shipped the Vantor M27Q back.\nConnor McAllister"]) == \
         [" shipped the ", " back.\nConnor McAllister"]
+    for signed in ("From: Jane Smith jsmith84@gmail.com", "Name: Priya Nair Unit 4B", "Maria Lopez B2B"):
+        assert signed.split(": ")[-1].split(" ")[0] in writer_sources([signed])[0], signed  # a name before a code
     assert writer_sources(["Thanks,\nConnor McAllister\nPhone 0412 555 908"]) == [",\nConnor McAllister\nPhone "]
     # the writer saying who they are is not someone else
     assert writer_sources(["Hello, I am her husband, Tom Smith, writing"])[-1].endswith("Tom Smith, writing")

@@ -39,8 +39,9 @@ _DASH = r"(?:[–—][ \t]*)?"  # a dash the name may sign after ("— Matteo Ro
 # "the" between them), up to the line's end or a comma. Case matters: "My manager, John, said" is no signature.
 _TITLE = re.compile(
     rf"(?:^[ \t]*{_DASH}{_PERSON}[ \t]*\r?\n[ \t]*|^[ \t]*{_DASH}{_PERSON},[ \t]*)"  # the name: own line, or a comma
-    rf"(?:(?:[A-Z][\w'’.&/-]*|of|and|&|the)[ \t]+){{0,5}}?(?:{_ROLES})\b[^,\n]{{0,40}}?"  # the title
-    rf"(?:(?:,|[ \t]at)[ \t]+|[ \t]*\r?\n[ \t]*)"  # a comma or "at", or the title alone on its line
+    rf"(?:(?:[A-Z][\w'’.&/-]*|of|and|&|the)[ \t]+){{0,5}}?(?:{_ROLES})\b"  # the title
+    rf"(?:[^,\n]{{0,40}}?(?:,|[ \t]at)[ \t]+"  # then "," or "at", or the title alone on its line ("of", "to" a phrase)
+    rf"|(?P<own>(?:[ \t]+(?:of|for|to)[ \t]+[^,\n]{{1,40}}?)?[ \t]*\r?\n[ \t]*))"
     rf"(?P<org>{_CAP}(?:[ \t]+(?:&|and|of|the|{_CAP})){{0,5}})[ \t]*(?=,|\r?$)",  # the company
     re.MULTILINE)
 
@@ -69,7 +70,18 @@ def employers(text: str) -> list[tuple[int, int]]:
     """Where `text` names its writer's employer after a job title (see the module's docstring): (start, end) each."""
     start = max(0, len(text) - SIGNATURE)
     start = text.rfind("\n", 0, start) + 1 if start else 0  # from a line's start
-    return [m.span("org") for m in _TITLE.finditer(text, start)]
+    return [m.span("org") for m in _TITLE.finditer(text, start) if m.group("own") is None or _signs(text, m)]
+
+
+def _signs(text: str, m: re.Match[str]) -> bool:
+    """Whether a name, a title alone on its line and a company on the next one sign the record: the company has no
+    digit (not "Sorrelgate Breeze 16"), and the name's line opens the signature (after a blank line, a closing's
+    comma or a short closing: "Best regards,", "Thanks"; not a list's "two items damaged:")."""
+    if any(ch.isdigit() for ch in m.group("org")):
+        return False
+    prev = text[text.rfind("\n", 0, max(0, m.start() - 1)) + 1 : max(0, m.start() - 1)].strip() if m.start() else None
+    return prev is not None and (not prev or prev.endswith(",") or (
+        len(prev) <= 30 and prev[:1].isupper() and not any(ch in prev for ch in ":.;")))
 
 
 def without_employer(sources: Sequence[str]) -> list[str]:

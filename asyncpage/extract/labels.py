@@ -14,7 +14,7 @@ from typing import Any
 
 from asyncpage.extract import grounding
 from asyncpage.extract.closed import is_denied
-from asyncpage.extract.readings import LINE_END
+from asyncpage.extract.readings import LINE_END, name_words
 
 _GENERIC = frozenset("id ids identifier number num no nr code ref reference name value key the of a an".split())
 NEAR = 60  # characters before a copied span that may name its field ("Order #", "order number was")
@@ -162,7 +162,7 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
             not own_label and named_otherwise(text, span, pattern):
         return OTHERWISE
     if own_label:
-        return OTHERWISE if customers_po(text, span, words) else -LABELED
+        return OTHERWISE if customers_po(text, span, words, field) else -LABELED
     if not pattern.search(text):
         return NAMELESS
     if any(pattern.search(text, max(0, i - NEAR), i + len(span)) for i in _places(text, span)):
@@ -227,30 +227,53 @@ def labeled_id(text: str, span: str, words: Sequence[str], po: bool = True) -> s
 
 
 # A purchase order's words right before an order's label: "purchase order 7781-HB" is the customer's PO.
-_PURCHASE = re.compile(r"\bpurchase[ \t]+\Z", re.IGNORECASE)
-# An id's shape as a record writes it, for the ids it labels (`customers_po`): a digit in it, no "#" before it.
-_AN_ID = re.compile(r"(?<![\w#/-])[A-Za-z0-9][\w/#-]*\d[\w/#-]*(?<![-/#])")
+# Not the seller's order for a purchase order's rule: a purchase order, a work order, a return's, a replacement's, a
+# money order ("the driver's work order WO-77120", "return order RT-55210", "purchase-order 7781-HB").
+_PURCHASE = re.compile(r"\b(?:purchase|work|return|returns|replacement|money|repair|service|exchange|credit|postal|"
+                       r"transfer)[ \t-]+\Z", re.IGNORECASE)
+# An id's shape as a record writes it, for the ids it labels (`customers_po`): a digit in it ("#55019" gives "55019").
+_AN_ID = re.compile(r"(?<![\w/-])[A-Za-z0-9][\w/#-]*\d[\w/#-]*(?<![-/#])")
 MAX_IDS = 32  # distinct id-shaped words read for the seller's order (customers_po)
 
 
-def customers_po(text: str, span: str, words: Sequence[str]) -> bool:
+def _asks_po(words: Sequence[str], field: str) -> bool:
+    """Whether a field asks for the customer's purchase order itself: "purchase" or "PO" in its words or its name
+    ("purchase_order_number", "order_po_number"), or the customer's order ("customer_order_number", B2B's name for
+    it). Its name is read whole: anchors leave out words of three letters or fewer."""
+    named = {*words, *name_words(field)}
+    return bool({"purchase", "po"} & named) or {"customer", "order"} <= named
+
+
+def customers_po(text: str, span: str, words: Sequence[str], field: str = "") -> bool:
     """Whether `span`, read as an order's id, is the customer's purchase order beside the seller's own order: only a
     purchase order's label labels it ("our PO 4500123987", "purchase order 7781-HB"), and the record labels another
     id with the order's own word ("your order KX-ORD-33018", "order confirmation OC-2210-559"). Every labeled set
-    that gives both labels the seller's id the order's (five tickets of v9-v104). Never for a field that asks for
-    the purchase order ("purchase_order_number", "po_ref"). The first MAX_IDS id-shaped words are read."""
-    if not _ORDERS.intersection(words) or {"purchase", "po"}.intersection(words) or \
+    that gives both labels the seller's id the order's (seven tickets of v62-v104). Never for a field that asks for
+    the purchase order (`_asks_po`: "purchase_order_number", "order_po_number"), nor beside a work order, a return's
+    or a money order (_PURCHASE). The first MAX_IDS id-shaped words are read."""
+    if not _ORDERS.intersection(words) or _asks_po(words, field) or \
             not labeled_id(text, span, words) or labeled_id(text, span, words, po=False):
         return False
     return any(other != span for other in _sellers(text, tuple(words)))
 
 
 @functools.lru_cache(maxsize=8)
+def _ids(text: str) -> tuple[re.Match[str], ...]:
+    """The first place of each distinct id-shaped word of `text` (_AN_ID), the first MAX_IDS of them."""
+    first: dict[str, re.Match[str]] = {}
+    for m in _AN_ID.finditer(text):
+        if m[0] not in first:
+            if len(first) >= MAX_IDS:
+                break
+            first[m[0]] = m
+    return tuple(first.values())
+
+
+@functools.lru_cache(maxsize=8)
 def _sellers(text: str, words: tuple[str, ...]) -> tuple[str, ...]:
     """The ids `text` labels as an order's with the order's own word, no purchase order's (of its first MAX_IDS
     id-shaped words)."""
-    ids = list(dict.fromkeys(m[0] for m in _AN_ID.finditer(text)))[:MAX_IDS]
-    return tuple(i for i in ids if labeled_id(text, i, words, po=False))
+    return tuple(m[0] for m in _ids(text) if labeled_id(text, m[0], words, po=False))
 
 
 def _places(text: str, span: str) -> list[int]:
@@ -314,20 +337,22 @@ def _owned(before: str, label: str, own: re.Pattern[str]) -> bool:
     return False
 
 
-def near(text: str, words: Sequence[str]) -> list[str]:
+def near(text: str, words: Sequence[str], field: str = "") -> list[str]:
     """The stretches of `text` right where it names a field: from each of `words` (for an order's id, a booking's or
     a reservation's word too) as a whole word or its plural ("order", "Orders", not "ordered"), not denied there ("I
     have no order number"), to NEAR characters past it and the rest of the word there ("order number: CF-00931-FR",
     at most TAIL more characters), from the start of the word holding the naming ("PO-ORDER-55123", at most TAIL
     characters back); cut, once it has held a word with a digit, at the line's end or another kind's label
     (_ANOTHER: "order HVN-3381045, model HK-17P" reads "order HVN-3381045, "). For an order's id, also what stands
-    alone in brackets after the ordered thing's phrase ("I ordered a Zipvolt Urban X scooter (#55019)": "#55019"), and
-    each id that names itself an order's or that labeled_id reads as one (`_labeled_places`), after those. An order's
-    stretches are cut at the customer's purchase order beside the seller's order (`customers_po`).
-    Overlapping ones merged, at most MAX_NEAR, in the text's order. [] where none."""
+    alone in brackets after the ordered thing's phrase ("I ordered a Zipvolt Urban X scooter (#55019)": "#55019"). An
+    order's stretches are cut at the customer's purchase order beside the seller's order (`customers_po`); where the
+    record labels an order's id, only those ids are read (`_labeled_windows`). Overlapping ones merged, at most
+    MAX_NEAR, in the text's order. [] where none."""
     if not words:
         return []
     orders, own = _naming(words)
+    if orders and (windows := _labeled_windows(text, tuple(words), field)):
+        return [text[a:b] for a, b in windows]
     pattern = re.compile(r"\b(?:" + own + r")s?\b", re.IGNORECASE)
     found: list[tuple[int, int]] = []
     for m in pattern.finditer(text):
@@ -350,23 +375,17 @@ def near(text: str, words: Sequence[str]) -> list[str]:
             spans[-1][1] = max(spans[-1][1], end)
         elif len(spans) < MAX_NEAR:
             spans.append([start, end])
-    for a, b in _labeled_places(text, words) if orders else ():
-        if len(spans) >= MAX_NEAR:  # after the stretches the record's words name: never in their place
-            break
-        if not any(x <= a and b <= y for x, y in spans):
-            spans.append([a, b])
-    pos = _customer_pos(text, tuple(words)) if orders else ()
+    pos = _customer_pos(text, tuple(words), field) if orders else ()
     if not pos:
         return [text[a:b] for a, b in sorted(spans)]
     return [part for a, b in sorted(spans) for part in _cut(text, a, b, pos)][:MAX_NEAR]
 
 
 @functools.lru_cache(maxsize=8)
-def _customer_pos(text: str, words: tuple[str, ...]) -> tuple[str, ...]:
+def _customer_pos(text: str, words: tuple[str, ...], field: str) -> tuple[str, ...]:
     """The ids `customers_po` reads as the customer's purchase order beside the seller's (of the first MAX_IDS
     id-shaped words)."""
-    ids = list(dict.fromkeys(m[0] for m in _AN_ID.finditer(text)))[:MAX_IDS]
-    return tuple(i for i in ids if customers_po(text, i, words))
+    return tuple(m[0] for m in _ids(text) if customers_po(text, m[0], words, field))
 
 
 def _cut(text: str, a: int, b: int, ids: Sequence[str]) -> list[str]:
@@ -375,22 +394,27 @@ def _cut(text: str, a: int, b: int, ids: Sequence[str]) -> list[str]:
     return [p for p in cut.split(text[a:b]) if p.strip()]
 
 
-def _labeled_places(text: str, words: Sequence[str]) -> list[tuple[int, int]]:
-    """Where the record writes an order's id it labels in a way no naming word's stretch finds: an id naming itself
-    an order's (_SELF_ORDER: "(ORD-48213)"), one after an order's confirmation ("... for the March 22 game,
-    confirmation ARL-QX7731": the stretch of "booked" ends before it); the first place of each, the first MAX_IDS
-    id-shaped words read."""
-    places = {m.start(): m.end() for m in re.finditer(r"(?<![\w-])" + _SELF_ORDER.pattern + r"(?![\w-])", text)}
-    seen: set[str] = set()
-    for m in _AN_ID.finditer(text):
-        if m[0] in seen:
-            continue
-        if len(seen) >= MAX_IDS:
-            break
-        seen.add(m[0])
-        if labeled_id(text, m[0], words):
-            places.setdefault(m.start(), m.end())
-    return sorted(places.items())
+_PO_HEAD = re.compile(r"(?:(?<![\w.])" + _PO + r"[ \t]*#?|#)[ \t]*\Z")  # what a window opens with before its id
+_GROUPS = re.compile(r"(?:[ \t]\d{2,}(?![\w/#-])){0,3}")  # the digit groups that may close an id ("AUR 5519 0087")
+
+
+@functools.lru_cache(maxsize=8)
+def _labeled_windows(text: str, words: tuple[str, ...], field: str) -> list[tuple[int, int]]:
+    """Where the record labels an order's id (labeled_id; no customer's purchase order beside the seller's): each id's
+    first place, with the label's first group before it and the digit groups after it ("order AUR 5519 0087" gives
+    "AUR 5519 0087"), of the first MAX_IDS id-shaped words. In the labeled sets (2,068 tickets with an order-id
+    label, v2-v104) 1,343 label one so, and in each the answer is one of these: where one is, near reads only them."""
+    out: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])  # labeled by a word, naming themselves
+    for m in _ids(text):
+        if (value := labeled_id(text, m[0], words)) and not customers_po(text, m[0], words, field):
+            head = value[: len(value) - len(m[0])]
+            start = m.start() - len(head) if head and text.endswith(head, 0, m.start()) else m.start()
+            if (po := _PO_HEAD.search(text, max(0, start - 8), start)) is not None:
+                start = po.start()  # "#DST-60233", "PO 90357", "PO#4471": as records and labels write them
+            groups = _GROUPS.match(text, m.end())
+            out[bool(_SELF_ORDER.fullmatch(m[0]))].append((start, groups.end() if groups else m.end()))
+    return sorted((out[0] + out[1])[:MAX_NEAR])  # the ids naming themselves after those a word labels
+
 
 
 def near_grammar(text: str, sources: Sequence[str], words: Sequence[str], field: str,
@@ -399,5 +423,5 @@ def near_grammar(text: str, sources: Sequence[str], words: Sequence[str], field:
     holding a digit where its name says so (`numbered`: an id's likeliest span may be words), over all `sources`
     for an id the text never names. None: no such search (nothing names it, or no such span)."""
     digit = numbered(field) and not branch.get("pattern")
-    spans = near(text, words) or (list(sources) if digit else [])
+    spans = near(text, words, field) or (list(sources) if digit else [])
     return grounding.line_grammar(branch, spans, " ", LINE_END, digit=digit) if spans else None

@@ -99,11 +99,16 @@ _CLOSINGS = "|".join(re.escape(c) for c in sorted((
     "Mahalo", "Saluti", "Thanks", "Danke", "Grüße", "Hvala", "Merci",
 ), key=len, reverse=True)).replace("\\ ", r"\s+")  # its words apart by any spacing ("Kind\xa0regards")
 _TITLE_WORDS = "Mrs|Mr|Ms|Miss|Mx|Dr|Prof"
-# And a brand before its model's code, whose digit-holding word is cut ("the Vantor M27Q": "Vantor" was copied as
-# the customer once; no customer of 2,043 labeled tickets stands before a code of letters and digits).
-_MODEL_CODE = r"(?=[\w-]*[^\W\d_])(?=[\w-]*\d)[\w-]+(?![\w'’-])"
+_DETERMINER_WORDS = "The|A|An|This|That|These|Those|My|Our|Your|His|Her|Its|Their"
+_DETERMINERS = frozenset(_DETERMINER_WORDS.lower().split("|"))
+# A brand before its model's code, whose digit-holding word is cut ("the Vantor M27Q": "Vantor" was copied as the
+# customer once): capitalized words after a lowercase word, a determiner or a dash, before a code of capitals and
+# digits or a size ("Your Kestrow WaveClean 8kg"; not an e-mail's "jsmith84@", "2pm", "3rd"; not after a label:
+# "Name: Priya Nair Unit 4B").
+_UNITS = "kg|g|mg|lb|lbs|oz|ml|cl|l|cm|mm|m|in|w|kw|v|mah|wh|kwh|gb|tb|mb|hz|mp"
+_BRAND_RUN = re.compile(rf"(?!(?:{_DETERMINER_WORDS})\b)(?:{_CAP}[ \t]+){{1,3}}"
+                        rf"(?=(?:(?=[\w-]*[A-Z])(?=[\w-]*\d)[\w-]+|\d+(?i:{_UNITS}))(?![\w'’@-])(?!\.\w))")
 _NO_NAME = re.compile(rf"(?<!\S)[^\s\d]*+\d\S*|(?<![\w'’-])(?:{_TITLE_WORDS})\.?(?=[ \t]+[A-ZÀ-ÖØ-Þ])|"
-                      rf"(?:{_CAP}[ \t]+){{1,3}}(?={_MODEL_CODE})|"
                       # and the pronoun "I" (an initial has its dot), the article "A" before a lowercase word
                       rf"(?<![\w'’-])(?:{_GREETINGS}|I|A(?=[ \t]+[a-zß-öø-ÿ]))(?![\w'’.-])|"
                       rf"(?<![\w'’-])(?i:{_CLOSINGS})(?![\w'’-])|"
@@ -180,15 +185,40 @@ def related(text: str) -> list[tuple[int, int]]:
     if names:
         again = re.compile(r"(?<![\w'’-])(?:" + "|".join(map(re.escape, names)) +
                            rf")(?![\w'’-])(?:[ \t]+{_CAP}){{0,2}}")
-        marked += [m.span() for m in again.finditer(text)]
+        marked += [m.span() for m in again.finditer(text) if not _own_name(text, *m.span())]
     return marked
+
+
+def _own_name(text: str, i: int, j: int) -> bool:
+    """Whether text[i:j] may be the writer's own name there: after a capitalized word (a longer name's end: the
+    relative "Mr. Smith" in "Jane Smith"; not a label's "To:") or alone on its line (a signature: "My friend Will" and
+    "Will Turner")."""
+    before = text[max(text.rfind("\n", max(0, i - _LINE), i) + 1, i - _LINE) : i]
+    stop = text.find("\n", j, j + _LINE)
+    after = text[j : stop if stop >= 0 else j + _LINE]
+    head = before.rstrip(" \t")
+    word = head.rsplit(None, 1)[-1] if head and len(head) < len(before) else ""
+    return (word[:1].isupper() and not word.endswith(":") and word.casefold().strip(",.!") not in _NOT_NAMES) or \
+        not (before.strip(" \t-–—") or after.strip(" \t\r.,!"))
 
 
 def writer_sources(sources: Sequence[str]) -> list[str]:
     """What a field asking for the record's writer copies from: `sources` without the support staff's names
     (without_staff) and the names given by their relation to the writer there (`related`), the words holding a
     digit, a title before a name, greetings, closings and teams, what is left of each as separate texts."""
-    return [part for s in cut_out(without_staff(sources), related) for part in _NO_NAME.split(s) if part.strip()]
+    return [part for s in cut_out(without_staff(sources), lambda t: [*related(t), *_brands(t)])
+            for part in _NO_NAME.split(s) if part.strip()]
+
+
+def _brands(text: str) -> list[tuple[int, int]]:
+    """Where `text` writes a brand before its model's code (_BRAND_RUN) after a lowercase word or a dash."""
+    out = []
+    for m in _BRAND_RUN.finditer(text):
+        head = text[max(0, m.start() - 40) : m.start()]
+        prev = head.rsplit(None, 1)[-1] if head.strip() and head[-1:] in " \t" else ""
+        if prev in ("-", "–", "—") or (prev.isalpha() and (prev.islower() or prev.casefold() in _DETERMINERS)):
+            out.append(m.span())
+    return out
 
 
 def without_staff(sources: Sequence[str]) -> list[str]:
