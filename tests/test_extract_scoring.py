@@ -747,7 +747,7 @@ def test_an_id_the_record_labels_as_another_kind_of_number_is_refused() -> None:
 
 
 def test_an_id_its_field_s_own_word_labels_right_before_it_is_taken_whole_and_needs_less() -> None:
-    from asyncpage.extract.labels import LABELED, OTHERWISE, doubt, labeled, labeled_id, near
+    from asyncpage.extract.labels import ELSEWHERE, LABELED, OTHERWISE, doubt, labeled, labeled_id, near
 
     text = "Re the Havrenn Kettle Pro 1.7 from your store (order HVN-3381045, model HK-17P). It leaks."
     assert doubt(text, "HVN-3381045", ("order",), "order_id") == -LABELED
@@ -757,6 +757,18 @@ def test_an_id_its_field_s_own_word_labels_right_before_it_is_taken_whole_and_ne
     assert near("We ordered 6 units (our PO 4410-22, your order confirmation WEB-339017). We received the PX-3100 "
                 "instead.", ("order",)) == ["WEB-339017"]
     assert near("Order #DST-60233 and PO 90357", ("order",)) == ["#DST-60233"]  # as records and labels write it
+    # not a work order's, a replacement's, an earlier one's or "order" as a verb: the stretches are read then
+    for text in ("The technician's work order WO-77120 says fixed. My order was placed on 3 May, ref 55190-22.",
+                 "I'd like to order XR-200 blades separately. My original order, placed in March, number 4471-2231-88",
+                 "Agent: Your order number?\nCustomer: it's SO-3381-42 I think\nAgent: I've made replacement order "
+                 "RP-55120 for you."):
+        assert any(("55190-22" in p or "4471-2231-88" in p or "SO-3381-42" in p) for p in near(text, ("order",)) or
+                   [text]), text
+    many = "Order number WX-22222. " + " ".join(f"SKU-{i:04d}" for i in range(40)) + " order number KX-10293."
+    assert any("KX-10293" in p for p in near(many, ("order",)))  # more ids than read: no window hides a later one
+    # a naming the record denies is none: "no order number - only the tracking number, 1W882 7730 114"
+    denied = "I don't have an order number - only the tracking number from the parcel, 1W882 7730 114. Thanks"
+    assert doubt(denied, "1W882 7730 114", ("order",), "order_id") == ELSEWHERE
     # with none labeled, the stretch naming the order ends at the next kind's label once it held a value, or at its
     # line's end
     assert near("My order came late, ref HVN-3381045, model HK-17P.", ("order",)) == \

@@ -165,8 +165,9 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
         return OTHERWISE if customers_po(text, span, words, field) else -LABELED
     if not pattern.search(text):
         return NAMELESS
-    if any(pattern.search(text, max(0, i - NEAR), i + len(span)) for i in _places(text, span)):
-        return 0.0
+    if any(not is_denied(text, *m.span()) for i in _places(text, span)
+           for m in pattern.finditer(text, max(0, i - NEAR), i + len(span))):
+        return 0.0  # named near it, and not denied there ("I don't have an order number - only the tracking ...")
     return ELSEWHERE
 
 
@@ -227,10 +228,11 @@ def labeled_id(text: str, span: str, words: Sequence[str], po: bool = True) -> s
 
 
 # A purchase order's words right before an order's label: "purchase order 7781-HB" is the customer's PO.
-# Not the seller's order for a purchase order's rule: a purchase order, a work order, a return's, a replacement's, a
-# money order ("the driver's work order WO-77120", "return order RT-55210", "purchase-order 7781-HB").
+# Not the seller's order (customers_po) nor the order asked about (_labeled_windows): a purchase order, a work order, a
+# return's, a replacement's, a money order, an earlier one, "order" as a verb ("the driver's work order WO-77120",
+# "return order RT-55210", "purchase-order 7781-HB", "my previous order ORD-4471234", "I'd like to order XR-200").
 _PURCHASE = re.compile(r"\b(?:purchase|work|return|returns|replacement|money|repair|service|exchange|credit|postal|"
-                       r"transfer)[ \t-]+\Z", re.IGNORECASE)
+                       r"transfer|previous|earlier|old|first|other|to|re)[ \t-]+\Z", re.IGNORECASE)
 # An id's shape as a record writes it, for the ids it labels (`customers_po`): a digit in it ("#55019" gives "55019").
 _AN_ID = re.compile(r"(?<![\w/-])[A-Za-z0-9][\w/#-]*\d[\w/#-]*(?<![-/#])")
 MAX_IDS = 32  # distinct id-shaped words read for the seller's order (customers_po)
@@ -259,13 +261,14 @@ def customers_po(text: str, span: str, words: Sequence[str], field: str = "") ->
 
 @functools.lru_cache(maxsize=8)
 def _ids(text: str) -> tuple[re.Match[str], ...]:
-    """The first place of each distinct id-shaped word of `text` (_AN_ID), the first MAX_IDS of them."""
+    """The first place of each distinct id-shaped word of `text` (_AN_ID), the first MAX_IDS of them, and one more
+    where there are more (`_labeled_windows` then reads none)."""
     first: dict[str, re.Match[str]] = {}
     for m in _AN_ID.finditer(text):
         if m[0] not in first:
-            if len(first) >= MAX_IDS:
-                break
             first[m[0]] = m
+            if len(first) > MAX_IDS:
+                break
     return tuple(first.values())
 
 
@@ -273,7 +276,7 @@ def _ids(text: str) -> tuple[re.Match[str], ...]:
 def _sellers(text: str, words: tuple[str, ...]) -> tuple[str, ...]:
     """The ids `text` labels as an order's with the order's own word, no purchase order's (of its first MAX_IDS
     id-shaped words)."""
-    return tuple(m[0] for m in _ids(text) if labeled_id(text, m[0], words, po=False))
+    return tuple(m[0] for m in _ids(text)[:MAX_IDS] if labeled_id(text, m[0], words, po=False))
 
 
 def _places(text: str, span: str) -> list[int]:
@@ -385,7 +388,7 @@ def near(text: str, words: Sequence[str], field: str = "") -> list[str]:
 def _customer_pos(text: str, words: tuple[str, ...], field: str) -> tuple[str, ...]:
     """The ids `customers_po` reads as the customer's purchase order beside the seller's (of the first MAX_IDS
     id-shaped words)."""
-    return tuple(m[0] for m in _ids(text) if customers_po(text, m[0], words, field))
+    return tuple(m[0] for m in _ids(text)[:MAX_IDS] if customers_po(text, m[0], words, field))
 
 
 def _cut(text: str, a: int, b: int, ids: Sequence[str]) -> list[str]:
@@ -395,18 +398,27 @@ def _cut(text: str, a: int, b: int, ids: Sequence[str]) -> list[str]:
 
 
 _PO_HEAD = re.compile(r"(?:(?<![\w.])" + _PO + r"[ \t]*#?|#)[ \t]*\Z")  # what a window opens with before its id
-_GROUPS = re.compile(r"(?:[ \t]\d{2,}(?![\w/#-])){0,3}")  # the digit groups that may close an id ("AUR 5519 0087")
+# The groups that may close an id: two or more capitals and digits, one a digit ("AUR 5519 0087", "A1B2-C3D4 E5F6").
+_GROUPS = re.compile(r"(?:[ \t](?=[A-Z0-9]*\d)[A-Z0-9]{2,}(?![\w/#-])){0,3}")
 
 
 @functools.lru_cache(maxsize=8)
+def _by_po(text: str, m: re.Match[str]) -> bool:
+    """Whether a purchase order's label labels the id at `m` ("PO 90357", "PO# 4471", "PO-4471982")."""
+    return m[0].startswith("PO") or _PO_LABEL.search(text, max(0, m.start() - 32), m.start()) is not None or \
+        re.search(r"(?<![\w.])" + _PO + r"[^\n]{0,12}\Z", text[max(0, m.start() - 16) : m.start()]) is not None
+
+
 def _labeled_windows(text: str, words: tuple[str, ...], field: str) -> list[tuple[int, int]]:
     """Where the record labels an order's id (labeled_id; no customer's purchase order beside the seller's): each id's
     first place, with the label's first group before it and the digit groups after it ("order AUR 5519 0087" gives
     "AUR 5519 0087"), of the first MAX_IDS id-shaped words. In the labeled sets (2,068 tickets with an order-id
-    label, v2-v104) 1,343 label one so, and in each the answer is one of these: where one is, near reads only them."""
+    label, v2-v104) 1,338 label one so, and in each the answer is one of these: where one is, near reads only them."""
     out: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])  # labeled by a word, naming themselves
-    for m in _ids(text):
-        if (value := labeled_id(text, m[0], words)) and not customers_po(text, m[0], words, field):
+    ids = _ids(text)
+    for m in ids if len(ids) <= MAX_IDS else ():  # more ids than read: a label past them would be missed
+        if (value := labeled_id(text, m[0], words)) and not customers_po(text, m[0], words, field) and (
+                labeled_id(text, m[0], words, po=False) or _by_po(text, m)):  # no work order's, no earlier one's
             head = value[: len(value) - len(m[0])]
             start = m.start() - len(head) if head and text.endswith(head, 0, m.start()) else m.start()
             if (po := _PO_HEAD.search(text, max(0, start - 8), start)) is not None:
