@@ -744,6 +744,13 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
     # ... nor anywhere else the record names them, with their surname ("To: Gareth Hutchins", "Dear Gareth,")
     assert writer_sources(["My husband Gareth booked it.\nClaire Hutchins\n> To: Gareth Hutchins\n> Dear Gareth,"]) \
         == ["My husband ", " booked it.\nClaire Hutchins\n> To: ", "\n> ", ","]
+    # the seller's people and departments, a shouted word and "I'm" are no one's name either
+    assert writer_sources(["delivered by your driver, Kevin Moss, today.\nBeatrix Lowe"]) == \
+        ["delivered by your driver, ", ", today.\nBeatrix Lowe"]
+    assert writer_sources(["My sous-chef Paolo Ricci will be there.\nIsabella Conti"]) == \
+        ["My sous-chef ", " will be there.\nIsabella Conti"]
+    assert writer_sources(["From: Ergonova Shipping <s@e.example>\nThis is CRITICAL, I'm stuck.\nGraham Whitlock"]) == \
+        ["From: ", " <s@e.example>\nThis is ", ", ", " stuck.\nGraham Whitlock"]
     # not inside a longer name (a shared surname), nor alone on its line (a signature)
     assert writer_sources(["My husband, Mr. Smith, booked it.\nRegards,\nJane Smith"])[-1] == ",\nJane Smith"
     assert writer_sources(["My friend Will recommended you.\nWill Turner"])[-1].endswith("Will Turner")
@@ -755,7 +762,7 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
     assert writer_sources(["Thanks,\nConnor McAllister\nPhone 0412 555 908"]) == [",\nConnor McAllister\nPhone "]
     # the writer saying who they are is not someone else
     assert writer_sources(["Hello, I am her husband, Tom Smith, writing"])[-1].endswith("Tom Smith, writing")
-    assert writer_sources(["I'm their manager, Jane Doe, and"]) == ["I'm their manager, Jane Doe, and"]
+    assert writer_sources(["I'm their manager, Jane Doe, and"]) == [" their manager, Jane Doe, and"]
     # a letter's closing is no one's name, in any language customers close in, however its words are spaced
     assert writer_sources(["Help!\n\nYstävällisin terveisin\nSanna Virtanen", "Merci beaucoup,\nJean Dupont",
                            "Thanks.\nTak Wing Lee", "Kind\xa0regards,\nAna Silva", "Ystävällisin\nterveisin\nMatti"]) \

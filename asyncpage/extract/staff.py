@@ -79,7 +79,9 @@ _GREETINGS = ("Kia ora|Tēnā koe|Hola|Buenos días|Bonjour|Bonsoir|Ciao|Salve|H
               "Hello|Hi|Hey")
 # A team is no one's name: a seller's role word and the capitalized words before it ("Boreal Support", "Aurelis
 # Care", "Customer Service"; no customer of 1,244 labeled tickets holds one, 184 of their texts do).
-_TEAM_WORDS = r"Support|Care|Service|Services|Team|Helpdesk|Desk"
+# A seller's department signs its mail so too ("From: Ergonova Shipping <shipping@...>" was copied as the customer).
+_TEAM_WORDS = r"Support|Care|Service|Services|Team|Helpdesk|Desk|Shipping|Sales|Billing|Orders|Notifications|" \
+    r"Delivery|Deliveries|Accounts|Returns|Bookings|Reservations|Dispatch|Logistics|Travel"
 # And a letter's closing, in the languages customers close in ("Ystävällisin terveisin" was copied as a name; no
 # customer of 1,284 labeled tickets holds one, 564 of their texts do), longest first, any case.
 _CLOSINGS = "|".join(re.escape(c) for c in sorted((
@@ -99,6 +101,8 @@ _CLOSINGS = "|".join(re.escape(c) for c in sorted((
     "Mahalo", "Saluti", "Thanks", "Danke", "Grüße", "Hvala", "Merci",
 ), key=len, reverse=True)).replace("\\ ", r"\s+")  # its words apart by any spacing ("Kind\xa0regards")
 _TITLE_WORDS = "Mrs|Mr|Ms|Miss|Mx|Dr|Prof"
+_SHOUTS = ("URGENT|CRITICAL|ASAP|HELP|IMPORTANT|PLEASE|NOT|NO|STILL|AGAIN|NOW|TODAY|BROKEN|WRONG|NEVER|DOWN|STOPPED|"
+           "OUTAGE|FAILED|FAILURE|DEAD|EMERGENCY|REFUND|ALL|EVERY|ANY")
 _DETERMINER_WORDS = "The|A|An|This|That|These|Those|My|Our|Your|His|Her|Its|Their"
 _DETERMINERS = frozenset(_DETERMINER_WORDS.lower().split("|"))
 # A brand before its model's code, whose digit-holding word is cut ("the Vantor M27Q": "Vantor" was copied as the
@@ -109,9 +113,12 @@ _UNITS = "kg|g|mg|lb|lbs|oz|ml|cl|l|cm|mm|m|in|w|kw|v|mah|wh|kwh|gb|tb|mb|hz|mp"
 _BRAND_RUN = re.compile(rf"(?!(?:{_DETERMINER_WORDS})\b)(?:{_CAP}[ \t]+){{1,3}}"
                         rf"(?=(?:(?=[\w-]*[A-Z])(?=[\w-]*\d)[\w-]+|\d+(?i:{_UNITS}))(?![\w'’@-])(?!\.\w))")
 _NO_NAME = re.compile(rf"(?<!\S)[^\s\d]*+\d\S*|(?<![\w'’-])(?:{_TITLE_WORDS})\.?(?=[ \t]+[A-ZÀ-ÖØ-Þ])|"
-                      # and the pronoun "I" (an initial has its dot), the article "A" before a lowercase word
-                      rf"(?<![\w'’-])(?:{_GREETINGS}|I|A(?=[ \t]+[a-zß-öø-ÿ]))(?![\w'’.-])|"
+                      # and the pronoun "I" ("I'm": "I" was copied once; an initial has its dot), the article "A"
+                      # before a lowercase word
+                      rf"(?<![\w'’-])(?:{_GREETINGS}|I(?:['’](?:m|d|ll|ve))?|A(?=[ \t]+[a-zß-öø-ÿ]))(?![\w'’.-])|"
                       rf"(?<![\w'’-])(?i:{_CLOSINGS})(?![\w'’-])|"
+                      # a shouted word ("this is CRITICAL" was copied as the customer once)
+                      rf"(?<![\w'’-])(?:{_SHOUTS})(?![\w'’-])|"
                       rf"(?:{_CAP}[ \t]+){{0,3}}(?<![\w'’-])(?:{_TEAM_WORDS})(?![\w'’-])")
 
 
@@ -167,9 +174,11 @@ def addressed(text: str) -> list[tuple[int, int]]:
 # the 86 such names in the labeled tickets (v5-v94), 83 are not their ticket's customer; the 3 others (v5, v8) label
 # the account holder a relative writes for, where the later sets label the one who writes and signs.
 _RELATIONS = ("colleague|co-?worker|manager|director|boss|supervisor|assistant|husband|wife|partner|son|daughter|"
-              "mother|father|mum|mom|dad|brother|sister|friend|neighbou?r|flatmate|roommate")
+              "mother|father|mum|mom|dad|brother|sister|friend|neighbou?r|flatmate|roommate|driver|technician|"
+              "engineer|installer|courier|sous-chef|chef|employee|deputy|secretary|receptionist|accountant|lawyer|"
+              "solicitor|landlord|tenant|nanny|carer|caregiver|electrician|plumber|contractor")
 # Not the writer saying who they are ("I am her husband, Tom Smith", "I'm their manager, Jane Doe").
-_RELATED = re.compile(rf"(?<![\w'’-])(?<!\bam[ \t])(?<![’']m[ \t])(?i:my|our|his|her|their)[ \t]+"
+_RELATED = re.compile(rf"(?<![\w'’-])(?<!\bam[ \t])(?<![’']m[ \t])(?i:my|our|your|his|her|their)[ \t]+"
                       rf"(?:(?i:[a-z-]+)[ \t]+)?(?i:{_RELATIONS})s?,?[ \t]+"
                       rf"(?:(?:{_TITLE_WORDS}|Herr|Frau|Mme)\.?[ \t]+)?({_CAP}(?:[ \t]+{_CAP}){{0,2}})")
 
