@@ -769,6 +769,9 @@ def test_an_id_its_field_s_own_word_labels_right_before_it_is_taken_whole_and_ne
     # a naming the record denies is none: "no order number - only the tracking number, 1W882 7730 114"
     denied = "I don't have an order number - only the tracking number from the parcel, 1W882 7730 114. Thanks"
     assert doubt(denied, "1W882 7730 114", ("order",), "order_id") == ELSEWHERE
+    assert doubt("I haven't received my order yet. It's #88123.", "88123", ("order",), "order_id") == 0.0  # named
+    for none in ("so I don't have an online order number - receipt no. 88123", "I have no order details, only 88123"):
+        assert doubt(none, "88123", ("order",), "order_id") == ELSEWHERE, none
     # with none labeled, the stretch naming the order ends at the next kind's label once it held a value, or at its
     # line's end
     assert near("My order came late, ref HVN-3381045, model HK-17P.", ("order",)) == \

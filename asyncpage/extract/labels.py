@@ -6,6 +6,7 @@ all that (`doubt`). Read by asyncpage.extract.decisions for a nullable copied fi
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 import re
@@ -165,10 +166,33 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
         return OTHERWISE if customers_po(text, span, words, field) else -LABELED
     if not pattern.search(text):
         return NAMELESS
-    if any(not is_denied(text, *m.span()) for i in _places(text, span)
-           for m in pattern.finditer(text, max(0, i - NEAR), i + len(span))):
-        return 0.0  # named near it, and not denied there ("I don't have an order number - only the tracking ...")
+    named = [m.span() for m in pattern.finditer(text) if not _no_number(text, m)]
+    starts = [a for a, _ in named]
+    for i in _places(text, span):
+        k = bisect.bisect_left(starts, max(0, i - NEAR))
+        if k < len(named) and named[k][1] <= i + len(span):
+            return 0.0
     return ELSEWHERE
+
+
+def _no_number(text: str, m: re.Match[str]) -> bool:
+    """Whether the record says it has no such number where `m` names the field: the naming word after _NO_NUMBER,
+    before an id noun, its details or the clause's end ("I don't have an order number - only the tracking number ...,
+    1W882 7730 114"); not a denied verb's object ("I haven't received my order yet. It's #88123")."""
+    return _NO_NUMBER.search(text, max(0, m.start() - 40), m.start()) is not None and \
+        _NUMBER_AFTER.match(text, m.end()) is not None
+
+
+# Saying there is none, right before the naming word: "I don't have an order number", "no order no.", "without a
+# booking reference", "I don't have an online order number", "I cannot find the order number", "have no order
+# details", "I do not have an online order." (nine spent tickets, each labeled null).
+_NO_NUMBER = re.compile(r"\b(?:no|without|(?:do|does|did)(?:n['’]t|[ \t]+not)[ \t]+(?:have|get)|have[ \t]+no|"
+                        r"haven['’]t[ \t]+got|never[ \t]+(?:had|got|received)|no[ \t]+longer[ \t]+have|"
+                        r"(?:can['’]t|cannot|can[ \t]+not|couldn['’]t)[ \t]+find)[ \t]+"
+                        r"(?:(?:an?|any|the|my|our)[ \t]+)?(?:(?:online|original|web|e-?mail)[ \t]+)?\Z", re.IGNORECASE)
+# ... and what follows the naming word there: an id noun, its details, or the clause's end.
+_NUMBER_AFTER = re.compile(rf"[ \t]*(?:{_ID_NOUNS}|#|details\b|info\b|information\b|confirmation\b|[.,;:!)–-]|\r?$)",
+                           re.IGNORECASE | re.MULTILINE)
 
 
 def _naming(words: Sequence[str], po: bool = True) -> tuple[bool, str]:

@@ -79,9 +79,11 @@ _GREETINGS = ("Kia ora|Tēnā koe|Hola|Buenos días|Bonjour|Bonsoir|Ciao|Salve|H
               "Hello|Hi|Hey")
 # A team is no one's name: a seller's role word and the capitalized words before it ("Boreal Support", "Aurelis
 # Care", "Customer Service"; no customer of 1,244 labeled tickets holds one, 184 of their texts do).
-# A seller's department signs its mail so too ("From: Ergonova Shipping <shipping@...>" was copied as the customer).
-_TEAM_WORDS = r"Support|Care|Service|Services|Team|Helpdesk|Desk|Shipping|Sales|Billing|Orders|Notifications|" \
-    r"Delivery|Deliveries|Accounts|Returns|Bookings|Reservations|Dispatch|Logistics|Travel"
+_TEAM_WORDS = r"Support|Care|Service|Services|Team|Helpdesk|Desk"
+# A seller's department signs its mail so too ("From: Ergonova Shipping <shipping@...>" was copied as the customer),
+# where no capitalized word follows it (not a title's "Jane Doe Sales Director", "Jane Doe Accounts Payable").
+_DEPARTMENTS = r"Shipping|Sales|Billing|Orders|Notifications|Delivery|Deliveries|Accounts|Returns|Bookings|" \
+    r"Reservations|Dispatch|Logistics|Travel"
 # And a letter's closing, in the languages customers close in ("Ystävällisin terveisin" was copied as a name; no
 # customer of 1,284 labeled tickets holds one, 564 of their texts do), longest first, any case.
 _CLOSINGS = "|".join(re.escape(c) for c in sorted((
@@ -119,7 +121,8 @@ _NO_NAME = re.compile(rf"(?<!\S)[^\s\d]*+\d\S*|(?<![\w'’-])(?:{_TITLE_WORDS})\
                       rf"(?<![\w'’-])(?i:{_CLOSINGS})(?![\w'’-])|"
                       # a shouted word ("this is CRITICAL" was copied as the customer once)
                       rf"(?<![\w'’-])(?:{_SHOUTS})(?![\w'’-])|"
-                      rf"(?:{_CAP}[ \t]+){{0,3}}(?<![\w'’-])(?:{_TEAM_WORDS})(?![\w'’-])")
+                      rf"(?:{_CAP}[ \t]+){{0,3}}(?<![\w'’-])(?:{_TEAM_WORDS})(?![\w'’-])|"
+                      rf"(?:{_CAP}[ \t]+){{1,3}}(?<![\w'’-])(?:{_DEPARTMENTS})(?![\w'’-])(?![ \t]+[A-ZÀ-ÖØ-Þ])")
 
 
 # The record's first line (after a subject line at most) greets whom it is written to: "Hi Sophie,", "Dear Meeplewick
