@@ -672,7 +672,8 @@ def test_a_span_without_a_digit_is_no_id_and_its_confidence_is_the_model_s() -> 
 
 
 def test_an_id_named_in_the_record_wins_over_a_likelier_number_far_from_its_naming() -> None:
-    from asyncpage.extract.labels import LABELED, NEAR, near
+    from asyncpage.extract.labels import LABELED, NEAR
+    from asyncpage.extract.near import near
 
     text = "Subject: Freezer stopped - order CF-00931-FR\n\n" + "It was delivered six weeks ago. " * 3 + \
         "(ref 1Z84F3309211784402) and stopped cooling."
@@ -747,7 +748,8 @@ def test_an_id_the_record_labels_as_another_kind_of_number_is_refused() -> None:
 
 
 def test_an_id_its_field_s_own_word_labels_right_before_it_is_taken_whole_and_needs_less() -> None:
-    from asyncpage.extract.labels import ELSEWHERE, LABELED, OTHERWISE, doubt, labeled, labeled_id, near
+    from asyncpage.extract.labels import ELSEWHERE, LABELED, OTHERWISE, doubt, labeled, labeled_id
+    from asyncpage.extract.near import near
 
     text = "Re the Havrenn Kettle Pro 1.7 from your store (order HVN-3381045, model HK-17P). It leaks."
     assert doubt(text, "HVN-3381045", ("order",), "order_id") == -LABELED
@@ -905,7 +907,8 @@ def test_an_id_its_field_s_own_word_labels_right_before_it_is_taken_whole_and_ne
 
 
 def test_the_customer_s_purchase_order_beside_the_seller_s_order_is_never_the_order_id() -> None:
-    from asyncpage.extract.labels import LABELED, OTHERWISE, customers_po, doubt, near
+    from asyncpage.extract.labels import LABELED, OTHERWISE, customers_po, doubt
+    from asyncpage.extract.near import near
 
     both = "12 units under your order KX-ORD-33018 (our PO 4500123987). Since"
     assert doubt(both, "4500123987", ("order",), "order_id") == OTHERWISE

@@ -9,7 +9,7 @@ calibrated on reference records, not by the first token the grammar allows (issu
   offset (contextual calibration), its softmax share mixed with an even share among the options the record
   names in its own words (closed.named: "This is critical"); the best wins, its mixed share the confidence;
 - null or present, for a nullable copied field: its likeliest span on its label line, or the likeliest where the
-  record names the field (with a digit for an id: labels.near, numbered), against " not given";
+  record names the field (with a digit for an id: near.near, labels.numbered), against " not given";
 - where a copied value that may not be null ends (ends.py) and starts (starts.py), read on its described line;
 - null or present, for a nullable field not copied: in context after its key in the JSON, per token.
 
@@ -31,7 +31,8 @@ from asyncpage.extract import booleans as flags
 from asyncpage.extract import ends, grounding, scales
 from asyncpage.extract import retry as redo
 from asyncpage.extract.closed import NAMED_WEIGHT, Closed, closed_fields
-from asyncpage.extract.labels import anchors, doubt, labeled_id, near_grammar
+from asyncpage.extract.labels import anchors, doubt, labeled_id
+from asyncpage.extract.near import near_grammar
 from asyncpage.extract.probes import BEST_MAX_TOKENS, Probe, Scored, gather
 from asyncpage.extract.prompt import REFERENCES
 from asyncpage.extract.readings import (
