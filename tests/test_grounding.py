@@ -752,6 +752,8 @@ def test_the_writer_is_never_copied_from_a_support_agents_name(accepts: Any) -> 
     assert writer_sources(["From: Ergonova Shipping <s@e.example>\nThis is CRITICAL, I'm stuck.\nGraham Whitlock"]) == \
         ["From: ", " <s@e.example>\nThis is ", ", ", " stuck.\nGraham Whitlock"]
     assert writer_sources(["Jane Doe Sales Director, Acme"]) == ["Jane Doe Sales Director, Acme"]  # a title's word
+    assert writer_sources(["Lanterra Bot: Welcome!\nCustomer: Ramón Echeverría"]) == \
+        [": Welcome!\nCustomer: Ramón Echeverría"]  # a chat's bot
     # not inside a longer name (a shared surname), nor alone on its line (a signature)
     assert writer_sources(["My husband, Mr. Smith, booked it.\nRegards,\nJane Smith"])[-1] == ",\nJane Smith"
     assert writer_sources(["My friend Will recommended you.\nWill Turner"])[-1].endswith("Will Turner")

@@ -79,7 +79,7 @@ _GREETINGS = ("Kia ora|Tēnā koe|Hola|Buenos días|Bonjour|Bonsoir|Ciao|Salve|H
               "Hello|Hi|Hey")
 # A team is no one's name: a seller's role word and the capitalized words before it ("Boreal Support", "Aurelis
 # Care", "Customer Service"; no customer of 1,244 labeled tickets holds one, 184 of their texts do).
-_TEAM_WORDS = r"Support|Care|Service|Services|Team|Helpdesk|Desk"
+_TEAM_WORDS = r"Support|Care|Service|Services|Team|Helpdesk|Desk|Bot|Chatbot"  # "Lanterra Bot:" too
 # A seller's department signs its mail so too ("From: Ergonova Shipping <shipping@...>" was copied as the customer),
 # where no capitalized word follows it (not a title's "Jane Doe Sales Director", "Jane Doe Accounts Payable").
 _DEPARTMENTS = r"Shipping|Sales|Billing|Orders|Notifications|Delivery|Deliveries|Accounts|Returns|Bookings|" \
