@@ -105,9 +105,11 @@ def _by_po(text: str, m: re.Match[str]) -> bool:
 @functools.lru_cache(maxsize=8)
 def _labeled_windows(text: str, words: tuple[str, ...], field: str) -> list[tuple[int, int]]:
     """Where the record labels an order's id (labeled_id; no customer's purchase order beside the seller's): each id's
-    first place, with the label's first group before it and the digit groups after it ("order AUR 5519 0087" gives
-    "AUR 5519 0087"), of the first MAX_IDS id-shaped words. In the labeled sets (2,068 tickets with an order-id
-    label, v2-v104) 1,338 label one so, and in each the answer is one of these: where one is, near reads only them."""
+    first place, with the label's first group, a "#" or a "PO" before it and the groups of capitals and digits after it
+    ("order AUR 5519 0087" gives "AUR 5519 0087"), where the record holds at most MAX_IDS id-shaped words; not a work
+    order's, a return's or an earlier order's (the label read without them, labels._PURCHASE, or a PO's). In the
+    labeled sets (2,068 tickets with an order-id label, v2-v104) 1,338 label one so, and in each the answer is one of
+    these: where one is, near reads only them."""
     out: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])  # labeled by a word, naming themselves
     ids = _ids(text)
     for m in ids if len(ids) <= MAX_IDS else ():  # more ids than read: a label past them would be missed
@@ -120,7 +122,6 @@ def _labeled_windows(text: str, words: tuple[str, ...], field: str) -> list[tupl
             groups = _GROUPS.match(text, m.end())
             out[bool(_SELF_ORDER.fullmatch(m[0]))].append((start, groups.end() if groups else m.end()))
     return sorted((out[0] + out[1])[:MAX_NEAR])  # the ids naming themselves after those a word labels
-
 
 
 def near_grammar(text: str, sources: Sequence[str], words: Sequence[str], field: str,
