@@ -854,6 +854,11 @@ def test_an_id_its_field_s_own_word_labels_right_before_it_is_taken_whole_and_ne
     # a field of its own named so keeps its label
     assert labeled("I cancelled my plan (confirmation code CNX-4410) but", "CNX-4410", ("confirmation", "code"))
     assert not labeled("confirmation number FJ88-1273", "FJ88-1273", ("tracking",))  # an order's id only
+    # a chat's answer to the agent's question: the id alone on its line, or its first sentence
+    asked = "Agent: Do you have your order number?\nCustomer: CF-55102-UK"
+    assert labeled(asked, "CF-55102-UK", ("order",))
+    assert labeled(asked + ". It went back once.", "CF-55102-UK", ("order",))
+    assert not labeled(asked + " is my account, not the order.", "CF-55102-UK", ("order",))
     # an id naming itself an order's is where the record names the order, wherever it stands
     assert near("I bought a Kelvora AirPure 450 from your shop three weeks ago (ORD-48213). It", ("order",)) == \
         ["ORD-48213"]

@@ -312,7 +312,8 @@ def _places(text: str, span: str) -> list[int]:
     return out
 
 
-# A chat's answer: the span alone on its line after its speaker ("Customer: #LQ-3390", "[14:04] Sarah: 77300192"),
+# A chat's answer: the span alone on its line after its speaker, or its first sentence ("Customer: #LQ-3390",
+# "[14:04] Sarah: 77300192", "Customer: CF-55102-UK. It already went back once"),
 # the line before a question asking for the field's id ("Could you confirm your order number?"; not "What's the
 # tracking number on your order?", "When did you place the order?"). A speaker is no kind's label ("Invoice:").
 _SPEAKER = re.compile(r"[^\S\n]*(?:\[[^\]\n]{1,24}\][^\S\n]*)?(?:[^\n:\[\]]{1,40}:)?[^\S\n]*#?")
@@ -324,8 +325,9 @@ _LINE = 200  # characters a chat's answer line and its question are read over at
 def _answers(text: str, start: int, end: int, own: str) -> bool:
     line = text.rfind("\n", max(0, start - _LINE), start) + 1
     stop = text.find("\n", end, end + _LINE)
+    rest = text[end : stop if stop >= 0 else end + _LINE]
     if not line or not _SPEAKER.fullmatch(text, line, start) or _KIND_SPEAKER.search(text, line, start) or \
-            text[end : stop if stop >= 0 else end + _LINE].strip(" \t\r.!"):
+            (rest.strip(" \t\r.!") and not re.match(r"[.!][ \t]+[A-Z]", rest)):  # alone, or its answer's sentence
         return False
     above = text.rfind("\n", max(0, line - 1 - _LINE), line - 1) + 1
     asked = text[max(above, line - 1 - _LINE) : line - 1].rstrip()
