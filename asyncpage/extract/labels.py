@@ -128,7 +128,6 @@ def anchors(name: str, prop: dict[str, Any]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(w for w in words if w not in _GENERIC and len(w) > 3))[:MAX_ANCHORS]
 
 
-
 def numbered(field: str) -> bool:
     """Whether a field's name says its value holds a digit: its last word an id, a number, a phone ("order_id",
     "serialNumber", "customerNo", "ORDER_IDS", "ordernumber"); not "tracking_status" or "phone_type", whose head
@@ -251,7 +250,6 @@ def labeled_id(text: str, span: str, words: Sequence[str], po: bool = True) -> s
     return ""
 
 
-# A purchase order's words right before an order's label: "purchase order 7781-HB" is the customer's PO.
 # Not the seller's order (customers_po) nor the order asked about (_labeled_windows): a purchase order, a work order, a
 # return's, a replacement's, a money order, an earlier one, "order" as a verb ("the driver's work order WO-77120",
 # "return order RT-55210", "purchase-order 7781-HB", "my previous order ORD-4471234", "I'd like to order XR-200").
@@ -259,7 +257,7 @@ _PURCHASE = re.compile(r"\b(?:purchase|work|return|returns|replacement|money|rep
                        r"transfer|previous|earlier|old|first|other|to|re)[ \t-]+\Z", re.IGNORECASE)
 # An id's shape as a record writes it, for the ids it labels (`customers_po`): a digit in it ("#55019" gives "55019").
 _AN_ID = re.compile(r"(?<![\w/-])[A-Za-z0-9][\w/#-]*\d[\w/#-]*(?<![-/#])")
-MAX_IDS = 32  # distinct id-shaped words read for the seller's order (customers_po)
+MAX_IDS = 32  # distinct id-shaped words read for the seller's order and the labeled windows (_ids)
 
 
 def _asks_po(words: Sequence[str], field: str) -> bool:

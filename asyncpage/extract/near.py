@@ -113,7 +113,7 @@ def _labeled_windows(text: str, words: tuple[str, ...], field: str) -> list[tupl
     out: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])  # labeled by a word, naming themselves
     ids = _ids(text)
     for m in ids if len(ids) <= MAX_IDS else ():  # more ids than read: a label past them would be missed
-        if (value := labeled_id(text, m[0], words)) and not customers_po(text, m[0], words, field) and (
+        if (value := labeled_id(text, m[0], words)) and m[0] not in _customer_pos(text, words, field) and (
                 labeled_id(text, m[0], words, po=False) or _by_po(text, m)):  # no work order's, no earlier one's
             head = value[: len(value) - len(m[0])]
             start = m.start() - len(head) if head and text.endswith(head, 0, m.start()) else m.start()

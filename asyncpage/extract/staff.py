@@ -205,11 +205,7 @@ def _own_name(text: str, i: int, j: int) -> bool:
     """Whether text[i:j] may be the writer's own name there: after a capitalized word (a longer name's end: the
     relative "Mr. Smith" in "Jane Smith"; not a label's "To:") or alone on its line (a signature: "My friend Will" and
     "Will Turner")."""
-    before = text[max(text.rfind("\n", max(0, i - _LINE), i) + 1, i - _LINE) : i]
-    stop = text.find("\n", j, j + _LINE)
-    after = text[j : stop if stop >= 0 else j + _LINE]
-    head = before.rstrip(" \t")
-    word = head.rsplit(None, 1)[-1] if head and len(head) < len(before) else ""
+    before, word, after = _around(text, i, j)
     return (word[:1].isupper() and not word.endswith(":") and word.casefold().strip(",.!") not in _NOT_NAMES) or \
         not (before.strip(" \t-–—") or after.strip(" \t\r.,!"))
 
@@ -256,16 +252,22 @@ def _staff_places(text: str) -> list[tuple[int, int]]:
     again = re.compile(r"(?<![\w'’-])(?:" + "|".join(map(re.escape, names)) + r")(?![\w'’-])(?![ \t]+[A-ZÀ-ÖØ-Þ])")
     for m in again.finditer(text):
         i, j = m.span()
-        before = text[max(text.rfind("\n", max(0, i - _LINE), i) + 1, i - _LINE) : i]  # its line, at most _LINE
-        stop = text.find("\n", j, j + _LINE)
-        after = text[j : stop if stop >= 0 else j + _LINE]
-        head = before.rstrip(" \t")
-        word = head.rsplit(None, 1)[-1] if head and len(head) < len(before) else ""  # the word right before it
+        before, word, after = _around(text, i, j)
         if (word[:1].isupper() and word.casefold().strip(",.!:") not in _NOT_NAMES) or \
                 re.match(r"[ \t]*:", after) or not (before.strip() or after.strip(" \t\r.,!")):
             continue
         marked.append((i, j))
     return marked
+
+
+def _around(text: str, i: int, j: int) -> tuple[str, str, str]:
+    """text[i:j]'s line around it, at most _LINE characters either side: (what stands before it, the word right before
+    it where a space or a tab parts them, what stands after it)."""
+    before = text[max(text.rfind("\n", max(0, i - _LINE), i) + 1, i - _LINE) : i]
+    stop = text.find("\n", j, j + _LINE)
+    head = before.rstrip(" \t")
+    word = head.rsplit(None, 1)[-1] if head and len(head) < len(before) else ""
+    return before, word, text[j : stop if stop >= 0 else j + _LINE]
 
 
 def cut_out(sources: Sequence[str], find: Callable[[str], Iterable[tuple[int, int]]]) -> list[str]:
