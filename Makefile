@@ -26,14 +26,14 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 2
 	$(BIN)/ruff check asyncpage kernels tests examples scripts
 	$(BIN)/mypy asyncpage
 	$(BIN)/lint-imports
 
 # The default model through the slow paths (Triton interpreted, int4 load): ~3 minutes more.
 test-heavy: $(STAMP)
-	$(BIN)/python -m pytest -q -m heavy
+	$(BIN)/python -m pytest -q -m heavy --timeout 1200
 
 lint: $(STAMP)
 	$(BIN)/ruff check asyncpage kernels tests examples scripts

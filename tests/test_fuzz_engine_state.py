@@ -172,8 +172,12 @@ class EngineMachine(RuleBasedStateMachine):
         return self.portal.call(bounded)
 
     def call_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` on the engine's loop, bounded in time (a loop that never gets to it has hung)."""
         assert self.portal is not None
-        return self.portal.call(fn, *args)
+        try:
+            return self.portal.start_task_soon(fn, *args).result(TIMEOUT)
+        except TimeoutError:
+            raise AssertionError(f"the engine's loop did not run {fn!r} within {TIMEOUT} s") from None
 
     async def _run_engine(self, *, task_status: TaskStatus[None]) -> None:
         async with self.eng():

@@ -6,9 +6,12 @@ stats() counts by priority. All priorities 0 is first-come-first-served exactly 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from asyncpage import AsyncEngine, InvalidRequestError, SamplingParams
@@ -18,13 +21,30 @@ from tests.test_faults import idle, tiny_engine
 LONG = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 HOLD = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+STEP_S = 0.01  # the least time a step takes while a seat is held (_hold_the_seat)
 
 
 async def _hold_the_seat(engine: AsyncEngine, priority: int = 0) -> Any:
-    """A request that keeps the only seat until the test closes it."""
+    """A request that keeps the only seat until the test closes it: its 400 tokens take 400 steps of at least
+    STEP_S each (4 s), however fast the CPU runs the tiny model (on one, it once ended before the rest queued)."""
+    runner = engine._core.runner
+    real = runner.execute
+
+    def slow(batch: Any) -> Any:
+        time.sleep(STEP_S)
+        return real(batch)
+
+    runner.execute = slow  # type: ignore[method-assign]
     stream = engine.stream("hold the only seat", HOLD, priority=priority)
     await stream.__anext__()
     return stream
+
+
+async def _until(done: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait for `done()`; a wait past `timeout` fails the test (it never hangs the suite)."""
+    with anyio.fail_after(timeout):
+        while not done():
+            await asyncio.sleep(0.001)
 
 
 async def _finish_order(engine: AsyncEngine, jobs: list[tuple[str, str, int]], seat: Any,
@@ -41,8 +61,7 @@ async def _finish_order(engine: AsyncEngine, jobs: list[tuple[str, str, int]], s
     for name, prompt, priority in jobs:
         tasks.append(asyncio.ensure_future(one(name, prompt, priority)))
         await asyncio.sleep(0.02)  # arrival order is submission order
-    while engine.stats().num_waiting < len(jobs):
-        await asyncio.sleep(0.001)
+    await _until(lambda: engine.stats().num_waiting >= len(jobs))
     await seat.aclose()
     await asyncio.gather(*tasks)
     return done
@@ -53,8 +72,7 @@ async def test_a_higher_priority_request_preempts_a_lower_one_and_both_get_their
         alone = await engine.generate("a long background job", LONG)
         quick_alone = await engine.generate("an interactive turn", SHORT)
         background = asyncio.ensure_future(engine.generate("a long background job", LONG, priority=5))
-        while not engine.stats().num_running:
-            await asyncio.sleep(0.001)
+        await _until(lambda: engine.stats().num_running > 0)
         quick = await engine.generate("an interactive turn", SHORT)  # priority 0: ahead of 5
         assert not background.done()  # it was preempted to make the seat, and still runs after
         assert quick.token_ids == quick_alone.token_ids
@@ -82,7 +100,7 @@ async def test_all_equal_priorities_are_first_come_first_served(tiny_llama: Path
 
 async def test_a_low_priority_request_ages_past_newer_high_priority_ones(tiny_llama: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(priorities, "AGING_S", 0.05)
+    monkeypatch.setattr(priorities, "AGING_S", 0.2)
     async with tiny_engine(tiny_llama, max_num_seqs=1) as engine:
         seat = await _hold_the_seat(engine, priority=-5)
         ended: list[str] = []  # shared: the order all three end in
@@ -92,7 +110,9 @@ async def test_a_low_priority_request_ages_past_newer_high_priority_ones(tiny_ll
             ended.append("aged")
 
         old = asyncio.ensure_future(aged())
-        await asyncio.sleep(0.4)  # 8 levels of aging: it now ranks as -5 against the newcomers' 0
+        # 7 or 8 levels of aging: it ranks -4 or -5 against the newcomers' 0, and not yet better than the seat's
+        # -5 (that takes 9 levels, 1.8 s): 0.2 s for the newcomers to queue and the seat to close.
+        await asyncio.sleep(1.6)
         st = engine.stats()
         assert st.num_waiting_by_priority == {3: 1} and st.num_running_by_priority == {-5: 1}
         await _finish_order(engine, [("new-0", "fresh", 0), ("new-1", "fresher", 0)], seat, ended)
@@ -154,8 +174,7 @@ async def test_an_interactive_turn_steps_with_a_bounded_share_of_a_background_jo
 
         background = [asyncio.ensure_future(rest(s, f)) for s, f in zip(streams, firsts, strict=True)]
         turn = asyncio.ensure_future(engine.generate("an interactive turn", LONG, priority=-1))
-        while not any(p == -1 for step in steps for p, _ in step):
-            await asyncio.sleep(0.001)
+        await _until(lambda: any(p == -1 for step in steps for p, _ in step))
         late = asyncio.ensure_future(engine.generate("a record that arrives during the turn", job, priority=11))
         turn_out = await turn
         background_ids = await asyncio.gather(*background)
@@ -200,8 +219,7 @@ async def test_a_background_prompt_half_prefilled_when_a_turn_arrives_finishes_w
         firsts = await asyncio.gather(*(d.__anext__() for d in decoders))
         rest = [asyncio.ensure_future(_drain(d, f)) for d, f in zip(decoders, firsts, strict=True)]
         record = asyncio.ensure_future(engine.generate(list(range(3, 303)), SHORT, priority=10))
-        while not any(len(s.token_ids) > 200 and s.num_computed_tokens for s in running):
-            await asyncio.sleep(0.0005)
+        await _until(lambda: any(len(s.token_ids) > 200 and s.num_computed_tokens for s in running))
         seq = next(s for s in running if len(s.token_ids) > 200)
         assert 0 < seq.num_computed_tokens < 100  # half-prefilled when the turn arrives
         await engine.generate("an interactive turn", turn, priority=-1)
