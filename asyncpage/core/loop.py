@@ -47,7 +47,7 @@ from asyncpage.errors import (
     SamplingError,
 )
 from asyncpage.guided import CompiledGrammar
-from asyncpage.kv.cache import KVCacheManager
+from asyncpage.kv.cache import BlockTable, KVCacheManager
 from asyncpage.model.registry import CausalLM
 from asyncpage.outputs import EngineStats, TokenLogprob
 from asyncpage.params import SamplingParams
@@ -432,17 +432,19 @@ class EngineCore:
         return engine_stats(self.scheduler, self.kv, self.output, self.dead)
 
     def check_invariants(self) -> bool:
-        """The pool agrees with the block tables (raises AssertionError otherwise): run after every
-        step with `debug_checks=True`, and by the tests whenever the engine is idle. False, and nothing
-        read, on the event loop's thread while a burst holds the state on the compute thread (a read
-        there could see a sequence between the scheduler's lists; the burst checks each of its steps
-        itself with `debug_checks`)."""
+        """The pool agrees with the block tables (AssertionError otherwise): after every step with
+        `debug_checks=True`, and by the tests. False, nothing read, on the loop's thread while a burst
+        holds the state (a sequence may be between the scheduler's lists; the burst checks its own steps)."""
         if self._bursting and self.loop is not None and self.loop.is_current():
             return False
         live = [*self.scheduler.running, *self.scheduler.waiting]
-        self.kv.check_invariants([(s.table, s.request.request_id) for s in live])
+        self.kv.check_invariants(self._live_tables())
         if self.draft is not None:
             self.draft.check_invariants()
         for s in live:
             assert s.request.request_id in self._requests, f"sequence {s.seq_id} of a released request is live"
         return True
+
+    def _live_tables(self) -> list[tuple[BlockTable, int]]:
+        """The block tables check_invariants counts, each with its owner's request id."""
+        return [(s.table, s.request.request_id) for s in [*self.scheduler.running, *self.scheduler.waiting]]

@@ -73,11 +73,9 @@ class PrefillCore(EngineCore):
         self._pins.pop(id(pin), None)
         self.kv.free(pin)
 
-    def check_invariants(self) -> None:
-        """As EngineCore's, counting the pinned tables."""
-        live = [*self.scheduler.running, *self.scheduler.waiting]
-        tables = [(s.table, s.request.request_id) for s in live] + list(self._pins.values())
-        self.kv.check_invariants(tables)
+    def _live_tables(self) -> list[tuple[BlockTable, int]]:
+        """As EngineCore's, with the pinned tables."""
+        return super()._live_tables() + list(self._pins.values())
 
 
 @dataclass(eq=False)
@@ -215,12 +213,9 @@ class DecodeCore(EngineCore):
             self._release(imp.req)
         super()._close_all()
 
-    def check_invariants(self) -> None:
-        """As EngineCore's, counting the tables of imports that hold blocks but do not run yet."""
-        live = [*self.scheduler.running, *self.scheduler.waiting]
-        tables = [(s.table, s.request.request_id) for s in live]
-        tables += [(imp.req.seqs[0].table, rid) for rid, imp in self._imports.items()]
-        self.kv.check_invariants(tables)
+    def _live_tables(self) -> list[tuple[BlockTable, int]]:
+        """As EngineCore's, with the tables of imports that hold blocks but do not run yet."""
+        return super()._live_tables() + [(imp.req.seqs[0].table, rid) for rid, imp in self._imports.items()]
 
 
 class PrefillEngine(AsyncEngine):
