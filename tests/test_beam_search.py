@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -132,8 +133,9 @@ async def test_a_cancelled_beam_search_frees_every_block(tiny_llama: Path) -> No
     async with tiny_engine(tiny_llama, max_num_batched_tokens=8) as engine:
         task = asyncio.ensure_future(engine.beam_search(PROMPTS[0] * 3, beam_width=4, max_tokens=64,
                                                         params=SamplingParams(ignore_eos=True)))
-        while engine.stats().num_running < 4:
-            await asyncio.sleep(0.005)
+        with anyio.fail_after(10):  # its four beams run (64 steps at 8 tokens a step: long enough to see)
+            while engine.stats().num_running < 4:
+                await asyncio.sleep(0.001)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
