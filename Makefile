@@ -11,6 +11,9 @@ export HF_HUB_OFFLINE ?= 1
 # Python thread (tiny models, grammars, the scheduler), so two files at once fill both cores
 # (417 s against ~700 s in one process on a 2-core VM). TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
+# A hung test fails at 300 s (pyproject's pytest-timeout) and takes its worker with it; the other worker runs the
+# rest (no restarts: a replaced worker once left xdist's file scheduler waiting forever). The whole run is bounded
+# too, so a hang nothing else catches still ends the run, red, within the hour.
 
 .PHONY: demo test test-heavy lint bench clean
 
@@ -26,7 +29,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 2
+	timeout -k 60 3600 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0
 	$(BIN)/ruff check asyncpage kernels tests examples scripts
 	$(BIN)/mypy asyncpage
 	$(BIN)/lint-imports

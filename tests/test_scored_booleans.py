@@ -132,7 +132,7 @@ async def test_the_value_returned_is_the_one_the_scores_chose(tiny_llama: Path,
         # subject, "a refund", read as context).
         offset = sum([await _after(engine, d, "a refund", "is asked") for d in REFERENCES]) / len(REFERENCES)
         assert offset != 0.0
-        assert await scored_booleans.boolean_offsets(engine, schema) == {"money_back": pytest.approx(offset)}
+        assert await scored_booleans.boolean_offsets(engine, schema) == {"money_back": pytest.approx(offset, rel=1e-4)}
         want = {t: await _after(engine, t, "a refund", "is asked") > offset for t in texts}
         assert set(want.values()) == {True, False}  # both readings occur: the grammar writes what was decided
         assert await scored_booleans.decide_booleans(engine, schema, "", {"money_back": offset}) == {}
@@ -150,7 +150,8 @@ async def test_the_value_returned_is_the_one_the_scores_chose(tiny_llama: Path,
         named = {"type": "object", "properties": {"refund": {"type": "boolean"}}, "required": ["refund"]}
         heading = "Record where refund.\n\n"
         bar = sum([await _gain(engine, heading, d) for d in REFERENCES]) / len(REFERENCES)
-        assert await scored_booleans.boolean_offsets(engine, named) == {"refund": pytest.approx(bar)}
+        # (Scored in other batches than here: float32 sums in another order, ~4e-6 apart under torch's AVX2 kernels.)
+        assert await scored_booleans.boolean_offsets(engine, named) == {"refund": pytest.approx(bar, rel=1e-4)}
         for t in texts:  # true by its gain, or where the record says "refund" (the first and the last)
             said = await _gain(engine, heading, t) > bar or t != texts[1]
             assert await scored_booleans.decide_booleans(engine, named, t, {"refund": bar}) == {"refund": said}
