@@ -11,9 +11,10 @@ export HF_HUB_OFFLINE ?= 1
 # Python thread (tiny models, grammars, the scheduler), so two files at once fill both cores
 # (417 s against ~700 s in one process on a 2-core VM). TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
-# A hung test fails at 300 s (pyproject's pytest-timeout) and takes its worker with it; the other worker runs the
-# rest (no restarts: a replaced worker once left xdist's file scheduler waiting forever). The whole run is bounded
-# too, so a hang nothing else catches still ends the run, red, within the hour.
+# A hung test has its stacks printed at 240 s and fails at 300 s (pyproject's pytest-timeout), taking its worker with
+# it; with no restarts xdist then ends the run, red, and the files not yet handed out do not run (a replaced worker
+# once left xdist's file scheduler waiting forever). Whatever else hangs, timeout(1) ends the run within the hour
+# (--foreground: Ctrl-C still reaches pytest).
 
 .PHONY: demo test test-heavy lint bench clean
 
@@ -29,14 +30,14 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	timeout -k 60 3600 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0
+	timeout --foreground -k 60 3600 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0
 	$(BIN)/ruff check asyncpage kernels tests examples scripts
 	$(BIN)/mypy asyncpage
 	$(BIN)/lint-imports
 
 # The default model through the slow paths (Triton interpreted, int4 load): ~3 minutes more.
 test-heavy: $(STAMP)
-	$(BIN)/python -m pytest -q -m heavy --timeout 1200
+	$(BIN)/python -m pytest -q -m heavy --timeout 1200 -o faulthandler_timeout=1100
 
 lint: $(STAMP)
 	$(BIN)/ruff check asyncpage kernels tests examples scripts

@@ -141,7 +141,7 @@ async def test_a_cancelled_beam_search_frees_every_block(tiny_llama: Path) -> No
             await task
         await _idle(engine)
         assert engine.stats().kv_blocks_used == 0
-        engine._core.check_invariants()
+        assert engine._core.check_invariants()
         # The engine goes on serving.
         out = await engine.beam_search(PROMPTS[1], beam_width=2, max_tokens=4)
         assert len(out.beams) == 2
@@ -317,7 +317,7 @@ async def test_beam_searches_crowding_a_small_pool_all_finish(tiny_llama: Path) 
         outs = await asyncio.wait_for(asyncio.gather(*jobs), 60)
         assert all(len(o.beams) == 4 for o in outs[:4])
         await _idle(engine)
-        engine._core.check_invariants()
+        assert engine._core.check_invariants()
 
 
 async def test_on_request_finished_reports_a_searchs_beams(tiny_llama: Path) -> None:

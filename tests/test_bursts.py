@@ -59,7 +59,7 @@ async def test_an_abort_during_a_burst_ends_that_request_and_the_other_goes_on(t
         await stream.aclose()
         assert (await other).token_ids == alone
         await idle(engine)
-        engine._core.check_invariants()
+        assert engine._core.check_invariants()
 
 
 async def test_a_request_submitted_during_a_burst_starts_before_the_running_one_ends(tiny_llama: Path) -> None:
@@ -105,7 +105,7 @@ async def test_a_detokenizer_that_fails_during_a_burst_fails_its_request_alone(t
         assert (await other).token_ids == alone
         assert engine.healthy
         await idle(engine)
-        engine._core.check_invariants()
+        assert engine._core.check_invariants()
 
 
 async def test_stats_read_during_bursts_only_move_forward(tiny_llama: Path) -> None:
@@ -163,5 +163,5 @@ async def test_a_cancelled_engine_loop_waits_for_its_burst_and_leaves_the_pool_w
     await asyncio.sleep(0.1)
     assert len(steps) == ended and core.loop is None and req.released
     assert not core.scheduler.running and core.kv.pool.num_used == 0
-    core.check_invariants()
+    assert core.check_invariants()
     await engine.__aexit__(None, None, None)

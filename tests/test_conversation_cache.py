@@ -36,7 +36,7 @@ async def test_a_keyed_conversation_finds_its_previous_turn_after_a_flood(tiny_l
         assert cached >= (previous // 4) * 4 - 4  # every full block of the previous turn but the last
         st = engine.stats()
         assert 0 < st.kv_blocks_kept <= 32 and st.kv_blocks_used == 0  # kept apart from live blocks
-        engine._core.check_invariants()
+        assert engine._core.check_invariants()
 
 
 async def test_without_a_key_the_flood_evicts_the_previous_turn(tiny_llama: Path) -> None:
@@ -54,7 +54,7 @@ async def test_kept_blocks_stay_within_their_share_and_give_way_when_nothing_els
         # A prompt that needs more than the unkept half starts anyway: the oldest keys give way.
         big = await engine.generate([(9 + 7 * i) % 300 for i in range(230)], SamplingParams(max_tokens=2))
         assert len(big.token_ids) == 2
-        engine._core.check_invariants()
+        assert engine._core.check_invariants()
 
 
 async def test_an_idle_key_is_let_go(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -86,7 +86,7 @@ async def test_streams_collected_by_gc_mid_step_never_corrupt_the_scheduler(tiny
         assert all(len(o.token_ids) == 40 for o in outs)
         assert all(r is not None and r.released for r in requests)
         assert all(s.finish_reason == "abort" for r in requests if r is not None for s in r.seqs)
-        core.check_invariants()
+        assert core.check_invariants()
 
 
 async def test_a_stream_dropped_on_another_thread_is_aborted_safely(tiny_llama: Path) -> None:

@@ -391,6 +391,7 @@ class EngineMachine(RuleBasedStateMachine):
         if self.engine is None:
             return
         assert self.engine.healthy, self.engine.stats().engine_error
+        # Not while a burst holds the state (it returns False then): the burst checks its own steps (debug_checks).
         self.call_sync(self.engine._core.check_invariants)
 
     # ---- the end of an example ---------------------------------------------------------------
@@ -432,7 +433,7 @@ class EngineMachine(RuleBasedStateMachine):
                 await anyio.sleep(0.005)
 
         self.call(idle)
-        self.call_sync(engine._core.check_invariants)
+        assert self.call_sync(engine._core.check_invariants)  # idle: no burst holds the state
         st_ = self.call_sync(engine.stats)
         assert engine.healthy, st_.engine_error
         assert st_.kv_blocks_used == 0 and st_.num_running == 0 and st_.num_waiting == 0, st_

@@ -397,7 +397,7 @@ def test_after_all_the_fuzzing_the_engine_is_healthy_and_the_long_request_comple
             await anyio.sleep(0.01)
 
     served.call(idle)
-    served.portal.call(served.engine._core.check_invariants)
+    assert served.portal.call(served.engine._core.check_invariants)
     assert served.engine.healthy
 
 

@@ -24,9 +24,9 @@ HOLD = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
 STEP_S = 0.01  # the least time a step takes while a seat is held (_hold_the_seat)
 
 
-async def _hold_the_seat(engine: AsyncEngine, priority: int = 0) -> Any:
-    """A request that keeps the only seat until the test closes it: its 400 tokens take 400 steps of at least
-    STEP_S each (4 s), however fast the CPU runs the tiny model (on one, it once ended before the rest queued)."""
+def _slow_steps(engine: AsyncEngine) -> None:
+    """Every step from now on takes at least STEP_S, however fast the CPU runs the tiny model: what a test
+    watches between steps stays there long enough to see (on one CPU, 400 steps once took ~0.1 s)."""
     runner = engine._core.runner
     real = runner.execute
 
@@ -35,6 +35,11 @@ async def _hold_the_seat(engine: AsyncEngine, priority: int = 0) -> Any:
         return real(batch)
 
     runner.execute = slow  # type: ignore[method-assign]
+
+
+async def _hold_the_seat(engine: AsyncEngine, priority: int = 0) -> Any:
+    """A request that keeps the only seat until the test closes it: its 400 tokens take 400 slowed steps (4 s)."""
+    _slow_steps(engine)
     stream = engine.stream("hold the only seat", HOLD, priority=priority)
     await stream.__anext__()
     return stream
@@ -44,7 +49,7 @@ async def _until(done: Callable[[], bool], timeout: float = 10.0) -> None:
     """Wait for `done()`; a wait past `timeout` fails the test (it never hangs the suite)."""
     with anyio.fail_after(timeout):
         while not done():
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0.0005)
 
 
 async def _finish_order(engine: AsyncEngine, jobs: list[tuple[str, str, int]], seat: Any,
@@ -71,6 +76,7 @@ async def test_a_higher_priority_request_preempts_a_lower_one_and_both_get_their
     async with tiny_engine(tiny_llama, max_num_seqs=1) as engine:
         alone = await engine.generate("a long background job", LONG)
         quick_alone = await engine.generate("an interactive turn", SHORT)
+        _slow_steps(engine)  # its 24 steps outlast the interactive turn's arrival
         background = asyncio.ensure_future(engine.generate("a long background job", LONG, priority=5))
         await _until(lambda: engine.stats().num_running > 0)
         quick = await engine.generate("an interactive turn", SHORT)  # priority 0: ahead of 5

@@ -136,7 +136,7 @@ async def test_many_rejections_leak_no_block(tiny_llama: Path) -> None:
         await asyncio.gather(*(engine.generate(p, hot) for p in PROMPTS[:10]))
         await _idle(engine)
         st = engine.stats()
-        engine._core.check_invariants()
+        assert engine._core.check_invariants()
     assert st.spec_proposed_tokens > 2 * st.spec_accepted_tokens
     assert st.kv_blocks_used == 0 and st.num_running == 0
 

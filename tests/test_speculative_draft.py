@@ -52,7 +52,7 @@ async def test_outputs_are_identical_with_a_draft_model_for_every_architecture(
             assert await _outputs(spec, jobs, together=True) == expected
             assert spec.stats().num_preemptions > 0
             await _idle(spec)
-            spec._core.check_invariants()
+            assert spec._core.check_invariants()
             assert spec._core.draft is not None and spec._core.draft.num_blocks_used == 0
 
 
@@ -114,7 +114,7 @@ async def test_a_wrong_draft_leaks_no_block_in_either_pool(tiny_llama: Path, dra
         await asyncio.gather(*tasks, return_exceptions=True)
         await _idle(engine)
         st = engine.stats()
-        engine._core.check_invariants()
+        assert engine._core.check_invariants()
         assert engine._core.draft is not None and engine._core.draft.num_blocks_used == 0
     assert st.spec_proposed_tokens > 2 * st.spec_accepted_tokens
     assert st.kv_blocks_used == 0

@@ -226,8 +226,7 @@ class EngineCore:
         used = await propose(draft, self.draft_gate, self.compute, sched.spec, sched.running, sched.waiting)
         self._draft_failures = 0 if used is not None else self._draft_failures + 1
         if self._draft_failures >= DRAFT_FAILURES:
-            log.error("the draft model failed %d steps in a row: speculation is off for this engine",
-                      self._draft_failures)
+            log.error("the draft model failed %d steps in a row: speculation is off", self._draft_failures)
             self.draft = None
         return bool(used)
 
@@ -432,16 +431,15 @@ class EngineCore:
         return engine_stats(self.scheduler, self.kv, self.output, self.dead)
 
     def check_invariants(self) -> bool:
-        """The pool agrees with the block tables (AssertionError otherwise): after every step with
-        `debug_checks=True`, and by the tests. False, nothing read, on the loop's thread while a burst
-        holds the state (a sequence may be between the scheduler's lists; the burst checks its own steps)."""
+        """The pool agrees with the block tables (AssertionError otherwise): after every step with `debug_checks`,
+        and by the tests when idle. False, nothing read, on the loop's thread while a burst holds the state (a
+        sequence may be between the scheduler's lists; the burst checks its own steps)."""
         if self._bursting and self.loop is not None and self.loop.is_current():
             return False
-        live = [*self.scheduler.running, *self.scheduler.waiting]
         self.kv.check_invariants(self._live_tables())
         if self.draft is not None:
             self.draft.check_invariants()
-        for s in live:
+        for s in [*self.scheduler.running, *self.scheduler.waiting]:
             assert s.request.request_id in self._requests, f"sequence {s.seq_id} of a released request is live"
         return True
 
