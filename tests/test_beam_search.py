@@ -9,13 +9,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 import torch
 
 from asyncpage import AsyncEngine, InvalidRequestError, PromptTooLongError, SamplingError, SamplingParams
 from tests.conftest import DATA
 from tests.test_engine_lifecycle import PROMPTS, _idle, tiny_engine
+from tests.test_faults import until
 
 EOS = 1  # the tiny models' EOS id
 
@@ -133,9 +133,7 @@ async def test_a_cancelled_beam_search_frees_every_block(tiny_llama: Path) -> No
     async with tiny_engine(tiny_llama, max_num_batched_tokens=8) as engine:
         task = asyncio.ensure_future(engine.beam_search(PROMPTS[0] * 3, beam_width=4, max_tokens=64,
                                                         params=SamplingParams(ignore_eos=True)))
-        with anyio.fail_after(10):  # its four beams run (64 steps at 8 tokens a step: long enough to see)
-            while engine.stats().num_running < 4:
-                await asyncio.sleep(0.001)
+        await until(lambda: engine.stats().num_running >= 4)  # its four beams (64 steps of 8 tokens: seen in time)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

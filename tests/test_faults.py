@@ -35,10 +35,15 @@ def tiny_engine(path: Path, **kw: Any) -> AsyncEngine:
     return AsyncEngine.from_pretrained(str(path), **opts)
 
 
-async def idle(engine: AsyncEngine, timeout: float = 5.0) -> None:
+async def until(done: Callable[[], bool], timeout: float = 10.0, every: float = 0.0005) -> None:
+    """Wait for `done()`, asking every `every` seconds; a wait past `timeout` fails the test (never hangs the suite)."""
     with anyio.fail_after(timeout):
-        while (st := engine.stats()).num_running or st.num_waiting or st.kv_blocks_used:
-            await anyio.sleep(0.01)
+        while not done():
+            await anyio.sleep(every)
+
+
+async def idle(engine: AsyncEngine, timeout: float = 5.0) -> None:
+    await until(lambda: not ((st := engine.stats()).num_running or st.num_waiting or st.kv_blocks_used), timeout, 0.01)
 
 
 # ---- the forward pass --------------------------------------------------------------------------

@@ -7,21 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 
 from asyncpage import AsyncEngine, InvalidRequestError, SamplingParams
 from asyncpage.core import priority as priorities
-from tests.test_faults import idle, tiny_engine
+from tests.test_faults import idle, tiny_engine, until
 
 LONG = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 HOLD = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
-STEP_S = 0.01  # the least time a step takes while a seat is held (_hold_the_seat)
+STEP_S = 0.01  # the least time a step takes once a test slows them (_slow_steps)
 
 
 def _slow_steps(engine: AsyncEngine) -> None:
@@ -45,13 +43,6 @@ async def _hold_the_seat(engine: AsyncEngine, priority: int = 0) -> Any:
     return stream
 
 
-async def _until(done: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Wait for `done()`; a wait past `timeout` fails the test (it never hangs the suite)."""
-    with anyio.fail_after(timeout):
-        while not done():
-            await asyncio.sleep(0.0005)
-
-
 async def _finish_order(engine: AsyncEngine, jobs: list[tuple[str, str, int]], seat: Any,
                         done: list[str] | None = None) -> list[str]:
     """Submit `jobs` in order behind the request holding the seat, then free it: the order they end in
@@ -66,7 +57,7 @@ async def _finish_order(engine: AsyncEngine, jobs: list[tuple[str, str, int]], s
     for name, prompt, priority in jobs:
         tasks.append(asyncio.ensure_future(one(name, prompt, priority)))
         await asyncio.sleep(0.02)  # arrival order is submission order
-    await _until(lambda: engine.stats().num_waiting >= len(jobs))
+    await until(lambda: engine.stats().num_waiting >= len(jobs))
     await seat.aclose()
     await asyncio.gather(*tasks)
     return done
@@ -78,7 +69,7 @@ async def test_a_higher_priority_request_preempts_a_lower_one_and_both_get_their
         quick_alone = await engine.generate("an interactive turn", SHORT)
         _slow_steps(engine)  # its 24 steps outlast the interactive turn's arrival
         background = asyncio.ensure_future(engine.generate("a long background job", LONG, priority=5))
-        await _until(lambda: engine.stats().num_running > 0)
+        await until(lambda: engine.stats().num_running > 0)
         quick = await engine.generate("an interactive turn", SHORT)  # priority 0: ahead of 5
         assert not background.done()  # it was preempted to make the seat, and still runs after
         assert quick.token_ids == quick_alone.token_ids
@@ -180,7 +171,7 @@ async def test_an_interactive_turn_steps_with_a_bounded_share_of_a_background_jo
 
         background = [asyncio.ensure_future(rest(s, f)) for s, f in zip(streams, firsts, strict=True)]
         turn = asyncio.ensure_future(engine.generate("an interactive turn", LONG, priority=-1))
-        await _until(lambda: any(p == -1 for step in steps for p, _ in step))
+        await until(lambda: any(p == -1 for step in steps for p, _ in step))
         late = asyncio.ensure_future(engine.generate("a record that arrives during the turn", job, priority=11))
         turn_out = await turn
         background_ids = await asyncio.gather(*background)
@@ -225,7 +216,7 @@ async def test_a_background_prompt_half_prefilled_when_a_turn_arrives_finishes_w
         firsts = await asyncio.gather(*(d.__anext__() for d in decoders))
         rest = [asyncio.ensure_future(_drain(d, f)) for d, f in zip(decoders, firsts, strict=True)]
         record = asyncio.ensure_future(engine.generate(list(range(3, 303)), SHORT, priority=10))
-        await _until(lambda: any(len(s.token_ids) > 200 and s.num_computed_tokens for s in running))
+        await until(lambda: any(len(s.token_ids) > 200 and s.num_computed_tokens for s in running))
         seq = next(s for s in running if len(s.token_ids) > 200)
         assert 0 < seq.num_computed_tokens < 100  # half-prefilled when the turn arrives
         await engine.generate("an interactive turn", turn, priority=-1)
