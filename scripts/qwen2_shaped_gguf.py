@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.gguf_writer import write_qwen2_gguf
+from tests.gguf_writer import write_gguf
 
 
 def _tokenizer(path: Path) -> None:
@@ -56,7 +56,7 @@ def main(out: Path) -> Path:
                 p.normal_(0, 0.1)
     model.save_pretrained(hf)
     _tokenizer(hf)
-    return write_qwen2_gguf(hf, out / "qwen2-shaped-f16.gguf")
+    return write_gguf(hf, out / "qwen2-shaped-f16.gguf")
 
 
 if __name__ == "__main__":

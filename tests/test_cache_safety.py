@@ -24,7 +24,7 @@ from asyncpage.errors import ModelLoadError
 from asyncpage.model import gguf, native, weights
 from asyncpage.runtime import cache_dir
 from tests.conftest import build_tiny
-from tests.gguf_writer import write_qwen2_gguf
+from tests.gguf_writer import round_matrices_to_half, write_gguf
 
 OTHER_UID = 65534  # nobody
 
@@ -47,17 +47,8 @@ def fresh_native() -> Iterator[None]:
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2 checkpoint written as GGUF (tests/gguf_writer.py), under 1 MiB."""
     root = tmp_path_factory.mktemp("gguf-src")
-    return write_qwen2_gguf(_half_matrices(root / "qwen2"), root / "tiny-qwen2-f16.gguf")
-
-
-def _half_matrices(d: Path) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    build_tiny("qwen2", d)
-    f = d / "model.safetensors"
-    save_file({k: (v.half().float() if v.ndim == 2 else v) for k, v in load_file(str(f)).items()}, str(f),
-              metadata={"format": "pt"})
-    return d
+    build_tiny("qwen2", root / "qwen2")
+    return write_gguf(round_matrices_to_half(root / "qwen2"), root / "tiny-qwen2-f16.gguf")
 
 
 def _owned_by_another_user(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,7 +21,7 @@ from asyncpage.model.attention import paged_attention
 from asyncpage.model.batch import FlatBatch
 from asyncpage.model.gguf_linear import KERNEL_ROWS, GGUFEmbedding, GGUFFused, GGUFLinear, block_bytes, unpadded_rows
 from asyncpage.model.weights import load
-from tests.gguf_writer import write_qwen2_gguf
+from tests.gguf_writer import write_gguf
 from tests.test_quantization import _prefill_logits
 
 pytestmark = pytest.mark.skipif(not gguf_kernels.available(), reason="the GGUF block kernels did not build")
@@ -49,7 +49,7 @@ def tiny_quantized_gguf(tiny_models: dict[str, tuple[Path, Any]], tmp_path_facto
     mp = pytest.MonkeyPatch()
     mp.setattr(gguf.GGUFWriter, "add_tensor", add_tensor)
     try:
-        return write_qwen2_gguf(tiny_models["qwen2"][0], out)
+        return write_gguf(tiny_models["qwen2"][0], out)
     finally:
         mp.undo()
 

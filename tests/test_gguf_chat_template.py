@@ -26,7 +26,7 @@ from asyncpage.chat.formats import detect
 from asyncpage.chat.messages import template_of
 from tests import chat_templates
 from tests.conftest import build_tiny
-from tests.gguf_writer import write_qwen2_gguf
+from tests.gguf_writer import write_gguf
 
 # The tiny model holds 512 tokens and its tokenizer spells JSON almost by the character: a small tool.
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"},
@@ -79,7 +79,7 @@ def qwen2_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path
     """(the HF checkpoint directory, the .gguf written from it); GGUF caches in a temporary folder."""
     root = tmp_path_factory.mktemp("gguf")
     hf_dir = _qwen2_instruct_dir(root / "qwen2-tiny-instruct")
-    gguf_path = write_qwen2_gguf(hf_dir, root / "qwen2-tiny-instruct-f16.gguf")
+    gguf_path = write_gguf(hf_dir, root / "qwen2-tiny-instruct-f16.gguf")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ASYNCPAGE_CACHE", str(root / "cache"))
         yield hf_dir, gguf_path

@@ -85,6 +85,9 @@ def _read_gguf(path: Path, blocks: dict[str, tuple[int, torch.Tensor, int]] | No
     state: dict[str, torch.Tensor] = {}
     no_kernel: dict[str, int] = {}
     for t in index["tensors"]:
+        if t["name"] == "rope_freqs.weight":
+            config.rope_freq_factors = _rope_freq_factors(path, t, config)
+            continue
         name = _gguf_tensor_name(t["name"], model_type)
         if name is None:
             continue
@@ -114,6 +117,18 @@ def _read_gguf(path: Path, blocks: dict[str, tuple[int, torch.Tensor, int]] | No
     # Also applied here, not only in the index: an index cached before a token joined the list gets it.
     eos = set(index["eos_token_ids"]) | _end_of_turn_ids(tokenizer)
     return config, state, tokenizer, eos
+
+
+def _rope_freq_factors(path: Path, t: dict[str, Any], config: Any) -> list[float]:
+    """The `rope_freqs` tensor: one factor per rotary frequency, which llama.cpp divides it by (ggml_rope_ext's
+    freq_factors). Its converter writes Llama 3's RoPE scaling (rope_type "llama3") so, and nothing in the
+    metadata says it; layers.rope_inv_freq applies them."""
+    factors = _dequantize(path, t).flatten()
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if factors.numel() != dim // 2 or not bool(torch.isfinite(factors).all()) or bool((factors <= 0).any()):
+        raise ModelLoadError(f"{path.name}: rope_freqs holds {factors.numel()} factors, not {dim // 2} positive "
+                             "finite ones (one per rotary frequency)")
+    return [float(x) for x in factors]
 
 
 def cached_tokenizer(folder: Path) -> Any:
@@ -339,7 +354,7 @@ def _gguf_tensor_name(name: str, model_type: str) -> str | None:
     if name == "output.weight":
         return "lm_head.weight"
     if not name.startswith("blk."):
-        return None  # e.g. rope_freqs: recomputed from the config
+        return None  # rope_freqs: read by _read_gguf into the config
     _, idx, rest = name.split(".", 2)
     part, kind = rest.rsplit(".", 1)
     if part == "ffn_norm":

@@ -77,6 +77,9 @@ def _rope_inv_freq(config: Any, layer_type: str | None) -> tuple[torch.Tensor, f
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         base = params["rope_theta"]
         inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+        factors = getattr(config, "rope_freq_factors", None)  # a GGUF's rope_freqs tensor (gguf.py)
+        if factors is not None:
+            inv = inv / torch.tensor(factors, dtype=torch.float32)
         return inv, 1.0
     fn = ROPE_INIT_FUNCTIONS[rope_type]
     if layer_type is not None and layer_type in config.rope_parameters:
