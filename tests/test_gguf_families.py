@@ -105,3 +105,15 @@ def test_a_converted_ggufs_attention_blocks_hold_its_dequantized_rows(arch: str,
             [p.dequantized() for p in fused.parts])
         want = torch.cat([d.self_attn.q_proj.weight, d.self_attn.k_proj.weight, d.self_attn.v_proj.weight])
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+async def test_a_converted_tokenizer_holds_no_token_the_file_lacks(converted: dict[str, tuple[Path, Any]]) -> None:
+    """transformers' byte-level conversion adds its class default "<|endoftext|>" where a vocabulary has
+    none (Llama 3's, and these tiny ones): it is left out, so text spelling it is text, as in llama.cpp."""
+    path, _ = converted["llama"]
+    async with AsyncEngine.from_pretrained(path, dtype="float32", num_kv_blocks=64) as engine:
+        assert len(engine.tokenizer) == TINY_VOCAB
+        assert engine.tokenizer.convert_tokens_to_ids("<eos>") == 1  # the file's own specials stay
+        out = await engine.generate("hello <|endoftext|> world", SamplingParams(max_tokens=2, ignore_eos=True))
+    assert out.prompt_token_ids[0] == 0 and max(out.prompt_token_ids) < TINY_VOCAB
+    assert len(out.prompt_token_ids) > 6  # the spelling came through as several text tokens

@@ -176,8 +176,9 @@ def _end_of_turn_ids(tokenizer: Any) -> set[int]:
 
 # What an index.json this version writes holds; another is rebuilt, not read (the key changed with
 # version 2, so older entries are simply never looked up again; version 3's tokenizer folder is saved
-# from the model's own tokenizer class, version 4's config lists the added tokens: _index_gguf).
-_INDEX_VERSION = 4
+# from the model's own tokenizer class, version 4's config lists the added tokens, version 5's tokenizer
+# has no token the file lacks: _index_gguf).
+_INDEX_VERSION = 5
 _EDGE = 1 << 20  # the key hashes this much of the file's start and of its end
 
 
@@ -313,8 +314,10 @@ def _index_gguf(path: Path, dest: Path) -> None:
     if eos_id is not None:
         eos.add(int(eos_id))
     eos |= _end_of_turn_ids(tokenizer)
-    index = {"version": _INDEX_VERSION, "source": str(path), "model_type": model_type,
-             "config": _gguf_config_kwargs(reader, arch, model_type), "tensors": tensors, "eos_token_ids": sorted(eos)}
+    config_kwargs = _gguf_config_kwargs(reader, arch, model_type)
+    n_vocab = int(config_kwargs["vocab_size"])
+    index = {"version": _INDEX_VERSION, "source": str(path), "model_type": model_type, "config": config_kwargs,
+             "tensors": tensors, "eos_token_ids": sorted(i for i in eos if i < n_vocab)}
     del reader  # its parsed metadata (hundreds of MiB for a 262k vocabulary) is not needed past here
     # The model's own class (not the generic one) rebuilds its backend at construction, adding what the converted
     # one lacks (Qwen2Tokenizer's NFC normalizer): its folder is saved again from that class reading it back, so
@@ -331,14 +334,36 @@ def _index_gguf(path: Path, dest: Path) -> None:
             AutoTokenizer.from_pretrained(folder).save_pretrained(folder)
         config = json.loads((folder / "tokenizer_config.json").read_text())
         config["padding_side"] = padding_side
+        added = _without_phantoms(folder, config, n_vocab)
         # The added tokens as the config's own list: without one, transformers' from_pretrained parses the whole
         # tokenizer.json in Python at every load to read them from it (1.1-1.5 s of a 33 MB file for Gemma's 6,384).
-        added = json.loads((folder / "tokenizer.json").read_text()).get("added_tokens", [])
         config["added_tokens_decoder"] = {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in added}
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
         (tmp / "index.json").write_text(json.dumps(index))
     log.info("indexed %s and converted its tokenizer in %.1f s (cached in %s)", path.name,
              time.perf_counter() - t0, dest)
+
+
+def _without_phantoms(folder: Path, config: dict[str, Any], n_vocab: int) -> list[dict[str, Any]]:
+    """The saved tokenizer's added tokens, less those past the file's `n_vocab` tokens, removed from its
+    tokenizer.json and from `config`'s special tokens. transformers' GGUF conversion builds a byte-level
+    vocabulary with GPT2Tokenizer or Qwen2Tokenizer, whose constructors add their default "<|endoftext|>"
+    where the file has none (Llama 3's has <|end_of_text|>): text spelling it would become an id the model
+    has no embedding row for, where llama.cpp reads it as text."""
+    data = json.loads((folder / "tokenizer.json").read_text())
+    added: list[dict[str, Any]] = data.get("added_tokens", [])
+    phantoms = {t["content"] for t in added if t["id"] >= n_vocab}
+    if not phantoms:
+        return added
+    data["added_tokens"] = added = [t for t in added if t["id"] < n_vocab]
+    (folder / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
+    for key, value in list(config.items()):
+        if isinstance(value, str) and key.endswith("_token") and value in phantoms:
+            config[key] = None
+        elif isinstance(value, list) and key.endswith("special_tokens"):
+            config[key] = [v for v in value if v not in phantoms]
+    log.info("the tokenizer converted from the GGUF added %s, which the file lacks: left out", sorted(phantoms))
+    return added
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
