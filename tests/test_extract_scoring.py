@@ -640,6 +640,11 @@ def test_an_optional_copied_field_s_span_needs_more_where_the_record_does_not_na
     # A field whose name says it holds a digit never takes a span without one (a form's "(left blank)").
     form = "Order number: (left blank)\nProduct: Lindqvar Glow 2"
     assert doubt(form, "(left blank)", ("order",), "order_id") == NO_DIGIT == math.inf
+    # A form's order field left empty names the field away from any value: the next field's number is no order's.
+    empty = "Order number:\nSubject: Nimbra FoldDesk 120 - missing hardware"
+    assert doubt(empty, "120", ("order",), "order_id") == ELSEWHERE
+    assert doubt(empty.replace("\n", " 55120\n"), "55120", ("order",), "order_id") == -LABELED  # filled in
+    assert doubt("Order number:\n  55120-B\nProduct: lamp", "55120-B", ("order",), "order_id") == 0.0  # below it
     assert doubt("Order #A-1 arrived broken", "A-1", ("order",), "order_id") == 0.0
     assert doubt("Promo code SUMMERSALE", "SUMMERSALE", ("promo",), "promo_code") == 0.0  # a code may be a word
     assert numbered("orderId") and numbered("phone") and not numbered("promo_code") and not numbered("product")

@@ -165,7 +165,7 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
         return OTHERWISE if customers_po(text, span, words, field) else -LABELED
     if not pattern.search(text):
         return NAMELESS
-    named = [m.span() for m in pattern.finditer(text) if not _no_number(text, m)]
+    named = [m.span() for m in pattern.finditer(text) if not _no_number(text, m) and not _EMPTY_FIELD.match(text, m.end())]
     starts = [a for a, _ in named]
     for i in _places(text, span):
         k = bisect.bisect_left(starts, max(0, i - NEAR))
@@ -192,6 +192,13 @@ _NO_NUMBER = re.compile(r"\b(?:no|without|(?:do|does|did)(?:n['’]t|[ \t]+not)[
 # ... and what follows the naming word there: an id noun, its details, or the clause's end.
 _NUMBER_AFTER = re.compile(rf"[ \t]*(?:{_ID_NOUNS}|#|details\b|info\b|information\b|confirmation\b|[.,;:!)–-]|\r?$)",
                            re.IGNORECASE | re.MULTILINE)
+
+
+# A form's field the naming word labels, left empty: its line ends at the colon and the next line is another field
+# ("Order number:\nSubject: Nimbra FoldDesk 120", "Order ID: \nInvoice no.: ..."): the record names the field away
+# from any value (ten spent tickets, each labeled null).
+_EMPTY_FIELD = re.compile(rf"(?:[ \t]+{_ID_NOUNS}){{0,2}}[ \t]*[:#][ \t]*\r?\n[^\S\n]*[^\W\d_][^\n:]{{0,30}}:",
+                          re.IGNORECASE)
 
 
 def _naming(words: Sequence[str], po: bool = True) -> tuple[bool, str]:
