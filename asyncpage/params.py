@@ -92,6 +92,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     max_number_digits: int = 15
     # ...and a string whose tail repeats one n-gram (1-8 tokens) this many times is ended, where allowed.
     max_string_repeats: int = 8
+    # Under `grammar`: its output is JSON (a Lark grammar of `%json` blocks, as extraction's copied-field and
+    # retry grammars are), so both guards apply to it as under json_schema.
+    json_guards: bool = False
     # JSON's spelling under json_schema (and chat's response_format and tool arguments): the (item, key)
     # separators, json.dumps' by default, the spelling models read most; (",", ":") is compact JSON. Each is
     # a comma / a colon with JSON whitespace only around it; no other whitespace is free anywhere.
@@ -193,8 +196,9 @@ def _check(p: SamplingParams) -> None:
         v = getattr(p, name)
         if v is not None and (not _is_int(v) or not 0 <= v <= 20):
             raise bad(name, f"must be an integer in [0, 20] or None, got {v!r}")
-    if not isinstance(p.budget_close, bool):
-        raise bad("budget_close", f"must be a bool, got {p.budget_close!r}")
+    for name in ("budget_close", "json_guards"):
+        if not isinstance(getattr(p, name), bool):
+            raise bad(name, f"must be a bool, got {getattr(p, name)!r}")
     for name in ("max_number_digits", "max_string_repeats"):
         v = getattr(p, name)
         if not _is_int(v) or v < 0:

@@ -23,6 +23,8 @@ import numpy as np
 import pytest
 
 from asyncpage import AsyncEngine, SamplingParams
+from asyncpage.decoding.guided_step import closer_for
+from asyncpage.decoding.sampling import SampleSpec
 from asyncpage.errors import ExtractionError, GrammarError, InvalidRequestError
 from asyncpage.guided import GrammarManager, GuidedSpec, budget
 from asyncpage.guided.budget import guards_for
@@ -334,15 +336,18 @@ async def test_chat_tool_call_cut_by_max_tokens_is_closed_and_returned(tiny_mode
         assert res.finish_reason == "length"  # the budget closed the call: it is returned, and says so
 
 
-def _scripted(manager: GrammarManager, eos: list[int], schema: Any, wanted: str, budget: int = 200) -> str:
+def _scripted(manager: GrammarManager, eos: list[int], schema: Any, wanted: str, budget: int = 200,
+              params: SamplingParams | None = None) -> str:
     """A model that wants to write `wanted` (one byte at a time, then its end token; once the closer
     took it elsewhere, the first token the grammar allows), through the budget closer with the
-    default guards: the text it ends up with."""
+    guards of `params` (default: `schema` as its json_schema): the text it ends up with."""
     tok = manager.backend()._tok  # type: ignore[attr-defined]
-    compiled = manager.compile_sync(GuidedSpec("json_schema", json.dumps(schema)))
+    params = params or SamplingParams(json_schema=schema)
+    spec = GuidedSpec("grammar", params.grammar) if params.grammar else GuidedSpec("json_schema", json.dumps(schema))
+    compiled = manager.compile_sync(spec)
     compiled.start_completion()  # type: ignore[attr-defined]
     m = compiled.new_matcher()
-    closer = m.closer(lambda: guards_for(schema, 15, 8))
+    closer = closer_for(m, SampleSpec(seq_id=0, params=params, generator=None, budget=budget))
     assert closer is not None
     want, out = wanted.encode(), list[int]()
     while len(out) < budget:
@@ -374,6 +379,23 @@ def test_long_numbers_a_float_bound_asks_for_are_not_cut_by_the_digit_guard(
 def test_a_runaway_top_level_number_ends_at_the_digit_limit(gemma: tuple[Any, GrammarManager, list[int]]) -> None:
     _tok, manager, eos = gemma
     assert _scripted(manager, eos, {"type": "integer"}, "1234567890123456789012345") == "123456789012345"
+
+
+def test_a_json_grammar_keeps_the_guards_where_it_says_so(gemma: tuple[Any, GrammarManager, list[int]]) -> None:
+    """Extraction's retry grammar (a Lark grammar of `%json` blocks) for a number that refused 12, and a model
+    that wants 12345678: with json_guards (as extraction asks) the digit guard ends the number as soon as the
+    grammar lets it past the limit; without, the model's digits run on, as any grammar's output may."""
+    from asyncpage.extract.retry import rest_grammar
+
+    _tok, manager, eos = gemma
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    lark = rest_grammar(schema, "n", " ", [12], {"item_separator": ", ", "key_separator": ": "})
+    assert lark is not None
+    guarded = SamplingParams(grammar=lark, json_guards=True, max_number_digits=2)
+    assert _scripted(manager, eos, schema, " 12345678}", params=guarded) == " 120}"  # 12 may not end: one more digit
+    free = SamplingParams(grammar=lark, max_number_digits=2)
+    assert _scripted(manager, eos, schema, " 12345678}", params=free) == " 12345678}"
 
 
 def test_repetition_guard_leaves_a_string_the_schema_keeps_open_as_written(

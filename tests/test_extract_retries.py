@@ -158,3 +158,33 @@ def test_exclusions_refuse_exactly_the_refused_values() -> None:
     assert not_literal("")  # every non-empty string
     assert [f.key for f in top_fields('{"a": "x,}", "b" : [1, {"c": 2}], "d":null}') or []] == ["a", "b", "d"]
     assert top_fields("[1]") is None and json.loads('{"a": 1}') == {"a": 1}
+
+
+
+async def test_a_retry_decodes_under_json_schemas_runaway_guards(tiny_llama: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The retry's grammar (a Lark grammar of `%json` blocks) asks for json_schema's guards, as the first decode has
+    them (a model that wanted the refused 52 wrote 52 and a thousand zeros to max_tokens; the guard itself:
+    tests/test_budget_close.py), each off where the schema asks for long values, as under json_schema."""
+    from asyncpage import SamplingParams
+    from asyncpage.extract import many, run
+
+    asked: list[SamplingParams] = []
+    real = run.retry_params
+
+    def spy(*args: Any, **kwargs: Any) -> SamplingParams | None:
+        out = real(*args, **kwargs)
+        asked.append(out)  # type: ignore[arg-type]
+        return out
+
+    monkeypatch.setattr(many, "retry_params", spy)
+    PickyAge.seen.clear()
+    params = SamplingParams(max_tokens=200, temperature=0, max_number_digits=4, max_string_repeats=3)
+    async with tiny(tiny_llama) as engine:
+        [r] = [r async for r in engine.extract_many([PROMPT], PickyAge, prompt="{text}", params=params,
+                                                    max_retries=1)]
+    assert r.ok and r.attempts == 2, r.error
+    [p] = asked
+    assert p.grammar is not None and p.json_guards and (p.max_number_digits, p.max_string_repeats) == (4, 3)
+    long = run.json_grammar(params, p.grammar, {"type": "integer", "maximum": 10**20})
+    assert long.json_guards and long.max_number_digits == 0  # the schema asks for 21 digits: that guard is off

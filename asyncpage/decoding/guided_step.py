@@ -49,8 +49,9 @@ def closer_for(m: Matcher, spec: SampleSpec) -> Closer | None:
     p = spec.params
 
     def guards() -> Guards | None:  # asked once per sequence
-        return guards_for(p.json_schema, p.max_number_digits, p.max_string_repeats) if p.json_schema is not None \
-            else None
+        if p.json_schema is not None:
+            return guards_for(p.json_schema, p.max_number_digits, p.max_string_repeats)
+        return Guards(p.max_number_digits, p.max_string_repeats) if p.grammar is not None and p.json_guards else None
 
     closer: Closer | None = make(guards)
     return closer

@@ -165,7 +165,8 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
         return OTHERWISE if customers_po(text, span, words, field) else -LABELED
     if not pattern.search(text):
         return NAMELESS
-    named = [m.span() for m in pattern.finditer(text) if not _no_number(text, m) and not _EMPTY_FIELD.match(text, m.end())]
+    named = [m.span() for m in pattern.finditer(text)
+             if not _no_number(text, m) and not _EMPTY_FIELD.match(text, m.end())]
     starts = [a for a, _ in named]
     for i in _places(text, span):
         k = bisect.bisect_left(starts, max(0, i - NEAR))

@@ -26,6 +26,7 @@ from asyncpage.extract.decisions import Context, Decider, Plan
 from asyncpage.extract.prompt import PromptTemplate, schema_prompt
 from asyncpage.extract.readings import applied
 from asyncpage.guided import GuidedSpec
+from asyncpage.guided.guards import guards_for
 from asyncpage.outputs import Beam, GenerateOutput
 from asyncpage.params import SamplingParams
 
@@ -86,7 +87,16 @@ def beams_per_record(schema: Any, copy_fields: Sequence[str] | str | None, beam_
 
 def grounded(params: SamplingParams, schema: dict[str, Any], sources: list[str]) -> SamplingParams:
     """`params` with the schema's grammar where its `x-copy` fields are spans of `sources`."""
-    return msgspec.structs.replace(params, json_schema=None, grammar=grounding.grammar(schema, sources))
+    return json_grammar(params, grounding.grammar(schema, sources), schema)
+
+
+def json_grammar(params: SamplingParams, lark: str, schema: dict[str, Any]) -> SamplingParams:
+    """`params` decoding the Lark grammar `lark` that writes a value of `schema`, with json_schema's runaway guards
+    (each off where `schema` asks for long values, as under json_schema): a retry that excludes an age of 52 used
+    to write 52 and a thousand zeros to max_tokens."""
+    g = guards_for(schema, params.max_number_digits, params.max_string_repeats)
+    return msgspec.structs.replace(params, json_schema=None, grammar=lark, json_guards=True,
+                                   max_number_digits=g.max_digits, max_string_repeats=g.max_repeats)
 
 
 def check_job(prompt: PromptTemplate | None, examples: Sequence[Mapping[str, Any]], concurrency: int, schema: Any,
@@ -195,7 +205,7 @@ def retry_params(engine: EngineClient, params: SamplingParams, state: Attempts, 
             if text.startswith(kept) else None
         if lark is not None and params.max_tokens > k:
             state.ids, state.text, state.logprobs = list(token_ids[:k]), kept, list(logprobs[:k])
-            return msgspec.structs.replace(params, json_schema=None, grammar=lark, max_tokens=params.max_tokens - k)
+            return json_grammar(msgspec.structs.replace(params, max_tokens=params.max_tokens - k), lark, schema)
     whole = redo.whole_schema(schema, field.key, excluded)
     if whole is None:
         return None
