@@ -198,7 +198,7 @@ _NUMBER_AFTER = re.compile(rf"[ \t]*(?:{_ID_NOUNS}|#|details\b|info\b|informatio
 # A form's field the naming word labels, left empty: its line ends at the colon and the next line is another field
 # ("Order number:\nSubject: Nimbra FoldDesk 120", "Order ID: \nInvoice no.: ..."): the record names the field away
 # from any value (ten spent tickets, each labeled null).
-_EMPTY_FIELD = re.compile(rf"(?:[ \t]+{_ID_NOUNS}){{0,2}}[ \t]*[:#][ \t]*\r?\n[^\S\n]*[^\W\d_][^\n:]{{0,30}}:",
+_EMPTY_FIELD = re.compile(rf"(?:[ \t]+{_ID_NOUNS}){{0,2}}[ \t]*:[ \t]*\r?\n[^\S\n]*[^\W\d_][^\n:]{{0,30}}:",
                           re.IGNORECASE)
 
 
