@@ -16,7 +16,7 @@ from asyncpage import AsyncEngine
 from asyncpage.errors import ExtractionError
 from asyncpage.extract import ExtractResult
 from asyncpage.extract.jobs import load_schema, result_line
-from asyncpage.extract.retry import excluding, not_literal, rest_grammar, top_fields
+from asyncpage.extract.retry import excluding, in_string, not_literal, rest_grammar, top_fields
 
 PROMPT = "Records of people, one per line, with their name and age, as JSON objects. The first one: "
 
@@ -188,3 +188,22 @@ async def test_a_retry_decodes_under_json_schemas_runaway_guards(tiny_llama: Pat
     assert p.grammar is not None and p.json_guards and (p.max_number_digits, p.max_string_repeats) == (4, 3)
     long = run.json_grammar(params, p.grammar, {"type": "integer", "maximum": 10**20})
     assert long.json_guards and long.max_number_digits == 0  # the schema asks for 21 digits: that guard is off
+
+
+def test_a_copied_fields_grammar_keeps_the_digit_guard_not_the_repetition_guard() -> None:
+    """A copied span is never longer than its record: the repetition guard would cut one that repeats itself
+    ("Tok tok tok ... Drum"); a generated number keeps the digit guard."""
+    from asyncpage import SamplingParams
+    from asyncpage.extract import grounding, run
+
+    schema = grounding.mark({"type": "object", "properties": {"product": {"type": "string"}, "n": {"type": "integer"}},
+                             "required": ["product", "n"], "additionalProperties": False}, "auto")
+    p = run.grounded(SamplingParams(max_tokens=64), schema, ["Tok tok tok tok tok tok tok tok tok tok Drum, 3"])
+    assert p.grammar is not None and p.json_guards and (p.max_number_digits, p.max_string_repeats) == (15, 0)
+
+
+def test_a_retry_keeps_tokens_up_to_a_place_outside_every_string() -> None:
+    """The guards' lexer starts outside strings at the retry grammar's start: the kept tokens end outside one
+    (a `":` token that closes the key is not kept)."""
+    assert in_string('{"name": "Al') and in_string('{"a": "x\\"') and in_string('{"n')
+    assert not in_string('{"name": "Al", ') and not in_string('{"a": "x\\\\"')

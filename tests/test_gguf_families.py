@@ -19,12 +19,12 @@ from asyncpage.errors import ModelLoadError
 from asyncpage.model import gguf_kernels
 from asyncpage.model.gguf_linear import GGUFFused
 from asyncpage.model.weights import load
-from tests.conftest import TINY_VOCAB, build_tiny
-from tests.gguf_writer import round_matrices_to_half, write_gguf
+from tests.conftest import TINY_VOCAB, build_tiny, tiny_config
+from tests.gguf_writer import _llama3_rope_factors, round_matrices_to_half, write_gguf
 from tests.test_prompt_logprobs import _reference, _scores
 
 FAMILIES = ["llama", "qwen3", "qwen2"]  # conftest's tiny configs: Llama 3 RoPE scaling + GQA, QK-norm, QKV bias
-PROMPT = [(i * 53 + 7) % (TINY_VOCAB - 3) + 3 for i in range(48)]  # past the scaled wavelengths (64)
+PROMPT = [(i * 53 + 7) % (TINY_VOCAB - 3) + 3 for i in range(80)]  # past the original context (64) llama3 scales
 
 
 @pytest.fixture(scope="module")
@@ -62,19 +62,29 @@ def test_llama_3s_rope_scaling_is_read_from_the_rope_freqs_tensor(converted: dic
     torch.testing.assert_close(rotary.inv_freq, hf.model.rotary_emb.inv_freq.float())
 
 
-def test_a_rope_freqs_tensor_of_the_wrong_length_is_refused_at_load(tmp_path: Path) -> None:
-    build_tiny("llama", tmp_path / "llama")
+@pytest.mark.parametrize(("arch", "damage", "message"), [
+    ("llama", lambda f: f[:-1], "it holds 7"), ("llama", lambda f: np.where(f > 1, np.nan, f), "not finite"),
+    ("llama", lambda f: f * 0, "outside"), ("llama", lambda f: f * 1e30, "outside"),
+    ("qwen2", lambda f: f, "Llama only")])
+def test_a_rope_freqs_tensor_llama_cpp_would_not_read_so_is_refused_at_load(
+        arch: str, damage: Any, message: str, tmp_path: Path) -> None:
+    """The tiny llama's factors, damaged, in its own file; or whole in another family's file."""
+    build_tiny(arch, tmp_path / arch)
+    llama = tiny_config("llama").to_dict()
+    wanted = damage(_llama3_rope_factors(llama, llama["rope_parameters"])).astype(np.float32)
     real = gguf.GGUFWriter.add_tensor
 
     def add_tensor(self: Any, name: str, tensor: np.ndarray, *args: Any, **kwargs: Any) -> None:
         if name == "rope_freqs.weight":
-            tensor = tensor[:-1]
+            return real(self, name, wanted)
+        if arch != "llama" and name == "token_embd.weight":
+            real(self, "rope_freqs.weight", wanted)
         return real(self, name, tensor, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf.GGUFWriter, "add_tensor", add_tensor)
-        path = write_gguf(tmp_path / "llama", tmp_path / "short.gguf")
-    with pytest.raises(ModelLoadError, match="rope_freqs"):
+        path = write_gguf(tmp_path / arch, tmp_path / f"{arch}-damaged.gguf")
+    with pytest.raises(ModelLoadError, match=f"rope_freqs.*{message}|{message}.*rope_freqs"):
         load(path, torch.float32, torch.device("cpu"))
 
 

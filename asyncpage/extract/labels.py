@@ -165,8 +165,7 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
         return OTHERWISE if customers_po(text, span, words, field) else -LABELED
     if not pattern.search(text):
         return NAMELESS
-    named = [m.span() for m in pattern.finditer(text)
-             if not _no_number(text, m) and not _EMPTY_FIELD.match(text, m.end())]
+    named = [m.span() for m in pattern.finditer(text) if not _no_number(text, m) and not _empty_field(text, m)]
     starts = [a for a, _ in named]
     for i in _places(text, span):
         k = bisect.bisect_left(starts, max(0, i - NEAR))
@@ -195,11 +194,19 @@ _NUMBER_AFTER = re.compile(rf"[ \t]*(?:{_ID_NOUNS}|#|details\b|info\b|informatio
                            re.IGNORECASE | re.MULTILINE)
 
 
-# A form's field the naming word labels, left empty: its line ends at the colon and the next line is another field
-# ("Order number:\nSubject: Nimbra FoldDesk 120", "Order ID: \nInvoice no.: ..."): the record names the field away
-# from any value (ten spent tickets, each labeled null).
-_EMPTY_FIELD = re.compile(rf"(?:[ \t]+{_ID_NOUNS}){{0,2}}[ \t]*:[ \t]*\r?\n[^\S\n]*[^\W\d_][^\n:]{{0,30}}:",
+# A form's field the naming word labels, left empty: the word opens its line, the line ends at its colon and the next
+# line is another field, a label of words ("Order number:\nSubject: Nimbra FoldDesk 120", "Order ID: \nInvoice no.:
+# ..."): the record names the field away from any value (ten spent tickets, each labeled null). Not a chat's prompt
+# ("Agent: Please provide your order number:\nMaria: 55123"), nor a time or an id before a colon ("Sent 10:42").
+_EMPTY_FIELD = re.compile(rf"(?:[ \t]+{_ID_NOUNS}){{0,2}}[ \t]*:[ \t]*\r?\n[^\S\n]*[^\W\d_][^\n:\d]{{0,30}}:",
                           re.IGNORECASE)
+_LINE_OPENS = re.compile(r"[^\S\n]*(?:[-*•][^\S\n]*)?")  # only blanks (and a bullet) before it on its line
+
+
+def _empty_field(text: str, m: re.Match[str]) -> bool:
+    """Whether the naming `m` labels a form's field left empty (_EMPTY_FIELD)."""
+    return _EMPTY_FIELD.match(text, m.end()) is not None and \
+        _LINE_OPENS.fullmatch(text, text.rfind("\n", 0, m.start()) + 1, m.start()) is not None
 
 
 def _naming(words: Sequence[str], po: bool = True) -> tuple[bool, str]:

@@ -157,6 +157,19 @@ def token_ends(tokenizer: Any, ids: Sequence[int]) -> list[int]:
     return [len(tokenizer.decode(list(ids[:i + 1]), skip_special_tokens=True)) for i in range(len(ids))]
 
 
+def in_string(text: str) -> bool:
+    """Whether a JSON text's prefix ends inside a string (an open quote, escapes read)."""
+    inside = escaped = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif inside and ch == "\\":
+            escaped = True
+        elif ch == '"':
+            inside = not inside
+    return inside
+
+
 def kept_tokens(ends: Sequence[int], upto: int) -> int:
     """How many tokens end at or before character `upto`."""
     k = 0

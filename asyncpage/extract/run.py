@@ -86,15 +86,17 @@ def beams_per_record(schema: Any, copy_fields: Sequence[str] | str | None, beam_
 
 
 def grounded(params: SamplingParams, schema: dict[str, Any], sources: list[str]) -> SamplingParams:
-    """`params` with the schema's grammar where its `x-copy` fields are spans of `sources`."""
-    return json_grammar(params, grounding.grammar(schema, sources), schema)
+    """`params` with the schema's grammar where its `x-copy` fields are spans of `sources`; the digit guard kept,
+    not the repetition guard, which would cut a copied span that repeats itself ("Tok tok tok ... Drum"): a copy is
+    never longer than its record."""
+    return json_grammar(params, grounding.grammar(schema, sources), schema, repeats=False)
 
 
-def json_grammar(params: SamplingParams, lark: str, schema: dict[str, Any]) -> SamplingParams:
+def json_grammar(params: SamplingParams, lark: str, schema: dict[str, Any], repeats: bool = True) -> SamplingParams:
     """`params` decoding the Lark grammar `lark` that writes a value of `schema`, with json_schema's runaway guards
-    (each off where `schema` asks for long values, as under json_schema): a retry that excludes an age of 52 used
-    to write 52 and a thousand zeros to max_tokens."""
-    g = guards_for(schema, params.max_number_digits, params.max_string_repeats)
+    (each off where `schema` asks for long values, as under json_schema; the repetition guard off without
+    `repeats`): a retry that excludes an age of 52 used to write 52 and a thousand zeros to max_tokens."""
+    g = guards_for(schema, params.max_number_digits, params.max_string_repeats if repeats else 0)
     return msgspec.structs.replace(params, json_schema=None, grammar=lark, json_guards=True,
                                    max_number_digits=g.max_digits, max_string_repeats=g.max_repeats)
 
@@ -200,8 +202,12 @@ def retry_params(engine: EngineClient, params: SamplingParams, state: Attempts, 
 
         ends = redo.token_ends(engine.tokenizer, token_ids)
         k = redo.kept_tokens(ends, field.start)
+        while k and redo.in_string(text[:ends[k - 1]]):
+            k -= 1  # the rest starts outside a string, where the guards' lexer starts (a `":` token ends the key)
         kept = engine.tokenizer.decode(list(token_ids[:k]), skip_special_tokens=True) if k else ""
-        lark = redo.rest_grammar(schema, field.key, text[len(kept):field.start], excluded, dict(JSON_OPTIONS)) \
+        item, key = params.json_separators  # the rest spelled as the first decode was
+        options = {**JSON_OPTIONS, "item_separator": item, "key_separator": key}
+        lark = redo.rest_grammar(schema, field.key, text[len(kept):field.start], excluded, options) \
             if text.startswith(kept) else None
         if lark is not None and params.max_tokens > k:
             state.ids, state.text, state.logprobs = list(token_ids[:k]), kept, list(logprobs[:k])

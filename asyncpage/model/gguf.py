@@ -86,7 +86,7 @@ def _read_gguf(path: Path, blocks: dict[str, tuple[int, torch.Tensor, int]] | No
     no_kernel: dict[str, int] = {}
     for t in index["tensors"]:
         if t["name"] == "rope_freqs.weight":
-            config.rope_freq_factors = _rope_freq_factors(path, t, config)
+            config.rope_freq_factors = _rope_freq_factors(path, t, config, model_type)
             continue
         name = _gguf_tensor_name(t["name"], model_type)
         if name is None:
@@ -119,15 +119,26 @@ def _read_gguf(path: Path, blocks: dict[str, tuple[int, torch.Tensor, int]] | No
     return config, state, tokenizer, eos
 
 
-def _rope_freq_factors(path: Path, t: dict[str, Any], config: Any) -> list[float]:
+_MAX_ROPE_FACTOR = 1e4  # Llama 3's are 1 to its `factor` (8 or 32); a wavelength 10,000 times longer reads as none
+
+
+def _rope_freq_factors(path: Path, t: dict[str, Any], config: Any, model_type: str) -> list[float]:
     """The `rope_freqs` tensor: one factor per rotary frequency, which llama.cpp divides it by (ggml_rope_ext's
     freq_factors). Its converter writes Llama 3's RoPE scaling (rope_type "llama3") so, and nothing in the
-    metadata says it; layers.rope_inv_freq applies them."""
+    metadata says it; layers.rope_inv_freq applies them. Only Llama's graph reads it: another family's file
+    holding one is refused, as llama.cpp refuses a tensor its graph does not take."""
+    if model_type != "llama":
+        raise ModelLoadError(f"{path.name}: a {model_type} file with a rope_freqs tensor (llama.cpp reads one for "
+                             "Llama only)")
     factors = _dequantize(path, t).flatten()
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if factors.numel() != dim // 2 or not bool(torch.isfinite(factors).all()) or bool((factors <= 0).any()):
-        raise ModelLoadError(f"{path.name}: rope_freqs holds {factors.numel()} factors, not {dim // 2} positive "
-                             "finite ones (one per rotary frequency)")
+    problem = (f"it holds {factors.numel()}" if factors.numel() != dim // 2 else
+               "one is not finite" if not bool(torch.isfinite(factors).all()) else
+               f"one is outside [1/{_MAX_ROPE_FACTOR:g}, {_MAX_ROPE_FACTOR:g}]"
+               if bool(((factors < 1 / _MAX_ROPE_FACTOR) | (factors > _MAX_ROPE_FACTOR)).any()) else None)
+    if problem is not None:
+        raise ModelLoadError(f"{path.name}: rope_freqs must hold {dim // 2} factors (one per rotary frequency), "
+                             f"each positive and finite; {problem}")
     return [float(x) for x in factors]
 
 
