@@ -127,3 +127,22 @@ async def test_a_converted_tokenizer_holds_no_token_the_file_lacks(converted: di
         out = await engine.generate("hello <|endoftext|> world", SamplingParams(max_tokens=2, ignore_eos=True))
     assert out.prompt_token_ids[0] == 0 and max(out.prompt_token_ids) < TINY_VOCAB
     assert len(out.prompt_token_ids) > 6  # the spelling came through as several text tokens
+
+
+@pytest.mark.parametrize("pre", ["smollm", "starcoder"])
+def test_a_digit_splitting_pre_tokenizer_splits_digits_as_llama_cpp_does(
+        pre: str, converted: dict[str, tuple[Path, Any]], tmp_path: Path) -> None:
+    """llama.cpp splits each digit alone before GPT-2's expression for these `tokenizer.ggml.pre` names (SmolLM's
+    among them); transformers' conversion did not: "12" was one token of the tiny vocabulary's merges."""
+    from transformers import AutoTokenizer
+
+    hf_dir = converted["llama"][0].parent / "llama"
+    path = write_gguf(hf_dir, tmp_path / f"llama-{pre}.gguf", tokenizer_pre=pre)
+    tok = load(path, torch.float32, torch.device("cpu")).tokenizer
+    text = "Numbers: 10 11 12 13"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert all(len(tok.decode([i]).strip()) <= 1 for i in ids if tok.decode([i]).strip().isdigit()), \
+        [tok.decode([i]) for i in ids]
+    assert tok.decode(ids) == text
+    merged = AutoTokenizer.from_pretrained(hf_dir)(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(merged)  # the checkpoint's own tokenizer merges digits: the split is what changed

@@ -1,4 +1,4 @@
-"""A GGUF's tokenizer, loaded from the index's saved tokenizer.json (model/gguf.py `cached_tokenizer`),
+"""A GGUF's tokenizer, loaded from the index's saved tokenizer.json (model/gguf_tokenizer.py `cached_tokenizer`),
 is the tokenizer transformers' own class for the model gives: the same ids for any text, the same text
 back for any ids, the same special tokens."""
 

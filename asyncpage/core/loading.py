@@ -33,9 +33,9 @@ from asyncpage.decoding.speculative import SpeculativeConfig
 from asyncpage.errors import InvalidRequestError
 from asyncpage.guided import GrammarManager
 from asyncpage.model.compiled import enable as compile_decode
-from asyncpage.model.gguf import trim_heap
 from asyncpage.model.weights import LoadedModel, load
 from asyncpage.runtime.compute import ComputeThread
+from asyncpage.runtime.heap import trim_heap
 
 # The class built: AsyncEngine or a subclass (asyncpage.disagg's workers), never named here.
 E = TypeVar("E")

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from asyncpage.errors import ModelLoadError
+from asyncpage.model import gguf_tokenizer
 from asyncpage.model.gguf_linear import has_kernel
 from asyncpage.model.quant import Int4, int4_from_q4_k
 from asyncpage.runtime import cache_dir
@@ -113,9 +114,9 @@ def _read_gguf(path: Path, blocks: dict[str, tuple[int, torch.Tensor, int]] | No
             # llama.cpp permutes Llama's Q/K rows to its interleaved RoPE layout; undo it.
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             state[name] = _unpermute(w, heads)
-    tokenizer = cached_tokenizer(cached / "tokenizer")
+    tokenizer = gguf_tokenizer.cached_tokenizer(cached / "tokenizer")
     # Also applied here, not only in the index: an index cached before a token joined the list gets it.
-    eos = set(index["eos_token_ids"]) | _end_of_turn_ids(tokenizer)
+    eos = set(index["eos_token_ids"]) | gguf_tokenizer.end_of_turn_ids(tokenizer)
     return config, state, tokenizer, eos
 
 
@@ -142,53 +143,10 @@ def _rope_freq_factors(path: Path, t: dict[str, Any], config: Any, model_type: s
     return [float(x) for x in factors]
 
 
-def cached_tokenizer(folder: Path) -> Any:
-    """The tokenizer the index saved (`_index_gguf`), loaded as its tokenizer.json stands: transformers'
-    generic fast tokenizer, its special tokens and chat template from the saved config. The model's own
-    class (GemmaTokenizer and the like) would rebuild the same Rust tokenizer from Python copies of the
-    vocabulary and merges: for a 262k vocabulary 3.6 s against 1.2 here, and 14 MiB more kept at the end
-    of an engine's load (the same ids, text, specials and padding side: tests/test_gguf_tokenizer.py; the
-    folder was saved from that class, with what its construction adds, such as Qwen2's NFC normalizer).
-    Then the heap freed by parsing the JSON is handed back (trim_heap)."""
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
-    trim_heap()
-    return tokenizer
-
-
-def trim_heap() -> None:
-    """glibc's malloc_trim(0): freed heap pages back to the system (a load frees far more than it
-    keeps: tokenizer JSON, dequantized floats); nothing where the C library has no such call."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-# llama.cpp ends generation on these tokens, known by their text (its EOG list, llama-vocab.cpp); a
-# GGUF has no generation config to say so. Those of the supported families: Gemma's end of turn,
-# Qwen's (<|endoftext|> ends Qwen2/3 turns too: in their generation configs, not their GGUF's eos id),
-# Llama 3's.
-_GGUF_END_OF_TURN = ("<end_of_turn>", "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
-
-
-def _end_of_turn_ids(tokenizer: Any) -> set[int]:
-    ids: set[int] = set()
-    for tok in _GGUF_END_OF_TURN:
-        tid = tokenizer.convert_tokens_to_ids(tok)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
-            ids.add(tid)
-    return ids
-
-
 # What an index.json this version writes holds; another is rebuilt, not read (the key changed with
 # version 2, so older entries are simply never looked up again; version 3's tokenizer folder is saved
 # from the model's own tokenizer class, version 4's config lists the added tokens, version 5's tokenizer
-# has no token the file lacks: _index_gguf).
+# has no token the file lacks and llama.cpp's digit split: gguf_tokenizer.save).
 _INDEX_VERSION = 5
 _EDGE = 1 << 20  # the key hashes this much of the file's start and of its end
 
@@ -307,7 +265,6 @@ def _dequantize(path: Path, t: dict[str, Any]) -> torch.Tensor:
 
 def _index_gguf(path: Path, dest: Path) -> None:
     import gguf
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     t0 = time.perf_counter()
     reader = gguf.GGUFReader(str(path))
@@ -319,62 +276,26 @@ def _index_gguf(path: Path, dest: Path) -> None:
                 "offset": int(t.data_offset), "n_bytes": int(t.n_bytes)} for t in reader.tensors]
     for t in tensors:
         _gguf_tensor_name(t["name"], model_type)  # fail now on a tensor we cannot place
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = gguf_tokenizer.load(path)
     eos: set[int] = set()
     eos_id = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     if eos_id is not None:
         eos.add(int(eos_id))
-    eos |= _end_of_turn_ids(tokenizer)
+    eos |= gguf_tokenizer.end_of_turn_ids(tokenizer)
     config_kwargs = _gguf_config_kwargs(reader, arch, model_type)
     n_vocab = int(config_kwargs["vocab_size"])
+    pre = _gguf_field(reader, "tokenizer.ggml.pre")
     index = {"version": _INDEX_VERSION, "source": str(path), "model_type": model_type, "config": config_kwargs,
              "tensors": tensors, "eos_token_ids": sorted(i for i in eos if i < n_vocab)}
     del reader  # its parsed metadata (hundreds of MiB for a 262k vocabulary) is not needed past here
-    # The model's own class (not the generic one) rebuilds its backend at construction, adding what the converted
-    # one lacks (Qwen2Tokenizer's NFC normalizer): its folder is saved again from that class reading it back, so
-    # the generic class that loads the folder (cached_tokenizer) reads it as saved; with the class's padding
-    # side, which it does not save.
-    rebuild, padding_side = type(tokenizer) is not PreTrainedTokenizerFast, tokenizer.padding_side
     # Written into a fresh private folder and renamed in whole; a concurrent first load that renamed
     # its own in first is kept (fresh_dir), and both read that one.
     with cache_dir.fresh_dir(dest) as tmp:
-        folder = tmp / "tokenizer"
-        tokenizer.save_pretrained(folder)
+        gguf_tokenizer.save(tokenizer, tmp / "tokenizer", n_vocab, pre if isinstance(pre, str) else None)
         del tokenizer
-        if rebuild:
-            AutoTokenizer.from_pretrained(folder).save_pretrained(folder)
-        config = json.loads((folder / "tokenizer_config.json").read_text())
-        config["padding_side"] = padding_side
-        added = _without_phantoms(folder, config, n_vocab)
-        # The added tokens as the config's own list: without one, transformers' from_pretrained parses the whole
-        # tokenizer.json in Python at every load to read them from it (1.1-1.5 s of a 33 MB file for Gemma's 6,384).
-        config["added_tokens_decoder"] = {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in added}
-        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
         (tmp / "index.json").write_text(json.dumps(index))
     log.info("indexed %s and converted its tokenizer in %.1f s (cached in %s)", path.name,
              time.perf_counter() - t0, dest)
-
-
-def _without_phantoms(folder: Path, config: dict[str, Any], n_vocab: int) -> list[dict[str, Any]]:
-    """The saved tokenizer's added tokens, less those past the file's `n_vocab` tokens, removed from its
-    tokenizer.json and from `config`'s special tokens. transformers' GGUF conversion builds a byte-level
-    vocabulary with GPT2Tokenizer or Qwen2Tokenizer, whose constructors add their default "<|endoftext|>"
-    where the file has none (Llama 3's has <|end_of_text|>): text spelling it would become an id the model
-    has no embedding row for, where llama.cpp reads it as text."""
-    data = json.loads((folder / "tokenizer.json").read_text())
-    added: list[dict[str, Any]] = data.get("added_tokens", [])
-    phantoms = {t["content"] for t in added if t["id"] >= n_vocab}
-    if not phantoms:
-        return added
-    data["added_tokens"] = added = [t for t in added if t["id"] < n_vocab]
-    (folder / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
-    for key, value in list(config.items()):
-        if isinstance(value, str) and key.endswith("_token") and value in phantoms:
-            config[key] = None
-        elif isinstance(value, list) and key.endswith("special_tokens"):
-            config[key] = [v for v in value if v not in phantoms]
-    log.info("the tokenizer converted from the GGUF added %s, which the file lacks: left out", sorted(phantoms))
-    return added
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
