@@ -1,5 +1,5 @@
 """A GGUF file's tokenizer: converted by transformers' GGUF reader when the file is indexed (gguf.py's
-`_index_gguf`), saved beside the index as a tokenizer.json folder (`convert`), then loaded from there at every
+`_index_gguf`: `load`), saved beside the index as a tokenizer.json folder (`save`), then loaded from there at every
 load (`cached_tokenizer`). The conversion is mended where it differs from what llama.cpp reads in the file: a
 token its byte-level classes add that the file lacks, and a pre-tokenizer split transformers does not know."""
 
@@ -22,8 +22,8 @@ END_OF_TURN = ("<end_of_turn>", "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|
 
 # `tokenizer.ggml.pre` names llama.cpp splits with "\p{N}" (each digit alone) before GPT-2's expression
 # (llama-vocab.cpp: STARCODER, REFACT, COMMAND_R, SMOLLM, CODESHELL, EXAONE, MINERVA, MELLUM2), and which
-# transformers' GGUF conversion leaves at GPT-2's alone: SmolLM's "2024" was one token, not four. The
-# tokenizers spelling of that split, as SmolLM's own tokenizer.json writes it.
+# transformers' GGUF conversion leaves at GPT-2's alone: SmolLM's "2024" was one token, not four. The same
+# two expressions in tokenizers' terms: each digit alone (Digits), then GPT-2's byte-level split (ByteLevel's regex).
 _DIGITS_FIRST = ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b", "mellum2")
 _DIGITS_THEN_GPT2 = {"type": "Sequence", "pretokenizers": [
     {"type": "Digits", "individual_digits": True},
