@@ -348,6 +348,8 @@ def test_a_boolean_declined_in_the_record_s_words_is_false_and_a_missing_one_is_
                  "We are not requesting a credit or refund, we need the instrument repaired.",
                  "Could you repair it? I need it back working; a refund would not help me.",
                  "I would rather have it repaired than get a refund.",
+                 "We'd rather have working trumpets than the money back, the students start on the 9th.",
+                 "I'd rather a repair than a refund, I waited a long time for this.",
                  # in customers' other languages, in a wish that names something else first, by saying it is not
                  # needed further on, or by preferring the thing working
                  "Nie chcemy zwrotu pieniędzy, potrzebujemy naprawy.", "Ich möchte keine Rückerstattung, nur Ersatz.",
@@ -388,7 +390,11 @@ def test_a_boolean_declined_in_the_record_s_words_is_false_and_a_missing_one_is_
                  "I don't think a new set would be any different, so please just credit the 78 euros back to my card.",
                  "I'd rather the €649 went back onto my credit union card and be done with it.",
                  "I prefer to return the whole unit and request the reimbursement of the full amount.",
-                 "We'd like to cancel and be reimbursed for the unused 10 months."):
+                 "We'd like to cancel and be reimbursed for the unused 10 months.",
+                 "Please reimburse the full deposit to our company account.",
+                 "We will return the 14 failed units and request a credit note for their full amount.",
+                 "We no longer need them this season, so please issue a credit note for the missing 36 frames.",
+                 "I would rather have my money back than a replacement."):
         assert refund.decide(-3.0, text)[0] is True, text
     # Denied as a complaint, not declined ("still not refunded"), an agent's offer, a third party's past payment:
     # the score's. A plural names refunds in general ("Don't talk to me about refunds"): not the field.
@@ -407,7 +413,7 @@ def test_a_boolean_declined_in_the_record_s_words_is_false_and_a_missing_one_is_
                  "I was already refunded by the shop, I only need a charger.",
                  "The delivery fee was refunded, thanks.", "I got reimbursement from my insurer.",
                  "Should I send the €20 part back or keep it?", "The price went back to 99 euros after the sale.",
-                 "Return the payment slip to me please."):
+                 "Return the payment slip to me please.", "Done. Credit note CN-4410 is on your account."):
         assert refund.decide(3.0, text)[0] is True and refund.decide(-3.0, text)[0] is False, text
     # A field about something else reads none of the money-back wording, a refund's other facts included.
     urgent = flags.Reading("the issue is urgent", True, "urgent", "")
@@ -416,7 +422,7 @@ def test_a_boolean_declined_in_the_record_s_words_is_false_and_a_missing_one_is_
         assert flags.Reading(f"the {name}", True, name, "").namings("Please return the full amount of 20 EUR.") == []
     # Every pattern is bounded: hostile records of 200k characters are read in linear time.
     for text in ("0.1234," * 30_000, "1" * 200_000, "my " * 70_000, "the " * 50_000, "refund" + " " * 200_000,
-                 "refund" + "\u00a0" * 200_000 + "ok", "$1 000 " * 30_000):
+                 "refund" + "\u00a0" * 200_000 + "ok", "$1 000 " * 30_000, "rather " * 30_000 + "refund"):
         refund.decide(0.0, text)
     # A policy named is no request: "our refund policy", "a money-back guarantee".
     assert refund.decide(-3.0, "Does it come with a money-back guarantee? I read your refund policy.")[0] is False

@@ -62,7 +62,8 @@ _LEADS = frozenset("for a an the their his her its my your some".split())
 _VAGUE = frozenset("this that it something anything nothing more one help information info assistance support "
                    "answer response".split())
 # A record declines what it names: a negated wish right before it ("I don't want a refund", "not looking for my
-# money back", "not looking for compensation or a refund", "no need for a refund"), "rather than" / "instead of" it,
+# money back", "not looking for compensation or a refund", "no need for a refund"), "rather than" / "instead of" it
+# ("We'd rather have working trumpets than the money back"),
 # "not needed" after it, a "no" with "needed" ("no refund needed"), a preference for another remedy in the next
 # clause ("I could get a refund, but I'd rather just have a replacement sent"; not "but I'd rather not wait"), or a
 # refusal of what was named ("offered a refund or a discount, but I don't want either"). Any other denial ("I still
@@ -70,7 +71,7 @@ _VAGUE = frozenset("this that it something anything nothing more one help inform
 _DECLINED_BEFORE = re.compile(r"(?:\b(?:do\s*n[o'’]?t|dont|not|never)\s+(?:\w+\s+){0,2}?"
                               r"(?:want|need|require|wish|looking\s+(?:for|to(?:\s+(?:get|have|receive))?)"
                               r"|asking\s+for|interested\s+in|expecting|seeking|requesting|claiming|demanding|after)"
-                              r"|\bno\s+need\s+(?:for|of)|\brather\s+than|\binstead\s+of"
+                              r"|\bno\s+need\s+(?:for|of)|\brather\s+(?:\w+\s+){0,4}?than|\binstead\s+of"
                               r"|\bthan\s+(?:get|getting|receive|receiving))\s+"
                               r"(?:(?:\w+\s+){0,2}|(?:\w+\s+){0,4}(?=or\s))(?:or\s+(?:\w+\s+){0,2})?$",
                               re.IGNORECASE)
@@ -97,7 +98,8 @@ _ANSWERED_NO = re.compile(r"(?:[^\S\n]+(?:requested|wanted|needed|required|reque
 _NO_PLEASE = re.compile(r"[\s,]*(?:please|thanks|thank\s+you)\b", re.IGNORECASE)
 # The ways a record asks for its money back beyond the words "money back" and "refund", for a field that is a refund
 # (_REFUNDS): the verb's participle wished for ("I'd like the fee refunded", not "I was already refunded"),
-# reimbursement, a charge reversed, an amount returned, given, got or credited back ("get back the 680 yuan", "credit
+# reimbursement, a charge reversed, a credit note asked for (a business's refund: "request a credit note for their full
+# amount"), an amount reimbursed, returned, given, got or credited back ("get back the 680 yuan", "credit
 # the 78 euros back to my card", "return the full amount", "I'd rather the €649 went back onto my card"). Every part
 # bounded: the patterns are tried at each position of a record.
 _AMOUNT = (r"(?:(?<![\w.,])(?:[$€£¥₹]|R\$)[^\S\n]?\d[\d,.]{0,12}(?:\s\d{3}){0,3}(?!\d)"
@@ -108,7 +110,9 @@ _MONEY = (r"(?:(?:(?:the|my|our|full|whole|second|duplicate)\s+){0,3}(?:(?:money
           r"|(?:what|everything)\s+(?:I|we)\s+(?:paid|spent))")
 _MONEY_BACK = re.compile(
     r"\brefunded\b(?!\s+(?:already|fine))|\breimbursement\b|\b(?:be|get|being|getting)\s+reimbursed\b"
-    r"|\breimburse\s+(?:me|us)\b|\breverse\s+(?:the|that|this)\s+(?:charge|payment)\b"
+    r"|\breimburse\s+(?:me|us|the|these|this|that|those|my|our|all|it|them)\b"
+    r"|\breverse\s+(?:the|that|this)\s+(?:charge|payment)\b"
+    r"|\b(?:request|issue|send|raise|provide|need|want)(?:s|ed|ing)?\s+(?:us\s+|me\s+)?(?:a|the|your)\s+credit\s+note\b"
     rf"|\b(?:get|receive|give|pay|send|transfer)\s+(?:me\s+|us\s+)?back\s+(?:\w+\s+){{0,2}}?{_MONEY}"
     rf"|\b(?:credit|send|transfer|pay|put|give|get|want|need)\s+(?:me\s+|us\s+)?{_MONEY}(?:\s+for\s+(?:it|this|that))?\s+back\b"
     rf"|\b(?:return|repay)\s+{_MONEY}"
