@@ -586,6 +586,9 @@ def test_a_brand_is_never_copied_from_the_company_a_signature_names_as_the_write
     assert named("Best regards,\nPriyanka Venkataraman\nFinance Controller\nOakridge Dental Group\n+353 1 555 2290") \
         == ["Oakridge Dental Group"]
     assert named("Call me.\n\nOlusegun Bakare\nIT Director\r\nMeridian Freight Co.") == ["Meridian Freight Co."]
+    # and, for what a brand's spans come from, the writer's job title too ("Finance": once the brand)
+    sig = "Adaeze Nwosu\nFinance Director, Ikenga Logistics Ltd"
+    assert sorted(sig[a:b] for a, b in employers(sig, titles=True)) == ["Finance Director", "Ikenga Logistics Ltd"]
     for listed in ("two items damaged:\nStanding Desk Frame\nErgonomic Office Chair\nMonitor Arm Pro\n",
                    "Subject: Broken\nVelvet Buds Pro\nHead Band Snapped\nVelvet Buds Pro",
                    "Tom Reed\nOwner\nSorrelgate Breeze 16",
@@ -632,9 +635,8 @@ def test_a_brand_is_never_copied_from_a_company_named_with_its_legal_form(accept
     assert named("a Breville Barista Express. Breville Pty Ltd won't") == ["Breville Pty Ltd"]  # not past a sentence
     from asyncpage.extract.employer import without_employer
 
-    # an employer holding a company's legal form is cut whole (the union of the two)
-    assert without_employer(["Jane Doe\nOperations Manager, Acme Ltd Warehouse Services"]) == \
-        ["Jane Doe\nOperations Manager, "]
+    # an employer holding a company's legal form is cut whole (the union of the two), with the title before it
+    assert without_employer(["Jane Doe\nOperations Manager, Acme Ltd Warehouse Services"]) == ["Jane Doe\n", ", "]
     schema = {"type": "object", "required": ["customer", "product"], "properties": {
         "customer": {"type": "string", "description": "full name of the person who wrote the ticket"},
         "product": {"type": "string", "description": "the product brand the ticket is about"}}}

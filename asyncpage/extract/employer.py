@@ -39,7 +39,7 @@ _DASH = r"(?:[–—][ \t]*)?"  # a dash the name may sign after ("— Matteo Ro
 # "the" between them), up to the line's end or a comma. Case matters: "My manager, John, said" is no signature.
 _TITLE = re.compile(
     rf"(?:^[ \t]*{_DASH}{_PERSON}[ \t]*\r?\n[ \t]*|^[ \t]*{_DASH}{_PERSON},[ \t]*)"  # the name: own line, or a comma
-    rf"(?:(?:[A-Z][\w'’.&/-]*|of|and|&|the)[ \t]+){{0,5}}?(?:{_ROLES})\b"  # the title
+    rf"(?P<title>(?:(?:[A-Z][\w'’.&/-]*|of|and|&|the)[ \t]+){{0,5}}?(?:{_ROLES})\b)"  # the title
     rf"(?:[^,\n]{{0,40}}?(?:,|[ \t]at)[ \t]+"  # then "," or "at", or the title alone on its line ("of", "to" a phrase)
     rf"|(?P<own>(?:[ \t]+(?:of|for|to)[ \t]+[^,\n]{{1,40}}?)?[ \t]*\r?\n[ \t]*))"
     rf"(?P<org>{_CAP}(?:[ \t]+(?:&|and|of|the|{_CAP})){{0,5}})[ \t]*(?=,|\r?$)",  # the company
@@ -66,11 +66,13 @@ def legal_names(text: str) -> list[tuple[int, int]]:
     return [m.span() for m in _LEGAL.finditer(text)]
 
 
-def employers(text: str) -> list[tuple[int, int]]:
-    """Where `text` names its writer's employer after a job title (see the module's docstring): (start, end) each."""
+def employers(text: str, titles: bool = False) -> list[tuple[int, int]]:
+    """Where `text` names its writer's employer after a job title (see the module's docstring): (start, end) each;
+    with `titles`, the job title's too ("Finance Director": its first word was once taken for the brand)."""
     start = max(0, len(text) - SIGNATURE)
     start = text.rfind("\n", 0, start) + 1 if start else 0  # from a line's start
-    return [m.span("org") for m in _TITLE.finditer(text, start) if m.group("own") is None or _signs(text, m)]
+    signed = [m for m in _TITLE.finditer(text, start) if m.group("own") is None or _signs(text, m)]
+    return [m.span("org") for m in signed] + ([m.span("title") for m in signed] if titles else [])
 
 
 def _signs(text: str, m: re.Match[str]) -> bool:
@@ -85,6 +87,6 @@ def _signs(text: str, m: re.Match[str]) -> bool:
 
 
 def without_employer(sources: Sequence[str]) -> list[str]:
-    """`sources` with each employer a signature names and each company named with its legal form cut out, what is
-    left of each as separate texts."""
-    return cut_out(sources, lambda text: employers(text) + legal_names(text))
+    """`sources` with each employer a signature names (and the writer's job title before it) and each company named
+    with its legal form cut out, what is left of each as separate texts."""
+    return cut_out(sources, lambda text: employers(text, titles=True) + legal_names(text))
