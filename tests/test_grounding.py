@@ -589,6 +589,14 @@ def test_a_brand_is_never_copied_from_the_company_a_signature_names_as_the_write
     # and, for what a brand's spans come from, the writer's job title too ("Finance": once the brand)
     sig = "Adaeze Nwosu\nFinance Director, Ikenga Logistics Ltd"
     assert sorted(sig[a:b] for a, b in employers(sig, titles=True)) == ["Finance Director", "Ikenga Logistics Ltd"]
+    # a surname's particle ("Sanne de Vries"), and a form's own company field
+    assert named("Thanks,\nSanne de Vries\nOffice Manager, De Vries & Bakker Tandartsen\n+31 20 555 0184") == \
+        ["De Vries & Bakker Tandartsen"]
+    from asyncpage.extract.employer import company_fields
+
+    form = "--- Group Booking Enquiry Form ---\nCompany: Sahel Consulting Group\r\nContact: Moussa Diallo\nHotel: Linden"
+    assert [form[a:b] for a, b in company_fields(form)] == ["Sahel Consulting Group"]
+    assert company_fields("Company policy: refunds in 30 days") == [] and company_fields("Company:\nName: X") == []
     for listed in ("two items damaged:\nStanding Desk Frame\nErgonomic Office Chair\nMonitor Arm Pro\n",
                    "Subject: Broken\nVelvet Buds Pro\nHead Band Snapped\nVelvet Buds Pro",
                    "Tom Reed\nOwner\nSorrelgate Breeze 16",

@@ -31,8 +31,11 @@ _ROLES = ("Manager|Director|Head|Chef|Officer|Coordinator|Administrator|Assistan
           "Treasurer|Chair|Chairman|Chairwoman|Trustee|Proprietor|Landlord")
 _CAP = r"[A-Z0-9À-ÖØ-Þ][\w'’.&-]*"
 SIGNATURE = 300  # the characters at a record's end a signature is looked for in
-# A person's name: two to four capitalized words, no digit.
-_PERSON = r"[A-ZÀ-ÖØ-Þ][^\W\d_]*(?:[-'’][^\W\d_]+)*\.?(?:[ \t]+[A-ZÀ-ÖØ-Þ][^\W\d_]*(?:[-'’][^\W\d_]+)*\.?){1,3}"
+# A person's name: two to four capitalized words, no digit, a surname's lowercase particle before one ("Sanne de Vries",
+# "Ludwig van der Berg", "Aisha bin Saleh").
+_PARTICLES = r"(?:(?:de|van|von|der|den|da|di|du|del|della|dos|das|do|le|la|bin|binti|ibn|al|el|ter|ten|zu)[ \t]+){0,2}"
+_PERSON = (r"[A-ZÀ-ÖØ-Þ][^\W\d_]*(?:[-'’][^\W\d_]+)*\.?"
+           rf"(?:[ \t]+{_PARTICLES}[A-ZÀ-ÖØ-Þ][^\W\d_]*(?:[-'’][^\W\d_]+)*\.?){{1,3}}")
 _DASH = r"(?:[–—][ \t]*)?"  # a dash the name may sign after ("— Matteo Rossi"; not a list's "- Standing Desk")
 # A job title at a line's start (after the writer's name and a comma, at most): capitalized words (or "of", "and",
 # "&", "the") ending in a role noun, then "," or "at", then the company: capitalized words (an "&", "and", "of" or
@@ -58,6 +61,17 @@ _LEGAL_FORMS = (r"Ltd\.?|LTD\.?|GmbH|GMBH|Inc\.?|INC\.?|LLC|L\.L\.C\.|LLP|plc|Pl
 _NAME_WORD = r"[A-ZÀ-ÖØ-Þ][^\W\d_]*(?:[-'’&][^\W\d_]+)*"  # letters only: not "M20", "9", "Express." (a sentence's end)
 _LEGAL = re.compile(rf"(?<![\w'’&.-]){_NAME_WORD}[ \t]+(?:(?:&|and|of|the|{_NAME_WORD})[ \t]+){{0,4}}?"
                     rf"(?:{_LEGAL_FORMS})(?![\w/-])")
+
+
+# A form's field naming the writer's organization ("Company: Sahel Consulting Group", "Organisation name: ..."): its
+# value, to the line's end. A form a customer fills in names its own company so, never the seller's.
+_COMPANY_FIELD = re.compile(r"^[ \t]*(?:Company|Organi[sz]ation|Business|Employer)(?:[ \t]+name)?[ \t]*:[ \t]*"
+                            r"(?P<org>[^\s:][^\n:]{0,80}?)[ \t]*\r?$", re.MULTILINE | re.IGNORECASE)
+
+
+def company_fields(text: str) -> list[tuple[int, int]]:
+    """Where a form's field names the writer's organization: (start, end) each (_COMPANY_FIELD)."""
+    return [m.span("org") for m in _COMPANY_FIELD.finditer(text)]
 
 
 def legal_names(text: str) -> list[tuple[int, int]]:
@@ -87,6 +101,6 @@ def _signs(text: str, m: re.Match[str]) -> bool:
 
 
 def without_employer(sources: Sequence[str]) -> list[str]:
-    """`sources` with each employer a signature names (and the writer's job title before it) and each company named
-    with its legal form cut out, what is left of each as separate texts."""
-    return cut_out(sources, lambda text: employers(text, titles=True) + legal_names(text))
+    """`sources` with each employer a signature or a form's company field names (and the writer's job title before
+    it) and each company named with its legal form cut out, what is left of each as separate texts."""
+    return cut_out(sources, lambda text: employers(text, titles=True) + company_fields(text) + legal_names(text))
