@@ -594,7 +594,7 @@ def test_a_brand_is_never_copied_from_the_company_a_signature_names_as_the_write
         ["De Vries & Bakker Tandartsen"]
     from asyncpage.extract.employer import company_fields
 
-    form = "--- Group Booking Enquiry Form ---\nCompany: Sahel Consulting Group\r\nContact: Moussa Diallo\nHotel: Linden"
+    form = "--- Booking Enquiry Form ---\nCompany: Sahel Consulting Group\r\nContact: Moussa Diallo\nHotel: Linden"
     assert [form[a:b] for a, b in company_fields(form)] == ["Sahel Consulting Group"]
     assert company_fields("Company policy: refunds in 30 days") == [] and company_fields("Company:\nName: X") == []
     for listed in ("two items damaged:\nStanding Desk Frame\nErgonomic Office Chair\nMonitor Arm Pro\n",
