@@ -647,7 +647,8 @@ def test_an_optional_copied_field_s_span_needs_more_where_the_record_does_not_na
     assert doubt("Order number:\n  55120-B\nProduct: lamp", "55120-B", ("order",), "order_id") == 0.0  # below it
     assert doubt("  - Order ID: \r\nInvoice no.: INV-7712", "INV-7712", ("order",), "order_id") == ELSEWHERE
     for chat in ("Agent: Please provide your order number:\nMaria: 55123", "Bot: Enter your order number:\nYou: 55123",
-                 "Hi, about my order:\nSent 10:42 today, ref 55123"):  # a prompt, a time: no form's empty field
+                 "Hi, about my order:\nSent 10:42 today, ref 55123",  # a prompt, a time: no form's empty field
+                 "Support:\nOrder number:\nMaria: 55123"):  # the next label's value is the answer
         assert doubt(chat, "55123", ("order",), "order_id") == 0.0, chat
     assert doubt("Order #A-1 arrived broken", "A-1", ("order",), "order_id") == 0.0
     assert doubt("Promo code SUMMERSALE", "SUMMERSALE", ("promo",), "promo_code") == 0.0  # a code may be a word

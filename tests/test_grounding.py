@@ -597,6 +597,13 @@ def test_a_brand_is_never_copied_from_the_company_a_signature_names_as_the_write
     form = "--- Booking Enquiry Form ---\nCompany: Sahel Consulting Group\r\nContact: Moussa Diallo\nHotel: Linden"
     assert [form[a:b] for a, b in company_fields(form)] == ["Sahel Consulting Group"]
     assert company_fields("Company policy: refunds in 30 days") == [] and company_fields("Company:\nName: X") == []
+    for other in ("Customer: My desk wobbles.\nCompany: Which Nimbra model do you have?",  # a chat's speaker
+                  "Company: Acme Bakery (we use your Ledgerly Payroll app)", "Business: Ledgerly Payroll subscription"):
+        assert company_fields(other) == [], other  # no company's name alone on the line
+    # a title is cut only where its words are a department's or a rank's: a product's line or role keeps its brand
+    for sig in ("Thanks,\nMaria Lopez\nLedgerly Administrator\nAcme Corp",
+                "Thanks,\nAnna Berg\nZentro Pro Controller, X"):
+        assert not any("Ledgerly" in sig[a:b] or "Zentro" in sig[a:b] for a, b in employers(sig, titles=True)), sig
     for listed in ("two items damaged:\nStanding Desk Frame\nErgonomic Office Chair\nMonitor Arm Pro\n",
                    "Subject: Broken\nVelvet Buds Pro\nHead Band Snapped\nVelvet Buds Pro",
                    "Tom Reed\nOwner\nSorrelgate Breeze 16",

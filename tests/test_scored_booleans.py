@@ -394,7 +394,9 @@ def test_a_boolean_declined_in_the_record_s_words_is_false_and_a_missing_one_is_
                  "Please reimburse the full deposit to our company account.",
                  "We will return the 14 failed units and request a credit note for their full amount.",
                  "We no longer need them this season, so please issue a credit note for the missing 36 frames.",
-                 "I would rather have my money back than a replacement."):
+                 "I would rather have my money back than a replacement.",
+                 # an agent's "would you rather ... than" is an offer, not a decline: the customer's answer stands
+                 "Agent: Would you rather have a replacement than a refund?\nCustomer: A refund, please."):
         assert refund.decide(-3.0, text)[0] is True, text
     # Denied as a complaint, not declined ("still not refunded"), an agent's offer, a third party's past payment:
     # the score's. A plural names refunds in general ("Don't talk to me about refunds"): not the field.
@@ -413,7 +415,13 @@ def test_a_boolean_declined_in_the_record_s_words_is_false_and_a_missing_one_is_
                  "I was already refunded by the shop, I only need a charger.",
                  "The delivery fee was refunded, thanks.", "I got reimbursement from my insurer.",
                  "Should I send the €20 part back or keep it?", "The price went back to 99 euros after the sale.",
-                 "Return the payment slip to me please.", "Done. Credit note CN-4410 is on your account."):
+                 "Return the payment slip to me please.", "Done. Credit note CN-4410 is on your account.",
+                 # someone else reimburses, a policy says so, a credit note as a fact or a question
+                 "Please send me a VAT invoice so that my company can reimburse the purchase.",
+                 "Our insurer will reimburse the repair, we just need the invoice.",
+                 "Your policy says you reimburse the full amount if the item is faulty.",
+                 "Do I need a credit note to return the item?", "I want the credit note cancelled.",
+                 "I already requested a credit note and received it, thanks."):
         assert refund.decide(3.0, text)[0] is True and refund.decide(-3.0, text)[0] is False, text
     # A field about something else reads none of the money-back wording, a refund's other facts included.
     urgent = flags.Reading("the issue is urgent", True, "urgent", "")

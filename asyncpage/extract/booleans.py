@@ -108,11 +108,16 @@ _AMOUNT = (r"(?:(?<![\w.,])(?:[$€£¥₹]|R\$)[^\S\n]?\d[\d,.]{0,12}(?:\s\d{3}
 _MONEY = (r"(?:(?:(?:the|my|our|full|whole|second|duplicate)\s+){0,3}(?:(?:money|payment|amount|purchase\s+price"
           rf"|deposit|charges?)\b(?!\s+(?:slip|tag|method|details|form|link|page|receipt|card))|{_AMOUNT})"
           r"|(?:what|everything)\s+(?:I|we)\s+(?:paid|spent))")
+# Who asks the seller to reimburse or to issue a credit note: "Please (just) ...", "(can / could / would) you ...",
+# "you to ...", "we / I (would like to) ...", "... and request"; not a third party ("my company can reimburse the
+# purchase", "our insurer will reimburse") nor a policy ("your policy says you reimburse the full amount").
+_ASKED = (r"(?:\bplease(?:\s+just)?\s+|(?<!says\s)\byou(?:\s+(?:can|could|would|will))?(?:\s+please)?\s+|\byou\s+to\s+"
+          r"|\b(?:we|I)(?:\s+would\s+like\s+to|['\u2019]d\s+like\s+to)?\s+|\band\s+)")
 _MONEY_BACK = re.compile(
     r"\brefunded\b(?!\s+(?:already|fine))|\breimbursement\b|\b(?:be|get|being|getting)\s+reimbursed\b"
-    r"|\breimburse\s+(?:me|us|the|these|this|that|those|my|our|all|it|them)\b"
+    rf"|{_ASKED}reimburse\s+(?:me|us|the|these|this|that|those|my|our|all|it|them)\b"
     r"|\breverse\s+(?:the|that|this)\s+(?:charge|payment)\b"
-    r"|\b(?:request|issue|send|raise|provide|need|want)(?:s|ed|ing)?\s+(?:us\s+|me\s+)?(?:a|the|your)\s+credit\s+note\b"
+    rf"|{_ASKED}(?:request|issue|send|raise|provide)\s+(?:us\s+|me\s+)?(?:a|the|your)\s+credit\s+note\b"
     rf"|\b(?:get|receive|give|pay|send|transfer)\s+(?:me\s+|us\s+)?back\s+(?:\w+\s+){{0,2}}?{_MONEY}"
     rf"|\b(?:credit|send|transfer|pay|put|give|get|want|need)\s+(?:me\s+|us\s+)?{_MONEY}(?:\s+for\s+(?:it|this|that))?\s+back\b"
     rf"|\b(?:return|repay)\s+{_MONEY}"
@@ -137,7 +142,7 @@ _DECLINED_AFTER = re.compile(r"\s*(?:(?:is|was)\s+not|(?:isn|wasn)['\u2019]t|not
                              re.IGNORECASE)
 # What an agent offers, not what is asked for: "Would you like a refund or a replacement?", "Are you looking for a
 # repair or a refund?", "I can offer you a full refund" (the naming within five words of the offer).
-_OFFER = re.compile(r"\b(?:(?:would|do)\s+you\s+(?:like|want|prefer)|are\s+you\s+looking\s+for"
+_OFFER = re.compile(r"\b(?:(?:would|do)\s+you\s+(?:like|want|prefer|rather)|are\s+you\s+looking\s+for"
                     r"|(?:I|we)\s+(?:can|could)\s+offer(?:\s+you)?)(?:\s+[\w-]+){0,5}?\s+$"
                     r"|(?:^|[:.!?]\s+)(?:I|we)(?:\s+(?:can|could|will)|['\u2019]ll)\s+(?:also\s+|gladly\s+|happily\s+)?$",
                     re.IGNORECASE | re.MULTILINE)

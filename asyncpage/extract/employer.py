@@ -63,10 +63,21 @@ _LEGAL = re.compile(rf"(?<![\w'’&.-]){_NAME_WORD}[ \t]+(?:(?:&|and|of|the|{_NA
                     rf"(?:{_LEGAL_FORMS})(?![\w/-])")
 
 
+# A job title cut with the employer only where its words before the role are a department's or a rank's ("Finance
+# Director", "Office Manager", "Head of Customer Service"): a product's line after a name ("Zentro Pro Controller")
+# or a product's role ("Ledgerly Administrator") keeps its brand.
+_DEPARTMENT = re.compile(
+    r"(?:(?:Finance|Financial|Sales|IT|HR|Office|Practice|Operations|Customer|Service|Services|Senior|Junior|General|"
+    r"Marketing|Procurement|Purchasing|Facilities|Facility|Fleet|Travel|Events|Event|Account|Accounts|Regional|Store|"
+    r"Shop|Restaurant|Kitchen|Clinic|Project|Technical|Logistics|Warehouse|Supply|Chain|Quality|Maintenance|Site|"
+    r"Plant|Production|Human|Resources|Executive|Managing|Deputy|Assistant|Chief|Operating|Technology|Information|"
+    r"Front|Desk|Food|Beverage|F&B|Guest|Relations|Admin|Administrative|School|Business|Head|of|and|&|the)[ \t]+)*"
+    rf"(?:{_ROLES})")
 # A form's field naming the writer's organization ("Company: Sahel Consulting Group", "Organisation name: ..."): its
-# value, to the line's end. A form a customer fills in names its own company so, never the seller's.
-_COMPANY_FIELD = re.compile(r"^[ \t]*(?:Company|Organi[sz]ation|Business|Employer)(?:[ \t]+name)?[ \t]*:[ \t]*"
-                            r"(?P<org>[^\s:][^\n:]{0,80}?)[ \t]*\r?$", re.MULTILINE | re.IGNORECASE)
+# value, a name's capitalized words to the line's end. A form a customer fills in names its own company so, never
+# the seller's; a chat's speaker so labeled says a sentence, no name ("Company: Which Nimbra model do you have?").
+_COMPANY_FIELD = re.compile(r"^[ \t]*(?i:company|organi[sz]ation|business|employer)(?i:[ \t]+name)?[ \t]*:[ \t]*"
+                            rf"(?P<org>{_CAP}(?:[ \t]+(?:&|and|of|the|de|{_CAP})){{0,5}})(?=[ \t]*\r?$)", re.MULTILINE)
 
 
 def company_fields(text: str) -> list[tuple[int, int]]:
@@ -86,7 +97,8 @@ def employers(text: str, titles: bool = False) -> list[tuple[int, int]]:
     start = max(0, len(text) - SIGNATURE)
     start = text.rfind("\n", 0, start) + 1 if start else 0  # from a line's start
     signed = [m for m in _TITLE.finditer(text, start) if m.group("own") is None or _signs(text, m)]
-    return [m.span("org") for m in signed] + ([m.span("title") for m in signed] if titles else [])
+    return [m.span("org") for m in signed] + (
+        [m.span("title") for m in signed if _DEPARTMENT.fullmatch(m.group("title"))] if titles else [])
 
 
 def _signs(text: str, m: re.Match[str]) -> bool:

@@ -198,8 +198,8 @@ _NUMBER_AFTER = re.compile(rf"[ \t]*(?:{_ID_NOUNS}|#|details\b|info\b|informatio
 # line is another field, a label of words ("Order number:\nSubject: Nimbra FoldDesk 120", "Order ID: \nInvoice no.:
 # ..."): the record names the field away from any value (ten spent tickets, each labeled null). Not a chat's prompt
 # ("Agent: Please provide your order number:\nMaria: 55123"), nor a time or an id before a colon ("Sent 10:42").
-_EMPTY_FIELD = re.compile(rf"(?:[ \t]+{_ID_NOUNS}){{0,2}}[ \t]*:[ \t]*\r?\n[^\S\n]*[^\W\d_][^\n:\d]{{0,30}}:",
-                          re.IGNORECASE)
+_EMPTY_FIELD = re.compile(rf"(?:[ \t]+{_ID_NOUNS}){{0,2}}[ \t]*:[ \t]*\r?\n[^\S\n]*[^\W\d_][^\n:\d]{{0,30}}:"
+                          r"(?![ \t]*(?:#?\d[\w-]*)?\r?$)", re.IGNORECASE)  # not a chat's answer ("Maria: 55123")
 _LINE_OPENS = re.compile(r"[^\S\n]*(?:[-*•][^\S\n]*)?")  # only blanks (and a bullet) before it on its line
 
 
