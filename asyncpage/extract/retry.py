@@ -157,8 +157,10 @@ def token_ends(tokenizer: Any, ids: Sequence[int]) -> list[int]:
     return [len(tokenizer.decode(list(ids[:i + 1]), skip_special_tokens=True)) for i in range(len(ids))]
 
 
-def in_string(text: str) -> bool:
-    """Whether a JSON text's prefix ends inside a string (an open quote, escapes read)."""
+def in_string(text: str) -> list[bool]:
+    """For each prefix length 0..len(text) of a JSON text, whether that prefix ends inside a string (an open quote,
+    escapes read): one pass."""
+    out = [False]
     inside = escaped = False
     for ch in text:
         if escaped:
@@ -167,7 +169,8 @@ def in_string(text: str) -> bool:
             escaped = True
         elif ch == '"':
             inside = not inside
-    return inside
+        out.append(inside)
+    return out
 
 
 def kept_tokens(ends: Sequence[int], upto: int) -> int:

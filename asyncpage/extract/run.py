@@ -202,7 +202,8 @@ def retry_params(engine: EngineClient, params: SamplingParams, state: Attempts, 
 
         ends = redo.token_ends(engine.tokenizer, token_ids)
         k = redo.kept_tokens(ends, field.start)
-        while k and redo.in_string(text[:ends[k - 1]]):
+        inside = redo.in_string(text)
+        while k and ends[k - 1] <= len(text) and inside[ends[k - 1]]:
             k -= 1  # the rest starts outside a string, where the guards' lexer starts (a `":` token ends the key)
         kept = engine.tokenizer.decode(list(token_ids[:k]), skip_special_tokens=True) if k else ""
         item, key = params.json_separators  # the rest spelled as the first decode was
