@@ -114,9 +114,7 @@ def _read_gguf(path: Path, blocks: dict[str, tuple[int, torch.Tensor, int]] | No
             # llama.cpp permutes Llama's Q/K rows to its interleaved RoPE layout; undo it.
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             state[name] = _unpermute(w, heads)
-    tokenizer = gguf_tokenizer.cached_tokenizer(cached / "tokenizer")
-    # Also applied here, not only in the index: an index cached before a token joined the list gets it.
-    eos = set(index["eos_token_ids"]) | gguf_tokenizer.end_of_turn_ids(tokenizer)
+    tokenizer, eos = gguf_tokenizer.cached(cached / "tokenizer", index["eos_token_ids"])
     return config, state, tokenizer, eos
 
 

@@ -23,10 +23,9 @@ import torch
 from torch import nn
 
 from asyncpage.errors import ModelLoadError
-from asyncpage.model import gguf_linear, gguf_quantize, native_step
+from asyncpage.model import gguf_linear, gguf_quantize, gguf_tokenizer, native_step
 from asyncpage.model.gguf import _gguf_index, _gguf_q4_k, _read_gguf
 from asyncpage.model.gguf_linear import Blocks
-from asyncpage.model.gguf_tokenizer import cached_tokenizer, end_of_turn_ids
 from asyncpage.model.quant import Int4, quantize_model
 from asyncpage.model.registry import CausalLM, model_class
 from asyncpage.runtime import cache_dir
@@ -138,8 +137,8 @@ def load_tokenizer(model: str | os.PathLike[str] | None) -> tuple[Any, Any, froz
         if path.suffix == ".gguf":
             cached, index = _gguf_index(path)
             config = AutoConfig.for_model(index["model_type"], **index["config"])
-            tokenizer = cached_tokenizer(cached / "tokenizer")
-            return tokenizer, config, frozenset(index["eos_token_ids"]) | end_of_turn_ids(tokenizer)
+            tokenizer, eos = gguf_tokenizer.cached(cached / "tokenizer", index["eos_token_ids"])
+            return tokenizer, config, frozenset(eos)
         _, _, tokenizer, eos = _read_hf_dir(path, weights=False)
         config = AutoConfig.from_pretrained(path)
     except (OSError, KeyError, ValueError) as exc:
