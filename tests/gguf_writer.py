@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 import torch
+from gguf.quants import quantize
 
 
 def _vocab(hf_dir: Path, vocab_size: int) -> tuple[list[str], list[int]]:
@@ -78,10 +80,15 @@ def _llama3_rope_factors(hp: dict[str, Any], rope: dict[str, Any]) -> np.ndarray
     return np.array(factors, dtype=np.float32)
 
 
-def write_gguf(hf_dir: Path, out: Path, tokenizer_pre: str | None = None) -> Path:
+def write_gguf(hf_dir: Path, out: Path, tokenizer_pre: str | None = None, *,
+               formats: Callable[[str], gguf.GGMLQuantizationType | None] | None = None,
+               rope_freqs: np.ndarray | None = None) -> Path:
     """`hf_dir` (a Qwen2, Qwen3 or Llama checkpoint: config.json, model.safetensors, tokenizer files,
     chat template) as the .gguf file `out`. `tokenizer_pre` is what get_vocab_base_pre names from the
-    tokenizer's hash (default: the family's releases' name, PRE)."""
+    tokenizer's hash (default: the family's releases' name, PRE). `formats`: a matrix's format by its GGUF
+    name (None: F16), quantized from the F16 values with gguf's own quantizers, as llama-quantize does from an
+    F16 file; `rope_freqs`: the factors written as that tensor in place of a Llama 3 scaling's (a damaged file;
+    any family's)."""
     from safetensors.torch import load_file
 
     hp = json.loads((hf_dir / "config.json").read_text())
@@ -114,8 +121,10 @@ def write_gguf(hf_dir: Path, out: Path, tokenizer_pre: str | None = None) -> Pat
     gguf.SpecialVocab(hf_dir, load_merges=True, n_vocab=len(tokens)).add_to_gguf(w, quiet=True)
 
     names = gguf.get_tensor_name_map(arch, n_layers)
-    if rope.get("rope_type") == "llama3":
-        w.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", _llama3_rope_factors(hp, rope))
+    if rope_freqs is None and rope.get("rope_type") == "llama3":
+        rope_freqs = _llama3_rope_factors(hp, rope)
+    if rope_freqs is not None:
+        w.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", rope_freqs.astype(np.float32))
     state: dict[str, torch.Tensor] = {}
     for f in sorted(hf_dir.glob("*.safetensors")):
         state.update(load_file(str(f)))
@@ -126,7 +135,10 @@ def write_gguf(hf_dir: Path, out: Path, tokenizer_pre: str | None = None) -> Pat
         if family == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = hp["num_attention_heads" if "attn_q" in name else "num_key_value_heads"]
             data = _permute(data, int(heads))
-        if data.ndim <= 1 or name.endswith("_norm.weight"):
+        qtype = formats(name) if formats is not None and data.ndim == 2 else None
+        if qtype is not None:
+            w.add_tensor(name, quantize(data.astype(np.float16).astype(np.float32), qtype), raw_dtype=qtype)
+        elif data.ndim <= 1 or name.endswith("_norm.weight"):
             w.add_tensor(name, data.astype(np.float32))
         else:
             w.add_tensor(name, data.astype(np.float16))

@@ -12,7 +12,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf.quants import quantize
 
 from asyncpage import AsyncEngine, SamplingParams
 from asyncpage.errors import ModelLoadError
@@ -71,19 +70,8 @@ def test_a_rope_freqs_tensor_llama_cpp_would_not_read_so_is_refused_at_load(
     """The tiny llama's factors, damaged, in its own file; or whole in another family's file."""
     build_tiny(arch, tmp_path / arch)
     llama = tiny_config("llama").to_dict()
-    wanted = damage(_llama3_rope_factors(llama, llama["rope_parameters"])).astype(np.float32)
-    real = gguf.GGUFWriter.add_tensor
-
-    def add_tensor(self: Any, name: str, tensor: np.ndarray, *args: Any, **kwargs: Any) -> None:
-        if name == "rope_freqs.weight":
-            return real(self, name, wanted)
-        if arch != "llama" and name == "token_embd.weight":
-            real(self, "rope_freqs.weight", wanted)
-        return real(self, name, tensor, *args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf.GGUFWriter, "add_tensor", add_tensor)
-        path = write_gguf(tmp_path / arch, tmp_path / f"{arch}-damaged.gguf")
+    wanted = damage(_llama3_rope_factors(llama, llama["rope_parameters"]))
+    path = write_gguf(tmp_path / arch, tmp_path / f"{arch}-damaged.gguf", rope_freqs=wanted)
     with pytest.raises(ModelLoadError, match=f"rope_freqs.*{message}|{message}.*rope_freqs"):
         load(path, torch.float32, torch.device("cpu"))
 
@@ -95,17 +83,7 @@ def test_a_converted_ggufs_attention_blocks_hold_its_dequantized_rows(arch: str,
     from llama.cpp's RoPE layout as whole rows of blocks) and dequantize to exactly the weights that
     quantization=None's dense load holds (which unpermutes after dequantizing)."""
     build_tiny(arch, tmp_path / arch, seed=6)
-    real = gguf.GGUFWriter.add_tensor
-
-    def add_tensor(self: Any, name: str, tensor: np.ndarray, *args: Any, **kwargs: Any) -> None:
-        if tensor.ndim == 2:
-            q = gguf.GGMLQuantizationType.Q8_0
-            return real(self, name, quantize(tensor.astype(np.float32), q), raw_dtype=q)
-        return real(self, name, tensor, *args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf.GGUFWriter, "add_tensor", add_tensor)
-        path = write_gguf(tmp_path / arch, tmp_path / f"{arch}-q8_0.gguf")
+    path = write_gguf(tmp_path / arch, tmp_path / f"{arch}-q8_0.gguf", formats=lambda _: gguf.GGMLQuantizationType.Q8_0)
     dense = load(path, torch.float32, torch.device("cpu")).model
     auto = load(path, torch.float32, torch.device("cpu"), "auto").model
     for d, a in zip(dense.model.layers, auto.model.layers, strict=True):
