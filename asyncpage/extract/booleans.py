@@ -121,6 +121,7 @@ _MONEY_BACK = re.compile(
     rf"|\b(?:get|receive|give|pay|send|transfer)\s+(?:me\s+|us\s+)?back\s+(?:\w+\s+){{0,2}}?{_MONEY}"
     rf"|\b(?:credit|send|transfer|pay|put|give|get|want|need)\s+(?:me\s+|us\s+)?{_MONEY}(?:\s+for\s+(?:it|this|that))?\s+back\b"
     rf"|\b(?:return|repay)\s+{_MONEY}"
+    rf"|\b(?:want|like|need|have|get)\s+{_MONEY}\s+(?:reimbursed|refunded|paid\s+back)\b"
     rf"|\b{_MONEY}\s+(?:went|to\s+go|be\s+\w+ed)\s+back\s+(?:to|onto|on|into)\s+(?:my|our|the\s+(?:original|same))\b",
     re.IGNORECASE)
 # What makes "refunded" or "reimbursement" a fact, not a wish ("I was already refunded", "got reimbursement from").
@@ -146,6 +147,11 @@ _OFFER = re.compile(r"\b(?:(?:would|do)\s+you\s+(?:like|want|prefer|rather)|are\
                     r"|(?:I|we)\s+(?:can|could)\s+offer(?:\s+you)?)(?:\s+[\w-]+){0,5}?\s+$"
                     r"|(?:^|[:.!?]\s+)(?:I|we)(?:\s+(?:can|could|will)|['\u2019]ll)\s+(?:also\s+|gladly\s+|happily\s+)?$",
                     re.IGNORECASE | re.MULTILINE)
+# A refund threatened on a condition, not asked for ("If it can't be fixed by Friday we'll be asking for a refund",
+# "If this can't be solved I may ask for a refund later"): the naming's sentence opens with "if" or "unless" and a
+# future modal stands at most four words before it. Declined: true only where another naming asks for it.
+_THREAT = re.compile(r"(?:^|[.!?;]\s+|\n)(?:and\s+|but\s+|so\s+)?(?:if|unless)\b[^.!?\n]{0,120}?"
+                     r"(?:\b(?:will|may|might|shall)|['\u2019]ll|\bgoing\s+to)(?:\s+\w+){0,4}?\s+$", re.IGNORECASE)
 # What was had, not asked for: "my sister got a refund", "I received a partial refund" (the naming neither said nor
 # declined: the score decides).
 _HAD = re.compile(r"\b(?:got|gotten|received|(?:was|were)\s+given)\s+(?:a|an|the|her|his|their|my|our)\s+"
@@ -292,6 +298,9 @@ def namings_declined(spans: list[tuple[int, int, bool]], text: str) -> tuple[int
     for start, end, negated in spans:
         if _POLICY.match(text, end) or _OFFER.search(text, max(0, start - 60), start) \
                 or _HAD.search(text, max(0, start - 40), start):
+            continue
+        if _THREAT.search(text, max(0, start - 160), start):
+            declined += 1
             continue
         foreign = (m := _FOREIGN_REFUND.match(text, start)) is not None and m.end() == end
         if foreign:  # another language's word: only its decline counts (_FOREIGN_REFUND)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from asyncpage.extract import booleans as flags
 from asyncpage.extract import ends, grounding, scales
 from asyncpage.extract import retry as redo
+from asyncpage.extract.addressed import addressed_brands
 from asyncpage.extract.closed import NAMED_WEIGHT, Closed, closed_fields
 from asyncpage.extract.labels import anchors, doubt, labeled_id
 from asyncpage.extract.near import near_grammar
@@ -440,6 +441,7 @@ class Plan:
             decided[name], shares[name] = ends.name_of(span) if name in self.d.brands else span, share  # no noun
         decided |= ends.opened_brands(self.text, self.sources, self.d.brands, decided, self.starts.written,
                                       self.d.holds)
+        decided |= addressed_brands(self.text, self.d.brands, decided, self.starts.written, self.d.holds)
         for name in [n for n, v in decided.items() if not self.d.holds(n, v)]:
             del decided[name]  # a span or a value its search found that the field's whole schema refuses
             shares.pop(name, None)

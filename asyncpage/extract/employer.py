@@ -42,7 +42,7 @@ _DASH = r"(?:[–—][ \t]*)?"  # a dash the name may sign after ("— Matteo Ro
 # "the" between them), up to the line's end or a comma. Case matters: "My manager, John, said" is no signature.
 _TITLE = re.compile(
     rf"(?:^[ \t]*{_DASH}{_PERSON}[ \t]*\r?\n[ \t]*|^[ \t]*{_DASH}{_PERSON},[ \t]*)"  # the name: own line, or a comma
-    rf"(?P<title>(?:(?:[A-Z][\w'’.&/-]*|of|and|&|the)[ \t]+){{0,5}}?(?:{_ROLES})\b)"  # the title
+    rf"(?P<title>(?:(?:[A-Z][\w'’.&/-]*|of|and|&|the)[ \t]+){{0,5}}?(?:{_ROLES}|{_ROLES.lower()})\b)"  # the title
     rf"(?:[^,\n]{{0,40}}?(?:,|[ \t]at)[ \t]+"  # then "," or "at", or the title alone on its line ("of", "to" a phrase)
     rf"|(?P<own>(?:[ \t]+(?:of|for|to)[ \t]+[^,\n]{{1,40}}?)?[ \t]*\r?\n[ \t]*))"
     rf"(?P<org>{_CAP}(?:[ \t]+(?:&|and|of|the|{_CAP})){{0,5}})[ \t]*(?=,|\r?$)",  # the company
@@ -80,6 +80,32 @@ _COMPANY_FIELD = re.compile(r"^[ \t]*(?i:company|organi[sz]ation|business|employ
                             rf"(?P<org>{_CAP}(?:[ \t]+(?:&|and|of|the|de|{_CAP})){{0,5}})(?=[ \t]*\r?$)", re.MULTILINE)
 
 
+# A record's last line signed with a name, a comma and the writer's company ("Ines Duarte, PixelPit Café", "- Tomás
+# Ibarra, Taquería El Sol, Monterrey"; a closing's words are no name: "Kind Regards, Anna"). On the labeled tickets
+# through v120, eight such lines, none naming the product.
+_SIGNED = re.compile(rf"[ \t]*(?:[-–—~][ \t]*)?(?!(?:Best|Kind|Warm|Warmest|Many|Regards|Thanks|Thank|Cheers|Sincerely|"
+                     rf"Yours|With|Greetings|Respectfully|Cordially)\b){_PERSON},[ \t]*"
+                     rf"(?P<org>[A-ZÀ-ÖØ-Þ][\w'’.&-]*(?:[ \t]+(?:&|and|of|the|de|{_CAP})){{0,5}})[ \t]*(?:,[^\n]*)?")
+
+
+_CLOSING = re.compile(r"(?i:thanks|thank you|thx|cheers|regards|best|best regards|kind regards|sincerely|br|rgds"
+                      r"|many thanks|warm regards|yours|greetings)[ \t]*")
+
+
+def signed_company(text: str) -> list[tuple[int, int]]:
+    """Where a record's last non-blank line names the writer's company after the name and a comma (_SIGNED), the
+    line above it blank, a sentence's end or a closing ("Thanks"); not a heading's item ("Order details\nOffice
+    Chair, Herman Miller Aeron"), nor a list's ("- Desk, Fjell\n- Office Chair, Herman Miller Aeron")."""
+    end = len(text.rstrip())
+    start = text.rfind("\n", 0, end) + 1
+    above = text[text.rfind("\n", 0, max(0, start - 1)) + 1 : max(0, start - 1)].strip()
+    if not start or (above and not (above.endswith((".", "!", "?", ",")) or _CLOSING.fullmatch(above))) \
+            or above[:1] in ("-", "*", "•"):
+        return []
+    m = _SIGNED.fullmatch(text, start, end)
+    return [m.span("org")] if m else []
+
+
 def company_fields(text: str) -> list[tuple[int, int]]:
     """Where a form's field names the writer's organization: (start, end) each (_COMPANY_FIELD)."""
     return [m.span("org") for m in _COMPANY_FIELD.finditer(text)]
@@ -113,6 +139,14 @@ def _signs(text: str, m: re.Match[str]) -> bool:
 
 
 def without_employer(sources: Sequence[str]) -> list[str]:
-    """`sources` with each employer a signature or a form's company field names (and the writer's job title before
-    it) and each company named with its legal form cut out, what is left of each as separate texts."""
-    return cut_out(sources, lambda text: employers(text, titles=True) + company_fields(text) + legal_names(text))
+    """`sources` with each employer a signature, its last line or a form's company field names (and the writer's job
+    title before it), wherever the text writes that name ("I own Golden Lotus restaurant" signed "Owner, Golden
+    Lotus"), and each company named with its legal form cut out, what is left of each as separate texts."""
+    return cut_out(sources, _writers_companies)
+
+
+def _writers_companies(text: str) -> list[tuple[int, int]]:
+    orgs = employers(text) + company_fields(text) + signed_company(text)
+    names = {text[a:b] for a, b in orgs if b - a >= 3}
+    again = [m.span() for name in names for m in re.finditer(r"(?<![\w-])" + re.escape(name) + r"(?![\w-])", text)]
+    return employers(text, titles=True) + company_fields(text) + signed_company(text) + again + legal_names(text)

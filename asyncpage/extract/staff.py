@@ -40,9 +40,11 @@ _LABEL = re.compile(rf"^[ \t]*(?i:agent|support agent|support|representative|rep
                     rf"moderator)\b[ \t]*\(?({_NAME})\)?[ \t]*:|\((?i:agent|rep|representative|advisor|adviser)"
                     rf"[ \t]*:[ \t]*({_NAME})\)", re.MULTILINE)
 # The name, then (after a comma, a dash, a bar, "from" or "at") a capitalized team that ends the phrase: "Tom, Acme
-# Support", "Ana from the Customer Care team"; not "Jane Doe - Support request", "support told me".
+# Support", "Ana from the Customer Care team", "Stefan, Meditherm Service Desk"; not "Jane Doe - Support request",
+# "support told me".
 _TEAM = re.compile(rf"({_NAME})[ \t]*(?:,|-|–|—|\||\bfrom\b|\bat\b)[ \t]*(?:the[ \t]+)?(?:{_CAP}[ \t]+){{0,3}}"
-                   r"(?:Support|Customer Care|Customer Service|Help ?[Dd]esk|Care Team|Service Team)(?:[ \t]+[Tt]eam)?"
+                   r"(?:Support|Customer Care|Customer Service|Help ?[Dd]esk|Care Team|Service Team|Service Desk)"
+                   r"(?:[ \t]+(?:[Tt]eam|[Dd]esk))?"
                    r"(?=[ \t]*(?:$|[\n,.;)]))", re.MULTILINE)
 # Capitalized words that open a sentence or a label rather than a name ("Thanks Priya", "Hi Hannah").
 _NOT_NAMES = frozenset("hi hello hey dear thanks thank cheers regards best kind from agent support customer visitor "
