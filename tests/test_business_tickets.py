@@ -33,7 +33,8 @@ def test_no_brand_is_read_from_a_greeting_to_a_generic_team_or_a_name_the_body_n
     for text in ("Dear Customer Service,\nMy Velmora ComfortLine broke.", "Dear Accounts Team,\nInvoice wrong.",
                  "Hi Maria,\nMy Velmora ComfortLine broke.",  # a person, no team
                  "Dear Wanderbay team,\nThe tent leaks.",  # the name is never written again
-                 "Dear\n\nStitchwell team", "", "Dear " * 10_000):
+                 "Dear\n\nStitchwell team", "", "Dear " * 10_000,
+                 "Dear TechHaus Support,\nI bought a Lumisse lamp from TechHaus last week."):  # a seller
         assert addressed(text) == "", text[:40]
     # the customer's own name is never the brand
     text = "Hello Ortega Support,\nThis is Ana Ortega; my Lumisse lamp flickers."
@@ -78,7 +79,8 @@ def test_a_refund_threatened_on_a_condition_is_not_asked_for() -> None:
     for text in ("If it can't be fixed, please refund me.",  # a conditional request: asked
                  "I want the difference refunded. If I don't get my money back by Friday I'll file a chargeback.",
                  "We have lost confidence in the unit. We want the purchase price reimbursed.",
-                 "I would like to send it back and have the purchase price reimbursed."):
+                 "I would like to send it back and have the purchase price reimbursed.",
+                 "We'd like a credit note for the 31 defective units (31 x EUR 39.90) against our next invoice."):
         assert refund.decide(-3.0, text)[0] is True, text
     assert refund.decide(3.0, "I do not wish to return it or have my money refunded.")[0] is False
 

@@ -39,7 +39,12 @@ def test_a_level_stated_in_common_words_names_its_option() -> None:
     }
     for text, level in stated.items():
         assert _said(SEVERITY, text) == [level], text
-    assert _said(SEVERITY, "The thermometer reads 5 degrees too high. Not urgent, a minor annoyance") == ["low", "high"]
+    # a level's word that measures something states no level ("reads too high", "the high-voltage fault")
+    assert _said(SEVERITY, "The thermometer reads 5 degrees too high. Not urgent, a minor annoyance") == ["low"]
+    assert _said(SEVERITY, "A high-voltage fault. This is critical.") == ["critical"]
+    assert _said(SEVERITY, "Chamber pressure low, alarm on. Priority: High") == ["high"]
+    for text in ("It is so high priority for me", "I'd say medium.", "a medium problem", "rate this issue as high"):
+        assert len(_said(SEVERITY, text)) == 1, text  # the word used as a level still names it
     assert _said(SEVERITY, "nothing serious, just curious") == ["low"]  # "serious" denied in its clause
     for text in ("This is not urgent or serious.", "Nothing major or urgent", "It's not urgent right now."):
         assert _said(SEVERITY, text) == ["low"], text  # a longer phrase read first keeps its denial for the rest

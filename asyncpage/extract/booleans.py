@@ -118,6 +118,8 @@ _MONEY_BACK = re.compile(
     rf"|{_ASKED}reimburse\s+(?:me|us|the|these|this|that|those|my|our|all|it|them)\b"
     r"|\breverse\s+(?:the|that|this)\s+(?:charge|payment)\b"
     rf"|{_ASKED}(?:request|issue|send|raise|provide)\s+(?:us\s+|me\s+)?(?:a|the|your)\s+credit\s+note\b"
+    r"|\b(?:(?:we|I)(?:['\u2019]d|\s+would)\s+like|(?:we|I)\s+(?:want|request))\s+a\s+credit\s+note\b"
+    r"(?!\s+(?:cancel|withdrawn|corrected|reissued|number))"
     rf"|\b(?:get|receive|give|pay|send|transfer)\s+(?:me\s+|us\s+)?back\s+(?:\w+\s+){{0,2}}?{_MONEY}"
     rf"|\b(?:credit|send|transfer|pay|put|give|get|want|need)\s+(?:me\s+|us\s+)?{_MONEY}(?:\s+for\s+(?:it|this|that))?\s+back\b"
     rf"|\b(?:return|repay)\s+{_MONEY}"
