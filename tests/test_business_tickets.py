@@ -24,15 +24,14 @@ def test_the_brand_a_greeting_addresses_replaces_a_word_the_model_took_from_the_
     # a value holding the name is kept, as is one the decisions made that holds it
     assert addressed_brands(text, ["product"], {"product": "Stitchwell ProChef"}, {"product": "Chef"}, _holds) == {}
     # the longest opening words the body writes again: "Boreal Air" of "Dear Boreal Air Group Sales"
-    text = "Dear Boreal Air Group Sales,\n\nThe flight for our Boreal Air group booking was cancelled."
+    text = "Dear Boreal Air Group Sales,\n\nOur Boreal Air BX 1173 to Rome was cancelled."
     assert addressed(text) == "Boreal Air"
     assert addressed("Hello Skyvale Group Desk,\nSkyvale Airways LIS-CPH on 9 September") == "Skyvale"
 
 
-def test_no_brand_is_read_from_a_greeting_to_a_generic_team_or_a_name_the_body_never_repeats() -> None:
+def test_no_brand_is_read_from_a_greeting_to_a_generic_team_a_person_or_a_seller() -> None:
     for text in ("Dear Customer Service,\nMy Velmora ComfortLine broke.", "Dear Accounts Team,\nInvoice wrong.",
                  "Hi Maria,\nMy Velmora ComfortLine broke.",  # a person, no team
-                 "Dear Wanderbay team,\nThe tent leaks.",  # the name is never written again
                  "Dear\n\nStitchwell team", "", "Dear " * 10_000,
                  "Dear TechHaus Support,\nI bought a Lumisse lamp from TechHaus last week."):  # a seller
         assert addressed(text) == "", text[:40]
@@ -93,3 +92,85 @@ def test_an_agent_signing_for_a_service_desk_is_never_the_writer() -> None:
     parts = without_staff([quoted])
     assert not any("Stefan" in p for p in parts) and any("Amara Okafor" in p for p in parts)
     assert any("Ana Lopez" in p for p in without_staff(["Ana Lopez, Service Desk Manager at Foo"]))  # her title
+
+
+def test_the_line_under_the_writer_s_name_a_seller_a_month_and_a_salutation_are_no_brand() -> None:
+    from asyncpage.extract.employer import sellers, under_name
+
+    def kept(text: str) -> str:
+        return "|".join(without_employer([text]))
+
+    text = ("Murphy & Sons Plumbing ordered a Hydrox PipeCam 200 through ToolDepot Online.\n\nDeclan Murphy\n"
+            "Murphy & Sons Plumbing\nUnit 4, Ballymount Ind. Estate, Dublin 12")
+    assert [text[a:b] for a, b in under_name(text)] == ["Murphy & Sons Plumbing"]
+    assert "Murphy & Sons" not in kept(text) and "Hydrox PipeCam 200" in kept(text)
+    assert under_name("Viele Grüße\nAnnika Kessler\nPartner, Kessler Steuerberatung") == [  # a closing is no name
+        (len("Viele Grüße\nAnnika Kessler\n"), len("Viele Grüße\nAnnika Kessler\nPartner"))]
+    text = "We bought the Inkora LX-900 from your authorised reseller PrintSys Iberia, installed by TecnoServ Norte."
+    assert [text[a:b] for a, b in sellers(text)] == ["PrintSys Iberia", "TecnoServ Norte"]
+    assert sellers("the lamp was shipped by Aurel itself") == []  # a brand may ship its own
+    assert kept("Buna ziua,\n\nOur Ledgerly Business plan.").startswith(",") and "Ledgerly Business" in kept(
+        "Buna ziua,\n\nOur Ledgerly Business plan.")
+    assert "May" not in kept("The May box from GlowCrate leaked.") and "GlowCrate" in kept("The May box from GlowCrate")
+
+
+def test_the_writer_is_never_copied_from_the_company_a_signature_names() -> None:
+    from asyncpage.extract.employer import without_company
+    from asyncpage.extract.staff import writer_sources
+
+    text = ("Kessler Steuerberatung bought eight Ergonova Flex 160 desks.\n\nViele Grüße\nAnnika Kessler\n"
+            "Partner, Kessler Steuerberatung\nFriedrichstraße 120, 10117 Berlin")
+    parts = writer_sources(without_company([text]))
+    assert any("Annika Kessler" in p for p in parts) and not any("Steuerberatung" in p for p in parts)
+
+
+def test_a_quoted_agent_signing_above_the_seller_s_team_is_staff_and_the_money_returned_is_asked() -> None:
+    from asyncpage.extract.staff import without_staff
+
+    text = ("I'd like the money for order PT-ORD-77310 returned to us, please.\n\nSantiago Ríos\nMaintenance Supervisor"
+            "\n\n> Thank you for your message.\n> Kind regards,\n> Marta Kowalski\n> Pumptek Parts Desk")
+    parts = without_staff([text])
+    assert not any("Marta Kowalski" in p for p in parts) and any("Santiago Ríos" in p for p in parts)
+    assert any("Maria Lopez" in p for p in without_staff(["Maria Lopez\nIT Service Desk\nAcme"]))  # her own desk
+    refund = flags.Reading("the customer asks for money back", True, "refund", "money back")
+    assert refund.decide(-3.0, text)[0] is True
+    assert addressed("Hello Threadcraft team,\n\nWe ordered 30 chef jackets (order TCW-55021).") == "Threadcraft"
+
+
+def test_what_the_review_broke_stays_mended() -> None:
+    """The adversarial review of these rules (sellers and departments greeted, a level stated as "Very High", a fallback
+    refund asked now, a third party's reimbursement, a customer's own service desk, a product on the last line)."""
+    from asyncpage.extract import scales
+    from asyncpage.extract.staff import without_staff
+
+    for text in ("Dear Amazon Customer Service,\nThe Lumisse lamp I ordered on Amazon stopped working.",
+                 "Hi Zalando Customer Care,\nthe Nike Pegasus shoes in my Zalando order 10442 have a torn sole.",
+                 "Hi MediaMarkt team,\nI bought a Bosch dishwasher at MediaMarkt Berlin.",
+                 "Hello Climatek dispatch,\nthe Daikin VRV unit you installed, Climatek job 5521.",
+                 "Dear Product Support,\nProduct arrived damaged: our Velmora ComfortLine sofa."):
+        assert addressed(text) == "", text
+    # the seller's quoted reply greets the writer's own company: no brand
+    text = ("See below - still not fixed!\n\n---------- Forwarded message ---------\nDear Bistro Lipa team,\nthank "
+            "you for your CombiPro 10.\n\nTomasz Wierzbicki\nowner, Bistro Lipa")
+    assert addressed_brands(text, ["product"], {}, {"product": "CombiPro 10"}, _holds) == {}
+    levels = ["low", "medium", "high", "critical"]
+    for text in ("Priority: Very High", "The urgency is extremely high.", "Business impact is very high: 40 stores"):
+        assert scales.named(levels, text, "severity") == [False, False, True, False], text
+    refund = flags.Reading("the customer asks for money back", True, "refund", "money back")
+    for text in ("If you can't repair it, I will need a refund.", "If possible, I will need a refund.",
+                 "If you will kindly refund the deposit to my card, I would be grateful."):
+        assert refund.decide(-3.0, text)[0] is True, text  # a fallback asked for now, or the seller's act
+    for text in ("Please send a VAT invoice so I can get the amount reimbursed by my employer.",
+                 "Our insurer will have the amount reimbursed.",
+                 "We'd like a credit note for invoice 2231 to be corrected, the VAT rate is wrong."):
+        assert refund.decide(-3.0, text)[0] is False, text  # a third party's money, an invoice's correction
+    for text in ("Our backup fails.\n\nAnna Berg, IT Service Desk", "Anna Berg | Facilities Service Desk",
+                 "Ticket raised by Anna Berg, Westgate Service Desk.", "Maria Lopez\nAcme Customer Service"):
+        assert any("Anna Berg" in p or "Maria Lopez" in p for p in without_staff([text])), text  # her own desk
+    for text in ("My Brisa KX-300 leaks.\nMax Mustermann, Brisa KX-300, serial 4471",
+                 "Login loop since the update.\n\nRegards,\nAnna Berg, Ledgerly Administrator",
+                 "Our Bosch coffee machine broke.\nJane Doe\nFacilities Manager, Bosch"):
+        assert any(b in p for p in without_employer([text]) for b in ("Brisa", "Ledgerly", "Bosch")), text
+    for text in ("".join(f"Company: Xyz{i} Foo\n" for i in range(4000)), "Thanks.\nAa Bb, " + "Cc-" * 100_000,
+                 ("; if refund " * 30_000)):
+        without_employer([text]), refund.decide(0.0, text)  # linear: these ran for seconds to minutes

@@ -623,7 +623,9 @@ def test_a_brand_is_never_copied_from_the_company_a_signature_names_as_the_write
     g = grounding.grammar(marked, [text])
     assert accepts(g, _obj(customer="Ifeoma Chukwu", product="Rostera Teams"))
     assert not accepts(g, _obj(customer="Ifeoma Chukwu", product="Westgate Family Clinic"))
-    assert accepts(g, _obj(customer="Westgate Family Clinic", product="Rostera"))  # only the brand's spans are cut
+    assert accepts(g, _obj(customer="Ifeoma Chukwu", product="Rostera"))
+    # nor is the writer: a person, never the company signed (employer.without_company)
+    assert not accepts(g, _obj(customer="Westgate Family Clinic", product="Rostera"))
     line = grounding.line_grammar(marked["properties"]["product"], [text], " ", "\n")
     assert line is not None and accepts(line, " Rostera Teams\n") and not accepts(line, " Westgate\n")
     plain = grounding.grammar(marked, ["Our Rostera Teams app logs everyone out."])

@@ -118,12 +118,13 @@ _MONEY_BACK = re.compile(
     rf"|{_ASKED}reimburse\s+(?:me|us|the|these|this|that|those|my|our|all|it|them)\b"
     r"|\breverse\s+(?:the|that|this)\s+(?:charge|payment)\b"
     rf"|{_ASKED}(?:request|issue|send|raise|provide)\s+(?:us\s+|me\s+)?(?:a|the|your)\s+credit\s+note\b"
-    r"|\b(?:(?:we|I)(?:['\u2019]d|\s+would)\s+like|(?:we|I)\s+(?:want|request))\s+a\s+credit\s+note\b"
-    r"(?!\s+(?:cancel|withdrawn|corrected|reissued|number))"
+    r"|\b(?:(?:we|I)(?:['\u2019]d|\s+would)\s+like|(?:we|I)\s+(?:want|request))\s+a\s+credit\s+note\s+for\s+(?:the\s+)?"
+    r"(?:\d|[$€£]|(?:full|total|whole|missing|defective|damaged|faulty|broken|returned|unused)\b)"
     rf"|\b(?:get|receive|give|pay|send|transfer)\s+(?:me\s+|us\s+)?back\s+(?:\w+\s+){{0,2}}?{_MONEY}"
     rf"|\b(?:credit|send|transfer|pay|put|give|get|want|need)\s+(?:me\s+|us\s+)?{_MONEY}(?:\s+for\s+(?:it|this|that))?\s+back\b"
     rf"|\b(?:return|repay)\s+{_MONEY}"
-    rf"|\b(?:want|like|need|have|get)\s+{_MONEY}\s+(?:reimbursed|refunded|paid\s+back)\b"
+    rf"|\b(?:want|like|need|(?:(?<=and\s)|(?<=or\s)|(?<=to\s)|(?<=just\s))(?:have|get))\s+{_MONEY}(?:\s+for\s+[^.!?\n]{{0,40}}?)?\s+"
+    r"(?:reimbursed|refunded|paid\s+back|returned)\b(?!\s+(?:by|from|through|via)\b)"
     rf"|\b{_MONEY}\s+(?:went|to\s+go|be\s+\w+ed)\s+back\s+(?:to|onto|on|into)\s+(?:my|our|the\s+(?:original|same))\b",
     re.IGNORECASE)
 # What makes "refunded" or "reimbursement" a fact, not a wish ("I was already refunded", "got reimbursement from").
@@ -150,10 +151,15 @@ _OFFER = re.compile(r"\b(?:(?:would|do)\s+you\s+(?:like|want|prefer|rather)|are\
                     r"|(?:^|[:.!?]\s+)(?:I|we)(?:\s+(?:can|could|will)|['\u2019]ll)\s+(?:also\s+|gladly\s+|happily\s+)?$",
                     re.IGNORECASE | re.MULTILINE)
 # A refund threatened on a condition, not asked for ("If it can't be fixed by Friday we'll be asking for a refund",
-# "If this can't be solved I may ask for a refund later"): the naming's sentence opens with "if" or "unless" and a
-# future modal stands at most four words before it. Declined: true only where another naming asks for it.
-_THREAT = re.compile(r"(?:^|[.!?;]\s+|\n)(?:and\s+|but\s+|so\s+)?(?:if|unless)\b[^.!?\n]{0,120}?"
-                     r"(?:\b(?:will|may|might|shall)|['\u2019]ll|\bgoing\s+to)(?:\s+\w+){0,4}?\s+$", re.IGNORECASE)
+# "If this can't be solved I may ask for a refund later"): the naming's sentence opens with "if" or "unless" (a list's
+# dash before it at most), and the writer says it will ask, request, demand or claim it then ("I will ask for", "we'll
+# be asking for"). Declined: true only where another naming asks for it. Not a fallback asked for now ("If you can't
+# repair it, I will need a refund", "If possible, please refund me"), nor the seller's act ("If you'll refund me").
+_IF = re.compile(r"[ \t]*(?:[-*•][ \t]*)?(?:(?:and|but|so)\s+)?(?:if|unless)\b", re.IGNORECASE)
+_WILL_ASK = re.compile(r"\b(?:I|we)(?:\s+(?:will|may|might|shall|would)|['\u2019]ll|\s+(?:am|are)\s+going\s+to)\s+"
+                       r"(?:then\s+|have\s+to\s+|be\s+|probably\s+|also\s+)*(?:ask|asking|request|requesting|demand|"
+                       r"demanding|claim|claiming|seek|seeking|insist|insisting|push|pushing)\b(?:\s+\w+){0,3}?\s+$",
+                       re.IGNORECASE)
 # What was had, not asked for: "my sister got a refund", "I received a partial refund" (the naming neither said nor
 # declined: the score decides).
 _HAD = re.compile(r"\b(?:got|gotten|received|(?:was|were)\s+given)\s+(?:a|an|the|her|his|their|my|our)\s+"
@@ -301,7 +307,7 @@ def namings_declined(spans: list[tuple[int, int, bool]], text: str) -> tuple[int
         if _POLICY.match(text, end) or _OFFER.search(text, max(0, start - 60), start) \
                 or _HAD.search(text, max(0, start - 40), start):
             continue
-        if _THREAT.search(text, max(0, start - 160), start):
+        if _threatened(text, start):
             declined += 1
             continue
         foreign = (m := _FOREIGN_REFUND.match(text, start)) is not None and m.end() == end
@@ -322,6 +328,15 @@ def namings_declined(spans: list[tuple[int, int, bool]], text: str) -> tuple[int
         else:
             said += 1
     return said, denied, declined
+
+
+def _threatened(text: str, start: int) -> bool:
+    """Whether the naming at `start` is a refund threatened on a condition (_IF, _WILL_ASK), read within its sentence
+    (back to the last ".", "!", "?" or line end, at most 160 characters)."""
+    lo = max(0, start - 160)
+    cut = max(text.rfind(ch, lo, start) for ch in ".!?\n")
+    sentence = text[cut + 1 if cut >= 0 else lo : start]
+    return bool(_IF.match(sentence) and _WILL_ASK.search(sentence))
 
 
 def asked_for(statement: str) -> str:

@@ -29,6 +29,8 @@ _ROLES = ("Manager|Director|Head|Chef|Officer|Coordinator|Administrator|Assistan
           "Planner|Technician|Controller|Executive|CEO|CTO|CFO|COO|VP|Receptionist|Clerk|Architect|Developer|"
           "Designer|Editor|Producer|Pharmacist|Dentist|Physician|Librarian|Caretaker|Superintendent|Registrar|Bursar|"
           "Treasurer|Chair|Chairman|Chairwoman|Trustee|Proprietor|Landlord")
+# Roles a signature may write in lowercase ("owner, Bistro Lipa"); not "head", "lead" or "chair", which are things too.
+_LOWER_ROLES = "owner|co-owner|manager|director|founder|co-founder|proprietor|buyer|purchaser"
 _CAP = r"[A-Z0-9À-ÖØ-Þ][\w'’.&-]*"
 SIGNATURE = 300  # the characters at a record's end a signature is looked for in
 # A person's name: two to four capitalized words, no digit, a surname's lowercase particle before one ("Sanne de Vries",
@@ -42,7 +44,7 @@ _DASH = r"(?:[–—][ \t]*)?"  # a dash the name may sign after ("— Matteo Ro
 # "the" between them), up to the line's end or a comma. Case matters: "My manager, John, said" is no signature.
 _TITLE = re.compile(
     rf"(?:^[ \t]*{_DASH}{_PERSON}[ \t]*\r?\n[ \t]*|^[ \t]*{_DASH}{_PERSON},[ \t]*)"  # the name: own line, or a comma
-    rf"(?P<title>(?:(?:[A-Z][\w'’.&/-]*|of|and|&|the)[ \t]+){{0,5}}?(?:{_ROLES}|{_ROLES.lower()})\b)"  # the title
+    rf"(?P<title>(?:(?:[A-Z][\w'’.&/-]*|of|and|&|the)[ \t]+){{0,5}}?(?:{_ROLES}|{_LOWER_ROLES})\b)"  # the title
     rf"(?:[^,\n]{{0,40}}?(?:,|[ \t]at)[ \t]+"  # then "," or "at", or the title alone on its line ("of", "to" a phrase)
     rf"|(?P<own>(?:[ \t]+(?:of|for|to)[ \t]+[^,\n]{{1,40}}?)?[ \t]*\r?\n[ \t]*))"
     rf"(?P<org>{_CAP}(?:[ \t]+(?:&|and|of|the|{_CAP})){{0,5}})[ \t]*(?=,|\r?$)",  # the company
@@ -89,7 +91,10 @@ _SIGNED = re.compile(rf"[ \t]*(?:[-–—~][ \t]*)?(?!(?:Best|Kind|Warm|Warmest|
 
 
 _CLOSING = re.compile(r"(?i:thanks|thank you|thx|cheers|regards|best|best regards|kind regards|sincerely|br|rgds"
-                      r"|many thanks|warm regards|yours|greetings)[ \t]*")
+                      r"|many thanks|warm regards|yours|greetings|viele grüße|liebe grüße|beste grüße|mit freundlichen "
+                      r"grüßen|saludos|cordialement|cordiali saluti|grazie|obrigad[oa]|merci|gracias|muchas gracias"
+                      r"|pozdrawiam|met vriendelijke groet|mvh|hälsningar|med vänlig hälsning|multumesc|dziękuję)"
+                      r"[ \t,.!]*")
 
 
 def signed_company(text: str) -> list[tuple[int, int]]:
@@ -103,7 +108,63 @@ def signed_company(text: str) -> list[tuple[int, int]]:
             or above[:1] in ("-", "*", "•"):
         return []
     m = _SIGNED.fullmatch(text, start, end)
-    return [m.span("org")] if m else []
+    if m is None or any(ch.isdigit() for ch in m.group("org")) or (
+            re.search(rf"\b(?:{_ROLES})$", m.group("org")) and not _DEPARTMENT.fullmatch(m.group("org"))):
+        return []  # a product's model ("Max Mustermann, Brisa KX-300") or its role ("Ledgerly Administrator")
+    return [m.span("org")]
+
+
+# A signature's name alone on its line (a dash before it at most), under a blank line, a closing or a sentence's end.
+_NAME_LINE = re.compile(rf"^[ \t]*{_DASH}{_PERSON}[ \t]*\r?$", re.MULTILINE)
+# The line under it, where it names the writer's company (or a title, a city: no brand either): capitalized words, no
+# digit, "@" or ":", at most six words before its first comma ("Murphy & Sons Plumbing", "Seaview B&B, Strand
+# Street"). On the labeled tickets through v122, 351 lines under the writer's name so, none naming the product.
+_UNDER_NAME = re.compile(r"[ \t]*(?P<org>[A-ZÀ-ÖØ-Þ][^\d@:,\n]*?)[ \t]*(?:,[^\n]*)?\r?(?:\n|$)")
+
+
+def under_name(text: str) -> list[tuple[int, int]]:
+    """Where the line under a signature's name alone on its line (in the record's last SIGNATURE characters) names
+    the writer's company (_UNDER_NAME): (start, end) of its words before the first comma."""
+    start = max(0, len(text) - SIGNATURE)
+    start = text.rfind("\n", 0, start) + 1 if start else 0
+    out: list[tuple[int, int]] = []
+    for m in _NAME_LINE.finditer(text, start):
+        if _CLOSING.fullmatch(text[m.start():m.end()].strip(" \t\r-–—")):
+            continue  # "Viele Grüße", "Best Regards": a closing, no name
+        above = text[text.rfind("\n", 0, max(0, m.start() - 1)) + 1 : max(0, m.start() - 1)].strip()
+        if m.start() and above and not (above.endswith((".", "!", "?", ",")) or _CLOSING.fullmatch(above)):
+            continue
+        nxt = text.find("\n", m.end())
+        u = _UNDER_NAME.match(text, nxt + 1) if nxt >= 0 else None
+        if u is not None and len(u.group("org").split()) <= 6:
+            out.append(u.span("org"))
+    return out
+
+
+# A seller, an installer or a distributor named by its role ("your authorised reseller PrintSys Iberia", "installed by
+# TecnoServ Norte", "distributor, Bakequip Supplies"): no maker. Not "shipped by" or "sold by", which a brand may do
+# ("shipped by Aurel"). On the labeled tickets through v122: 12 such names, none the product's brand.
+_SELLER = re.compile(r"\b(?:(?:authori[sz]ed[ \t]+|local[ \t]+|official[ \t]+)?(?:reseller|dealer|distributor|retailer|"
+                     r"stockist|installer|integrator)s?"
+                     r"|(?:installed|supplied|fitted|resold)[ \t]+(?:to[ \t]+us[ \t]+)?by)"
+                     r"[ \t,:]+(?:the[ \t]+|our[ \t]+|your[ \t]+)?"
+                     rf"(?P<org>{_CAP}(?:[ \t]+(?:&[ \t]+)?{_CAP}){{0,3}})")
+
+
+# Words no brand is: a month's or a day's name ("The May box" gave "May"), and a salutation in the customer's language
+# at a line's start ("Buna ziua," gave "Buna"). No product of the labeled tickets through v122 holds one; 90 of them
+# open with such a salutation.
+_NO_BRAND = re.compile(
+    r"(?<![\w-])(?:January|February|March|April|May|June|July|August|September|October|November|December|Monday|"
+    r"Tuesday|Wednesday|Thursday|Friday|Saturday|Sunday)(?![\w-])"
+    r"|^[ \t]*(?i:bun[aă] ziua|hallo|hola|bonjour|guten tag|dzie[nń] dobry|ciao|ol[aá]|hej|merhaba|namaste|salut"
+    r"|goedemiddag|goedemorgen|god dag|buongiorno|buenos d[ií]as|buenas tardes|boa tarde|bom dia|moin|servus|gr[üu]ezi"
+    r"|szia|ahoj|tere|labas|sveiki|zdravo|dobr[yý] den|kalimera|shalom|salaam|konnichiwa)(?![\w-])", re.MULTILINE)
+
+
+def sellers(text: str) -> list[tuple[int, int]]:
+    """Where `text` names a seller, an installer or a distributor by its role (_SELLER): (start, end) each."""
+    return [(m.start("org"), m.end("org") - m.group("org").endswith(".")) for m in _SELLER.finditer(text)]
 
 
 def company_fields(text: str) -> list[tuple[int, int]]:
@@ -139,14 +200,39 @@ def _signs(text: str, m: re.Match[str]) -> bool:
 
 
 def without_employer(sources: Sequence[str]) -> list[str]:
-    """`sources` with each employer a signature, its last line or a form's company field names (and the writer's job
-    title before it), wherever the text writes that name ("I own Golden Lotus restaurant" signed "Owner, Golden
-    Lotus"), and each company named with its legal form cut out, what is left of each as separate texts."""
+    """`sources` with each employer a signature, its last line, the line under its name or a form's company field
+    names (and the writer's job title before it), wherever the text writes that name ("I own Golden Lotus restaurant"
+    signed "Owner, Golden Lotus"), each company named with its legal form, each seller named by its role and the
+    words no brand is (a month, a salutation: _NO_BRAND) cut out, what is left of each as separate texts."""
     return cut_out(sources, _writers_companies)
 
 
-def _writers_companies(text: str) -> list[tuple[int, int]]:
-    orgs = employers(text) + company_fields(text) + signed_company(text)
-    names = {text[a:b] for a, b in orgs if b - a >= 3}
-    again = [m.span() for name in names for m in re.finditer(r"(?<![\w-])" + re.escape(name) + r"(?![\w-])", text)]
-    return employers(text, titles=True) + company_fields(text) + signed_company(text) + again + legal_names(text)
+def without_company(sources: Sequence[str]) -> list[str]:
+    """`sources` with the writer's company as a signature after a title, its last line or a form's company field name
+    it, wherever the text writes it, and each company named with its legal form cut out: what a field asking for the
+    writer copies from ("Partner, Kessler Steuerberatung" is no one's name). Not the line under a name (`under_name`),
+    which a closing read as a name ("Viele Grüße") would make the writer's own."""
+    return cut_out(sources, lambda text: _writers_companies(text, under=False))
+
+
+def companies(text: str) -> list[tuple[int, int]]:
+    """Where `text` names the writer's company or a seller (what `without_employer` cuts, less titles and words)."""
+    return _writers_companies(text, under=True, words=False)
+
+
+# The writer's companies looked for again elsewhere in the record: at most this many, of two to six words and at most
+# _NAME_CHARS characters each ("Golden Lotus" of "I own Golden Lotus restaurant"; not "Bosch" of "Facilities Manager,
+# Bosch", which the record may also name as the brand), in one pass.
+_AGAIN = 16
+_NAME_CHARS = 80
+
+
+def _writers_companies(text: str, under: bool = True, words: bool = True) -> list[tuple[int, int]]:
+    orgs = employers(text) + company_fields(text) + signed_company(text) + (under_name(text) if under else [])
+    names = sorted({n for a, b in orgs if 2 <= len((n := text[a:b]).split()) <= 6 and len(n) <= _NAME_CHARS},
+                   key=len, reverse=True)[:_AGAIN]
+    again = [m.span() for m in re.finditer(r"(?<![\w-])(?:" + "|".join(map(re.escape, names)) + r")(?![\w-])", text)] \
+        if names else []
+    seller = sellers(text) if under else []
+    no_brand = [m.span() for m in _NO_BRAND.finditer(text)] if under and words else []
+    return employers(text, titles=under and words) + orgs + again + legal_names(text) + seller + no_brand

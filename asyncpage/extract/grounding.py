@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncpage.errors import InvalidRequestError
-from asyncpage.extract.employer import without_employer
+from asyncpage.extract.employer import without_company, without_employer
 from asyncpage.extract.staff import writer_sources
 
 COPY = "x-copy"
@@ -123,7 +123,7 @@ def line_grammar(branch: dict[str, Any], sources: Sequence[str], lead: str, end:
     holding a decimal digit), then `end`. What decisions.py reads a nullable copied field's present value with.
     None: nothing can be copied."""
     if branch.get(WRITER) is True:
-        sources = writer_sources(sources)
+        sources = writer_sources(without_company(sources))
     elif branch.get(NAMED) is True:
         sources = without_employer(sources)
     if not any((ch.isdecimal() if digit else ch.isalnum()) for s in sources for ch in s):
@@ -341,7 +341,8 @@ class _Builder:
 
     def _writer_span(self) -> str:
         if not self.writer_span:
-            self.rules.append("WRITER_SPAN: " + _spans_of(_or_whole(writer_sources(self.sources), self.sources)))
+            writer = writer_sources(without_company(self.sources))
+            self.rules.append("WRITER_SPAN: " + _spans_of(_or_whole(writer, self.sources)))
             self.writer_span = "WRITER_SPAN"
         return self.writer_span
 

@@ -99,17 +99,19 @@ _MEASURED = re.compile(r"heat|temperatures?|temp|pressure|speeds?|settings?|batt
                        r"profile|range|readings?", re.IGNORECASE)
 _LEVEL_NOUN = re.compile(r"[\s-]+(?:priority|severity|urgency|importance|impact|level|problem|issue|prio)\b",
                          re.IGNORECASE)
+_LEVEL_BEFORE = re.compile(r"\b(?:priority|severity|urgency|importance|impact|prio)\b[^\n.]{0,20}$", re.IGNORECASE)
 _INTENSIFIED = re.compile(r"\b(?:too|so|very|extremely|abnormally|unusually|quite)\s+$", re.IGNORECASE)
 
 
 def measured(word: str, text: str) -> bool:
     """Whether every place `text` writes `word` measures something: after "too", "very", "so" ... ("reads too high"),
     before a measured noun ("low heat", "high-voltage"), or after one ("chamber pressure low"); never before a level's
-    noun ("so high priority", "a medium problem"). False where `text` never writes it."""
+    noun ("so high priority", "a medium problem") nor after one on its line ("Priority: Very High", "the urgency is
+    extremely high"). False where `text` never writes it."""
     places = list(re.finditer(rf"(?<![\w-]){re.escape(word)}(?![\w])", text, re.IGNORECASE))
     for m in places:
         before, after = text[max(0, m.start() - 24) : m.start()], text[m.end() : m.end() + 24]
-        if _LEVEL_NOUN.match(after):
+        if _LEVEL_NOUN.match(after) or _LEVEL_BEFORE.search(before):
             return False
         noun_after = re.match(rf"[- ](?:{_MEASURED.pattern})\b", after, re.IGNORECASE)
         noun_before = re.search(rf"\b(?:{_MEASURED.pattern})\s+(?:is\s+|was\s+)?(?:too\s+|very\s+|on\s+|at\s+)?$",

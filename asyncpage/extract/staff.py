@@ -40,12 +40,22 @@ _LABEL = re.compile(rf"^[ \t]*(?i:agent|support agent|support|representative|rep
                     rf"moderator)\b[ \t]*\(?({_NAME})\)?[ \t]*:|\((?i:agent|rep|representative|advisor|adviser)"
                     rf"[ \t]*:[ \t]*({_NAME})\)", re.MULTILINE)
 # The name, then (after a comma, a dash, a bar, "from" or "at") a capitalized team that ends the phrase: "Tom, Acme
-# Support", "Ana from the Customer Care team", "Stefan, Meditherm Service Desk"; not "Jane Doe - Support request",
-# "support told me".
-_TEAM = re.compile(rf"({_NAME})[ \t]*(?:,|-|–|—|\||\bfrom\b|\bat\b)[ \t]*(?:the[ \t]+)?(?:{_CAP}[ \t]+){{0,3}}"
-                   r"(?:Support|Customer Care|Customer Service|Help ?[Dd]esk|Care Team|Service Team|Service Desk)"
-                   r"(?:[ \t]+(?:[Tt]eam|[Dd]esk))?"
+# Support", "Ana from the Customer Care team"; not "Jane Doe - Support request", "support told me".
+_TEAM = re.compile(rf"({_NAME})[ \t]*(?:,|-|–|—|\||\bfrom\b|\bat\b)[ \t]*(?:the[ \t]+)?(?:(?!IT\b){_CAP}[ \t]+){{0,3}}"
+                   r"(?:Support|Customer Care|Customer Service|Help ?[Dd]esk|Care Team|Service Team)(?:[ \t]+[Tt]eam)?"
                    r"(?=[ \t]*(?:$|[\n,.;)]))", re.MULTILINE)
+# Where a forwarded or quoted message starts (a quoted line's ">", a "---- Forwarded message" or "Original Message"
+# line, "... wrote:"): the seller's reply, where a desk signs ("Stefan, Meditherm Service Desk").
+QUOTED = re.compile(r"^[ \t]*(?:>|-{2,}[^\n]*(?:forward|original)|[^\n]{0,120}\bwrote:[ \t]*$"
+                    r"|(?:begin )?forwarded message)", re.IGNORECASE | re.MULTILINE)
+# In a quoted message only (a customer's own "IT Service Desk" or "Facilities Service Desk" signs as the writer): the
+# name, then a comma and the seller's desk ("Stefan, Meditherm Service Desk"), or the desk alone on the next line
+# ("> Marta Kowalski\n> Pumptek Parts Desk", "Emily Tran\nGlowCrate Care Team").
+_DESK = re.compile(rf"({_NAME})[ \t]*,[ \t]*(?:(?!IT\b){_CAP}[ \t]+){{1,3}}(?:Service|Support|Parts)[ \t]+Desk"
+                   r"(?=[ \t]*(?:$|[\n,.;)]))", re.MULTILINE)
+_TEAM_UNDER = re.compile(rf"^[ \t>]*({_NAME})[ \t]*\r?\n[ \t>]*(?:(?!IT\b){_CAP}[ \t]+){{1,3}}"
+                         r"(?:Support(?:[ \t]+(?:Team|Desk))?|Customer[ \t]+(?:Care|Service)|Care[ \t]+Team"
+                         r"|Service[ \t]+(?:Team|Desk)|Parts[ \t]+Desk)[ \t]*\r?$", re.MULTILINE)
 # Capitalized words that open a sentence or a label rather than a name ("Thanks Priya", "Hi Hannah").
 _NOT_NAMES = frozenset("hi hello hey dear thanks thank cheers regards best kind from agent support customer visitor "
                        "team the a an i my our your this that chat live".split())
@@ -53,8 +63,11 @@ _NOT_NAMES = frozenset("hi hello hey dear thanks thank cheers regards best kind 
 
 def _spans(text: str) -> Iterator[tuple[int, int]]:
     """Where `text` names a member of its support staff: each name's (start, end), greetings left off."""
-    for pattern in (_BRACKET, _LABEL, _TEAM):
+    quoted = QUOTED.search(text)
+    for pattern in (_BRACKET, _LABEL, _TEAM, _DESK, _TEAM_UNDER):
         for m in pattern.finditer(text):
+            if pattern in (_DESK, _TEAM_UNDER) and (quoted is None or m.start() < quoted.start()):
+                continue
             g = next(i for i in range(1, (m.lastindex or 1) + 1) if m.group(i) is not None)
             start = m.start(g)
             words = [(w.start() + start, w.end() + start) for w in re.finditer(r"\S+", m.group(g))]
