@@ -107,7 +107,7 @@ def test_the_line_under_the_writer_s_name_a_seller_a_month_and_a_salutation_are_
     assert under_name("Viele Grüße\nAnnika Kessler\nPartner, Kessler Steuerberatung") == [  # a closing is no name
         (len("Viele Grüße\nAnnika Kessler\n"), len("Viele Grüße\nAnnika Kessler\nPartner"))]
     text = "We bought the Inkora LX-900 from your authorised reseller PrintSys Iberia, installed by TecnoServ Norte."
-    assert [text[a:b] for a, b in sellers(text)] == ["PrintSys Iberia", "TecnoServ Norte"]
+    assert [text[a:b] for a, b in sellers(text)] == ["PrintSys Iberia"]  # "installed by": a maker installs too
     assert sellers("the lamp was shipped by Aurel itself") == []  # a brand may ship its own
     assert kept("Buna ziua,\n\nOur Ledgerly Business plan.").startswith(",") and "Ledgerly Business" in kept(
         "Buna ziua,\n\nOur Ledgerly Business plan.")
@@ -134,7 +134,8 @@ def test_a_quoted_agent_signing_above_the_seller_s_team_is_staff_and_the_money_r
     assert any("Maria Lopez" in p for p in without_staff(["Maria Lopez\nIT Service Desk\nAcme"]))  # her own desk
     refund = flags.Reading("the customer asks for money back", True, "refund", "money back")
     assert refund.decide(-3.0, text)[0] is True
-    assert addressed("Hello Threadcraft team,\n\nWe ordered 30 chef jackets (order TCW-55021).") == "Threadcraft"
+    # a greeting alone names a retailer or a department as often as the maker: left to the model
+    assert addressed("Hello Threadcraft team,\n\nWe ordered 30 chef jackets (order TCW-55021).") == ""
 
 
 def test_what_the_review_broke_stays_mended() -> None:
@@ -174,3 +175,52 @@ def test_what_the_review_broke_stays_mended() -> None:
     for text in ("".join(f"Company: Xyz{i} Foo\n" for i in range(4000)), "Thanks.\nAa Bb, " + "Cc-" * 100_000,
                  ("; if refund " * 30_000)):
         without_employer([text]), refund.decide(0.0, text)  # linear: these ran for seconds to minutes
+
+
+def test_what_the_second_review_broke_stays_mended() -> None:
+    """The second review (of ea0d016): closings and titles before a last line's name, headings read as a signature's
+    name, a greeting alone, a customer's own desk under a quoted line, makers that install, brands named for a month or
+    a greeting, threats and fallbacks, third parties' money, "Priority: Very High" beside an impact sensor."""
+    from asyncpage.extract import scales
+    from asyncpage.extract.employer import without_company
+    from asyncpage.extract.staff import staff_names, without_staff, writer_sources
+
+    for text in ("My Velora blender stopped.\n\nVielen Dank, Hans Müller\n", "Broken.\n\nKindest Regards, Hans Müller",
+                 "Broken.\nStore Manager, Hans Müller"):
+        assert any("Hans Müller" in p for p in writer_sources(without_company([text]))), text
+    for text in ("Kettle Leaking\nMy Velora kettle leaks badly.\n\nAnna Berg\n",
+                 "x\n\nIssue Description\nThe Velora kettle leaks everywhere.\n\nAnna Berg\n",
+                 "Order 5521 arrived.\n\nProduct Details\nVelora Aurora Floor Lamp\nQuantity 2\n",
+                 "Kind regards,\nAnna Berg\nVelora Pro user since launch",
+                 "Our Powerwall was installed by Velora in May."):
+        assert any("Velora" in p for p in without_employer([text])), text
+    for brand, text in (("August", "My August Wi-Fi Smart Lock broke"), ("Sunday Riley", "My Sunday Riley serum"),
+                        ("Ola", "Ola S1 Pro battery dies")):
+        assert any(brand in p for p in without_employer([text])), text  # a month's or a greeting's word as a brand
+    assert addressed("Dear Currys team,\nI bought a Velora kettle in your Leeds store.") == ""
+    text = ("Still broken, see below.\n\nAnna Berg\n\n-----Original Message-----\nFrom: Velora Service\n"
+            "Dear Harbour Café Team,\nA technician will visit your Velora X2 on Monday.\n")
+    assert addressed_brands(text, ["product"], {}, {"product": "Velora X2"}, _holds) == {}
+    for text in ("> On 3 March you wrote that a technician would come.\n\nNobody came.\n\nRegards,\nAnna Berg\n"
+                 "Nordwind Customer Service\n",
+                 "See my earlier mail.\nAnna Berg\n\n---------- Forwarded message ---------\nFrom: Anna Berg\nbroken.\n"
+                 "Anna Berg\nNordwind Customer Service"):
+        assert any("Anna Berg" in p for p in without_staff([text])), text
+    assert staff_names("x\r\n\r\n----- Forwarded message -----\r\nBest regards, Stefan, Meditherm Service Desk\r\n") \
+        == ["Stefan"]  # CRLF
+    refund = flags.Reading("the customer asks for money back", True, "refund", "money back")
+    for text in ("If this happens again I'm going to ask for my money back.",
+                 "I will ask for a refund if this isn't fixed by Friday.", "Otherwise I will request a refund.",
+                 "If not resolved, I will be forced to request a refund."):
+        assert refund.decide(3.0, text)[0] is False, text
+    for text in ("If a repair is not possible, we would request a full refund.",
+                 "We would like a credit note for three units.",
+                 "We'd like a credit note covering the defective units."):
+        assert refund.decide(-3.0, text)[0] is True, text
+    for text in ("Our bank had to get the payment returned because you gave us the wrong IBAN.",
+                 "We'd like a credit note for the full amount to be cancelled."):
+        assert refund.decide(-3.0, text)[0] is False, text
+    levels = ["low", "medium", "high", "critical"]
+    assert scales.named(levels, "The impact sensor reads too high after the update.", "severity") == [False] * 4
+    for text in ("-" * 40_000, ("-" * 3_000 + "\n") * 30):
+        without_staff([text]), addressed(text)  # linear: 40,000 dashes took 15.7 s

@@ -118,12 +118,16 @@ _MONEY_BACK = re.compile(
     rf"|{_ASKED}reimburse\s+(?:me|us|the|these|this|that|those|my|our|all|it|them)\b"
     r"|\breverse\s+(?:the|that|this)\s+(?:charge|payment)\b"
     rf"|{_ASKED}(?:request|issue|send|raise|provide)\s+(?:us\s+|me\s+)?(?:a|the|your)\s+credit\s+note\b"
-    r"|\b(?:(?:we|I)(?:['\u2019]d|\s+would)\s+like|(?:we|I)\s+(?:want|request))\s+a\s+credit\s+note\s+for\s+(?:the\s+)?"
-    r"(?:\d|[$€£]|(?:full|total|whole|missing|defective|damaged|faulty|broken|returned|unused)\b)"
+    r"|\b(?:(?:we|I)(?:['\u2019]d|\s+would)\s+like|(?:we|I)\s+(?:want|request))\s+a\s+credit\s+note\s+(?:for|covering)\s+"
+    r"(?:the\s+)?(?:\d|[$€£]|(?:one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|twenty|all|full|total"
+    r"|whole|missing|defective|damaged|faulty|broken|returned|unused)\b)"
+    r"(?![^.!?\n]{0,60}\bto\s+be\s+(?:cancel|correct|reissu|amend|void|withdrawn))"
     rf"|\b(?:get|receive|give|pay|send|transfer)\s+(?:me\s+|us\s+)?back\s+(?:\w+\s+){{0,2}}?{_MONEY}"
     rf"|\b(?:credit|send|transfer|pay|put|give|get|want|need)\s+(?:me\s+|us\s+)?{_MONEY}(?:\s+for\s+(?:it|this|that))?\s+back\b"
     rf"|\b(?:return|repay)\s+{_MONEY}"
-    rf"|\b(?:want|like|need|(?:(?<=and\s)|(?<=or\s)|(?<=to\s)|(?<=just\s))(?:have|get))\s+{_MONEY}(?:\s+for\s+[^.!?\n]{{0,40}}?)?\s+"
+    rf"|\b(?:want|like|need|(?:(?<=like\sto\s)|(?<=want\sto\s)|(?<=need\sto\s)|(?<=wish\sto\s)|(?<=prefer\sto\s)"
+    rf"|(?<=and\s)|(?<=or\s)|(?<=just\s))(?:have|get))\s+{_MONEY}"
+    r"(?:\s+for\s+[^.!?\n]{0,40}?)?\s+"
     r"(?:reimbursed|refunded|paid\s+back|returned)\b(?!\s+(?:by|from|through|via)\b)"
     rf"|\b{_MONEY}\s+(?:went|to\s+go|be\s+\w+ed)\s+back\s+(?:to|onto|on|into)\s+(?:my|our|the\s+(?:original|same))\b",
     re.IGNORECASE)
@@ -151,15 +155,18 @@ _OFFER = re.compile(r"\b(?:(?:would|do)\s+you\s+(?:like|want|prefer|rather)|are\
                     r"|(?:^|[:.!?]\s+)(?:I|we)(?:\s+(?:can|could|will)|['\u2019]ll)\s+(?:also\s+|gladly\s+|happily\s+)?$",
                     re.IGNORECASE | re.MULTILINE)
 # A refund threatened on a condition, not asked for ("If it can't be fixed by Friday we'll be asking for a refund",
-# "If this can't be solved I may ask for a refund later"): the naming's sentence opens with "if" or "unless" (a list's
-# dash before it at most), and the writer says it will ask, request, demand or claim it then ("I will ask for", "we'll
-# be asking for"). Declined: true only where another naming asks for it. Not a fallback asked for now ("If you can't
-# repair it, I will need a refund", "If possible, please refund me"), nor the seller's act ("If you'll refund me").
-_IF = re.compile(r"[ \t]*(?:[-*•][ \t]*)?(?:(?:and|but|so)\s+)?(?:if|unless)\b", re.IGNORECASE)
-_WILL_ASK = re.compile(r"\b(?:I|we)(?:\s+(?:will|may|might|shall|would)|['\u2019]ll|\s+(?:am|are)\s+going\s+to)\s+"
-                       r"(?:then\s+|have\s+to\s+|be\s+|probably\s+|also\s+)*(?:ask|asking|request|requesting|demand|"
-                       r"demanding|claim|claiming|seek|seeking|insist|insisting|push|pushing)\b(?:\s+\w+){0,3}?\s+$",
-                       re.IGNORECASE)
+# "If this can't be solved I may ask for a refund later", "I'm going to demand a refund if ..."): a condition in the
+# sentence, and the writer says it will ask, request, demand, claim or want it then. Declined: true only where another
+# naming asks for it. Not a fallback asked for now ("If you can't repair it, I will need a refund", "If a repair is not
+# possible, we would request a full refund", "If possible, please refund me"), nor the seller's act ("If you'll refund
+# me").
+_IF = re.compile(r"[ \t]*(?:[-*•][ \t]*)?(?:(?:and|but|so)\s+)?(?:if|unless|otherwise|should)\b", re.IGNORECASE)
+_WILL_ASK = re.compile(r"\b(?:(?:I|we)(?:\s+(?:will|may|might|shall)|['\u2019]ll|\s+(?:am|are)\s+going\s+to)"
+                       r"|(?:I['\u2019]m|we['\u2019]re)\s+going\s+to)\s+"
+                       r"(?:then\s+|have\s+to\s+|be\s+|probably\s+|also\s+|have\s+no\s+choice\s+but\s+to\s+|be\s+forced\s+to\s+"
+                       r"|escalate\s+and\s+)*(?:ask|asking|request|requesting|demand|demanding|claim|claiming|seek|seeking"
+                       r"|insist|insisting|push|pushing|want)\b(?:\s+\w+){0,3}?\s+$", re.IGNORECASE)
+_IF_AFTER = re.compile(r"[^.!?\n]{0,80}?\b(?:if|unless)\b", re.IGNORECASE)
 # What was had, not asked for: "my sister got a refund", "I received a partial refund" (the naming neither said nor
 # declined: the score decides).
 _HAD = re.compile(r"\b(?:got|gotten|received|(?:was|were)\s+given)\s+(?:a|an|the|her|his|their|my|our)\s+"
@@ -331,12 +338,15 @@ def namings_declined(spans: list[tuple[int, int, bool]], text: str) -> tuple[int
 
 
 def _threatened(text: str, start: int) -> bool:
-    """Whether the naming at `start` is a refund threatened on a condition (_IF, _WILL_ASK), read within its sentence
-    (back to the last ".", "!", "?" or line end, at most 160 characters)."""
+    """Whether the naming at `start` is a refund threatened on a condition: the writer will ask for it (_WILL_ASK, in
+    its sentence back to the last ".", "!", "?" or line end, at most 160 characters), the sentence opening with the
+    condition (_IF: "if", "unless", "otherwise", "should") or holding it after the naming ("... if it isn't fixed")."""
     lo = max(0, start - 160)
     cut = max(text.rfind(ch, lo, start) for ch in ".!?\n")
     sentence = text[cut + 1 if cut >= 0 else lo : start]
-    return bool(_IF.match(sentence) and _WILL_ASK.search(sentence))
+    if not _WILL_ASK.search(sentence):
+        return False
+    return bool(_IF.match(sentence) or _IF_AFTER.match(text, start, min(len(text), start + 200)))
 
 
 def asked_for(statement: str) -> str:

@@ -95,6 +95,18 @@ _CLOSING = re.compile(r"(?i:thanks|thank you|thx|cheers|regards|best|best regard
                       r"grüßen|saludos|cordialement|cordiali saluti|grazie|obrigad[oa]|merci|gracias|muchas gracias"
                       r"|pozdrawiam|met vriendelijke groet|mvh|hälsningar|med vänlig hälsning|multumesc|dziękuję)"
                       r"[ \t,.!]*")
+# The first words of closings that read as a name ("Vielen Dank, Hans Müller", "Kindest Regards", "Take Care"; the
+# second review's list): a line opening with one signs no name before its comma.
+_CLOSING_WORDS = frozenset(
+    "best kind kindest warm warmest many vielen viele liebe beste freundliche freundlichen mit muchas saludos cordiali "
+    "cordialement cordiales grazie merci bien un met sincere sincerely all take stay talk much with thanks thank "
+    "regards cheers yours greetings respectfully love hugs hasta à a atentamente un saludo tack groeten".split())
+
+
+def _closing(words: str) -> bool:
+    """Whether a line's words before a comma are a closing's ("Vielen Dank", "Kindest Regards"), not a name."""
+    first = words.strip(" \t\r-–—~").split(maxsplit=1)
+    return (bool(first) and first[0].casefold() in _CLOSING_WORDS) or bool(_CLOSING.fullmatch(words.strip()))
 
 
 def signed_company(text: str) -> list[tuple[int, int]]:
@@ -108,6 +120,9 @@ def signed_company(text: str) -> list[tuple[int, int]]:
             or above[:1] in ("-", "*", "•"):
         return []
     m = _SIGNED.fullmatch(text, start, end)
+    if m is not None and (_closing(text[start : m.start("org")].rsplit(",", 1)[0])
+                          or re.search(rf"\b(?:{_ROLES})[ \t]*,", text[start : m.start("org")])):
+        return []  # "Vielen Dank, Hans Müller", "Store Manager, Anna Berg": the name follows the comma
     if m is None or any(ch.isdigit() for ch in m.group("org")) or (
             re.search(rf"\b(?:{_ROLES})$", m.group("org")) and not _DEPARTMENT.fullmatch(m.group("org"))):
         return []  # a product's model ("Max Mustermann, Brisa KX-300") or its role ("Ledgerly Administrator")
@@ -115,6 +130,9 @@ def signed_company(text: str) -> list[tuple[int, int]]:
 
 
 # A signature's name alone on its line (a dash before it at most), under a blank line, a closing or a sentence's end.
+_HEADING = re.compile(r"\b(?:Details|Description|Summary|Information|Info|Issue|Problem|Order|Product|Subject|"
+                      r"Request|Notes?|Message|Comments?|Reason|Type|Category|Status|Priority|Severity)\b")
+_JOINS = frozenset(("&", "and", "of", "the", "de", "du", "des", "la", "le", "van", "von", "der", "y", "e", "und", "-"))
 _NAME_LINE = re.compile(rf"^[ \t]*{_DASH}{_PERSON}[ \t]*\r?$", re.MULTILINE)
 # The line under it, where it names the writer's company (or a title, a city: no brand either): capitalized words, no
 # digit, "@" or ":", at most six words before its first comma ("Murphy & Sons Plumbing", "Seaview B&B, Strand
@@ -123,43 +141,48 @@ _UNDER_NAME = re.compile(r"[ \t]*(?P<org>[A-ZÀ-ÖØ-Þ][^\d@:,\n]*?)[ \t]*(?:,[
 
 
 def under_name(text: str) -> list[tuple[int, int]]:
-    """Where the line under a signature's name alone on its line (in the record's last SIGNATURE characters) names
-    the writer's company (_UNDER_NAME): (start, end) of its words before the first comma."""
+    """Where the line under a signature's name alone on its line (in the record's last SIGNATURE characters, under a
+    blank line or a closing, never the record's first line) names the writer's company (_UNDER_NAME): (start, end) of
+    its words before the first comma, in title case ("Murphy & Sons Plumbing"; not a sentence, "Velora Pro user since
+    launch"), the name no heading's ("Product Details", "Issue Description": the second review's)."""
     start = max(0, len(text) - SIGNATURE)
     start = text.rfind("\n", 0, start) + 1 if start else 0
     out: list[tuple[int, int]] = []
     for m in _NAME_LINE.finditer(text, start):
-        if _CLOSING.fullmatch(text[m.start():m.end()].strip(" \t\r-–—")):
-            continue  # "Viele Grüße", "Best Regards": a closing, no name
-        above = text[text.rfind("\n", 0, max(0, m.start() - 1)) + 1 : max(0, m.start() - 1)].strip()
-        if m.start() and above and not (above.endswith((".", "!", "?", ",")) or _CLOSING.fullmatch(above)):
+        line = text[m.start() : m.end()]
+        if not m.start() or _closing(line) or _HEADING.search(line):
+            continue
+        above = text[text.rfind("\n", 0, m.start() - 1) + 1 : m.start() - 1].strip()
+        if above and not (_CLOSING.fullmatch(above) or (_closing(above.rstrip(",")) and above.endswith(","))):
             continue
         nxt = text.find("\n", m.end())
         u = _UNDER_NAME.match(text, nxt + 1) if nxt >= 0 else None
-        if u is not None and len(u.group("org").split()) <= 6:
+        org = u.group("org").split() if u is not None else []
+        if u is not None and len(org) <= 6 and not org[-1].endswith((".", "!", "?")) \
+                and all(w[:1].isupper() or w[:1].isdigit() or w in _JOINS for w in org):
             out.append(u.span("org"))
     return out
 
 
-# A seller, an installer or a distributor named by its role ("your authorised reseller PrintSys Iberia", "installed by
-# TecnoServ Norte", "distributor, Bakequip Supplies"): no maker. Not "shipped by" or "sold by", which a brand may do
-# ("shipped by Aurel"). On the labeled tickets through v122: 12 such names, none the product's brand.
+# A seller, an installer or a distributor named by its role ("your authorised reseller PrintSys Iberia", "distributor,
+# Bakequip Supplies"): no maker. Not "installed by", "supplied by", "shipped by", which a maker does too ("installed by
+# Tesla", "shipped by Aurel"). On the labeled tickets through v122, none of such names the product's brand.
 _SELLER = re.compile(r"\b(?:(?:authori[sz]ed[ \t]+|local[ \t]+|official[ \t]+)?(?:reseller|dealer|distributor|retailer|"
-                     r"stockist|installer|integrator)s?"
-                     r"|(?:installed|supplied|fitted|resold)[ \t]+(?:to[ \t]+us[ \t]+)?by)"
+                     r"stockist|installer|integrator)s?)"
                      r"[ \t,:]+(?:the[ \t]+|our[ \t]+|your[ \t]+)?"
                      rf"(?P<org>{_CAP}(?:[ \t]+(?:&[ \t]+)?{_CAP}){{0,3}})")
 
 
-# Words no brand is: a month's or a day's name ("The May box" gave "May"), and a salutation in the customer's language
-# at a line's start ("Buna ziua," gave "Buna"). No product of the labeled tickets through v122 holds one; 90 of them
-# open with such a salutation.
+# Words no brand is: a month's or a day's name before a lowercase word, a digit or the line's end ("The May box" gave
+# "May"; not "August Wi-Fi Smart Lock", "Sunday Riley"), and a salutation in the customer's language opening a greeting
+# line ("Buna ziua," gave "Buna"; not "Ola S1 Pro battery"). No product of the labeled tickets through v122 holds one.
 _NO_BRAND = re.compile(
     r"(?<![\w-])(?:January|February|March|April|May|June|July|August|September|October|November|December|Monday|"
-    r"Tuesday|Wednesday|Thursday|Friday|Saturday|Sunday)(?![\w-])"
+    r"Tuesday|Wednesday|Thursday|Friday|Saturday|Sunday)(?![\w-])(?![ \t]+[A-ZÀ-ÖØ-Þ])"
     r"|^[ \t]*(?i:bun[aă] ziua|hallo|hola|bonjour|guten tag|dzie[nń] dobry|ciao|ol[aá]|hej|merhaba|namaste|salut"
     r"|goedemiddag|goedemorgen|god dag|buongiorno|buenos d[ií]as|buenas tardes|boa tarde|bom dia|moin|servus|gr[üu]ezi"
-    r"|szia|ahoj|tere|labas|sveiki|zdravo|dobr[yý] den|kalimera|shalom|salaam|konnichiwa)(?![\w-])", re.MULTILINE)
+    r"|szia|ahoj|tere|labas|sveiki|zdravo|dobr[yý] den|kalimera|shalom|salaam|konnichiwa)(?![\w-])"
+    r"(?=(?:[ \t]+[^\W\d_][\w'’-]*){0,2}[ \t]*(?:[,!]|\r?$))", re.MULTILINE)
 
 
 def sellers(text: str) -> list[tuple[int, int]]:

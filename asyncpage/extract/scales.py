@@ -99,7 +99,8 @@ _MEASURED = re.compile(r"heat|temperatures?|temp|pressure|speeds?|settings?|batt
                        r"profile|range|readings?", re.IGNORECASE)
 _LEVEL_NOUN = re.compile(r"[\s-]+(?:priority|severity|urgency|importance|impact|level|problem|issue|prio)\b",
                          re.IGNORECASE)
-_LEVEL_BEFORE = re.compile(r"\b(?:priority|severity|urgency|importance|impact|prio)\b[^\n.]{0,20}$", re.IGNORECASE)
+_LEVEL_BEFORE = re.compile(r"\b(?:priority|severity|urgency|importance|impact|prio)\b[ \t]*(?:[:=\-–—][ \t]*|(?:is|was)"
+                           r"[ \t]+)(?:(?:very|extremely|quite|so|really|super|fairly|pretty)[ \t]+)?$", re.IGNORECASE)
 _INTENSIFIED = re.compile(r"\b(?:too|so|very|extremely|abnormally|unusually|quite)\s+$", re.IGNORECASE)
 
 
@@ -111,9 +112,9 @@ def measured(word: str, text: str) -> bool:
     places = list(re.finditer(rf"(?<![\w-]){re.escape(word)}(?![\w])", text, re.IGNORECASE))
     for m in places:
         before, after = text[max(0, m.start() - 24) : m.start()], text[m.end() : m.end() + 24]
-        if _LEVEL_NOUN.match(after) or _LEVEL_BEFORE.search(before):
-            return False
         noun_after = re.match(rf"[- ](?:{_MEASURED.pattern})\b", after, re.IGNORECASE)
+        if _LEVEL_NOUN.match(after) or (_LEVEL_BEFORE.search(before) and not noun_after):
+            return False
         noun_before = re.search(rf"\b(?:{_MEASURED.pattern})\s+(?:is\s+|was\s+)?(?:too\s+|very\s+|on\s+|at\s+)?$",
                                 before, re.IGNORECASE)
         if not (_INTENSIFIED.search(before) or noun_after or noun_before):

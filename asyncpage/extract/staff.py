@@ -43,16 +43,16 @@ _LABEL = re.compile(rf"^[ \t]*(?i:agent|support agent|support|representative|rep
 # Support", "Ana from the Customer Care team"; not "Jane Doe - Support request", "support told me".
 _TEAM = re.compile(rf"({_NAME})[ \t]*(?:,|-|–|—|\||\bfrom\b|\bat\b)[ \t]*(?:the[ \t]+)?(?:(?!IT\b){_CAP}[ \t]+){{0,3}}"
                    r"(?:Support|Customer Care|Customer Service|Help ?[Dd]esk|Care Team|Service Team)(?:[ \t]+[Tt]eam)?"
-                   r"(?=[ \t]*(?:$|[\n,.;)]))", re.MULTILINE)
+                   r"(?=[ \t]*(?:\r?$|[\r\n,.;)]))", re.MULTILINE)
 # Where a forwarded or quoted message starts (a quoted line's ">", a "---- Forwarded message" or "Original Message"
 # line, "... wrote:"): the seller's reply, where a desk signs ("Stefan, Meditherm Service Desk").
-QUOTED = re.compile(r"^[ \t]*(?:>|-{2,}[^\n]*(?:forward|original)|[^\n]{0,120}\bwrote:[ \t]*$"
+QUOTED = re.compile(r"^[ \t]*(?:>|-{2,}+[ \t]*(?:begin[ \t]+)?(?:forward|original)|[^\n]{0,120}\bwrote:[ \t]*\r?$"
                     r"|(?:begin )?forwarded message)", re.IGNORECASE | re.MULTILINE)
 # In a quoted message only (a customer's own "IT Service Desk" or "Facilities Service Desk" signs as the writer): the
 # name, then a comma and the seller's desk ("Stefan, Meditherm Service Desk"), or the desk alone on the next line
 # ("> Marta Kowalski\n> Pumptek Parts Desk", "Emily Tran\nGlowCrate Care Team").
 _DESK = re.compile(rf"({_NAME})[ \t]*,[ \t]*(?:(?!IT\b){_CAP}[ \t]+){{1,3}}(?:Service|Support|Parts)[ \t]+Desk"
-                   r"(?=[ \t]*(?:$|[\n,.;)]))", re.MULTILINE)
+                   r"(?=[ \t]*(?:\r?$|[\r\n,.;)]))", re.MULTILINE)
 _TEAM_UNDER = re.compile(rf"^[ \t>]*({_NAME})[ \t]*\r?\n[ \t>]*(?:(?!IT\b){_CAP}[ \t]+){{1,3}}"
                          r"(?:Support(?:[ \t]+(?:Team|Desk))?|Customer[ \t]+(?:Care|Service)|Care[ \t]+Team"
                          r"|Service[ \t]+(?:Team|Desk)|Parts[ \t]+Desk)[ \t]*\r?$", re.MULTILINE)
@@ -61,12 +61,24 @@ _NOT_NAMES = frozenset("hi hello hey dear thanks thank cheers regards best kind 
                        "team the a an i my our your this that chat live".split())
 
 
+def _quoted_reply(text: str, m: re.Match[str], quoted: re.Match[str] | None) -> bool:
+    """Whether a desk's signature `m` stands in a quoted message that is not the writer's own: past the first quoted
+    marker, on a quoted line where that marker is a ">" (a bottom-posted reply's own signature is not), and its name
+    not written before the marker (the writer forwarding an earlier mail of theirs signs above it too)."""
+    if quoted is None or m.start() < quoted.start():
+        return False
+    if quoted.group().lstrip().startswith(">") and \
+            not text[text.rfind("\n", 0, m.end(1)) + 1 : m.end(1)].lstrip().startswith(">"):
+        return False
+    return m.group(1).strip(" \t>") not in text[: quoted.start()]
+
+
 def _spans(text: str) -> Iterator[tuple[int, int]]:
     """Where `text` names a member of its support staff: each name's (start, end), greetings left off."""
     quoted = QUOTED.search(text)
     for pattern in (_BRACKET, _LABEL, _TEAM, _DESK, _TEAM_UNDER):
         for m in pattern.finditer(text):
-            if pattern in (_DESK, _TEAM_UNDER) and (quoted is None or m.start() < quoted.start()):
+            if pattern in (_DESK, _TEAM_UNDER) and not _quoted_reply(text, m, quoted):
                 continue
             g = next(i for i in range(1, (m.lastindex or 1) + 1) if m.group(i) is not None)
             start = m.start(g)
