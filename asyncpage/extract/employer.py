@@ -8,10 +8,18 @@ after a department, the merchant in a quoted bank letter). A brand is not writte
 labeled tickets (tests/data through v60) no product's answer holds one, and each of the 12 tickets naming a company
 so named a courier, a bank, an employer or a seller. "& Co." stays (a brand's style: "Maribel & Co. Sienna").
 
+Also no brand (2026-12-06, from business customers' fresh tickets v117-v122): the line under a signature's name
+("Declan Murphy\nMurphy & Sons Plumbing": `under_name`), a last line's company after the name ("Ines Duarte, PixelPit
+Café": `signed_company`), a seller named by its role ("your authorised reseller PrintSys Iberia": `sellers`), and a
+month's name or a salutation ("The May box", "Buna ziua,"); and wherever the record writes a company so found again
+("I own Golden Lotus restaurant").
+
 `without_employer` cuts each such company out of the texts, leaving the rest as separate texts: what a brand
-field's spans come from (grounding.NAMED). A job title is read as one only in a signature: in the record's last
-SIGNATURE characters, on the line after a name alone on its line, or after the name and a comma ("Ana Silva,
-Customer Service Manager at Bakery Co"; a dash before the name at most: "— Matteo Rossi"); a role noun in it
+field's spans come from (grounding.NAMED). `without_company` cuts the writer's companies (not the line under a name,
+nor sellers or words) from what a field asking for the writer copies from (grounding.WRITER). A job title is read
+as one only in a signature: in the record's last SIGNATURE characters, on the line after a name alone on its line,
+or after the name and a comma ("Ana Silva, Customer Service Manager at Bakery Co"; a dash before the name at most:
+"— Matteo Rossi"); a role noun in it
 ("Manager", "Head Chef", "Head of Sales Operations"), then a comma or "at", then the capitalized words of the company
 up to the line's end or the next comma. "Kind regards, Maria", "Order 55120, Foo Ltd" and a product's line ("Office
 Chair, Herman Miller Aeron") are not.
@@ -129,10 +137,11 @@ def signed_company(text: str) -> list[tuple[int, int]]:
     return [m.span("org")]
 
 
-# A signature's name alone on its line (a dash before it at most), under a blank line, a closing or a sentence's end.
+# A heading's words: a line holding one is no signature's name ("Product Details", "Issue Description").
 _HEADING = re.compile(r"\b(?:Details|Description|Summary|Information|Info|Issue|Problem|Order|Product|Subject|"
                       r"Request|Notes?|Message|Comments?|Reason|Type|Category|Status|Priority|Severity)\b")
 _JOINS = frozenset(("&", "and", "of", "the", "de", "du", "des", "la", "le", "van", "von", "der", "y", "e", "und", "-"))
+# A signature's name alone on its line (a dash before it at most).
 _NAME_LINE = re.compile(rf"^[ \t]*{_DASH}{_PERSON}[ \t]*\r?$", re.MULTILINE)
 # The line under it, where it names the writer's company (or a title, a city: no brand either): capitalized words, no
 # digit, "@" or ":", at most six words before its first comma ("Murphy & Sons Plumbing", "Seaview B&B, Strand
