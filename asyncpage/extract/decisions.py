@@ -441,10 +441,8 @@ class Plan:
             decided[name], shares[name] = ends.name_of(span) if name in self.d.brands else span, share  # no noun
         decided |= ends.opened_brands(self.text, self.sources, self.d.brands, decided, self.starts.written,
                                       self.d.holds)
-        greeted = addressed_brands(self.text, self.d.brands, decided, self.starts.written, self.d.holds)
-        for name in greeted:  # a rule's value: no scored decision's share (its start's was another value's)
-            decided[name] = greeted[name]
-            shares.pop(name, None)
+        decided |= (greeted := addressed_brands(self.text, self.d.brands, decided, self.starts.written, self.d.holds))
+        shares = {n: v for n, v in shares.items() if n not in greeted}  # a rule's values: no scored decision's share
         for name in [n for n, v in decided.items() if not self.d.holds(n, v)]:
             del decided[name]  # a span or a value its search found that the field's whole schema refuses
             shares.pop(name, None)
