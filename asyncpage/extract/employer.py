@@ -213,11 +213,16 @@ def legal_names(text: str) -> list[tuple[int, int]]:
 def employers(text: str, titles: bool = False) -> list[tuple[int, int]]:
     """Where `text` names its writer's employer after a job title (see the module's docstring): (start, end) each;
     with `titles`, the job title's too ("Finance Director": its first word was once taken for the brand)."""
+    orgs, cut_titles = _employer_spans(text)
+    return orgs + (cut_titles if titles else [])
+
+
+def _employer_spans(text: str) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(the employers' spans, the job titles' that are a department's or a rank's), from one search of the signature."""
     start = max(0, len(text) - SIGNATURE)
     start = text.rfind("\n", 0, start) + 1 if start else 0  # from a line's start
     signed = [m for m in _TITLE.finditer(text, start) if m.group("own") is None or _signs(text, m)]
-    return [m.span("org") for m in signed] + (
-        [m.span("title") for m in signed if _DEPARTMENT.fullmatch(m.group("title"))] if titles else [])
+    return [m.span("org") for m in signed], [m.span("title") for m in signed if _DEPARTMENT.fullmatch(m.group("title"))]
 
 
 def _signs(text: str, m: re.Match[str]) -> bool:
@@ -260,11 +265,12 @@ _NAME_CHARS = 80
 
 
 def _writers_companies(text: str, under: bool = True, words: bool = True) -> list[tuple[int, int]]:
-    orgs = employers(text) + company_fields(text) + signed_company(text) + (under_name(text) if under else [])
+    employed, titles = _employer_spans(text)
+    orgs = employed + company_fields(text) + signed_company(text) + (under_name(text) if under else [])
     names = sorted({n for a, b in orgs if 2 <= len((n := text[a:b]).split()) <= 6 and len(n) <= _NAME_CHARS},
                    key=len, reverse=True)[:_AGAIN]
     again = [m.span() for m in re.finditer(r"(?<![\w-])(?:" + "|".join(map(re.escape, names)) + r")(?![\w-])", text)] \
         if names else []
     seller = sellers(text) if under else []
     no_brand = [m.span() for m in _NO_BRAND.finditer(text)] if under and words else []
-    return employers(text, titles=under and words) + orgs + again + legal_names(text) + seller + no_brand
+    return (titles if under and words else []) + orgs + again + legal_names(text) + seller + no_brand

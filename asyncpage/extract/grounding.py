@@ -116,6 +116,11 @@ def grammar(schema: dict[str, Any], sources: Sequence[str]) -> str:
     return "%llguidance {}\n" + "\n".join([f"start: {start}", *b.rules]) + "\n"
 
 
+def _writer_sources(sources: Sequence[str]) -> list[str]:
+    """What a field asking for the writer copies from: no staff (staff.writer_sources), no company (employer)."""
+    return writer_sources(without_company(sources))
+
+
 def line_grammar(branch: dict[str, Any], sources: Sequence[str], lead: str, end: str, *,
                  digit: bool = False) -> str | None:
     """Lark text for one copied value written bare on a label line: `lead`, a span of `sources` as it stands
@@ -123,7 +128,7 @@ def line_grammar(branch: dict[str, Any], sources: Sequence[str], lead: str, end:
     holding a decimal digit), then `end`. What decisions.py reads a nullable copied field's present value with.
     None: nothing can be copied."""
     if branch.get(WRITER) is True:
-        sources = writer_sources(without_company(sources))
+        sources = _writer_sources(sources)
     elif branch.get(NAMED) is True:
         sources = without_employer(sources)
     if not any((ch.isdecimal() if digit else ch.isalnum()) for s in sources for ch in s):
@@ -341,8 +346,7 @@ class _Builder:
 
     def _writer_span(self) -> str:
         if not self.writer_span:
-            writer = writer_sources(without_company(self.sources))
-            self.rules.append("WRITER_SPAN: " + _spans_of(_or_whole(writer, self.sources)))
+            self.rules.append("WRITER_SPAN: " + _spans_of(_or_whole(_writer_sources(self.sources), self.sources)))
             self.writer_span = "WRITER_SPAN"
         return self.writer_span
 

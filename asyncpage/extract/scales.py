@@ -92,11 +92,13 @@ _SUFFIX = re.compile(r"^(.+?)[\s_-]+(?:priority|severity|urgency|impact|level)$"
 # 12 (a "too high" reading beside "This is critical", "Priority: High" beside "the low setting"), away in one ("a
 # medium-size headache").
 _MEASURES_TOO = frozenset(("low", "medium", "high"))
-_MEASURED = re.compile(r"heat|temperatures?|temp|pressure|speeds?|settings?|battery|volume|quality|end|resolution|"
-                       r"beam|gear|fat|res|voltage|power|flow|mode|tide|school|street|season|waist|rise|top|frequency|"
-                       r"pitch|pitched|density|definition|performance|output|light|noise|humidity|shelf|chair|gloss|"
-                       r"grade|rates?|prices?|bill|costs?|roast|sized?|rare|well|firmness|firm|flame|cycle|spin|load|"
-                       r"profile|range|readings?", re.IGNORECASE)
+_MEASURED = (r"(?:heat|temperatures?|temp|pressure|speeds?|settings?|battery|volume|quality|end|resolution|"
+             r"beam|gear|fat|res|voltage|power|flow|mode|tide|school|street|season|waist|rise|top|frequency|"
+             r"pitch|pitched|density|definition|performance|output|light|noise|humidity|shelf|chair|gloss|"
+             r"grade|rates?|prices?|bill|costs?|roast|sized?|rare|well|firmness|firm|flame|cycle|spin|load|"
+             r"profile|range|readings?)")
+_NOUN_AFTER = re.compile(rf"[- ]{_MEASURED}\b", re.IGNORECASE)  # "low heat", "high-voltage"
+_NOUN_BEFORE = re.compile(rf"\b{_MEASURED}\s+(?:is\s+|was\s+)?(?:too\s+|very\s+|on\s+|at\s+)?$", re.IGNORECASE)
 _LEVEL_NOUN = re.compile(r"[\s-]+(?:priority|severity|urgency|importance|impact|level|problem|issue|prio)\b",
                          re.IGNORECASE)
 _LEVEL_BEFORE = re.compile(r"\b(?:priority|severity|urgency|importance|impact|prio)\b[ \t]*(?:[:=\-–—][ \t]*|(?:is|was)"
@@ -112,12 +114,10 @@ def measured(word: str, text: str) -> bool:
     places = list(re.finditer(rf"(?<![\w-]){re.escape(word)}(?![\w])", text, re.IGNORECASE))
     for m in places:
         before, after = text[max(0, m.start() - 24) : m.start()], text[m.end() : m.end() + 24]
-        noun_after = re.match(rf"[- ](?:{_MEASURED.pattern})\b", after, re.IGNORECASE)
+        noun_after = _NOUN_AFTER.match(after)
         if _LEVEL_NOUN.match(after) or (_LEVEL_BEFORE.search(before) and not noun_after):
             return False
-        noun_before = re.search(rf"\b(?:{_MEASURED.pattern})\s+(?:is\s+|was\s+)?(?:too\s+|very\s+|on\s+|at\s+)?$",
-                                before, re.IGNORECASE)
-        if not (_INTENSIFIED.search(before) or noun_after or noun_before):
+        if not (_INTENSIFIED.search(before) or noun_after or _NOUN_BEFORE.search(before)):
             return False
     return bool(places)
 
