@@ -224,3 +224,41 @@ def test_what_the_second_review_broke_stays_mended() -> None:
     assert scales.named(levels, "The impact sensor reads too high after the update.", "severity") == [False] * 4
     for text in ("-" * 40_000, ("-" * 3_000 + "\n") * 30):
         without_staff([text]), addressed(text)  # linear: 40,000 dashes took 15.7 s
+
+
+def test_this_session_s_rules_a_quoted_specialist_an_owned_brand_a_deadline_threat_a_size_and_a_shop() -> None:
+    import math
+
+    from asyncpage.extract import grounding, scales
+    from asyncpage.extract.labels import doubt
+    from asyncpage.extract.staff import staff_names, writer_sources
+
+    # a quoted agent signing with a desk's role under "-----Original Message-----" is staff; the writer is not
+    text = ("Please issue a credit note.\n\nBest regards,\nIngrid Halvorsen\nPractice Manager\n\n"
+            "-----Original Message-----\nFrom: Quellora Support\n\nDear Ms Halvorsen,\nPlease fit the new seal.\n\n"
+            "Kind regards,\nDaniel Mertens\nCustomer Care Specialist\nQuellora Medical Systems")
+    assert staff_names(text) == ["Daniel Mertens"]
+    assert staff_names("Ingrid Halvorsen\nIT Support Engineer\n\n> On Monday you wrote:\n> hi") == []
+    # a brand owned before its noun, or counted before its model, is never the writer
+    for text, brand in (("Your Glintwave earbuds died after 2 days. Refund.", "Glintwave"),
+                        ("3 of the 20 Plumbrix PX-12 cartridge filters arrived cracked.", "Plumbrix")):
+        assert not any(brand in part for part in writer_sources([text])), text
+    assert any("Thomas Berger" in p for p in writer_sources(["Kind regards,\nThomas Berger"]))
+    # a writer's span of words no one is named needs more than any margin; a name does not
+    writer = {"type": "string", grounding.WRITER: True}
+    assert doubt("Please help", "Please", [], "customer", writer) == math.inf
+    assert doubt("Regards, Ana", "Ana", [], "customer", writer) == 0.0
+    # a deadline's threat declines; a fallback asked now still asks
+    refund = flags.Reading("the customer asks for money back", True, "refund", "money back")
+    assert refund.decide(3.0, "Nothing has arrived. If this isn't sorted by Friday I want a full refund.")[0] is False
+    assert refund.decide(-3.0, "If you can't repair it, I want a full refund.")[0] is True
+    # "medium" as a garment's size names no level; "No rush" names low
+    hits = scales.named(["low", "medium", "high"], "The medium is far too big. No rush at all.", "severity")
+    assert hits == [True, False, False]
+    assert scales.named(["low", "medium", "high"], "A medium problem for us.", "severity") == [False, True, False]
+    # the shop a branded product was bought from is no brand, wherever the record writes it; its maker is kept
+    text = ("I bought a Brellin Oslo 3-seat sofa from Casa Mundo. Casa Mundo said warranty issues go to the "
+            "manufacturer.")
+    parts = without_employer([text])
+    assert not any("Casa" in p for p in parts) and any("Brellin Oslo" in p for p in parts)
+    assert any("Brellin" in p for p in without_employer(["I bought a sofa from Brellin and a leg split."]))

@@ -166,6 +166,13 @@ _WILL_ASK = re.compile(r"\b(?:(?:I|we)(?:\s+(?:will|may|might|shall)|['\u2019]ll
                        r"(?:then\s+|have\s+to\s+|be\s+|probably\s+|also\s+|have\s+no\s+choice\s+but\s+to\s+|be\s+forced\s+to\s+"
                        r"|escalate\s+and\s+)*(?:ask|asking|request|requesting|demand|demanding|claim|claiming|seek|seeking"
                        r"|insist|insisting|push|pushing|want)\b(?:\s+\w+){0,3}?\s+$", re.IGNORECASE)
+# And a condition with a deadline, the writer wanting it then ("If this isn't sorted by Friday I want a full refund"):
+# a threat too, where "If you can't repair it, I want my money back" asks now.
+_DEADLINE = re.compile(r"\b(?:by|before|until|within)\s+(?:(?:the\s+)?end\s+of|next|this|tomorrow|tonight|monday|"
+                       r"tuesday|wednesday|thursday|friday|saturday|sunday|\d|(?:a|one|two|three|\w+)\s+"
+                       r"(?:days?|weeks?|hours?))", re.IGNORECASE)
+_WANT = re.compile(r"\b(?:I|we)\s+(?:(?:will|['\u2019]ll|shall)\s+)?(?:want|expect|demand)\b(?:\s+\w+){0,3}?\s+$",
+                   re.IGNORECASE)
 _IF_AFTER = re.compile(r"[^.!?\n]{0,80}?\b(?:if|unless)\b", re.IGNORECASE)
 # What was had, not asked for: "my sister got a refund", "I received a partial refund" (the naming neither said nor
 # declined: the score decides).
@@ -340,10 +347,13 @@ def namings_declined(spans: list[tuple[int, int, bool]], text: str) -> tuple[int
 def _threatened(text: str, start: int) -> bool:
     """Whether the naming at `start` is a refund threatened on a condition: the writer will ask for it (_WILL_ASK, in
     its sentence back to the last ".", "!", "?" or line end, at most 160 characters), the sentence opening with the
-    condition (_IF: "if", "unless", "otherwise", "should") or holding it after the naming ("... if it isn't fixed")."""
+    condition (_IF: "if", "unless", "otherwise", "should") or holding it after the naming ("... if it isn't fixed");
+    or, the sentence opening with a condition that has a deadline, the writer will want it then (_DEADLINE, _WANT)."""
     lo = max(0, start - 160)
     cut = max(text.rfind(ch, lo, start) for ch in ".!?\n")
     sentence = text[cut + 1 if cut >= 0 else lo : start]
+    if _IF.match(sentence) and _DEADLINE.search(sentence) and _WANT.search(sentence):
+        return True
     if not _WILL_ASK.search(sentence):
         return False
     return bool(_IF.match(sentence) or _IF_AFTER.match(text, start, min(len(text), start + 200)))

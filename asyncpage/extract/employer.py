@@ -194,9 +194,23 @@ _NO_BRAND = re.compile(
     r"(?=(?:[ \t]+[^\W\d_][\w'’-]*){0,2}[ \t]*(?:[,!]|\r?$))", re.MULTILINE)
 
 
+# The shop a product named by its brand was bought from ("I bought a Brellin Oslo 3-seat sofa from Casa Mundo": "Casa
+# Mundo" was copied as the brand, v126): a capitalized word between the verb and "from"/"at"/"on", which the shop is
+# not; "I bought a sofa from Brellin" (bought from its maker) names none.
+_BOUGHT_FROM = re.compile(rf"\b(?:bought|purchased|ordered)\b[^.!?\n]{{0,60}}?(?!I\b){_CAP}[^.!?\n]{{0,60}}?[ \t]"
+                          rf"(?:from|at|on|through|via)[ \t]+(?:the[ \t]+)?(?P<org>{_CAP}(?:[ \t]+{_CAP}){{0,3}})")
+
+
 def sellers(text: str) -> list[tuple[int, int]]:
-    """Where `text` names a seller, an installer or a distributor by its role (_SELLER): (start, end) each."""
-    return [(m.start("org"), m.end("org") - m.group("org").endswith(".")) for m in _SELLER.finditer(text)]
+    """Where `text` names a seller, an installer or a distributor by its role (_SELLER), or the shop a branded
+    product was bought from (_BOUGHT_FROM) and that shop's name wherever else it stands: (start, end) each."""
+    found = [(m.start("org"), m.end("org") - m.group("org").endswith(".")) for m in _SELLER.finditer(text)]
+    named = {m.group("org").rstrip(".") for m in _BOUGHT_FROM.finditer(text)}
+    shops = sorted((n for n in named if len(n) <= _NAME_CHARS), key=len, reverse=True)[:_AGAIN]
+    if shops:
+        found += [m.span() for m in re.finditer(r"(?<![\w-])(?:" + "|".join(map(re.escape, shops)) + r")(?![\w-])",
+                                                text)]
+    return found
 
 
 def company_fields(text: str) -> list[tuple[int, int]]:

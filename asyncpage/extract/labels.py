@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncpage.extract.closed import is_denied
+from asyncpage.extract.grounding import WRITER
 from asyncpage.extract.readings import name_words
 
 _GENERIC = frozenset("id ids identifier number num no nr code ref reference name value key the of a an".split())
@@ -25,6 +26,13 @@ TAIL = 40  # characters a near stretch may run on to end its word (near)
 MAX_NEAR = 16  # near stretches read at most
 NO_DIGIT = math.inf  # a span without a digit for a field whose name says it holds one (doubt): never
 OTHERWISE = math.inf  # an id's span the record labels as another kind of number (doubt): never
+NOT_A_NAME = math.inf  # a writer's span of words no one is named (doubt): never
+# Words no one is named, any case: what a small model copied as the writer of a ticket that gives no name ("Please",
+# "Your", an all-lowercase ticket's "my", v125-v126). No customer of the labeled tickets is one of them.
+_NOT_NAMES = frozenset("please your my our their the this that these those it its we you they he she i me us him them "
+                       "there here what when where why how can could would should is are was were do does did not no "
+                       "yes and but or so if also just still order hello hi hey dear thanks thank sorry help urgent "
+                       "refund a an".split())
 LABELED = 6.0  # nats less a span needs where the field's own word labels it right before it (doubt)
 # Kinds of number a record may label right before one ("Account ID: ACC-55190", "Merchant ID 600218847", "Support
 # PIN: 7720", "transaction IDs 4410298873 and 4410298874", "Warranty card serial 88-2019-A"), and the words of
@@ -149,11 +157,15 @@ def doubt(text: str, span: str, words: Sequence[str], field: str = "", branch: d
     as the customer's purchase order beside the seller's order (`customers_po`). And
     NO_DIGIT (never) where `field`'s name says its value holds a digit (`numbered`) and the span has none: a form's
     "(left blank)" or "N/A (bought in a shop)" as the order id. So a digit-less id ("XKQZTB") is null there, unless
-    the field's schema (`branch`) gives its own `pattern`, which then says what its values look like. And LABELED
+    the field's schema (`branch`) gives its own `pattern`, which then says what its values look like. NOT_A_NAME
+    (never) for a writer's span (`branch` marked grounding.WRITER) of words no one is named ("Please"). And LABELED
     less (a negative doubt) where the field's own word labels the span right before it (`labeled`): the record
     says which number it is."""
     if span and numbered(field) and not (branch or {}).get("pattern") and not any(ch.isdecimal() for ch in span):
         return NO_DIGIT
+    if span and (branch or {}).get(WRITER) is True and \
+            all(w.strip(".,;:!?'\"()").casefold() in _NOT_NAMES for w in span.split()):
+        return NOT_A_NAME
     if not words or not span:
         return 0.0
     pattern = re.compile(r"\b(?:" + _naming(words)[1] + ")", re.IGNORECASE)  # "booking ref", "PO" name an order too

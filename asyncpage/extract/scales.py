@@ -103,12 +103,16 @@ _LEVEL_NOUN = re.compile(r"[\s-]+(?:priority|severity|urgency|importance|impact|
                          re.IGNORECASE)
 _LEVEL_BEFORE = re.compile(r"\b(?:priority|severity|urgency|importance|impact|prio)\b[ \t]*(?:[:=\-–—][ \t]*|(?:is|was)"
                            r"[ \t]+)(?:(?:very|extremely|quite|so|really|super|fairly|pretty)[ \t]+)?$", re.IGNORECASE)
+# "medium" as a garment's size: "the medium is far too big", "swap it for a medium, please", "size medium".
+_SIZE_BEFORE = re.compile(r"\b(?:the|a|in|size|one)\s+$", re.IGNORECASE)
+_SIZE_AFTER = re.compile(r"\s*(?:[,.;:!?)]|(?:is|was|fits?|size|one|instead|in|and|or|but)\b|$)", re.IGNORECASE)
 _INTENSIFIED = re.compile(r"\b(?:too|so|very|extremely|abnormally|unusually|quite)\s+$", re.IGNORECASE)
 
 
 def measured(word: str, text: str) -> bool:
     """Whether every place `text` writes `word` measures something: after "too", "very", "so" ... ("reads too high"),
-    before a measured noun ("low heat", "high-voltage"), or after one ("chamber pressure low"); never before a level's
+    before a measured noun ("low heat", "high-voltage"), or after one ("chamber pressure low"), or a size ("the medium
+    is too big"); never before a level's
     noun ("so high priority", "a medium problem") nor after one on its line ("Priority: Very High", "the urgency is
     extremely high"). False where `text` never writes it."""
     places = list(re.finditer(rf"(?<![\w-]){re.escape(word)}(?![\w])", text, re.IGNORECASE))
@@ -117,7 +121,8 @@ def measured(word: str, text: str) -> bool:
         noun_after = _NOUN_AFTER.match(after)
         if _LEVEL_NOUN.match(after) or (_LEVEL_BEFORE.search(before) and not noun_after):
             return False
-        if not (_INTENSIFIED.search(before) or noun_after or _NOUN_BEFORE.search(before)):
+        size = word.lower() == "medium" and _SIZE_BEFORE.search(before) and _SIZE_AFTER.match(after)
+        if not (_INTENSIFIED.search(before) or noun_after or _NOUN_BEFORE.search(before) or size):
             return False
     return bool(places)
 

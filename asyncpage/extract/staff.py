@@ -53,9 +53,12 @@ QUOTED = re.compile(r"^[ \t]*(?:>|-{2,}+[ \t]*(?:begin[ \t]+)?(?:forward|origina
 # ("> Marta Kowalski\n> Pumptek Parts Desk", "Emily Tran\nGlowCrate Care Team").
 _DESK = re.compile(rf"({_NAME})[ \t]*,[ \t]*(?:(?!IT\b){_CAP}[ \t]+){{1,3}}(?:Service|Support|Parts)[ \t]+Desk"
                    r"(?=[ \t]*(?:\r?$|[\r\n,.;)]))", re.MULTILINE)
-_TEAM_UNDER = re.compile(rf"^[ \t>]*({_NAME})[ \t]*\r?\n[ \t>]*(?:(?!IT\b){_CAP}[ \t]+){{1,3}}"
+_TEAM_UNDER = re.compile(rf"^[ \t>]*({_NAME})[ \t]*\r?\n[ \t>]*(?:(?!IT\b){_CAP}[ \t]+){{0,3}}"
                          r"(?:Support(?:[ \t]+(?:Team|Desk))?|Customer[ \t]+(?:Care|Service)|Care[ \t]+Team"
-                         r"|Service[ \t]+(?:Team|Desk)|Parts[ \t]+Desk)[ \t]*\r?$", re.MULTILINE)
+                         r"|Service[ \t]+(?:Team|Desk)|Parts[ \t]+Desk)"
+                         # and the desk's role ("Daniel Mertens\nCustomer Care Specialist" under "Original Message")
+                         r"(?:[ \t]+(?:Specialist|Agent|Representative|Advisor|Adviser|Associate|Coordinator"
+                         r"|Consultant|Officer|Executive|Engineer|Technician|Lead))?[ \t]*\r?$", re.MULTILINE)
 # Capitalized words that open a sentence or a label rather than a name ("Thanks Priya", "Hi Hannah").
 _NOT_NAMES = frozenset("hi hello hey dear thanks thank cheers regards best kind from agent support customer visitor "
                        "team the a an i my our your this that chat live".split())
@@ -141,6 +144,9 @@ _DETERMINERS = frozenset(_DETERMINER_WORDS.lower().split("|"))
 _UNITS = "kg|g|mg|lb|lbs|oz|ml|cl|l|cm|mm|m|in|w|kw|v|mah|wh|kwh|gb|tb|mb|hz|mp"
 _BRAND_RUN = re.compile(rf"(?!(?:{_DETERMINER_WORDS})\b)(?:{_CAP}[ \t]+){{1,3}}"
                         rf"(?=(?:(?=[\w-]*[A-Z])(?=[\w-]*\d)[\w-]+|\d+(?i:{_UNITS}))(?![\w'’@-])(?!\.\w))")
+# Capitalized words owned ("my", "our", "your", "their") before a lowercase word: a product, never the writer ("Your
+# Glintwave earbuds died": "Glintwave" was copied as the customer once); not "my colleague Thomas" (`related`).
+_OWNED = re.compile(rf"(?<![\w'’-])(?i:my|our|your|their)[ \t]+({_CAP}(?:[ \t]+{_CAP}){{0,2}})(?=[ \t]+[a-z])")
 _NO_NAME = re.compile(rf"(?<!\S)[^\s\d]*+\d\S*|(?<![\w'’-])(?:{_TITLE_WORDS})\.?(?=[ \t]+[A-ZÀ-ÖØ-Þ])|"
                       # and the pronoun "I" ("I'm": "I" was copied once; an initial has its dot), the article "A"
                       # before a lowercase word
@@ -246,12 +252,14 @@ def writer_sources(sources: Sequence[str]) -> list[str]:
 
 
 def _brands(text: str) -> list[tuple[int, int]]:
-    """Where `text` writes a brand before its model's code (_BRAND_RUN) after a lowercase word or a dash."""
-    out = []
+    """Where `text` writes a brand: before its model's code (_BRAND_RUN) after a lowercase word, a dash or a count
+    ("3 of the 20 Plumbrix PX-12 filters"), or owned before a lowercase noun (_OWNED: "Your Glintwave earbuds")."""
+    out = [m.span(1) for m in _OWNED.finditer(text)]
     for m in _BRAND_RUN.finditer(text):
         head = text[max(0, m.start() - 40) : m.start()]
         prev = head.rsplit(None, 1)[-1] if head.strip() and head[-1:] in " \t" else ""
-        if prev in ("-", "–", "—") or (prev.isalpha() and (prev.islower() or prev.casefold() in _DETERMINERS)):
+        if prev in ("-", "–", "—") or prev.isdigit() or \
+                (prev.isalpha() and (prev.islower() or prev.casefold() in _DETERMINERS)):
             out.append(m.span())
     return out
 

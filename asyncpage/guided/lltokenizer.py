@@ -10,9 +10,9 @@ a `ByteLevel` decoder maps GPT-2's byte-to-character table back; a `ByteFallback
 tokens as their byte and the `Replace` decoder's space character as a space; added tokens that are
 special or spelled `<...>` are special, never spelled by a grammar's text), and the LLTokenizer is built
 from those bytes over the tokenizer the engine already holds (`TokenizerWrapper`, the form llguidance
-takes from guidance): 1.4 s, ~100 MiB. llguidance tokenizes only to spell forced and closing text, never
-to build a mask; the Rust copy it no longer makes had its `Prepend` normalizers dropped and Metaspace
-set never to prepend, so a tokenizer with either still takes the JSON path (as does a decoder of
+takes from guidance): 1.4 s, ~78 MiB (its slices: _SLICES). llguidance tokenizes only to spell forced and
+closing text, never to build a mask; the Rust copy it no longer makes had its `Prepend` normalizers dropped
+and Metaspace set never to prepend, so a tokenizer with either still takes the JSON path (as does a decoder of
 another kind, which llguidance refuses as before). tests/test_guided_tokenizer.py checks every token's
 bytes, specials and a set of tokenizations against the JSON-built form.
 """
@@ -22,6 +22,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+# llguidance's slices (sub-tries of the vocabulary that speed a mask where a lexeme allows one of these regexes
+# whole) less its first, free whitespace ("[\\x20\\x0A\\x0D\\x09]+"): each slice kept ~16 MiB for the default
+# model's 262,144 tokens (all four 94 MiB, these three 78), and the whitespace one sped no mask measured (a JSON
+# schema's masks with the engine's bounded separators and with free whitespace: 51-55 us a token either way;
+# the string slices do: a 25-character maxLength string without "{1,10}" took 376 against 174 us a token).
+_SLICES = [r'[^"\\\x00-\x1F\x7F]{1,10}', r'[^"\\\x00-\x1F\x7F]{1,30}', r'[^"\\\x00-\x1F\x7F]+']
 _SELF_MAPPED = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
 
 
@@ -148,10 +154,10 @@ def lean_tokenizer(hf_tokenizer: Any, n_vocab: int, eos_token: list[int]) -> Any
     kind = decoder_kind(backend)
     if (kind is None or not encodes_as_llguidance(backend) or not eos_token
             or backend.get_vocab_size(with_added_tokens=True) > n_vocab):
-        return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=eos_token)
+        return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=eos_token).with_slices(_SLICES)
     tokens, special = token_bytes(backend, n_vocab, *kind)
     encode = _Encode(backend, tokens, special, eos_token[0], hf_tokenizer.bos_token_id)
-    lltok = llguidance.LLTokenizer(TokenizerWrapper(encode), n_vocab=n_vocab, eos_token=eos_token)
+    lltok = llguidance.LLTokenizer(TokenizerWrapper(encode), n_vocab=n_vocab, eos_token=eos_token, slices=_SLICES)
     # Read into llguidance's own trie as it was built (its decode reads that); the wrapper, which it
     # keeps for tokenizing, would otherwise keep the 262,144 bytes objects too (~12 MiB).
     tokens.clear()
