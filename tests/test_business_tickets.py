@@ -262,3 +262,21 @@ def test_this_session_s_rules_a_quoted_specialist_an_owned_brand_a_deadline_thre
     parts = without_employer([text])
     assert not any("Casa" in p for p in parts) and any("Brellin Oslo" in p for p in parts)
     assert any("Brellin" in p for p in without_employer(["I bought a sofa from Brellin and a leg split."]))
+
+
+def test_a_company_under_a_name_under_a_sentence_a_line_opening_brand_and_a_threat_after_cancelling() -> None:
+    from asyncpage.extract import scales
+    from asyncpage.extract.employer import under_name
+    from asyncpage.extract.staff import writer_sources
+
+    # the company on the record's last line, under the writer's name under a sentence, is no brand
+    text = "Our Frostell FW-12 cooler is down.\n\nCall me on 07700 900 271.\nKemal Aydın\nMeze House Kitchen"
+    assert [text[a:b] for a, b in under_name(text)] == ["Meze House Kitchen"]
+    assert under_name("Our cooler is down. Call me.\nKemal Aydın\nMeze House Kitchen, Leeds\nVAT 1234") == []
+    # a brand opening a line before its model's code is no writer
+    parts = writer_sources(["Netharbor NH-6 router drops the wifi. Not urgent.\n- Dev Patel"])
+    assert not any("Netharbor" in p for p in parts) and any("Dev Patel" in p for p in parts)
+    # a threat after cancelling declines; "just annoying" is the low level
+    refund = flags.Reading("the customer asks for money back", True, "refund", "money back")
+    assert refund.decide(3.0, "If this is not resolved by Friday we will cancel and ask for a full refund.")[0] is False
+    assert scales.named(["low", "medium", "high"], "Not urgent, just annoying.", "severity") == [True, False, False]

@@ -156,7 +156,8 @@ _OFFER = re.compile(r"\b(?:(?:would|do)\s+you\s+(?:like|want|prefer|rather)|are\
                     re.IGNORECASE | re.MULTILINE)
 # A refund threatened on a condition, not asked for ("If it can't be fixed by Friday we'll be asking for a refund",
 # "If this can't be solved I may ask for a refund later", "I'm going to demand a refund if ..."): a condition in the
-# sentence, and the writer says it will ask, request, demand, claim or want it then. Declined: true only where another
+# sentence, and the writer says it will ask, request, demand, claim or want it then (after cancelling or sending it
+# back at most: "we will cancel and ask for a full refund"). Declined: true only where another
 # naming asks for it. Not a fallback asked for now ("If you can't repair it, I will need a refund", "If a repair is not
 # possible, we would request a full refund", "If possible, please refund me"), nor the seller's act ("If you'll refund
 # me").
@@ -164,7 +165,8 @@ _IF = re.compile(r"[ \t]*(?:[-*•][ \t]*)?(?:(?:and|but|so)\s+)?(?:if|unless|ot
 _WILL_ASK = re.compile(r"\b(?:(?:I|we)(?:\s+(?:will|may|might|shall)|['\u2019]ll|\s+(?:am|are)\s+going\s+to)"
                        r"|(?:I['\u2019]m|we['\u2019]re)\s+going\s+to)\s+"
                        r"(?:then\s+|have\s+to\s+|be\s+|probably\s+|also\s+|have\s+no\s+choice\s+but\s+to\s+|be\s+forced\s+to\s+"
-                       r"|escalate\s+and\s+)*(?:ask|asking|request|requesting|demand|demanding|claim|claiming|seek|seeking"
+                       r"|escalate\s+and\s+|(?:cancel|return|send)\s+(?:it\s+|them\s+|everything\s+)?(?:back\s+)?and\s+)*"
+                       r"(?:ask|asking|request|requesting|demand|demanding|claim|claiming|seek|seeking"
                        r"|insist|insisting|push|pushing|want)\b(?:\s+\w+){0,3}?\s+$", re.IGNORECASE)
 # And a condition with a deadline, the writer wanting it then ("If this isn't sorted by Friday I want a full refund"):
 # a threat too, where "If you can't repair it, I want my money back" asks now.

@@ -162,10 +162,14 @@ def under_name(text: str) -> list[tuple[int, int]]:
         if not m.start() or _closing(line) or _HEADING.search(line):
             continue
         above = text[text.rfind("\n", 0, m.start() - 1) + 1 : m.start() - 1].strip()
-        if above and not (_CLOSING.fullmatch(above) or (_closing(above.rstrip(",")) and above.endswith(","))):
-            continue
         nxt = text.find("\n", m.end())
         u = _UNDER_NAME.match(text, nxt + 1) if nxt >= 0 else None
+        # under a sentence too where the company's is the record's last line ("Call me on 07700 900 271.\nKemal
+        # Aydın\nMeze House Kitchen": the company was copied as the brand, v127)
+        last = u is not None and not text[u.end("org") :].strip(" \t\r\n,")
+        if above and not (_CLOSING.fullmatch(above) or (_closing(above.rstrip(",")) and above.endswith(","))
+                          or (last and above.endswith((".", "!", "?")))):
+            continue
         org = u.group("org").split() if u is not None else []
         if u is not None and len(org) <= 6 and not org[-1].endswith((".", "!", "?")) \
                 and all(w[:1].isupper() or w[:1].isdigit() or w in _JOINS for w in org):

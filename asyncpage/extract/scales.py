@@ -50,7 +50,9 @@ WORDS: dict[int, tuple[str, ...]] = {
         "not too urgent", "not so urgent", "not that urgent", "not terribly urgent", "not super urgent",
         "nothing urgent", "not very serious", "not too serious", "not that serious", "not really serious",
         "not the end of the world", "isn't very urgent", "isn't really urgent", "isn't very serious",
-        "isn't really serious", "isn't that serious", "isn't the end of the world"),
+        "isn't really serious", "isn't that serious", "isn't the end of the world",
+        # a nuisance made less ("Not urgent, just annoying": the middle's "annoying" hidden inside)
+        "just annoying", "only annoying", "just a nuisance", "just an annoyance", "mildly annoying"),
     1: ("moderate", "moderately", "medium priority", "normal priority", "nuisance", "annoying", "irritating",
         "a hassle", "a real hassle", "a headache", "a bit of a headache", "inconvenient", "an inconvenience",
         "on my nerves", "fairly soon", "reasonably soon", "sooner rather than later", "somewhat urgent",

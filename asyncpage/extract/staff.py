@@ -144,6 +144,7 @@ _DETERMINERS = frozenset(_DETERMINER_WORDS.lower().split("|"))
 _UNITS = "kg|g|mg|lb|lbs|oz|ml|cl|l|cm|mm|m|in|w|kw|v|mah|wh|kwh|gb|tb|mb|hz|mp"
 _BRAND_RUN = re.compile(rf"(?!(?:{_DETERMINER_WORDS})\b)(?:{_CAP}[ \t]+){{1,3}}"
                         rf"(?=(?:(?=[\w-]*[A-Z])(?=[\w-]*\d)[\w-]+|\d+(?i:{_UNITS}))(?![\w'’@-])(?!\.\w))")
+_CODE_THEN_WORD = re.compile(r"\S+[ \t]+[a-z]")
 # Capitalized words owned ("my", "our", "your", "their") before a lowercase word: a product, never the writer ("Your
 # Glintwave earbuds died": "Glintwave" was copied as the customer once); not "my colleague Thomas" (`related`).
 _OWNED = re.compile(rf"(?<![\w'’-])(?i:my|our|your|their)[ \t]+({_CAP}(?:[ \t]+{_CAP}){{0,2}})(?=[ \t]+[a-z])")
@@ -253,12 +254,17 @@ def writer_sources(sources: Sequence[str]) -> list[str]:
 
 def _brands(text: str) -> list[tuple[int, int]]:
     """Where `text` writes a brand: before its model's code (_BRAND_RUN) after a lowercase word, a dash or a count
-    ("3 of the 20 Plumbrix PX-12 filters"), or owned before a lowercase noun (_OWNED: "Your Glintwave earbuds")."""
+    ("3 of the 20 Plumbrix PX-12 filters") or opening a line ("Netharbor NH-6 router drops ..."), or owned before a
+    lowercase noun (_OWNED: "Your Glintwave earbuds")."""
     out = [m.span(1) for m in _OWNED.finditer(text)]
     for m in _BRAND_RUN.finditer(text):
         head = text[max(0, m.start() - 40) : m.start()]
         prev = head.rsplit(None, 1)[-1] if head.strip() and head[-1:] in " \t" else ""
-        if prev in ("-", "–", "—") or prev.isdigit() or \
+        # the record's or a line's start, the code then a lowercase word ("Netharbor NH-6 router"; not a signature's
+        # "Maria Lopez B2B")
+        opens = (not head.strip(" \t") or head.rstrip(" \t").endswith("\n")) and \
+            _CODE_THEN_WORD.match(text, m.end()) is not None
+        if prev in ("-", "–", "—") or prev.isdigit() or (opens and not prev) or \
                 (prev.isalpha() and (prev.islower() or prev.casefold() in _DETERMINERS)):
             out.append(m.span())
     return out
