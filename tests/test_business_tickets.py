@@ -280,3 +280,21 @@ def test_a_company_under_a_name_under_a_sentence_a_line_opening_brand_and_a_thre
     refund = flags.Reading("the customer asks for money back", True, "refund", "money back")
     assert refund.decide(3.0, "If this is not resolved by Friday we will cancel and ask for a full refund.")[0] is False
     assert scales.named(["low", "medium", "high"], "Not urgent, just annoying.", "severity") == [True, False, False]
+
+
+def test_a_writer_s_first_name_or_surname_becomes_the_name_the_record_signs_with() -> None:
+    from asyncpage.extract import grounding
+    from asyncpage.extract.ruled import ruled, signed_name
+
+    text = "please refund it. account email is t.echeverria@correo.example\n\nTomás Echeverría"
+    assert signed_name(text, "Echeverría") == "Tomás Echeverría"
+    writer = {"customer": {"type": "string", grounding.WRITER: True}}
+    assert ruled(text, set(), writer, {}, {"customer": "Echeverría"}, _holds) == {"customer": "Tomás Echeverría"}
+    assert signed_name("Thanks,\nDr. Amara Okafor\nPractice Manager", "Okafor") == "Amara Okafor"  # no title
+    # the writer's name, not the company under it that the value also opens
+    assert signed_name("Diolch,\nRhys ap Gwynedd\nGwynedd Joinery", "Gwynedd") == "Rhys ap Gwynedd"
+    for text, value in (("Thanks,\nA. Nowicka", "Nowicka"),  # an initial adds nothing
+                        ("Thanks,\nJo Evans\nGwynedd Joinery", "Gwynedd"),  # the company under the name
+                        ("Thanks,\nMateo Cruz\nMateo Cruz Photography", "Mateo Cruz"),  # whole already
+                        ("Hi,\nthe fan is loud.\n> From: Marco Bellini\n> Marco", "Marco")):  # a quoted agent
+        assert signed_name(text, value) is None, text

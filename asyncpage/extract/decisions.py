@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 from asyncpage.extract import booleans as flags
 from asyncpage.extract import ends, grounding, scales
 from asyncpage.extract import retry as redo
-from asyncpage.extract.addressed import addressed_brands
 from asyncpage.extract.closed import NAMED_WEIGHT, Closed, closed_fields
 from asyncpage.extract.labels import anchors, doubt, labeled_id
 from asyncpage.extract.near import near_grammar
@@ -47,6 +46,7 @@ from asyncpage.extract.readings import (
     reading,
     value_grammar,
 )
+from asyncpage.extract.ruled import ruled
 from asyncpage.extract.starts import Starts
 
 if TYPE_CHECKING:
@@ -441,8 +441,9 @@ class Plan:
             decided[name], shares[name] = ends.name_of(span) if name in self.d.brands else span, share  # no noun
         decided |= ends.opened_brands(self.text, self.sources, self.d.brands, decided, self.starts.written,
                                       self.d.holds)
-        decided |= (greeted := addressed_brands(self.text, self.d.brands, decided, self.starts.written, self.d.holds))
-        shares = {n: v for n, v in shares.items() if n not in greeted}  # a rule's values: no scored decision's share
+        d = self.d
+        decided |= (rules := ruled(self.text, d.brands, d.branches, decided, self.starts.written, d.holds))
+        shares = {n: v for n, v in shares.items() if n not in rules}  # a rule's values: no scored decision's share
         for name in [n for n, v in decided.items() if not self.d.holds(n, v)]:
             del decided[name]  # a span or a value its search found that the field's whole schema refuses
             shares.pop(name, None)

@@ -43,15 +43,15 @@ _CAP = r"[A-Z0-9À-ÖØ-Þ][\w'’.&-]*"
 SIGNATURE = 300  # the characters at a record's end a signature is looked for in
 # A person's name: two to four capitalized words, no digit, a surname's lowercase particle before one ("Sanne de Vries",
 # "Ludwig van der Berg", "Aisha bin Saleh").
-_PARTICLES = r"(?:(?:de|van|von|der|den|da|di|du|del|della|dos|das|do|le|la|bin|binti|ibn|al|el|ter|ten|zu)[ \t]+){0,2}"
-_PERSON = (r"[A-ZÀ-ÖØ-Þ][^\W\d_]*(?:[-'’][^\W\d_]+)*\.?"
+_PARTICLES = r"(?:(?:de|van|von|der|den|da|di|du|del|della|dos|das|do|le|la|bin|binti|ibn|al|el|ter|ten|zu|ap|ab)[ \t]+){0,2}"
+PERSON = (r"[A-ZÀ-ÖØ-Þ][^\W\d_]*(?:[-'’][^\W\d_]+)*\.?"
            rf"(?:[ \t]+{_PARTICLES}[A-ZÀ-ÖØ-Þ][^\W\d_]*(?:[-'’][^\W\d_]+)*\.?){{1,3}}")
-_DASH = r"(?:[–—][ \t]*)?"  # a dash the name may sign after ("— Matteo Rossi"; not a list's "- Standing Desk")
+DASH = r"(?:[–—][ \t]*)?"  # a dash the name may sign after ("— Matteo Rossi"; not a list's "- Standing Desk")
 # A job title at a line's start (after the writer's name and a comma, at most): capitalized words (or "of", "and",
 # "&", "the") ending in a role noun, then "," or "at", then the company: capitalized words (an "&", "and", "of" or
 # "the" between them), up to the line's end or a comma. Case matters: "My manager, John, said" is no signature.
 _TITLE = re.compile(
-    rf"(?:^[ \t]*{_DASH}{_PERSON}[ \t]*\r?\n[ \t]*|^[ \t]*{_DASH}{_PERSON},[ \t]*)"  # the name: own line, or a comma
+    rf"(?:^[ \t]*{DASH}{PERSON}[ \t]*\r?\n[ \t]*|^[ \t]*{DASH}{PERSON},[ \t]*)"  # the name: own line, or a comma
     rf"(?P<title>(?:(?:[A-Z][\w'’.&/-]*|of|and|&|the)[ \t]+){{0,5}}?(?:{_ROLES}|{_LOWER_ROLES})\b)"  # the title
     rf"(?:[^,\n]{{0,40}}?(?:,|[ \t]at)[ \t]+"  # then "," or "at", or the title alone on its line ("of", "to" a phrase)
     rf"|(?P<own>(?:[ \t]+(?:of|for|to)[ \t]+[^,\n]{{1,40}}?)?[ \t]*\r?\n[ \t]*))"
@@ -94,7 +94,7 @@ _COMPANY_FIELD = re.compile(r"^[ \t]*(?i:company|organi[sz]ation|business|employ
 # Ibarra, Taquería El Sol, Monterrey"; a closing's words are no name: "Kind Regards, Anna"). On the labeled tickets
 # through v120, eight such lines, none naming the product.
 _SIGNED = re.compile(rf"[ \t]*(?:[-–—~][ \t]*)?(?!(?:Best|Kind|Warm|Warmest|Many|Regards|Thanks|Thank|Cheers|Sincerely|"
-                     rf"Yours|With|Greetings|Respectfully|Cordially)\b){_PERSON},[ \t]*"
+                     rf"Yours|With|Greetings|Respectfully|Cordially)\b){PERSON},[ \t]*"
                      rf"(?P<org>[A-ZÀ-ÖØ-Þ][\w'’.&-]*(?:[ \t]+(?:&|and|of|the|de|{_CAP})){{0,5}})[ \t]*(?:,[^\n]*)?")
 
 
@@ -142,7 +142,7 @@ _HEADING = re.compile(r"\b(?:Details|Description|Summary|Information|Info|Issue|
                       r"Request|Notes?|Message|Comments?|Reason|Type|Category|Status|Priority|Severity)\b")
 _JOINS = frozenset(("&", "and", "of", "the", "de", "du", "des", "la", "le", "van", "von", "der", "y", "e", "und", "-"))
 # A signature's name alone on its line (a dash before it at most).
-_NAME_LINE = re.compile(rf"^[ \t]*{_DASH}{_PERSON}[ \t]*\r?$", re.MULTILINE)
+_NAME_LINE = re.compile(rf"^[ \t]*{DASH}{PERSON}[ \t]*\r?$", re.MULTILINE)
 # The line under it, where it names the writer's company (or a title, a city: no brand either): capitalized words, no
 # digit, "@" or ":", at most six words before its first comma ("Murphy & Sons Plumbing", "Seaview B&B, Strand
 # Street"). On the labeled tickets through v122, 351 lines under the writer's name so, none naming the product.

@@ -1,0 +1,56 @@
+"""Values a rule gives over the scored decisions (decisions.Plan.outcome): the brand a greeting addresses
+(addressed.py), and the writer's whole name where the model copied part of it.
+
+The writer's name: "Echeverría" of a record signed "Tomás Echeverría", "McAllister" of "Connor McAllister" (v102,
+v128: the start decision kept the surname the model wrote, and a span inside the model's value is no start). A
+writer field's value (as decided, else as the model wrote it) that opens or closes a name written alone on a line
+of the record's signature (its last SIGNATURE characters before a quoted reply: not a quoted agent's) becomes that
+name. Such values report no scored share (the share their decision left was the part's).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+from asyncpage.extract.addressed import addressed_brands
+from asyncpage.extract.employer import DASH, PERSON, SIGNATURE, companies
+from asyncpage.extract.grounding import WRITER
+from asyncpage.extract.staff import QUOTED
+
+# A name alone on its line, a dash before it at most ("Tomás Echeverría", "- Dev Patel", "— Matteo Rossi").
+_TITLE = re.compile(r"^(?:Mrs|Mr|Ms|Miss|Mx|Dr|Prof)\.?[ \t]+")
+_NAME_LINE = re.compile(rf"^[ \t]*(?:-[ \t]*)?{DASH}(?P<name>{PERSON})[ \t]*\r?$", re.MULTILINE)
+
+
+def signed_name(text: str, value: str) -> str | None:
+    """The name alone on a line of `text`'s signature that `value`, one word, opens or closes ("Connor" or
+    "McAllister" of "Connor McAllister"), its title left off ("Dr. Amara Okafor": "Amara Okafor"), or None. Not
+    where the rest is an initial ("A. Nowicka") or the line names a company (employer.companies: "Gwynedd
+    Joinery" under "Rhys ap Gwynedd")."""
+    value = value.strip()
+    if not value or not value[:1].isupper() or len(value.split()) != 1:
+        return None
+    quoted = QUOTED.search(text)
+    end = quoted.start() if quoted else len(text)
+    for m in _NAME_LINE.finditer(text, max(0, end - SIGNATURE), end):
+        words = _TITLE.sub("", m.group("name")).split()
+        rest = words[1:] if words[:1] == [value] else words[:-1] if words[-1:] == [value] else []
+        if rest and all(len(w.rstrip(".")) > 1 and not w.endswith(".") for w in rest) and \
+                not any(a <= m.start("name") < b for a, b in companies(text)):
+            return " ".join(words)
+    return None
+
+
+def ruled(text: str, brands: set[str], branches: dict[str, dict[str, Any]], decided: dict[str, Any],
+          written: dict[str, Any], holds: Callable[[str, Any], bool]) -> dict[str, Any]:
+    """The fields a rule decides: each brand field a greeting addresses (addressed_brands), each writer field
+    (`branches` marked grounding.WRITER) whose value is part of a signed name (`signed_name`), with their values."""
+    out: dict[str, Any] = addressed_brands(text, brands, decided, written, holds)
+    for name, branch in branches.items():
+        value = decided.get(name, written.get(name))
+        if branch.get(WRITER) is True and isinstance(value, str) and (full := signed_name(text, value)) \
+                and holds(name, full):
+            out[name] = full
+    return out
