@@ -42,8 +42,9 @@ _LOWER_ROLES = "owner|co-owner|manager|director|founder|co-founder|proprietor|bu
 _CAP = r"[A-Z0-9À-ÖØ-Þ][\w'’.&-]*"
 SIGNATURE = 300  # the characters at a record's end a signature is looked for in
 # A person's name: two to four capitalized words, no digit, a surname's lowercase particle before one ("Sanne de Vries",
-# "Ludwig van der Berg", "Aisha bin Saleh").
-_PARTICLES = r"(?:(?:de|van|von|der|den|da|di|du|del|della|dos|das|do|le|la|bin|binti|ibn|al|el|ter|ten|zu|ap|ab)[ \t]+){0,2}"
+# "Ludwig van der Berg", "Aisha bin Saleh", "Rhys ap Gwynedd").
+_PARTICLES = (r"(?:(?:de|van|von|der|den|da|di|du|del|della|dos|das|do|le|la|bin|binti|ibn|al|el|ter|ten|zu|ap|ab)"
+              r"[ \t]+){0,2}")
 PERSON = (r"[A-ZÀ-ÖØ-Þ][^\W\d_]*(?:[-'’][^\W\d_]+)*\.?"
            rf"(?:[ \t]+{_PARTICLES}[A-ZÀ-ÖØ-Þ][^\W\d_]*(?:[-'’][^\W\d_]+)*\.?){{1,3}}")
 DASH = r"(?:[–—][ \t]*)?"  # a dash the name may sign after ("— Matteo Rossi"; not a list's "- Standing Desk")
