@@ -156,8 +156,7 @@ _OFFER = re.compile(r"\b(?:(?:would|do)\s+you\s+(?:like|want|prefer|rather)|are\
                     re.IGNORECASE | re.MULTILINE)
 # A refund threatened on a condition, not asked for ("If it can't be fixed by Friday we'll be asking for a refund",
 # "If this can't be solved I may ask for a refund later", "I'm going to demand a refund if ..."): a condition in the
-# sentence, and the writer says it will ask, request, demand, claim or want it then (after cancelling or sending it
-# back at most: "we will cancel and ask for a full refund"). Declined: true only where another
+# sentence, and the writer says it will ask, request, demand, claim or want it then. Declined: true only where another
 # naming asks for it. Not a fallback asked for now ("If you can't repair it, I will need a refund", "If a repair is not
 # possible, we would request a full refund", "If possible, please refund me"), nor the seller's act ("If you'll refund
 # me").
@@ -165,16 +164,18 @@ _IF = re.compile(r"[ \t]*(?:[-*•][ \t]*)?(?:(?:and|but|so)\s+)?(?:if|unless|ot
 _WILL_ASK = re.compile(r"\b(?:(?:I|we)(?:\s+(?:will|may|might|shall)|['\u2019]ll|\s+(?:am|are)\s+going\s+to)"
                        r"|(?:I['\u2019]m|we['\u2019]re)\s+going\s+to)\s+"
                        r"(?:then\s+|have\s+to\s+|be\s+|probably\s+|also\s+|have\s+no\s+choice\s+but\s+to\s+|be\s+forced\s+to\s+"
-                       r"|escalate\s+and\s+|(?:cancel|return|send)\s+(?:it\s+|them\s+|everything\s+)?(?:back\s+)?and\s+)*"
-                       r"(?:ask|asking|request|requesting|demand|demanding|claim|claiming|seek|seeking"
+                       r"|escalate\s+and\s+)*(?:ask|asking|request|requesting|demand|demanding|claim|claiming|seek|seeking"
                        r"|insist|insisting|push|pushing|want)\b(?:\s+\w+){0,3}?\s+$", re.IGNORECASE)
-# And a condition with a deadline, the writer wanting it then ("If this isn't sorted by Friday I want a full refund"):
-# a threat too, where "If you can't repair it, I want my money back" asks now.
-_DEADLINE = re.compile(r"\b(?:by|before|until|within)\s+(?:(?:the\s+)?end\s+of|next|this|tomorrow|tonight|monday|"
-                       r"tuesday|wednesday|thursday|friday|saturday|sunday|\d|(?:a|one|two|three|\w+)\s+"
-                       r"(?:days?|weeks?|hours?))", re.IGNORECASE)
-_WANT = re.compile(r"\b(?:I|we)\s+(?:(?:will|['\u2019]ll|shall)\s+)?(?:want|expect|demand)\b(?:\s+\w+){0,3}?\s+$",
-                   re.IGNORECASE)
+# And a condition unmet by a deadline, the writer wanting it then, the want right after the condition ("If this isn't
+# sorted by Friday I want a full refund", "... by Friday we will cancel and ask for a full refund"): a threat, where "If
+# you can't repair it, I want my money back" asks now and "If you check, I returned it within 14 days, so I expect a
+# refund" states a fact.
+_DEADLINE_THREAT = re.compile(
+    r"[ \t]*(?:(?:if|should)\b[^.!?\n]{0,60}?(?:\bnot\b|n['\u2019]t\b)|unless\b)[^.!?\n]{0,40}?"
+    r"\b(?:by|before|until|within)\s+(?:(?:the\s+)?end\s+of|next|this|tomorrow|tonight|monday|tuesday|wednesday|thursday|"
+    r"friday|saturday|sunday|\d|(?:a|one|two|three|\w+)\s+(?:days?|weeks?|hours?))[^.!?\n,;]{0,24}?[,;]?\s*(?:then\s+)?"
+    r"(?:I|we)\s+(?:(?:will|['\u2019]ll|shall)\s+)?(?:(?:cancel|return|send)\s+(?:it\s+|them\s+|everything\s+)?(?:back\s+)?"
+    r"and\s+)?(?:want|expect|demand|ask|request|claim)\b(?:\s+\w+){0,3}?\s+$", re.IGNORECASE)
 _IF_AFTER = re.compile(r"[^.!?\n]{0,80}?\b(?:if|unless)\b", re.IGNORECASE)
 # What was had, not asked for: "my sister got a refund", "I received a partial refund" (the naming neither said nor
 # declined: the score decides).
@@ -350,11 +351,11 @@ def _threatened(text: str, start: int) -> bool:
     """Whether the naming at `start` is a refund threatened on a condition: the writer will ask for it (_WILL_ASK, in
     its sentence back to the last ".", "!", "?" or line end, at most 160 characters), the sentence opening with the
     condition (_IF: "if", "unless", "otherwise", "should") or holding it after the naming ("... if it isn't fixed");
-    or, the sentence opening with a condition that has a deadline, the writer will want it then (_DEADLINE, _WANT)."""
+    or the sentence a condition unmet by a deadline, the writer wanting it then (_DEADLINE_THREAT)."""
     lo = max(0, start - 160)
     cut = max(text.rfind(ch, lo, start) for ch in ".!?\n")
     sentence = text[cut + 1 if cut >= 0 else lo : start]
-    if _IF.match(sentence) and _DEADLINE.search(sentence) and _WANT.search(sentence):
+    if _DEADLINE_THREAT.match(sentence):
         return True
     if not _WILL_ASK.search(sentence):
         return False

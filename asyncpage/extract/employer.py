@@ -200,17 +200,20 @@ _NO_BRAND = re.compile(
 
 
 # The shop a product named by its brand was bought from ("I bought a Brellin Oslo 3-seat sofa from Casa Mundo": "Casa
-# Mundo" was copied as the brand, v126): a capitalized word between the verb and "from"/"at"/"on", which the shop is
-# not; "I bought a sofa from Brellin" (bought from its maker) names none.
-_BOUGHT_FROM = re.compile(rf"\b(?:bought|purchased|ordered)\b[^.!?\n]{{0,60}}?(?!I\b){_CAP}[^.!?\n]{{0,60}}?[ \t]"
-                          rf"(?:from|at|on|through|via)[ \t]+(?:the[ \t]+)?(?P<org>{_CAP}(?:[ \t]+{_CAP}){{0,3}})")
+# Mundo" was copied as the brand, v126): a word with a capital letter between the verb and "from"/"at"/"on" (not "I",
+# not a count), and the shop's first word not among the words before it; "I bought a sofa from Brellin" and "I
+# purchased the Dyson V15 from Dyson" (bought from its maker) name none.
+_BOUGHT_FROM = re.compile(r"\b(?:bought|purchased|ordered)\b[^.!?\n]{0,60}?(?<![\w'’-])(?P<item>(?!I\b)[A-ZÀ-ÖØ-Þ]"
+                          r"[\w'’.&-]*+)[^.!?\n]{0,60}?[ \t](?:from|at|on|through|via)[ \t]+(?:the[ \t]+)?"
+                          r"(?P<org>[A-Z0-9À-ÖØ-Þ][\w'’&-]*+(?:[ \t]+[A-Z0-9À-ÖØ-Þ][\w'’&-]*+){0,3})")
 
 
 def sellers(text: str) -> list[tuple[int, int]]:
     """Where `text` names a seller, an installer or a distributor by its role (_SELLER), or the shop a branded
     product was bought from (_BOUGHT_FROM) and that shop's name wherever else it stands: (start, end) each."""
     found = [(m.start("org"), m.end("org") - m.group("org").endswith(".")) for m in _SELLER.finditer(text)]
-    named = {m.group("org").rstrip(".") for m in _BOUGHT_FROM.finditer(text)}
+    named = {org for m in _BOUGHT_FROM.finditer(text)
+             if (org := m.group("org").rstrip(".")).split()[0] not in text[m.start("item") : m.start("org")]}
     shops = sorted((n for n in named if len(n) <= _NAME_CHARS), key=len, reverse=True)[:_AGAIN]
     if shops:
         found += [m.span() for m in re.finditer(r"(?<![\w-])(?:" + "|".join(map(re.escape, shops)) + r")(?![\w-])",

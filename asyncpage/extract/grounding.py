@@ -246,10 +246,7 @@ def _short(prop: dict[str, Any], sources: Sequence[str], escaped: bool = False) 
         word = rf"(?:{plain}*(?:\d{plain}*){{0,2}}|{char}*\p{{Ll}}{{3}}{char}*)"
     else:
         word = char + "+"
-    # A writer's name opens with a word of two characters at least: a lone "a" of an all-lowercase ticket was
-    # copied as the customer once (v126).
-    first = char + "{2,}" if prop.get(WRITER) is True and not coded else word
-    return ["/" + first + "(?:" + gap + word + ")" + (f"{{0,{most - 1}}}" if most else "*") + "/"]
+    return ["/" + word + "(?:" + gap + word + ")" + (f"{{0,{most - 1}}}" if most else "*") + "/"]
 
 
 def _or_whole(cut: list[str], sources: Sequence[str]) -> list[str]:

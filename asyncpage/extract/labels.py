@@ -29,10 +29,10 @@ OTHERWISE = math.inf  # an id's span the record labels as another kind of number
 NOT_A_NAME = math.inf  # a writer's span of words no one is named (doubt): never
 # Words no one is named, any case: what a small model copied as the writer of a ticket that gives no name ("Please",
 # "Your", an all-lowercase ticket's "my", v125-v126). No customer of the labeled tickets is one of them.
+# Not "An", "Can", "Do", "No", "Or", "So": names too ("An Do").
 _NOT_NAMES = frozenset("please your my our their the this that these those it its we you they he she i me us him them "
-                       "there here what when where why how can could would should is are was were do does did not no "
-                       "yes and but or so if also just still order hello hi hey dear thanks thank sorry help urgent "
-                       "refund a an".split())
+                       "there here what when where why how could would should are was were not but if also just still "
+                       "order hello hi hey dear thanks thank sorry help urgent refund a".split())
 LABELED = 6.0  # nats less a span needs where the field's own word labels it right before it (doubt)
 # Kinds of number a record may label right before one ("Account ID: ACC-55190", "Merchant ID 600218847", "Support
 # PIN: 7720", "transaction IDs 4410298873 and 4410298874", "Warranty card serial 88-2019-A"), and the words of

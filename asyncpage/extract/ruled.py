@@ -10,6 +10,7 @@ name. Such values report no scored share (the share their decision left was the 
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,8 @@ from asyncpage.extract.grounding import WRITER
 from asyncpage.extract.staff import QUOTED
 
 # A name alone on its line, a dash before it at most ("Tomás Echeverría", "- Dev Patel", "— Matteo Rossi").
+# A field asking for part of a name ("customer_last_name", "the writer's first name"): its value is not completed.
+_PART = re.compile(r"first|last|given|family|sur_?name|fore_?name|middle|initial", re.IGNORECASE)
 _TITLE = re.compile(r"^(?:Mrs|Mr|Ms|Miss|Mx|Dr|Prof)\.?[ \t]+")
 _NAME_LINE = re.compile(rf"^[ \t]*(?:-[ \t]*)?{DASH}(?P<name>{PERSON})[ \t]*\r?$", re.MULTILINE)
 
@@ -27,30 +30,41 @@ _NAME_LINE = re.compile(rf"^[ \t]*(?:-[ \t]*)?{DASH}(?P<name>{PERSON})[ \t]*\r?$
 def signed_name(text: str, value: str) -> str | None:
     """The name alone on a line of `text`'s signature that `value`, one word, opens or closes ("Connor" or
     "McAllister" of "Connor McAllister"), its title left off ("Dr. Amara Okafor": "Amara Okafor"), or None. Not
-    where the rest is an initial ("A. Nowicka") or the line names a company (employer.companies: "Gwynedd
-    Joinery" under "Rhys ap Gwynedd")."""
+    where the rest is an initial ("A. Nowicka"), the line names a company (employer.companies, or right under another
+    name line: "Gwynedd Joinery" under "Rhys ap Gwynedd"), the record signs with the value alone ("Maria" above
+    "Maria Lopez Consulting"), or two names hold it."""
     value = value.strip()
     if not value or not value[:1].isupper() or len(value.split()) != 1:
         return None
     quoted = QUOTED.search(text)
     end = quoted.start() if quoted else len(text)
-    for m in _NAME_LINE.finditer(text, max(0, end - SIGNATURE), end):
+    signature = text[max(0, end - SIGNATURE) : end]
+    if re.search(rf"^[ \t]*(?:-[ \t]*)?{DASH}{re.escape(value)}[ \t]*\r?$", signature, re.MULTILINE):
+        return None  # the record signs with the value itself ("Best,\nMaria\nMaria Lopez Consulting")
+    found = set()
+    lines = list(_NAME_LINE.finditer(text, max(0, end - SIGNATURE), end))
+    under = {b.start() for a, b in itertools.pairwise(lines)
+             if not text[a.end() : b.start()].strip() and text.count("\n", a.end(), b.start()) <= 1}
+    for m in lines:
+        if m.start() in under:
+            continue  # the line right under a name is its company's or its title's ("Gwynedd Joinery")
         words = _TITLE.sub("", m.group("name")).split()
         rest = words[1:] if words[:1] == [value] else words[:-1] if words[-1:] == [value] else []
         if rest and all(len(w.rstrip(".")) > 1 and not w.endswith(".") for w in rest) and \
                 not any(a <= m.start("name") < b for a, b in companies(text)):
-            return " ".join(words)
-    return None
+            found.add(" ".join(words))
+    return found.pop() if len(found) == 1 else None  # two names the value is part of: neither
 
 
 def ruled(text: str, brands: set[str], branches: dict[str, dict[str, Any]], decided: dict[str, Any],
           written: dict[str, Any], holds: Callable[[str, Any], bool]) -> dict[str, Any]:
     """The fields a rule decides: each brand field a greeting addresses (addressed_brands), each writer field
-    (`branches` marked grounding.WRITER) whose value is part of a signed name (`signed_name`), with their values."""
+    (`branches` marked grounding.WRITER) whose value is part of a signed name (`signed_name`), with their values; not
+    a field whose name or description asks for part of a name (_PART: "customer_last_name")."""
     out: dict[str, Any] = addressed_brands(text, brands, decided, written, holds)
     for name, branch in branches.items():
         value = decided.get(name, written.get(name))
-        if branch.get(WRITER) is True and isinstance(value, str) and (full := signed_name(text, value)) \
-                and holds(name, full):
+        if branch.get(WRITER) is True and not _PART.search(f"{name} {branch.get('description', '')}") and \
+                isinstance(value, str) and (full := signed_name(text, value)) and holds(name, full):
             out[name] = full
     return out

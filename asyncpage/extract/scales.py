@@ -50,9 +50,7 @@ WORDS: dict[int, tuple[str, ...]] = {
         "not too urgent", "not so urgent", "not that urgent", "not terribly urgent", "not super urgent",
         "nothing urgent", "not very serious", "not too serious", "not that serious", "not really serious",
         "not the end of the world", "isn't very urgent", "isn't really urgent", "isn't very serious",
-        "isn't really serious", "isn't that serious", "isn't the end of the world",
-        # a nuisance made less ("Not urgent, just annoying": the middle's "annoying" hidden inside)
-        "just annoying", "only annoying", "just a nuisance", "just an annoyance", "mildly annoying"),
+        "isn't really serious", "isn't that serious", "isn't the end of the world"),
     1: ("moderate", "moderately", "medium priority", "normal priority", "nuisance", "annoying", "irritating",
         "a hassle", "a real hassle", "a headache", "a bit of a headache", "inconvenient", "an inconvenience",
         "on my nerves", "fairly soon", "reasonably soon", "sooner rather than later", "somewhat urgent",
@@ -105,8 +103,9 @@ _LEVEL_NOUN = re.compile(r"[\s-]+(?:priority|severity|urgency|importance|impact|
                          re.IGNORECASE)
 _LEVEL_BEFORE = re.compile(r"\b(?:priority|severity|urgency|importance|impact|prio)\b[ \t]*(?:[:=\-–—][ \t]*|(?:is|was)"
                            r"[ \t]+)(?:(?:very|extremely|quite|so|really|super|fairly|pretty)[ \t]+)?$", re.IGNORECASE)
-# "medium" as a garment's size: "the medium is far too big", "swap it for a medium, please", "size medium".
-_SIZE_BEFORE = re.compile(r"\b(?:the|a|in|size|one)\s+$", re.IGNORECASE)
+# "medium" as a garment's size: "the medium is far too big", "size medium"; not "I'd rate it a medium", "put it in
+# medium" (a level stated).
+_SIZE_BEFORE = re.compile(r"\b(?:the|size)\s+$", re.IGNORECASE)
 _SIZE_AFTER = re.compile(r"\s*(?:[,.;:!?)]|(?:is|was|fits?|size|one|instead|in|and|or|but)\b|$)", re.IGNORECASE)
 _INTENSIFIED = re.compile(r"\b(?:too|so|very|extremely|abnormally|unusually|quite)\s+$", re.IGNORECASE)
 

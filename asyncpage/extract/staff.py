@@ -64,24 +64,27 @@ _NOT_NAMES = frozenset("hi hello hey dear thanks thank cheers regards best kind 
                        "team the a an i my our your this that chat live".split())
 
 
-def _quoted_reply(text: str, m: re.Match[str], quoted: re.Match[str] | None) -> bool:
+def _quoted_reply(text: str, m: re.Match[str], quoted: re.Match[str] | None, own: set[str]) -> bool:
     """Whether a desk's signature `m` stands in a quoted message that is not the writer's own: past the first quoted
-    marker, on a quoted line where that marker is a ">" (a bottom-posted reply's own signature is not), and its name
-    not written before the marker (the writer forwarding an earlier mail of theirs signs above it too)."""
+    marker, on a quoted line where that marker is a ">" (a bottom-posted reply's own signature is not), its name
+    not written before the marker (the writer forwarding an earlier mail of theirs signs above it too), nor its first
+    name alone on a line there (`own`: "Jane" above a quoted "Jane Okafor\nCustomer Service Lead")."""
     if quoted is None or m.start() < quoted.start():
         return False
     if quoted.group().lstrip().startswith(">") and \
             not text[text.rfind("\n", 0, m.end(1)) + 1 : m.end(1)].lstrip().startswith(">"):
         return False
-    return m.group(1).strip(" \t>") not in text[: quoted.start()]
+    name = m.group(1).strip(" \t>")
+    return name not in text[: quoted.start()] and not (name.split() and name.split()[0] in own)
 
 
 def _spans(text: str) -> Iterator[tuple[int, int]]:
     """Where `text` names a member of its support staff: each name's (start, end), greetings left off."""
     quoted = QUOTED.search(text)
+    own = {ln.strip() for ln in text[: quoted.start()].splitlines()} if quoted else set()  # the record's own lines
     for pattern in (_BRACKET, _LABEL, _TEAM, _DESK, _TEAM_UNDER):
         for m in pattern.finditer(text):
-            if pattern in (_DESK, _TEAM_UNDER) and not _quoted_reply(text, m, quoted):
+            if pattern in (_DESK, _TEAM_UNDER) and not _quoted_reply(text, m, quoted, own):
                 continue
             g = next(i for i in range(1, (m.lastindex or 1) + 1) if m.group(i) is not None)
             start = m.start(g)
@@ -144,7 +147,6 @@ _DETERMINERS = frozenset(_DETERMINER_WORDS.lower().split("|"))
 _UNITS = "kg|g|mg|lb|lbs|oz|ml|cl|l|cm|mm|m|in|w|kw|v|mah|wh|kwh|gb|tb|mb|hz|mp"
 _BRAND_RUN = re.compile(rf"(?!(?:{_DETERMINER_WORDS})\b)(?:{_CAP}[ \t]+){{1,3}}"
                         rf"(?=(?:(?=[\w-]*[A-Z])(?=[\w-]*\d)[\w-]+|\d+(?i:{_UNITS}))(?![\w'’@-])(?!\.\w))")
-_CODE_THEN_WORD = re.compile(r"\S+[ \t]+[a-z]")
 # Capitalized words owned ("my", "our", "your", "their") before a lowercase word: a product, never the writer ("Your
 # Glintwave earbuds died": "Glintwave" was copied as the customer once); not "my colleague Thomas" (`related`).
 _OWNED = re.compile(rf"(?<![\w'’-])(?i:my|our|your|their)[ \t]+({_CAP}(?:[ \t]+{_CAP}){{0,2}})(?=[ \t]+[a-z])")
@@ -254,17 +256,13 @@ def writer_sources(sources: Sequence[str]) -> list[str]:
 
 def _brands(text: str) -> list[tuple[int, int]]:
     """Where `text` writes a brand: before its model's code (_BRAND_RUN) after a lowercase word, a dash or a count
-    ("3 of the 20 Plumbrix PX-12 filters") or opening a line ("Netharbor NH-6 router drops ..."), or owned before a
-    lowercase noun (_OWNED: "Your Glintwave earbuds")."""
+    ("3 of the 20 Plumbrix PX-12 filters"), or owned before a lowercase noun (_OWNED: "Your Glintwave earbuds"). Not
+    at a line's start: "Netharbor NH-6 router drops" and a chat's "Emma Watson 9AM: my speaker" read alike."""
     out = [m.span(1) for m in _OWNED.finditer(text)]
     for m in _BRAND_RUN.finditer(text):
         head = text[max(0, m.start() - 40) : m.start()]
         prev = head.rsplit(None, 1)[-1] if head.strip() and head[-1:] in " \t" else ""
-        # the record's or a line's start, the code then a lowercase word ("Netharbor NH-6 router"; not a signature's
-        # "Maria Lopez B2B")
-        opens = (not head.strip(" \t") or head.rstrip(" \t").endswith("\n")) and \
-            _CODE_THEN_WORD.match(text, m.end()) is not None
-        if prev in ("-", "–", "—") or prev.isdigit() or (opens and not prev) or \
+        if prev in ("-", "–", "—") or prev.isdigit() or \
                 (prev.isalpha() and (prev.islower() or prev.casefold() in _DETERMINERS)):
             out.append(m.span())
     return out

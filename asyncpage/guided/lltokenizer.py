@@ -154,7 +154,7 @@ def lean_tokenizer(hf_tokenizer: Any, n_vocab: int, eos_token: list[int]) -> Any
     kind = decoder_kind(backend)
     if (kind is None or not encodes_as_llguidance(backend) or not eos_token
             or backend.get_vocab_size(with_added_tokens=True) > n_vocab):
-        return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=eos_token).with_slices(_SLICES)
+        return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=eos_token, slices=_SLICES)
     tokens, special = token_bytes(backend, n_vocab, *kind)
     encode = _Encode(backend, tokens, special, eos_token[0], hf_tokenizer.bos_token_id)
     lltok = llguidance.LLTokenizer(TokenizerWrapper(encode), n_vocab=n_vocab, eos_token=eos_token, slices=_SLICES)

@@ -63,7 +63,7 @@ def cached_tokenizer(folder: Path) -> Any:
     config = json.loads((folder / "tokenizer_config.json").read_text())
     kwargs = {k: v for k, v in config.items() if k not in _NOT_INIT}
     template = folder / "chat_template.jinja"
-    if "chat_template" not in kwargs and template.is_file():
+    if template.is_file():  # before the config's, as transformers reads it
         kwargs["chat_template"] = template.read_text()
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), name_or_path=str(folder),
                                         **kwargs)
@@ -73,8 +73,10 @@ def cached_tokenizer(folder: Path) -> Any:
 
 # A saved config's entries that are no constructor's argument: the added tokens (tokenizer.json holds them), what
 # names the class and where it was read from.
+# "add_bos_token" / "add_eos_token": from_pretrained drops them for this class (the tokenizer.json's post-processor
+# decides), so they are dropped here too.
 _NOT_INIT = frozenset(("added_tokens_decoder", "tokenizer_class", "backend", "is_local", "local_files_only",
-                       "auto_map", "name_or_path"))
+                       "auto_map", "name_or_path", "add_bos_token", "add_eos_token"))
 
 
 def load(path: Path) -> Any:
