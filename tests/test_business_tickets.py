@@ -332,3 +332,19 @@ def test_what_the_third_review_broke_stays_mended() -> None:
     text = "Please help.\n\nThanks,\nConnor McAllister"
     part = {"customer_last_name": {"type": "string", grounding.WRITER: True}}
     assert ruled(text, set(), part, {}, {"customer_last_name": "McAllister"}, _holds) == {}
+
+
+def test_the_company_a_writer_introduces_and_a_swedish_ab_are_no_brand() -> None:
+    from asyncpage.extract.employer import introduced, legal_names
+
+    for text, org in (("This is Rajesh Iyer from Coldstream Foods. Our Frostvale CX-900 is warm.", "Coldstream Foods"),
+                      ("Hi, it's Anjali Mehta from Corvid Design Studio", "Corvid Design Studio"),
+                      ("I run Trailwise Adventures, a small guiding company.", "Trailwise Adventures"),
+                      ("Hi, I'm the office manager at Maplewood Urgent Care. Our Printelle P450 fades.",
+                       "Maplewood Urgent Care"),
+                      ("Bark & Bloom Dog Daycare here. The Furlane beds broke.", "Bark & Bloom Dog Daycare")):
+        assert [text[a:b] for a, b in introduced(text)] == [org], text
+        assert not any(org in p for p in without_employer([text])), text
+    assert introduced("Hi, Jan Novak here. My Skyloft AX6 drops.") == []  # a person, not a company
+    assert [t[a:b] for t in ["Travel & Events, Norrland Analytics AB"] for a, b in legal_names(t)] == \
+        ["Norrland Analytics AB"]

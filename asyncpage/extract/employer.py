@@ -68,7 +68,7 @@ _LEGAL_FORMS = (r"Ltd\.?|LTD\.?|GmbH|GMBH|Inc\.?|INC\.?|LLC|L\.L\.C\.|LLP|plc|Pl
                 r"S\.à[ \t]?r\.l\.|S\.r\.l\.|Srl|SRL|S\.p\.A\.|SpA|S\.L\.(?:U\.)?|B\.V\.|BV|N\.V\.|"
                 r"Pty(?:[ \t]+Ltd\.?)?|Pte\.?[ \t]+Ltd\.?|Sdn\.?[ \t]+Bhd\.?|Bhd|Corp\.?|Corporation|"
                 r"Co\.,?[ \t]*Ltd\.?|Oyj?|ApS|A/S|Kft\.?|s\.r\.o\.|a\.s\.|Sp\.[ \t]?z[ \t]?o\.o\.|K\.K\.|GbR|OHG|"
-                r"e\.K\.|Ltda\.?")
+                r"e\.K\.|Ltda\.?|AB(?![ \t]+[A-Z0-9À-ÖØ-Þ])")  # Sweden's AB: not "Perfect Fitness AB Carver Pro"
 _NAME_WORD = r"[A-ZÀ-ÖØ-Þ][^\W\d_]*(?:[-'’&][^\W\d_]+)*"  # letters only: not "M20", "9", "Express." (a sentence's end)
 _LEGAL = re.compile(rf"(?<![\w'’&.-]){_NAME_WORD}[ \t]+(?:(?:&|and|of|the|{_NAME_WORD})[ \t]+){{0,4}}?"
                     rf"(?:{_LEGAL_FORMS})(?![\w/-])")
@@ -221,6 +221,28 @@ def sellers(text: str) -> list[tuple[int, int]]:
     return found
 
 
+# The writer introducing their company: "This is Rajesh Iyer from Coldstream Foods", "it's Anjali from Corvid Design
+# Studio", "I run Trailwise Adventures", "I'm the office manager at Maplewood Urgent Care", "I work for Halden
+# Logistics", and a line opening "Bark & Bloom Dog Daycare here" (an "&" or "and" in it: "Jan Novak here" is the
+# writer). v129-v130 had the model copy each as the brand or the writer.
+_WORD = rf"{_NAME_WORD}(?![\w'’-])"  # a whole word: not "AX" of "AX6"
+_ORG = rf"{_WORD}(?:[ \t]+(?:&|and|of|{_WORD})){{0,4}}"
+_INTRO = re.compile(
+    rf"(?<![\w'’-])(?:(?:(?i:this[ \t]+is|it['’]?s|it[ \t]+is|I['’]m|I[ \t]+am)[ \t]+{_WORD}"
+    rf"(?:[ \t]+{_WORD}){{0,3}}[ \t]+(?:from|at|with)"
+    rf"|I(?:['’]m|[ \t]+am)[ \t]+(?:the|an?)[ \t]+(?:[a-z-]+[ \t]+){{1,3}}?(?:at|for)|I[ \t]+work[ \t]+(?:at|for))"
+    rf"[ \t]+(?:the[ \t]+)?(?P<org>{_ORG})"
+    # "I run Trailwise Adventures, a small guiding company" (not "I run the Velora app": the appositive says it)
+    rf"|(?:I|[Ww]e)[ \t]+(?:run|own|manage)[ \t]+(?P<run>{_ORG})(?=,[ \t]+(?:a|an|our)[ \t]))"
+    rf"|^[ \t]*(?P<here>{_WORD}(?:[ \t]+{_WORD})*[ \t]+(?:&|and)[ \t]+{_WORD}(?:[ \t]+{_WORD}){{0,3}})[ \t]+here\b",
+    re.MULTILINE)
+
+
+def introduced(text: str) -> list[tuple[int, int]]:
+    """Where the writer names their own company introducing themselves (_INTRO): (start, end) each."""
+    return [m.span(next(g for g in ("org", "run", "here") if m.group(g))) for m in _INTRO.finditer(text)]
+
+
 def company_fields(text: str) -> list[tuple[int, int]]:
     """Where a form's field names the writer's organization: (start, end) each (_COMPANY_FIELD)."""
     return [m.span("org") for m in _COMPANY_FIELD.finditer(text)]
@@ -288,7 +310,8 @@ _NAME_CHARS = 80
 
 def _writers_companies(text: str, under: bool = True, words: bool = True) -> list[tuple[int, int]]:
     employed, titles = _employer_spans(text)
-    orgs = employed + company_fields(text) + signed_company(text) + (under_name(text) if under else [])
+    orgs = employed + company_fields(text) + signed_company(text) + introduced(text) + \
+        (under_name(text) if under else [])
     names = sorted({n for a, b in orgs if 2 <= len((n := text[a:b]).split()) <= 6 and len(n) <= _NAME_CHARS},
                    key=len, reverse=True)[:_AGAIN]
     again = [m.span() for m in re.finditer(r"(?<![\w-])(?:" + "|".join(map(re.escape, names)) + r")(?![\w-])", text)] \
