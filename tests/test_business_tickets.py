@@ -348,3 +348,10 @@ def test_the_company_a_writer_introduces_and_a_swedish_ab_are_no_brand() -> None
     assert introduced("Hi, Jan Novak here. My Skyloft AX6 drops.") == []  # a person, not a company
     assert [t[a:b] for t in ["Travel & Events, Norrland Analytics AB"] for a, b in legal_names(t)] == \
         ["Norrland Analytics AB"]
+
+
+def test_the_name_a_record_signs_with_is_no_brand() -> None:
+    text = ("This is the third outage this month on your Telvanta Business Voice plan.\n\nGareth Lowndes\n"
+            "Owner, Lowndes Plumbing & Heating")
+    parts = without_employer([text])
+    assert not any("Lowndes" in p for p in parts) and any("Telvanta Business Voice" in p for p in parts)

@@ -150,11 +150,13 @@ _NAME_LINE = re.compile(rf"^[ \t]*{DASH}{PERSON}[ \t]*\r?$", re.MULTILINE)
 _UNDER_NAME = re.compile(r"[ \t]*(?P<org>[A-ZÀ-ÖØ-Þ][^\d@:,\n]*?)[ \t]*(?:,[^\n]*)?\r?(?:\n|$)")
 
 
-def under_name(text: str) -> list[tuple[int, int]]:
+def under_name(text: str, names: bool = False) -> list[tuple[int, int]]:
     """Where the line under a signature's name alone on its line (in the record's last SIGNATURE characters, under a
     blank line or a closing, never the record's first line) names the writer's company (_UNDER_NAME): (start, end) of
     its words before the first comma, in title case ("Murphy & Sons Plumbing"; not a sentence, "Velora Pro user since
-    launch"), the name no heading's ("Product Details", "Issue Description": the second review's)."""
+    launch"), the name no heading's ("Product Details", "Issue Description": the second review's). With `names`,
+    where those signatures' names stand instead: no brand's words ("Gareth Lowndes" over "Owner, Lowndes Plumbing &
+    Heating" gave the brand "Lowndes", v129)."""
     start = max(0, len(text) - SIGNATURE)
     start = text.rfind("\n", 0, start) + 1 if start else 0
     out: list[tuple[int, int]] = []
@@ -170,6 +172,9 @@ def under_name(text: str) -> list[tuple[int, int]]:
         last = u is not None and not text[u.end("org") :].strip(" \t\r\n,")
         if above and not (_CLOSING.fullmatch(above) or (_closing(above.rstrip(",")) and above.endswith(","))
                           or (last and above.endswith((".", "!", "?")))):
+            continue
+        if names:
+            out.append(m.span())
             continue
         org = u.group("org").split() if u is not None else []
         if u is not None and len(org) <= 6 and not org[-1].endswith((".", "!", "?")) \
@@ -317,5 +322,5 @@ def _writers_companies(text: str, under: bool = True, words: bool = True) -> lis
     again = [m.span() for m in re.finditer(r"(?<![\w-])(?:" + "|".join(map(re.escape, names)) + r")(?![\w-])", text)] \
         if names else []
     seller = sellers(text) if under else []
-    no_brand = [m.span() for m in _NO_BRAND.finditer(text)] if under and words else []
+    no_brand = [m.span() for m in _NO_BRAND.finditer(text)] + under_name(text, names=True) if under and words else []
     return (titles if under and words else []) + orgs + again + legal_names(text) + seller + no_brand
