@@ -217,13 +217,9 @@ def sellers(text: str) -> list[tuple[int, int]]:
     """Where `text` names a seller, an installer or a distributor by its role (_SELLER), or the shop a branded
     product was bought from (_BOUGHT_FROM) and that shop's name wherever else it stands: (start, end) each."""
     found = [(m.start("org"), m.end("org") - m.group("org").endswith(".")) for m in _SELLER.finditer(text)]
-    named = {org for m in _BOUGHT_FROM.finditer(text)
+    shops = {org for m in _BOUGHT_FROM.finditer(text)
              if (org := m.group("org").rstrip(".")).split()[0] not in text[m.start("item") : m.start("org")]}
-    shops = sorted((n for n in named if len(n) <= _NAME_CHARS), key=len, reverse=True)[:_AGAIN]
-    if shops:
-        found += [m.span() for m in re.finditer(r"(?<![\w-])(?:" + "|".join(map(re.escape, shops)) + r")(?![\w-])",
-                                                text)]
-    return found
+    return found + _wherever(text, shops)
 
 
 # The writer introducing their company: "This is Rajesh Iyer from Coldstream Foods", "it's Anjali from Corvid Design
@@ -286,10 +282,11 @@ def _signs(text: str, m: re.Match[str]) -> bool:
 
 
 def without_employer(sources: Sequence[str]) -> list[str]:
-    """`sources` with each employer a signature, its last line, the line under its name or a form's company field
-    names (and the writer's job title before it), wherever the text writes that name ("I own Golden Lotus restaurant"
-    signed "Owner, Golden Lotus"), each company named with its legal form, each seller named by its role and the
-    words no brand is (a month, a salutation: _NO_BRAND) cut out, what is left of each as separate texts."""
+    """`sources` with each employer a signature, its last line, the line under its name, a form's company field or
+    the writer's introduction names (and the writer's job title before it), wherever the text writes that name ("I
+    own Golden Lotus restaurant" signed "Owner, Golden Lotus"), each company named with its legal form, each seller
+    named by its role or as the shop bought from, the signature's own name and the words no brand is (a month, a
+    salutation: _NO_BRAND) cut out, what is left of each as separate texts."""
     return cut_out(sources, _writers_companies)
 
 
@@ -313,14 +310,20 @@ _AGAIN = 16
 _NAME_CHARS = 80
 
 
+def _wherever(text: str, names: set[str]) -> list[tuple[int, int]]:
+    """Where `text` writes any of `names` as whole words: the _AGAIN longest of at most _NAME_CHARS characters, in one
+    pass (one alternation)."""
+    kept = sorted((n for n in names if len(n) <= _NAME_CHARS), key=len, reverse=True)[:_AGAIN]
+    if not kept:
+        return []
+    return [m.span() for m in re.finditer(r"(?<![\w-])(?:" + "|".join(map(re.escape, kept)) + r")(?![\w-])", text)]
+
+
 def _writers_companies(text: str, under: bool = True, words: bool = True) -> list[tuple[int, int]]:
     employed, titles = _employer_spans(text)
     orgs = employed + company_fields(text) + signed_company(text) + introduced(text) + \
         (under_name(text) if under else [])
-    names = sorted({n for a, b in orgs if 2 <= len((n := text[a:b]).split()) <= 6 and len(n) <= _NAME_CHARS},
-                   key=len, reverse=True)[:_AGAIN]
-    again = [m.span() for m in re.finditer(r"(?<![\w-])(?:" + "|".join(map(re.escape, names)) + r")(?![\w-])", text)] \
-        if names else []
+    again = _wherever(text, {n for a, b in orgs if 2 <= len((n := text[a:b]).split()) <= 6})
     seller = sellers(text) if under else []
     no_brand = [m.span() for m in _NO_BRAND.finditer(text)] + under_name(text, names=True) if under and words else []
     return (titles if under and words else []) + orgs + again + legal_names(text) + seller + no_brand

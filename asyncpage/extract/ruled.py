@@ -20,10 +20,11 @@ from asyncpage.extract.employer import DASH, PERSON, SIGNATURE, companies
 from asyncpage.extract.grounding import WRITER
 from asyncpage.extract.staff import QUOTED
 
-# A name alone on its line, a dash before it at most ("Tomás Echeverría", "- Dev Patel", "— Matteo Rossi").
 # A field asking for part of a name ("customer_last_name", "the writer's first name"): its value is not completed.
 _PART = re.compile(r"first|last|given|family|sur_?name|fore_?name|middle|initial", re.IGNORECASE)
 _TITLE = re.compile(r"^(?:Mrs|Mr|Ms|Miss|Mx|Dr|Prof)\.?[ \t]+")
+# A name alone on its line, a dash before it at most ("Tomás Echeverría", "- Dev Patel", "— Matteo Rossi"; a hyphen
+# too, which employer's signature lines leave to a list's items).
 _NAME_LINE = re.compile(rf"^[ \t]*(?:-[ \t]*)?{DASH}(?P<name>{PERSON})[ \t]*\r?$", re.MULTILINE)
 
 
@@ -42,6 +43,7 @@ def signed_name(text: str, value: str) -> str | None:
     if re.search(rf"^[ \t]*(?:-[ \t]*)?{DASH}{re.escape(value)}[ \t]*\r?$", signature, re.MULTILINE):
         return None  # the record signs with the value itself ("Best,\nMaria\nMaria Lopez Consulting")
     found = set()
+    orgs = companies(text)
     lines = list(_NAME_LINE.finditer(text, max(0, end - SIGNATURE), end))
     under = {b.start() for a, b in itertools.pairwise(lines)
              if not text[a.end() : b.start()].strip() and text.count("\n", a.end(), b.start()) <= 1}
@@ -51,7 +53,7 @@ def signed_name(text: str, value: str) -> str | None:
         words = _TITLE.sub("", m.group("name")).split()
         rest = words[1:] if words[:1] == [value] else words[:-1] if words[-1:] == [value] else []
         if rest and all(len(w.rstrip(".")) > 1 and not w.endswith(".") for w in rest) and \
-                not any(a <= m.start("name") < b for a, b in companies(text)):
+                not any(a <= m.start("name") < b for a, b in orgs):
             found.add(" ".join(words))
     return found.pop() if len(found) == 1 else None  # two names the value is part of: neither
 
