@@ -557,7 +557,7 @@ def test_a_start_never_takes_another_field_s_value_and_gives_way_when_the_model_
     from types import SimpleNamespace
 
     def run(written: dict[str, Any], decided: dict[str, Any], margins: dict[str, tuple[str, float]],
-            brands: frozenset[str] = frozenset()) -> dict[str, Any]:
+            brands: frozenset[str] = frozenset(), text: str = "") -> dict[str, Any]:
         """`margins`: field -> (its line's span, how much likelier than the model's value)."""
         s = starts.Starts()
         s.written = dict(written)
@@ -568,7 +568,7 @@ def test_a_start_never_takes_another_field_s_value_and_gives_way_when_the_model_
             s.pairs[name] = pairs
             scores[id(pairs[written[name]][0])], scores[id(pairs[span][0])] = -20.0, -20.0 + margin
         return {n: v[0] for n, v in s.outcome(lambda p: SimpleNamespace(logprob=scores.get(id(p), 0.0)),
-                                              decided, brands).items()}
+                                              decided, brands, text).items()}
 
     clock = {"product": "Marlisse Dawn 6 alarm clock", "order_id": None}
     # Likelier by the margin, but the order id's value (as written, or as decided): the product stays the model's.
@@ -611,6 +611,18 @@ def test_a_start_never_takes_another_field_s_value_and_gives_way_when_the_model_
     assert run(vacuum, {}, {"product": ("Rukmini", 1)}, frozenset({"product"})) == {}
     assert run(vacuum, {}, {"product": ("Sweeply V8", 1)}) == {}
     assert run(vacuum, {}, {"product": ("cordless vacuum", 1)}, frozenset({"product"})) == {}
+    # A word capitalized only where a line or a sentence opens, and written lowercase elsewhere, is such a noun too.
+    fryer = "Subject: Air fryer basket peeling\n\nThe coating of my Crispwell AF-6 air fryer is off. Air it out?"
+    air = {"product": "Air", "order_id": None, "customer": "Tom Becker"}
+    assert run(air, {}, {"product": ("Crispwell AF-6", -3)}, frozenset({"product"}), fryer) == \
+        {"product": "Crispwell AF-6"}
+    assert run(air, {}, {"product": ("Crispwell AF-6", -3)}, frozenset({"product"}), fryer.lower()) == {}
+    assert run(air, {}, {"product": ("Crispwell AF-6", -5)}, frozenset({"product"}), fryer) == {}
+    assert starts.capitalized_by_place("Re: Baby monitor\n> - Baby monitor is dead. Our baby monitor.", "Baby")
+    for text, word in ((fryer, "Crispwell"), ("Tidepool app crashes.\nTidepool is slow.", "Tidepool"),  # never lower
+                       ("I love Air fryers and air.", "Air"), ("Subject: Air fryer\nair fryer AIR", "AIR"),
+                       ("Subject: Air fryer", "Air"), ("Subject: iPhone broke\nmy iphone", "iPhone")):
+        assert not starts.capitalized_by_place(text, word), (text, word)
     assert starts.common("tile cutter") and starts.common("e-bike") and starts.common("café")
     for name in ("iPhone", "Sweeply V8", "3-seater", "LG", "", "--", "小米", "ソニー", "삼성"):  # no case: no noun
         assert not starts.common(name), name

@@ -437,7 +437,7 @@ class Plan:
                     decided[name] = json.loads(found.text[len(self.bridge[name]):])
                 except ValueError:
                     shares.pop(name)
-        for name, (span, share) in self.starts.outcome(self._got, decided, self.d.brands).items():
+        for name, (span, share) in self.starts.outcome(self._got, decided, self.d.brands, self.text).items():
             decided[name], shares[name] = ends.name_of(span) if name in self.d.brands else span, share  # no noun
         decided |= ends.opened_brands(self.text, self.sources, self.d.brands, decided, self.starts.written,
                                       self.d.holds)

@@ -83,14 +83,15 @@ class Starts:
         return [*self.found.values(), *(p for pairs in self.pairs.values() for pair in pairs.values() for p in pair)]
 
     def outcome(self, got: Callable[[Probe], Scored | None], decided: dict[str, Any],
-                brands: frozenset[str] | set[str] = frozenset()) -> dict[str, tuple[str, float]]:
+                brands: frozenset[str] | set[str] = frozenset(), text: str = "") -> dict[str, tuple[str, float]]:
         """field -> (the span, its share against the model's value) where the span wins by START_MARGIN (by any
         margin where the model's value is another field's, the order id as the product, or a code where the field
         is no code and the span is not: a serial number as the product, a phone number as the name; even up to
         START_MARGIN less likely, in a field asking for a brand (`brands`), where the model's value is a common noun
         and the span a name that is no other field's words: "vacuum" or "tile cutter" where the record names the
-        Sweeply V8 or Hirewell Tools, four of 200 spent tickets, against nine of 1,564 labeled products with no name)
-        and is no
+        Sweeply V8 or Hirewell Tools, four of 200 spent tickets, against nine of 1,564 labeled products with no name;
+        a word capitalized only where a line or a sentence opens, which `text` writes lowercase elsewhere, counts as
+        such a noun: `capitalized_by_place`) and is no
         other field's value (as written, as `decided`, or as a start decided here, the larger margin first): the
         line of "the product brand" found the record's order id, and once the person's name, likelier than a long
         product name the model wrote (two fresh tickets). Values compare stripped and casefolded."""
@@ -110,7 +111,8 @@ class Starts:
                 # A common noun is no brand: the name its line found replaces it unless the model's own value reads
                 # START_MARGIN likelier ("vacuum" read 3.4 nats likelier than the record's "V8" of "the Sweeply V8"),
                 # and not with a word of another field's value ("Rukmini" of the customer "Rukmini Rao").
-                noun = name in brands and common(mine) and not common(span) and not _within(span, written, name)
+                noun = name in brands and (common(mine) or capitalized_by_place(text, mine)) and not common(span) \
+                    and not _within(span, written, name)
                 if (margin := sums[span] - sums[mine]) > (-START_MARGIN if noun else 0.0 if copied else START_MARGIN):
                     ranked.append((margin, name, span))
         out: dict[str, tuple[str, float]] = {}
@@ -132,6 +134,28 @@ def common(value: str) -> bool:
     cutter", "e-bike"; not "iPhone", "Sweeply V8", "3-seater")."""
     cased = [ch for ch in value if ch.isalpha() and ch.lower() != ch.upper()]  # no case in CJK, Thai, Arabic: no noun
     return bool(cased) and not any(ch.isupper() or ch.isdigit() for ch in value)
+
+
+# A line's opening before a word capitalized by its place: quote marks, bullets, a "Subject:", "Re:" or "Fwd:" label.
+_LINE_OPENING = re.compile(r"[ \t>*•-]*(?:(?:Subject|Re|RE|Fwd?|FW|Title)[ \t]*:[ \t]*)*")
+
+
+def capitalized_by_place(text: str, value: str) -> bool:
+    """Whether `value` is one word capitalized only by its place in `text` (a line's or a sentence's start) and written
+    lowercase elsewhere in it: "Air" of "Subject: Air fryer basket peeling" over "my Crispwell AF-6 air fryer", "Baby"
+    of "Baby monitor losing connection" (three fresh tickets, v133 and H121; no label of the 2,752 labeled products
+    is such a word: a brand named only where lines open, "Tidepool app crashes", is never written lowercase)."""
+    if not re.fullmatch(r"[A-Z][a-z]+", value):
+        return False
+    word = r"(?<![\w-]){}(?![\w-])"
+    found = False
+    for m in re.finditer(word.format(value), text):
+        before = text[text.rfind("\n", 0, m.start()) + 1:m.start()]  # its line up to it
+        kept = before.rstrip(" \t")
+        if not (_LINE_OPENING.fullmatch(before) or (kept != before and kept.endswith((".", "!", "?", ":")))):
+            return False
+        found = True
+    return found and re.search(word.format(value.lower()), text) is not None
 
 
 def coded(value: str) -> bool:
