@@ -204,6 +204,13 @@ async def test_a_tool_whose_parameters_declare_no_properties_is_offered_and_call
     turn = await prepare(engine, ASK, tools=[tool("f", {"type": "object"})])
     assert "f: {}" in engine.tokenizer.decode(turn.prompt)
     assert turn.params.grammar is not None and '"additionalProperties": false' not in turn.params.grammar
+    # A turn whose output is JSON only (an answer schema, or calls forced) gets json_schema's runaway guards (a
+    # number's digits, a repeating string); one where prose may come first does not.
+    assert not turn.params.json_guards
+    person = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}
+    answer = {"type": "json_schema", "json_schema": {"name": "p", "schema": person}}
+    assert (await prepare(engine, ASK, response_format=answer)).params.json_guards
+    assert (await prepare(engine, ASK, tools=[tool("f", person)], tool_choice="required")).params.json_guards
 
 
 class _Untouchable(dict[str, Any]):

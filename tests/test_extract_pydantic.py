@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import pytest
 from pydantic import BaseModel, field_validator
 
 from asyncpage import AsyncEngine
@@ -47,3 +48,40 @@ async def test_extract_returns_a_pydantic_instance_and_retries_a_refused_field(d
     assert grown >= 0.9 * n_prompt, (grown, n_prompt)
     print(f"prompt {n_prompt} tokens, prefix-cache hits grew {grown}; names {RefusesFirstName.seen}; {r.value!r}")
     assert default_engine.stats().kv_blocks_used == 0
+
+
+class RaisesOnBob(BaseModel):
+    name: str
+    age: int
+
+    @field_validator("name")
+    @classmethod
+    def no_bob(cls, v: str) -> str:
+        if v.startswith("Bob"):
+            raise RuntimeError("a bug in the caller's validator")  # not a ValueError: pydantic lets it through
+        return v
+
+
+async def test_a_validator_that_raises_fails_its_record_and_the_job_goes_on(default_engine: AsyncEngine) -> None:
+    records = ["Alice is 31.", "Bob is 40.", "Carol is 27."]
+    rows = {r.position - 1: r async for r in default_engine.extract_many(records, RaisesOnBob, max_retries=1)}
+    assert sorted(rows) == [0, 1, 2]
+    assert rows[0].ok and rows[2].ok and isinstance(rows[2].value, RaisesOnBob)
+    bob = rows[1]
+    assert not bob.ok and bob.error is not None and bob.attempts == 2
+    assert "RuntimeError" in bob.error.message and "a bug in the caller's validator" in bob.error.message
+    assert default_engine.stats().kv_blocks_used == 0
+
+
+async def test_a_type_adapter_is_a_type_and_a_function_is_refused(default_engine: AsyncEngine) -> None:
+    from pydantic import TypeAdapter
+
+    from asyncpage import InvalidRequestError
+
+    p = await default_engine.extract(PROMPT, TypeAdapter(PydanticPerson), max_retries=0)
+    assert isinstance(p, PydanticPerson)
+
+    def helper() -> None: ...
+
+    with pytest.raises(InvalidRequestError, match="callable"):
+        await default_engine.extract(PROMPT, helper)

@@ -49,6 +49,7 @@ def test_auto_keeps_each_quantized_tensor_in_its_blocks_and_no_dense_copy_of_a_p
         model = load(tiny_quantized_gguf, torch.float32, torch.device("cpu"), quantization="auto").model
     said = [r.getMessage() for r in caplog.records if "no block kernel" in r.getMessage()]
     assert len(said) == 1 and "Q4_1" in said[0], said  # one line per format without a kernel
+    assert all(r.levelno == logging.WARNING for r in caplog.records if "no block kernel" in r.getMessage())  # seen
     lm: Any = model
     assert isinstance(lm.model.embed_tokens, GGUFEmbedding)
     assert isinstance(lm.lm_head, GGUFLinear) and lm.lm_head.qweight is lm.model.embed_tokens.qweight  # one copy
@@ -205,3 +206,18 @@ def test_auto_on_float_weights_keeps_them_float(tiny_llama: Path) -> None:
     ref = load(tiny_llama, torch.float32, torch.device("cpu")).model
     ids = [0, 5, 9, 13]
     assert torch.equal(_prefill_logits(model, ids), _prefill_logits(ref, ids))
+
+
+def test_a_gguf_whose_tensor_shapes_disagree_with_its_metadata_is_refused_at_load(tiny_quantized_gguf: Path) -> None:
+    from asyncpage.model import weights
+    from asyncpage.model.gguf import _read_gguf
+
+    for name, cut in (("model.layers.0.self_attn.q_proj.weight", "rows"), ("model.embed_tokens.weight", "rows"),
+                      ("mlp", "k")):
+        blocks: dict[str, Any] = {}
+        config, state, _, _ = _read_gguf(tiny_quantized_gguf, blocks)
+        name = name if name in blocks else next(n for n in sorted(blocks) if name in n)  # one in its blocks
+        ggml_type, data, k = blocks[name]
+        blocks[name] = (ggml_type, data[: data.shape[0] // 2], k) if cut == "rows" else (ggml_type, data, k // 2)
+        with pytest.raises(ValueError, match="checkpoint shape"):  # load() gives it as ModelLoadError
+            weights._build(config, state, torch.float32, torch.device("cpu"), None, {}, blocks, None)

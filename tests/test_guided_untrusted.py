@@ -250,6 +250,21 @@ async def test_a_spec_past_its_size_cap_is_refused_naming_its_kind(tiny_llama: P
     # under the caps: a 200 KB schema and a grounded-size grammar of 1 MiB still compile
     await engine.guided.compile(GuidedSpec("json_schema", big_schema(0, 200_000)))
     await engine.guided.compile(GuidedSpec("grammar", 'start: "a" | "' + "x" * (1 << 20) + '"'))
+    # A choice list's cap is lower (its options ran llguidance's lexer out of room mid-output past it): four of
+    # 64 KiB are refused at once, four of 16 KiB compile.
+    with pytest.raises(GrammarError, match="bytes"):
+        await engine.guided.compile(GuidedSpec.from_params(SamplingParams(choice=[c * (64 << 10) for c in "xyzw"])))
+    await engine.guided.compile(GuidedSpec.from_params(SamplingParams(choice=[c * ((16 << 10) - 20) for c in "xyzw"])))
+
+
+async def test_a_regex_that_matches_no_text_is_refused_at_compile(tiny_llama: Path) -> None:
+
+    engine = tiny_engine(tiny_llama)
+    for rx in (r"[^\s\S]", r"a[^\s\S]"):
+        with pytest.raises(GrammarError, match="matches no text"):
+            await engine.guided.compile(GuidedSpec("regex", rx))
+    for rx in ("", r"a|[^\s\S]", "[0-9]+"):  # the empty text, one live branch: fine
+        await engine.guided.compile(GuidedSpec("regex", rx))
 
 
 async def test_specs_waiting_to_compile_are_bounded_by_bytes(tiny_llama: Path,

@@ -177,7 +177,11 @@ def _prepare_steps(engine: EngineClient, msgs: Any, o: Options, deadline: Deadli
                                   "carry json_schema, regex, choice or grammar as well")
     special = grammar.lit_of(tok).special
     if lark is not None:
-        params = msgspec.structs.replace(params, grammar=lark)
+        # A turn that is JSON only (an answer schema, or calls forced, and no reasoning section) gets the runaway
+        # guards json_schema has: "age": 18000... ran to max_tokens under chat.completions.parse (the review).
+        only_json = not spec.reasoning and not two_phase and (
+            spec.answer_schema is not None or (spec.calls_allowed and spec.mode != "auto"))
+        params = msgspec.structs.replace(params, grammar=lark, json_guards=only_json)
     stops: tuple[str, ...] = ()
     if params.stop and (spec.calls_allowed or two_phase):
         # A stop string met inside a call would cut its arguments mid-JSON, and a grammar-forced call

@@ -41,7 +41,7 @@ class PydanticTarget:
         from pydantic import TypeAdapter
 
         self.type = tp
-        self.adapter: Any = TypeAdapter(tp)
+        self.adapter: Any = tp if isinstance(tp, TypeAdapter) else TypeAdapter(tp)
         self.schema: dict[str, Any] = self.adapter.json_schema()
 
     def decode(self, text: str, order: list[str] | None = None) -> Any:
@@ -61,6 +61,8 @@ class PydanticTarget:
             whole = any(not e.get("loc") for e in errors)
             paths = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())) or '$'}: {e.get('msg')}" for e in errors)
             raise Refused(paths, None if whole and first is None else first) from None
+        except Exception as exc:  # a validator's own error (pydantic lets all but ValueError through)
+            raise _raised(exc) from None
 
     def __repr__(self) -> str:
         return f"PydanticTarget({self.type!r})"
@@ -82,7 +84,12 @@ def describe(schema: Any) -> tuple[dict[str, Any], Any]:
     the msgspec type itself."""
     if isinstance(schema, dict):
         return schema, None
-    if _pydantic_type(schema):
+    if callable(schema) and not isinstance(schema, type) and not hasattr(schema, "__origin__") \
+            and not hasattr(schema, "__supertype__") and type(schema).__name__ != "TypeAdapter":
+        # a function or another callable object (pydantic's TypeAdapter would take a function as a validator and
+        # validate anything through it: a CLI's `module:helper` typo ran a job of nulls)
+        raise InvalidRequestError("schema", f"{schema!r} is a callable, not a type or a JSON Schema dict")
+    if _pydantic_type(schema) or type(schema).__name__ == "TypeAdapter":
         target = PydanticTarget(schema)
         return closed_objects(target.schema), target
     try:
@@ -110,6 +117,16 @@ def decode(text: str, target: Any, order: list[str] | None = None) -> Any:
         return msgspec.json.decode(text, type=target) if target is not None else msgspec.json.decode(text)
     except msgspec.ValidationError as exc:
         raise Refused(str(exc), _msgspec_field(str(exc), order or [])) from None
+    except msgspec.DecodeError:
+        raise
+    except Exception as exc:  # a __post_init__ raising other than ValueError / TypeError
+        raise _raised(exc) from None
+
+
+def _raised(exc: Exception) -> Refused:
+    """A validator that raised instead of refusing (a RuntimeError, a KeyError) refuses the whole value: the record
+    gets the error, the job and every other record go on."""
+    return Refused(f"the type's validation raised {type(exc).__name__}: {exc}", None)
 
 
 def _msgspec_field(message: str, keys: list[str]) -> str | None:

@@ -144,7 +144,13 @@ class LLGuidanceGrammar:
 def refuse_unproductive(spec: GuidedSpec, template: Any) -> None:
     """A grammar with no finite instance (`start: "a" start`, a required self-reference) compiles,
     and its mask allows tokens its matcher then refuses: refused here when a matcher cannot take the
-    tokens it forces (llguidance bounds that run), instead of failing each request that uses it."""
+    tokens it forces (llguidance bounds that run), instead of failing each request that uses it. So is
+    one that matches no text at all (the regex `[^\\s\\S]` or `a[^\\s\\S]`)."""
+    first = template.deep_copy()
+    allowed = any(first.compute_bitmask())  # an empty language shows as the error state once a mask is asked for
+    if first.is_error() or not (allowed or first.is_accepting()):
+        why = (str(first.get_error()).splitlines() or [""])[0] or "no token can start it"
+        raise GrammarError(spec.kind, f"the {spec.kind} matches no text, or cannot start (llguidance: {why})")
     whole = template.deep_copy()
     forced = list(whole.compute_ff_tokens())
     if not forced or whole.consume_tokens(forced):

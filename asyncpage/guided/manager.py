@@ -57,6 +57,10 @@ MAX_PLANS = 256  # start searches waiting at once
 # cache when its record ends.
 MAX_SPEC_BYTES = 256 << 10
 MAX_GRAMMAR_BYTES = 2 << 20
+# A choice list's options are one alternation of literals: llguidance's lexer ran out of room ("too many
+# expressions constructed") mid-output on one option of 200,000 characters and on four of 65,536, and took
+# four of 16,384 (the review's); past this the list is refused at once.
+MAX_CHOICE_BYTES = 64 << 10
 CACHE_BYTES = 64 << 20  # the default budget of the cache's outcomes (entry_bytes each)
 MAX_FLIGHT_BYTES = 64 << 20  # spec text compiling or waiting to, all specs together
 # A compiled grammar's size where its library does not say: about 3x its spec text with llguidance
@@ -80,7 +84,7 @@ def spec_bytes(spec: GuidedSpec) -> int:
 def check_spec_size(spec: GuidedSpec) -> None:
     """GrammarError naming the spec's kind (json_schema, regex, choice, grammar) when its text is
     larger than it may be."""
-    limit = MAX_GRAMMAR_BYTES if spec.kind == "grammar" else MAX_SPEC_BYTES
+    limit = {"grammar": MAX_GRAMMAR_BYTES, "choice": MAX_CHOICE_BYTES}.get(spec.kind, MAX_SPEC_BYTES)
     if len(spec.value) > limit or spec_bytes(spec) > limit:  # a str's length is at most its UTF-8 size
         raise GrammarError(spec.kind, f"the {spec.kind} is {spec_bytes(spec)} bytes; at most {limit} are accepted")
 

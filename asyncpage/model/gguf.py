@@ -105,8 +105,8 @@ def _read_gguf(path: Path, blocks: dict[str, tuple[int, torch.Tensor, int]] | No
             no_kernel[fmt] = no_kernel.get(fmt, 0) + 1
         state[name] = _dequantize(path, t)
     for fmt, count in sorted(no_kernel.items()):
-        log.info("quantization='auto': no block kernel for %s (%d tensors of %s): those tensors are "
-                 "dequantized to dense weights", fmt, count, path.name)
+        log.warning("no block kernel for %s (%d tensors of %s): those tensors are dequantized (dense weights under "
+                    "quantization='auto', written as blocks again under 'int8' / 'int4')", fmt, count, path.name)
     for name, w in state.items():
         if model_type == "gemma3_text" and name.endswith("norm.weight"):
             w -= 1.0  # llama.cpp stores Gemma's (1 + w) norm weights as 1 + w

@@ -225,6 +225,7 @@ def install(model: nn.Module, blocks: dict[str, Blocks], state: dict[str, torch.
         for child_name, child in list(mod.named_children()):
             full = f"{prefix}{child_name}"
             if isinstance(child, nn.Linear) and f"{full}.weight" in blocks and full != "lm_head":
+                _fits(f"{full}.weight", blocks[f"{full}.weight"], child.out_features, child.in_features)
                 bias = state.pop(f"{full}.bias", None)
                 setattr(mod, child_name, GGUFLinear(_repacked(blocks.pop(f"{full}.weight")), dtype, bias))
         for attr, names in _FUSED:
@@ -238,14 +239,25 @@ def install(model: nn.Module, blocks: dict[str, Blocks], state: dict[str, torch.
                     setattr(mod, p, None)
     emb_name = "model.embed_tokens.weight"
     if emb_name in blocks:
+        table = lm.model.embed_tokens
+        _fits(emb_name, blocks[emb_name], table.num_embeddings, table.embedding_dim)
         emb = blocks.pop(emb_name)
         if tied:
             emb = _repacked(emb)
             lm.lm_head = GGUFLinear(emb, dtype, out_dtype=torch.float32)
         lm.model.embed_tokens = GGUFEmbedding(emb, dtype)
     if "lm_head.weight" in blocks and not tied:
+        _fits("lm_head.weight", blocks["lm_head.weight"], lm.lm_head.out_features, lm.lm_head.in_features)
         lm.lm_head = GGUFLinear(_repacked(blocks.pop("lm_head.weight")), dtype, out_dtype=torch.float32)
     blocks.clear()  # anything left has no place in this model (the caller has warned of unused tensors)
+
+
+def _fits(name: str, blocks: Blocks, rows: int, cols: int) -> None:
+    """ValueError (the load's ModelLoadError) where a tensor's declared shape is not the one its config gives:
+    a file whose tensors disagree with its own metadata is refused at load, as a dense load refuses it, and
+    never reaches a request."""
+    if (int(blocks[1].shape[0]), int(blocks[2])) != (int(rows), int(cols)):
+        raise ValueError(f"{name}: checkpoint shape {(int(blocks[1].shape[0]), int(blocks[2]))} != {(rows, cols)}")
 
 
 def _repacked(blocks: Blocks) -> Blocks:

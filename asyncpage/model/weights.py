@@ -138,8 +138,9 @@ def load(model: str | os.PathLike[str] | None, dtype: torch.dtype, device: torch
             native_step.enable(module)
     except ModelLoadError:
         raise
-    except (OSError, KeyError, ValueError, NotImplementedError) as exc:
-        raise ModelLoadError(f"could not load {path or model}: {exc}") from exc
+    except (OSError, KeyError, ValueError, IndexError, RuntimeError, NotImplementedError) as exc:
+        # IndexError: gguf's reader on a file cut inside its header; RuntimeError: torch on a zero dimension
+        raise ModelLoadError(f"could not load {path or model}: {type(exc).__name__}: {exc}") from exc
     eos = set(extra_eos)
     if tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
