@@ -29,6 +29,7 @@ its sequences close without a start completion (budget.CloseState.adopt_anchor).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import threading
 import time
@@ -58,9 +59,9 @@ MAX_PLANS = 256  # start searches waiting at once
 MAX_SPEC_BYTES = 256 << 10
 MAX_GRAMMAR_BYTES = 2 << 20
 # A choice list's options are one alternation of literals: llguidance's lexer ran out of room ("too many
-# expressions constructed") mid-output on one option of 200,000 characters and on four of 65,536, and took
-# four of 16,384 (the review's); past this the list is refused at once.
-MAX_CHOICE_BYTES = 64 << 10
+# expressions constructed") mid-output on one option of 200,000 characters and on four of 65,536; it took four
+# of 16,384 and 20,000 options of 10. An option longer than this is refused at once.
+MAX_CHOICE_OPTION_BYTES = 16 << 10
 CACHE_BYTES = 64 << 20  # the default budget of the cache's outcomes (entry_bytes each)
 MAX_FLIGHT_BYTES = 64 << 20  # spec text compiling or waiting to, all specs together
 # A compiled grammar's size where its library does not say: about 3x its spec text with llguidance
@@ -84,9 +85,14 @@ def spec_bytes(spec: GuidedSpec) -> int:
 def check_spec_size(spec: GuidedSpec) -> None:
     """GrammarError naming the spec's kind (json_schema, regex, choice, grammar) when its text is
     larger than it may be."""
-    limit = {"grammar": MAX_GRAMMAR_BYTES, "choice": MAX_CHOICE_BYTES}.get(spec.kind, MAX_SPEC_BYTES)
+    limit = MAX_GRAMMAR_BYTES if spec.kind == "grammar" else MAX_SPEC_BYTES
     if len(spec.value) > limit or spec_bytes(spec) > limit:  # a str's length is at most its UTF-8 size
         raise GrammarError(spec.kind, f"the {spec.kind} is {spec_bytes(spec)} bytes; at most {limit} are accepted")
+    if spec.kind == "choice" and len(spec.value) > MAX_CHOICE_OPTION_BYTES:
+        longest = max((len(str(o).encode("utf-8", "surrogatepass")) for o in json.loads(spec.value)), default=0)
+        if longest > MAX_CHOICE_OPTION_BYTES:
+            raise GrammarError(spec.kind, f"a choice option is {longest} bytes; at most {MAX_CHOICE_OPTION_BYTES} "
+                                          "are accepted")
 
 
 def entry_bytes(spec: GuidedSpec, outcome: CompiledGrammar | GrammarError) -> int:
