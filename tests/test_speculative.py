@@ -265,3 +265,16 @@ def test_extract_cli_with_speculation_writes_the_same_lines(tiny_llama: Path, tm
     # A bad setting is refused by name before any model loads.
     assert cli([*args, "--output", str(tmp_path / "x.jsonl"), "--speculative", "ngram:x"]) == 2
     assert "speculative" in capsys.readouterr().err
+
+
+def test_drafts_are_capped_to_the_rows_the_block_kernels_take_so_greedy_output_stays_the_same() -> None:
+    from asyncpage.core.loading import verified_in_kernels
+    from asyncpage.decoding.speculative import SpeculativeConfig
+
+    k12 = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 12})
+    assert k12 is not None
+    capped = verified_in_kernels(k12, 8)  # the portable form's 8 rows: a verify of 8 rows at most
+    assert capped is not None and capped.num_speculative_tokens == 7 and capped.method == "ngram"
+    for rows in (0, 1 << 62, 48):  # no block kernels (torch), no bound, or room for 13 rows: as asked
+        assert verified_in_kernels(k12, rows) is k12
+    assert verified_in_kernels(None, 8) is None

@@ -9,6 +9,7 @@ passed in, so subclasses (asyncpage.disagg's workers) are built as themselves.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -33,9 +34,12 @@ from asyncpage.decoding.speculative import SpeculativeConfig
 from asyncpage.errors import InvalidRequestError
 from asyncpage.guided import GrammarManager
 from asyncpage.model.compiled import enable as compile_decode
+from asyncpage.model.gguf_linear import unpadded_rows
 from asyncpage.model.weights import LoadedModel, load
 from asyncpage.runtime.compute import ComputeThread
 from asyncpage.runtime.heap import trim_heap
+
+log = logging.getLogger(__name__)
 
 # The class built: AsyncEngine or a subclass (asyncpage.disagg's workers), never named here.
 E = TypeVar("E")
@@ -123,6 +127,8 @@ def build(cls: Callable[..., E], loaded: LoadedModel, dt: str, dev: str, compute
     max_len = min(ctx, options.max_model_len) if options.max_model_len else ctx
     kv_dt = resolve_kv_cache_dtype(options.kv_cache_dtype, dt)
     per_block = kv_bytes_per_block(loaded.model, options.block_size, getattr(torch, kv_dt))
+    whole: Any = loaded.model  # the head included (its rows bound a verify too)
+    spec = verified_in_kernels(options.speculative_config, unpadded_rows(whole))
     config = EngineConfig(
         dtype=dt, device=dev, block_size=options.block_size,
         num_kv_blocks=size_pool(options, per_block, max_len, dev),
@@ -132,7 +138,7 @@ def build(cls: Callable[..., E], loaded: LoadedModel, dt: str, dev: str, compute
         num_threads=compute.num_threads, debug_checks=options.debug_checks,
         eviction_policy=options.eviction_policy, kv_cache_dtype=kv_dt,
         max_queued_requests=options.max_queued_requests,
-        quantization=loaded.quantization, speculative=options.speculative_config,
+        quantization=loaded.quantization, speculative=spec,
         compiled=getattr(loaded.model, "compiled", None) is not None and compiled_steps_can_run(options, dev, dt))
     # Masks cover every id either side knows: some checkpoints' tokenizers have more entries than
     # the logits (Gemma 3 on the hub: 262,145 vs 262,144); masks are sliced to the logits at use.
@@ -145,3 +151,15 @@ def build(cls: Callable[..., E], loaded: LoadedModel, dt: str, dev: str, compute
     guided.prepare(parent_guided)
     trim_heap()  # what adapting the tokenizer freed, back to the system
     return cls(loaded, config, compute, guided, draft, options)
+
+
+def verified_in_kernels(spec: SpeculativeConfig | None, rows: int) -> SpeculativeConfig | None:
+    """`spec` with at most `rows` - 1 drafts where the GGUF block kernels run steps of up to `rows` rows (the portable
+    form's 8): a verify of more rows would run the dequantized GEMM above them, whose numbers are not the one-row
+    kernels', and greedy output would change with speculation (the review's k=8 in the portable form)."""
+    if spec is None or rows <= 1 or spec.num_speculative_tokens < rows:
+        return spec
+    log.warning("speculative_config: num_speculative_tokens %d capped to %d, the rows this CPU's block kernels take "
+                "in one step (a verify past them would change greedy output)", spec.num_speculative_tokens, rows - 1)
+    return msgspec.structs.replace(spec, num_speculative_tokens=rows - 1)
+
