@@ -51,6 +51,11 @@ def test_the_writer_s_company_is_cut_from_a_brand_s_spans_wherever_the_record_wr
     text = "Combi oven arrived cracked. Voltari CombiPro 10, order 4471-XK.\nTomasz Wierzbicki\nowner, Bistro Lipa"
     assert not any("Bistro Lipa" in part for part in without_employer([text]))
     assert any("Voltari CombiPro 10" in part for part in without_employer([text]))
+    # and a title set off by a bar, as signatures write it (v134)
+    text = ("Our Cafforo Duo 2 espresso machine stopped heating.\n\nBest regards,\n\nRebecca Osei-Mensah\n"
+            "Owner | Little Fern Café\n+44 20 7946 0321")
+    assert not any("Little Fern" in part for part in without_employer([text]))
+    assert any("Cafforo Duo 2" in part for part in without_employer([text]))
 
 
 def test_a_last_line_signed_with_a_name_and_a_company_names_the_writer_s_company() -> None:

@@ -49,12 +49,12 @@ PERSON = (r"[A-ZÀ-ÖØ-Þ][^\W\d_]*(?:[-'’][^\W\d_]+)*\.?"
            rf"(?:[ \t]+{_PARTICLES}[A-ZÀ-ÖØ-Þ][^\W\d_]*(?:[-'’][^\W\d_]+)*\.?){{1,3}}")
 DASH = r"(?:[–—][ \t]*)?"  # a dash the name may sign after ("— Matteo Rossi"; not a list's "- Standing Desk")
 # A job title at a line's start (after the writer's name and a comma, at most): capitalized words (or "of", "and",
-# "&", "the") ending in a role noun, then "," or "at", then the company: capitalized words (an "&", "and", "of" or
-# "the" between them), up to the line's end or a comma. Case matters: "My manager, John, said" is no signature.
+# "&", "the") ending in a role noun, then ",", "at" or a bar, then the company: capitalized words (an "&", "and", "of"
+# or "the" between them), up to the line's end or a comma. Case matters: "My manager, John, said" is no signature.
 _TITLE = re.compile(
     rf"(?:^[ \t]*{DASH}{PERSON}[ \t]*\r?\n[ \t]*|^[ \t]*{DASH}{PERSON},[ \t]*)"  # the name: own line, or a comma
     rf"(?P<title>(?:(?:[A-Z][\w'’.&/-]*|of|and|&|the)[ \t]+){{0,5}}?(?:{_ROLES}|{_LOWER_ROLES})\b)"  # the title
-    rf"(?:[^,\n]{{0,40}}?(?:,|[ \t]at)[ \t]+"  # then "," or "at", or the title alone on its line ("of", "to" a phrase)
+    rf"(?:[^,\n|]{{0,40}}?(?:,|[ \t]at|[ \t]*[|·•])[ \t]+"  # then ",", "at" or a bar ("Owner | Little Fern Café"), or
     rf"|(?P<own>(?:[ \t]+(?:of|for|to)[ \t]+[^,\n]{{1,40}}?)?[ \t]*\r?\n[ \t]*))"
     rf"(?P<org>{_CAP}(?:[ \t]+(?:&|and|of|the|{_CAP})){{0,5}})[ \t]*(?=,|\r?$)",  # the company
     re.MULTILINE)
