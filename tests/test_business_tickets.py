@@ -244,6 +244,11 @@ def test_this_session_s_rules_a_quoted_specialist_an_owned_brand_a_deadline_thre
             "Kind regards,\nDaniel Mertens\nCustomer Care Specialist\nQuellora Medical Systems")
     assert staff_names(text) == ["Daniel Mertens"]
     assert staff_names("Ingrid Halvorsen\nIT Support Engineer\n\n> On Monday you wrote:\n> hi") == []
+    # "----- Quoted message -----" opens a quoted reply too: its agent is no writer (v134)
+    text = ("I need a replacement sent out.\n\nGareth Llewellyn-Jones\n\n----- Quoted message -----\nHello Gareth,\n"
+            "Please update the firmware.\n\nKind regards,\nFatima Zahra El Amrani\nSenior Support Specialist\n")
+    assert not any("Fatima" in p for p in writer_sources([text]))
+    assert any("Gareth Llewellyn-Jones" in p for p in writer_sources([text]))
     # a brand owned before its noun, or counted before its model, is never the writer
     for text, brand in (("Your Glintwave earbuds died after 2 days. Refund.", "Glintwave"),
                         ("3 of the 20 Plumbrix PX-12 cartridge filters arrived cracked.", "Plumbrix")):

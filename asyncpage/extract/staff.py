@@ -44,10 +44,10 @@ _LABEL = re.compile(rf"^[ \t]*(?i:agent|support agent|support|representative|rep
 _TEAM = re.compile(rf"({_NAME})[ \t]*(?:,|-|–|—|\||\bfrom\b|\bat\b)[ \t]*(?:the[ \t]+)?(?:(?!IT\b){_CAP}[ \t]+){{0,3}}"
                    r"(?:Support|Customer Care|Customer Service|Help ?[Dd]esk|Care Team|Service Team)(?:[ \t]+[Tt]eam)?"
                    r"(?=[ \t]*(?:\r?$|[\r\n,.;)]))", re.MULTILINE)
-# Where a forwarded or quoted message starts (a quoted line's ">", a "---- Forwarded message" or "Original Message"
-# line, "... wrote:"): the seller's reply, where a desk signs ("Stefan, Meditherm Service Desk").
-QUOTED = re.compile(r"^[ \t]*(?:>|-{2,}+[ \t]*(?:begin[ \t]+)?(?:forward|original)|[^\n]{0,120}\bwrote:[ \t]*\r?$"
-                    r"|(?:begin )?forwarded message)", re.IGNORECASE | re.MULTILINE)
+# Where a forwarded or quoted message starts (a quoted line's ">", a "---- Forwarded message", "Original Message" or
+# "Quoted message" line, "... wrote:"): the seller's reply, where a desk signs ("Stefan, Meditherm Service Desk").
+QUOTED = re.compile(r"^[ \t]*(?:>|-{2,}+[ \t]*(?:begin[ \t]+)?(?:forward|original|quoted)"
+                    r"|[^\n]{0,120}\bwrote:[ \t]*\r?$|(?:begin )?forwarded message)", re.IGNORECASE | re.MULTILINE)
 # In a quoted message only (a customer's own "IT Service Desk" or "Facilities Service Desk" signs as the writer): the
 # name, then a comma and the seller's desk ("Stefan, Meditherm Service Desk"), or the desk alone on the next line
 # ("> Marta Kowalski\n> Pumptek Parts Desk", "Emily Tran\nGlowCrate Care Team").
