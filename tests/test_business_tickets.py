@@ -220,7 +220,8 @@ def test_what_the_second_review_broke_stays_mended() -> None:
         assert refund.decide(3.0, text)[0] is False, text
     for text in ("If a repair is not possible, we would request a full refund.",
                  "We would like a credit note for three units.",
-                 "We'd like a credit note covering the defective units."):
+                 "We'd like a credit note covering the defective units.",
+                 "We would prefer a credit note for these two rather than replacements."):  # v134
         assert refund.decide(-3.0, text)[0] is True, text
     for text in ("Our bank had to get the payment returned because you gave us the wrong IBAN.",
                  "We'd like a credit note for the full amount to be cancelled."):
