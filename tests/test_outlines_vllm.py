@@ -108,6 +108,10 @@ async def test_conflicting_or_unknown_fields_are_a_400_naming_the_field(tiny: As
         ({"extra_body": {"structured_outputs": {"whitespace_pattern": " *"}}}, "structured_outputs.whitespace_pattern"),
         ({"extra_body": {"structured_outputs": "json"}}, "structured_outputs"),
         ({"extra_body": {"json_separators": ";"}}, "json_separators"),
+        # a constraint that fails to compile is named by its kind, not as response_format (none was sent)
+        ({"extra_body": {"guided_regex": "[^\\s\\S]"}}, "regex"),
+        ({"extra_body": {"structured_outputs": {"grammar": "start: x"}}}, "grammar"),
+        ({"extra_body": {"guided_choice": ["a", "x" * 20000]}}, "choice"),
     ]
     for kw, field in bad:
         with pytest.raises(openai.BadRequestError) as e:

@@ -155,6 +155,8 @@ async def _parsed(engine: EngineClient, turn: Turn, run: Run) -> AsyncGenerator[
                 if final:
                     return
     except GrammarError as exc:
+        if not turn.spec.calls_allowed and turn.spec.answer_schema is None:
+            raise  # the caller's own regex, choice, grammar or schema (vLLM's fields): named as it is
         raise await _grammar_failure(engine, turn, exc) from exc
     yield _Read.of(parser.feed("", True)), "stop", n_tokens  # the stream ended without a finish (never expected)
 
