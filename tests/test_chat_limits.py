@@ -211,6 +211,13 @@ async def test_a_tool_whose_parameters_declare_no_properties_is_offered_and_call
     answer = {"type": "json_schema", "json_schema": {"name": "p", "schema": person}}
     assert (await prepare(engine, ASK, response_format=answer)).params.json_guards
     assert (await prepare(engine, ASK, tools=[tool("f", person)], tool_choice="required")).params.json_guards
+    # each guard off where the schema asks for long values, as under json_schema (the review's 20-digit bound)
+    big = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 1e20}, "s": {"type": "string",
+                                                                                         "maxLength": 500}}}
+    for kw in ({"response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": big}}},
+               {"tools": [tool("f", big)], "tool_choice": "required"}):
+        p = (await prepare(engine, ASK, **kw)).params
+        assert p.json_guards and p.max_number_digits == 0 and p.max_string_repeats == 0, kw
 
 
 class _Untouchable(dict[str, Any]):

@@ -619,9 +619,19 @@ def test_a_start_never_takes_another_field_s_value_and_gives_way_when_the_model_
     assert run(air, {}, {"product": ("Crispwell AF-6", -3)}, frozenset({"product"}), fryer.lower()) == {}
     assert run(air, {}, {"product": ("Crispwell AF-6", -5)}, frozenset({"product"}), fryer) == {}
     assert starts.capitalized_by_place("Re: Baby monitor\n> - Baby monitor is dead. Our baby monitor.", "Baby")
+    # a phrase so opened is such a noun too, and never replaces a name in a brand field (v135)
+    thermo = "Subject: Smart thermostat keeps going offline\n\nMy Thermiq T3 smart thermostat drops off the Wi-Fi."
+    assert starts.placed_noun(thermo, "Smart thermostat") and not starts.placed_noun(thermo, "Thermiq T3")
+    named = {"product": "Thermiq T3 smart thermostat", "order_id": None, "customer": "Olusegun Bakare"}
+    assert run(named, {}, {"product": ("Smart thermostat", 7)}, frozenset({"product"}), thermo) == {}
+    assert run(named, {}, {"product": ("Smart thermostat", 7)}, frozenset(), thermo) == {"product": "Smart thermostat"}
+    jug = "Subject: Blender jug cracked on arrival\n\nMy Kestrava BL-900 blender arrived cracked."
+    blender = {"product": "Blender jug", "order_id": None, "customer": "Amara Okonkwo"}
+    assert run(blender, {}, {"product": ("Kestrava", 3.7)}, frozenset({"product"}), jug) == {"product": "Kestrava"}
     for text, word in ((fryer, "Crispwell"), ("Tidepool app crashes.\nTidepool is slow.", "Tidepool"),  # never lower
                        ("I love Air fryers and air.", "Air"), ("Subject: Air fryer\nair fryer AIR", "AIR"),
-                       ("Subject: Air fryer", "Air"), ("Subject: iPhone broke\nmy iphone", "iPhone")):
+                       ("Subject: Air fryer", "Air"), ("Subject: iPhone broke\nmy iphone", "iPhone"),
+                       ("Brand: Ring\nProduct: Video Doorbell 4\nIt does not ring.", "Ring")):  # a label's value
         assert not starts.capitalized_by_place(text, word), (text, word)
     assert starts.common("tile cutter") and starts.common("e-bike") and starts.common("café")
     for name in ("iPhone", "Sweeply V8", "3-seater", "LG", "", "--", "小米", "ソニー", "삼성"):  # no case: no noun

@@ -32,6 +32,7 @@ from asyncpage.chat.parse import Parsed, StreamParser
 from asyncpage.chat.read import _Read, _StopCut  # noqa: F401 (read here by tests and older callers)
 from asyncpage.errors import GrammarTimeoutError, InvalidRequestError, QueueFullError
 from asyncpage.guided.backend import CompileTimeout, Deadline
+from asyncpage.guided.guards import guards_for
 from asyncpage.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -182,6 +183,11 @@ def _prepare_steps(engine: EngineClient, msgs: Any, o: Options, deadline: Deadli
         only_json = not spec.reasoning and not two_phase and (
             spec.answer_schema is not None or (spec.calls_allowed and spec.mode != "auto"))
         params = msgspec.structs.replace(params, grammar=lark, json_guards=only_json)
+        if only_json:  # each guard off where the schemas ask for long values, as under json_schema
+            schemas = [spec.answer_schema] if spec.answer_schema is not None else \
+                [t.parameters for t in spec.callable_tools]
+            g = guards_for(schemas, params.max_number_digits, params.max_string_repeats)
+            params = msgspec.structs.replace(params, max_number_digits=g.max_digits, max_string_repeats=g.max_repeats)
     stops: tuple[str, ...] = ()
     if params.stop and (spec.calls_allowed or two_phase):
         # A stop string met inside a call would cut its arguments mid-JSON, and a grammar-forced call

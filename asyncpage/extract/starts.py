@@ -111,7 +111,9 @@ class Starts:
                 # A common noun is no brand: the name its line found replaces it unless the model's own value reads
                 # START_MARGIN likelier ("vacuum" read 3.4 nats likelier than the record's "V8" of "the Sweeply V8"),
                 # and not with a word of another field's value ("Rukmini" of the customer "Rukmini Rao").
-                noun = name in brands and (common(mine) or capitalized_by_place(text, mine)) and not common(span) \
+                if name in brands and placed_noun(text, span) and not placed_noun(text, mine):
+                    continue  # a common noun never replaces a name in a brand field ("Smart thermostat", v135)
+                noun = name in brands and placed_noun(text, mine) and not placed_noun(text, span) \
                     and not _within(span, written, name)
                 if (margin := sums[span] - sums[mine]) > (-START_MARGIN if noun else 0.0 if copied else START_MARGIN):
                     ranked.append((margin, name, span))
@@ -150,12 +152,23 @@ def capitalized_by_place(text: str, value: str) -> bool:
     word = r"(?<![\w-]){}(?![\w-])"
     found = False
     for m in re.finditer(word.format(value), text):
-        before = text[text.rfind("\n", 0, m.start()) + 1:m.start()]  # its line up to it
-        kept = before.rstrip(" \t")
-        if not (_LINE_OPENING.fullmatch(before) or (kept != before and kept.endswith((".", "!", "?", ":")))):
+        at = m.start()  # a line's opening is short, and a sentence's end right before: bounded looks, never the line
+        nl = text.rfind("\n", max(0, at - 40), at)
+        opens_line = (nl >= 0 or at <= 40) and _LINE_OPENING.fullmatch(text, nl + 1, at) is not None
+        near = text[max(0, at - 8):at]
+        kept = near.rstrip(" \t")
+        if not (opens_line or (kept != near and kept.endswith((".", "!", "?")))):  # not "Brand: Ring"
             return False
         found = True
     return found and re.search(word.format(value.lower()), text) is not None
+
+
+def placed_noun(text: str, value: str) -> bool:
+    """Whether `value` is a common noun's phrase (`common`), or one whose first word is capitalized only by its place
+    and the rest lowercase ("Blender jug" of "Subject: Blender jug cracked on arrival" over "my Kestrava BL-900
+    blender", "Smart thermostat"; v135)."""
+    first, _, rest = value.partition(" ")
+    return common(value) or (capitalized_by_place(text, first) and (not rest or common(rest)))
 
 
 def coded(value: str) -> bool:

@@ -61,6 +61,8 @@ class PydanticTarget:
             whole = any(not e.get("loc") for e in errors)
             paths = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())) or '$'}: {e.get('msg')}" for e in errors)
             raise Refused(paths, None if whole and first is None else first) from None
+        except MemoryError:
+            raise
         except Exception as exc:  # a validator's own error (pydantic lets all but ValueError through)
             raise _raised(exc) from None
 
@@ -117,7 +119,7 @@ def decode(text: str, target: Any, order: list[str] | None = None) -> Any:
         return msgspec.json.decode(text, type=target) if target is not None else msgspec.json.decode(text)
     except msgspec.ValidationError as exc:
         raise Refused(str(exc), _msgspec_field(str(exc), order or [])) from None
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, MemoryError):
         raise
     except Exception as exc:  # a __post_init__ raising other than ValueError / TypeError
         raise _raised(exc) from None
