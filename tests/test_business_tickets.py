@@ -302,6 +302,11 @@ def test_a_writer_s_first_name_or_surname_becomes_the_name_the_record_signs_with
     writer = {"customer": {"type": "string", grounding.WRITER: True}}
     assert ruled(text, set(), writer, {}, {"customer": "Echeverría"}, _holds) == {"customer": "Tomás Echeverría"}
     assert signed_name("Thanks,\nDr. Amara Okafor\nPractice Manager", "Okafor") == "Amara Okafor"  # no title
+    # a record typed in lowercase signs in lowercase (v135): its closing's words are no name's
+    phone = "ordered the kelso trekker chair, got the kids size. can you swap it\n\nsent from my iphone\nnoor haddad"
+    assert signed_name(phone, "noor") == signed_name(phone, "haddad") == "noor haddad"
+    assert signed_name("it broke again\nthanks noor", "noor") is None
+    assert signed_name("it broke again\nnoor haddad\nnoor smith", "noor") is None  # two names hold it
     # the writer's name, not the company under it that the value also opens
     assert signed_name("Diolch,\nRhys ap Gwynedd\nGwynedd Joinery", "Gwynedd") == "Rhys ap Gwynedd"
     for text, value in (("Thanks,\nA. Nowicka", "Nowicka"),  # an initial adds nothing

@@ -35,6 +35,8 @@ def signed_name(text: str, value: str) -> str | None:
     name line: "Gwynedd Joinery" under "Rhys ap Gwynedd"), the record signs with the value alone ("Maria" above
     "Maria Lopez Consulting"), or two names hold it."""
     value = value.strip()
+    if value.isalpha() and value.islower():
+        return _signed_lowercase(text, value)
     if not value or not value[:1].isupper() or len(value.split()) != 1:
         return None
     quoted = QUOTED.search(text)
@@ -56,6 +58,24 @@ def signed_name(text: str, value: str) -> str | None:
                 not any(a <= m.start("name") < b for a, b in orgs):
             found.add(" ".join(words))
     return found.pop() if len(found) == 1 else None  # two names the value is part of: neither
+
+
+# A name typed all in lowercase alone on a signature's line ("noor haddad" under "sent from my iphone"), and the
+# words a closing line holds that no name does ("thanks noor", "love from mum").
+_LOWER_LINE = re.compile(r"^[ \t]*(?:-[ \t]*)?(?P<name>[a-z][a-z'’-]+(?:[ \t]+[a-z][a-z'’-]+){1,2})[ \t]*\r?$",
+                         re.MULTILINE)
+_CLOSING_WORDS = frozenset("thanks thank thx ty cheers regards best love from sent my the and you kind warm many hi "
+                           "hello hey dear please sincerely yours bye ta again so much all".split())
+
+
+def _signed_lowercase(text: str, value: str) -> str | None:
+    """`signed_name` for a record typed in lowercase: the one line of two or three lowercase words in its last lines
+    that `value` opens or closes, no closing's word among them ("noor haddad" of "noor"; v135)."""
+    end = q.start() if (q := QUOTED.search(text)) else len(text)
+    found = {m.group("name") for m in _LOWER_LINE.finditer(text, max(0, end - SIGNATURE), end)
+             if value in (m.group("name").split()[0], m.group("name").split()[-1])
+             and not _CLOSING_WORDS & set(m.group("name").split())}
+    return found.pop() if len(found) == 1 else None
 
 
 def ruled(text: str, brands: set[str], branches: dict[str, dict[str, Any]], decided: dict[str, Any],
