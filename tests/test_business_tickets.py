@@ -262,6 +262,8 @@ def test_this_session_s_rules_a_quoted_specialist_an_owned_brand_a_deadline_thre
     # a deadline's threat declines; a fallback asked now still asks
     refund = flags.Reading("the customer asks for money back", True, "refund", "money back")
     assert refund.decide(3.0, "Nothing has arrived. If this isn't sorted by Friday I want a full refund.")[0] is False
+    assert refund.decide(3.0, "To be honest, if the parts aren't here by the end of next week I'll want my money "
+                              "back.")[0] is False  # a lead-in, "I'll" (v135)
     assert refund.decide(-3.0, "If you can't repair it, I want a full refund.")[0] is True
     # "medium" as a garment's size names no level; "No rush" names low
     hits = scales.named(["low", "medium", "high"], "The medium is far too big. No rush at all.", "severity")

@@ -171,10 +171,11 @@ _WILL_ASK = re.compile(r"\b(?:(?:I|we)(?:\s+(?:will|may|might|shall)|['\u2019]ll
 # you can't repair it, I want my money back" asks now and "If you check, I returned it within 14 days, so I expect a
 # refund" states a fact.
 _DEADLINE_THREAT = re.compile(
-    r"[ \t]*(?:(?:if|should)\b[^.!?\n]{0,60}?(?:\bnot\b|n['\u2019]t\b)|unless\b)[^.!?\n]{0,40}?"
+    r"[ \t]*(?:(?:to\s+be\s+(?:honest|clear|frank|fair)|honestly|frankly|but|and|so|also)\s*,?\s+)?"  # a lead-in
+    r"(?:(?:if|should)\b[^.!?\n]{0,60}?(?:\bnot\b|n['\u2019]t\b)|unless\b)[^.!?\n]{0,40}?"
     r"\b(?:by|before|until|within)\s+(?:(?:the\s+)?end\s+of|next|this|tomorrow|tonight|monday|tuesday|wednesday|thursday|"
     r"friday|saturday|sunday|\d|(?:a|one|two|three|\w+)\s+(?:days?|weeks?|hours?))[^.!?\n,;]{0,24}?[,;]?\s*(?:then\s+)?"
-    r"(?:I|we)\s+(?:(?:will|['\u2019]ll|shall)\s+)?(?:(?:cancel|return|send)\s+(?:it\s+|them\s+|everything\s+)?(?:back\s+)?"
+    r"(?:I|we)(?:\s+(?:will|shall)\s+|['\u2019]ll\s+|\s+)(?:(?:cancel|return|send)\s+(?:it\s+|them\s+|everything\s+)?(?:back\s+)?"
     r"and\s+)?(?:want|expect|demand|ask|request|claim)\b(?:\s+\w+){0,3}?\s+$", re.IGNORECASE)
 _IF_AFTER = re.compile(r"[^.!?\n]{0,80}?\b(?:if|unless)\b", re.IGNORECASE)
 # What was had, not asked for: "my sister got a refund", "I received a partial refund" (the naming neither said nor
