@@ -244,6 +244,10 @@ def test_this_session_s_rules_a_quoted_specialist_an_owned_brand_a_deadline_thre
             "-----Original Message-----\nFrom: Quellora Support\n\nDear Ms Halvorsen,\nPlease fit the new seal.\n\n"
             "Kind regards,\nDaniel Mertens\nCustomer Care Specialist\nQuellora Medical Systems")
     assert staff_names(text) == ["Daniel Mertens"]
+    # a desk's line may name its company after a comma ("Customer Service, Harlow Trade Supplies", v138)
+    assert staff_names("Please collect it.\n\nGiuseppe Lo Cascio\n\n-----Original Message-----\nDear Mr Lo Cascio,\n"
+                       "I've sent a seal kit.\nBest wishes,\nHannah Price\nCustomer Service, Harlow Trade Supplies") \
+        == ["Hannah Price"]
     assert staff_names("Ingrid Halvorsen\nIT Support Engineer\n\n> On Monday you wrote:\n> hi") == []
     # "----- Quoted message -----" opens a quoted reply too: its agent is no writer (v134)
     text = ("I need a replacement sent out.\n\nGareth Llewellyn-Jones\n\n----- Quoted message -----\nHello Gareth,\n"

@@ -58,7 +58,8 @@ _TEAM_UNDER = re.compile(rf"^[ \t>]*({_NAME})[ \t]*\r?\n[ \t>]*(?:(?!IT\b){_CAP}
                          r"|Service[ \t]+(?:Team|Desk)|Parts[ \t]+Desk)"
                          # and the desk's role ("Daniel Mertens\nCustomer Care Specialist" under "Original Message")
                          r"(?:[ \t]+(?:Specialist|Agent|Representative|Advisor|Adviser|Associate|Coordinator"
-                         r"|Consultant|Officer|Executive|Engineer|Technician|Lead))?[ \t]*\r?$", re.MULTILINE)
+                         r"|Consultant|Officer|Executive|Engineer|Technician|Lead))?"
+                         r"(?:[ \t]*[,|][ \t]*[^\n]{1,60}?)?[ \t]*\r?$", re.MULTILINE)  # ", Harlow Trade Supplies"
 # Capitalized words that open a sentence or a label rather than a name ("Thanks Priya", "Hi Hannah").
 _NOT_NAMES = frozenset("hi hello hey dear thanks thank cheers regards best kind from agent support customer visitor "
                        "team the a an i my our your this that chat live".split())
