@@ -308,6 +308,11 @@ def test_a_writer_s_first_name_or_surname_becomes_the_name_the_record_signs_with
     writer = {"customer": {"type": "string", grounding.WRITER: True}}
     assert ruled(text, set(), writer, {}, {"customer": "Echeverría"}, _holds) == {"customer": "Tomás Echeverría"}
     assert signed_name("Thanks,\nDr. Amara Okafor\nPractice Manager", "Okafor") == "Amara Okafor"  # no title
+    # a code copied with its sentence's period is read without it (v138); a word's or a name's period stays
+    said = "Can the RMA cover four units? Order number: 4417-SC.\n\nBogdan Popescu"
+    assert ruled(said, set(), {}, {}, {"order_id": "4417-SC.", "customer": "Bogdan Popescu"}, _holds) == \
+        {"order_id": "4417-SC"}
+    assert ruled(said, set(), {}, {"note": "Inc."}, {"order_id": None}, _holds) == {}
     # a record typed in lowercase signs in lowercase (v135): its closing's words are no name's
     phone = "ordered the kelso trekker chair, got the kids size. can you swap it\n\nsent from my iphone\nnoor haddad"
     assert signed_name(phone, "noor") == signed_name(phone, "haddad") == "noor haddad"

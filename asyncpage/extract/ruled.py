@@ -19,6 +19,7 @@ from asyncpage.extract.addressed import addressed_brands
 from asyncpage.extract.employer import DASH, PERSON, SIGNATURE, companies
 from asyncpage.extract.grounding import WRITER
 from asyncpage.extract.staff import QUOTED
+from asyncpage.extract.starts import coded, names_a_code
 
 # A field asking for part of a name ("customer_last_name", "the writer's first name"): its value is not completed.
 _PART = re.compile(r"first|last|given|family|sur_?name|fore_?name|middle|initial", re.IGNORECASE)
@@ -82,11 +83,17 @@ def ruled(text: str, brands: set[str], branches: dict[str, dict[str, Any]], deci
           written: dict[str, Any], holds: Callable[[str, Any], bool]) -> dict[str, Any]:
     """The fields a rule decides: each brand field a greeting addresses (addressed_brands), each writer field
     (`branches` marked grounding.WRITER) whose value is part of a signed name (`signed_name`), with their values; not
-    a field whose name or description asks for part of a name (_PART: "customer_last_name")."""
+    a field whose name or description asks for part of a name (_PART: "customer_last_name"); each code field whose
+    value ends with its sentence's period (v138), without it."""
     out: dict[str, Any] = addressed_brands(text, brands, decided, written, holds)
     for name, branch in branches.items():
         value = decided.get(name, written.get(name))
         if branch.get(WRITER) is True and not _PART.search(f"{name} {branch.get('description', '')}") and \
                 isinstance(value, str) and (full := signed_name(text, value)) and holds(name, full):
             out[name] = full
+    for name in {*written, *decided} - set(out):  # a code copied with its sentence's period ("Order number: 4417-SC.")
+        value = decided.get(name, written.get(name))
+        if isinstance(value, str) and value.endswith(".") and names_a_code(name) and coded(value[:-1]) and \
+                holds(name, value[:-1]):
+            out[name] = value[:-1]
     return out
