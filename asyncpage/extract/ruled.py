@@ -1,5 +1,6 @@
 """Values a rule gives over the scored decisions (decisions.Plan.outcome): the brand a greeting addresses
-(addressed.py), and the writer's whole name where the model copied part of it.
+(addressed.py), the writer's whole name where the model copied part of it, and a code without the sentence's period
+it was copied with.
 
 The writer's name: "Echeverría" of a record signed "Tomás Echeverría", "McAllister" of "Connor McAllister" (v102,
 v128: the start decision kept the surname the model wrote, and a span inside the model's value is no start). A
@@ -36,12 +37,11 @@ def signed_name(text: str, value: str) -> str | None:
     name line: "Gwynedd Joinery" under "Rhys ap Gwynedd"), the record signs with the value alone ("Maria" above
     "Maria Lopez Consulting"), or two names hold it."""
     value = value.strip()
+    end = q.start() if (q := QUOTED.search(text)) else len(text)  # the signature stands before a quoted reply
     if value.isalpha() and value.islower():
-        return _signed_lowercase(text, value)
+        return _signed_lowercase(text, value, end)
     if not value or not value[:1].isupper() or len(value.split()) != 1:
         return None
-    quoted = QUOTED.search(text)
-    end = quoted.start() if quoted else len(text)
     signature = text[max(0, end - SIGNATURE) : end]
     if re.search(rf"^[ \t]*(?:-[ \t]*)?{DASH}{re.escape(value)}[ \t]*\r?$", signature, re.MULTILINE):
         return None  # the record signs with the value itself ("Best,\nMaria\nMaria Lopez Consulting")
@@ -69,13 +69,11 @@ _CLOSING_WORDS = frozenset("thanks thank thx ty cheers regards best love from se
                            "hello hey dear please sincerely yours bye ta again so much all".split())
 
 
-def _signed_lowercase(text: str, value: str) -> str | None:
+def _signed_lowercase(text: str, value: str, end: int) -> str | None:
     """`signed_name` for a record typed in lowercase: the one line of two or three lowercase words in its last lines
-    that `value` opens or closes, no closing's word among them ("noor haddad" of "noor"; v135)."""
-    end = q.start() if (q := QUOTED.search(text)) else len(text)
-    found = {m.group("name") for m in _LOWER_LINE.finditer(text, max(0, end - SIGNATURE), end)
-             if value in (m.group("name").split()[0], m.group("name").split()[-1])
-             and not _CLOSING_WORDS & set(m.group("name").split())}
+    (before `end`) that `value` opens or closes, no closing's word among them ("noor haddad" of "noor"; v135)."""
+    names = [m.group("name") for m in _LOWER_LINE.finditer(text, max(0, end - SIGNATURE), end)]
+    found = {n for n in names if value in ((w := n.split())[0], w[-1]) and not _CLOSING_WORDS.intersection(w)}
     return found.pop() if len(found) == 1 else None
 
 

@@ -108,13 +108,14 @@ class Starts:
                 copied = any(_key(mine) == v for n, v in written.items() if n != name) or \
                     any(_key(mine) == _key(v) for n, v in decided.items() if n != name and n not in self.values)
                 copied = copied or (coded(mine) and not coded(span) and not names_a_code(name))
+                mine_noun, span_noun = (placed_noun(text, mine), placed_noun(text, span)) if name in brands \
+                    else (False, False)
+                if span_noun and not mine_noun:
+                    continue  # a common noun never replaces a name in a brand field ("Smart thermostat", v135)
                 # A common noun is no brand: the name its line found replaces it unless the model's own value reads
                 # START_MARGIN likelier ("vacuum" read 3.4 nats likelier than the record's "V8" of "the Sweeply V8"),
                 # and not with a word of another field's value ("Rukmini" of the customer "Rukmini Rao").
-                if name in brands and placed_noun(text, span) and not placed_noun(text, mine):
-                    continue  # a common noun never replaces a name in a brand field ("Smart thermostat", v135)
-                noun = name in brands and placed_noun(text, mine) and not placed_noun(text, span) \
-                    and not _within(span, written, name)
+                noun = mine_noun and not span_noun and not _within(span, written, name)
                 if (margin := sums[span] - sums[mine]) > (-START_MARGIN if noun else 0.0 if copied else START_MARGIN):
                     ranked.append((margin, name, span))
         out: dict[str, tuple[str, float]] = {}

@@ -86,12 +86,13 @@ def describe(schema: Any) -> tuple[dict[str, Any], Any]:
     the msgspec type itself."""
     if isinstance(schema, dict):
         return schema, None
+    adapter = type(schema).__name__ == "TypeAdapter"  # a pydantic TypeAdapter instance, used as it is
     if callable(schema) and not isinstance(schema, type) and not hasattr(schema, "__origin__") \
-            and not hasattr(schema, "__supertype__") and type(schema).__name__ != "TypeAdapter":
+            and not hasattr(schema, "__supertype__") and not adapter:
         # a function or another callable object (pydantic's TypeAdapter would take a function as a validator and
         # validate anything through it: a CLI's `module:helper` typo ran a job of nulls)
         raise InvalidRequestError("schema", f"{schema!r} is a callable, not a type or a JSON Schema dict")
-    if _pydantic_type(schema) or type(schema).__name__ == "TypeAdapter":
+    if adapter or _pydantic_type(schema):
         target = PydanticTarget(schema)
         return closed_objects(target.schema), target
     try:
