@@ -316,6 +316,9 @@ def test_a_writer_s_first_name_or_surname_becomes_the_name_the_record_signs_with
     # a record typed in lowercase signs in lowercase (v135): its closing's words are no name's
     phone = "ordered the kelso trekker chair, got the kids size. can you swap it\n\nsent from my iphone\nnoor haddad"
     assert signed_name(phone, "noor") == signed_name(phone, "haddad") == "noor haddad"
+    # the name as the record writes it, a span of it: two spaces stay two
+    assert signed_name("Kind regards,\nConnor  McAllister", "McAllister") == "Connor  McAllister"
+    assert signed_name("x\n\nnoor  haddad", "noor") == "noor  haddad"
     assert signed_name("it broke again\nthanks noor", "noor") is None
     assert signed_name("it broke again\nnoor haddad\nnoor smith", "noor") is None  # two names hold it
     # the writer's name, not the company under it that the value also opens

@@ -53,11 +53,12 @@ def signed_name(text: str, value: str) -> str | None:
     for m in lines:
         if m.start() in under:
             continue  # the line right under a name is its company's or its title's ("Gwynedd Joinery")
-        words = _TITLE.sub("", m.group("name")).split()
+        name = _TITLE.sub("", m.group("name"))  # a span of the record as written ("Connor  McAllister" too)
+        words = name.split()
         rest = words[1:] if words[:1] == [value] else words[:-1] if words[-1:] == [value] else []
         if rest and all(len(w.rstrip(".")) > 1 and not w.endswith(".") for w in rest) and \
                 not any(a <= m.start("name") < b for a, b in orgs):
-            found.add(" ".join(words))
+            found.add(name)
     return found.pop() if len(found) == 1 else None  # two names the value is part of: neither
 
 
